@@ -1,0 +1,1 @@
+"""Cost models: hardware catalog, cluster description and cost estimates."""

@@ -1,0 +1,38 @@
+"""Typed errors for users of autoplan.
+
+They live at the bottom of the dependency chain (``cost_models`` <- ``passes`` <- ``autoplan``)
+so every layer can raise them; ``autoplan.errors`` re-exports them as the public API.
+
+Every message names what failed, the values involved and what to change. The CLI prints the
+message on one line and exits with code 2.
+"""
+
+from __future__ import annotations
+
+
+class PlanError(ValueError):
+    """Base class of every error autoplan raises for bad user input or an impossible request."""
+
+
+class ClusterSpecError(PlanError):
+    """A cluster description (preset string, constructor arguments or file) is malformed."""
+
+
+class UnknownDeviceError(ClusterSpecError):
+    """A device name is not in the hardware catalog."""
+
+
+class UnsupportedModelError(PlanError):
+    """The model cannot be traced or contains something the planner cannot handle."""
+
+
+class InfeasiblePlanError(PlanError):
+    """No sharding plan satisfies the constraints (usually per-device memory)."""
+
+
+class PlanFileError(PlanError):
+    """A plan file is malformed, of an unknown version, or does not match this model/cluster."""
+
+
+class PlanMismatchError(PlanFileError):
+    """A plan is applied to a different model, input shapes or world size than it was made for."""

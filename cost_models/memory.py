@@ -1,0 +1,45 @@
+"""Memory per device: parameters, gradients, optimizer state and saved activations.
+
+Bytes per parameter element on one device, for a parameter stored with ``storage_factor`` shards
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+SC 2020, section 3.1; fp32 training, so no separate master copy)::
+
+    param  = itemsize                       (4 for fp32)
+    grad   = itemsize                       (gradients live in the parameter's layout)
+    adam   = 2 * 4                          (exp_avg and exp_avg_sq, fp32)
+    sgd    = 4 with momentum, 0 without
+
+Activations saved for backward are forward values read by the backward; each costs its local
+bytes (``P`` keeps a full-size buffer). This issue's model sums them (an upper bound of the
+peak); lifetimes and the exact peak are the memory model's next step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+OptimizerName = Literal["adam", "adamw", "sgd", "sgd_momentum"]
+
+OPTIMIZER_STATE_BYTES_PER_ELEMENT: dict[str, int] = {
+    "adam": 8,  # exp_avg + exp_avg_sq in fp32
+    "adamw": 8,
+    "sgd_momentum": 4,  # momentum buffer
+    "sgd": 0,
+}
+
+OPTIMIZER_STEP_BYTES_PER_ELEMENT: dict[str, int] = {
+    # bytes read + written per element by one optimizer step (fp32): param r/w, grad r, states r/w
+    "adam": 4 * 2 + 4 + 8 * 2,
+    "adamw": 4 * 2 + 4 + 8 * 2,
+    "sgd_momentum": 4 * 2 + 4 + 4 * 2,
+    "sgd": 4 * 2 + 4,
+}
+
+
+def optimizer_state_bytes_per_element(optimizer: str) -> int:
+    return OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer]
+
+
+def param_training_bytes(numel: int, itemsize: int, optimizer: str) -> int:
+    """Bytes of one (unsharded) parameter with its gradient and optimizer state."""
+    return numel * (2 * itemsize + OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer])

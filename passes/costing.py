@@ -1,0 +1,186 @@
+"""Pass 3 — costing: put seconds and bytes on every strategy and every edge.
+
+Contract
+--------
+Input: the traced program, its :class:`~passes.strategies.StrategyTable` and a ``Cluster``.
+Output: a :class:`CostProblem`, the plain data the ILP is built from:
+
+* ``node_time_s[v][s]``: compute time of node ``v`` under strategy ``s`` (forward and backward
+  ops alike, since the graph is the joint training step), plus the optimizer step for
+  parameters;
+* ``node_bytes[v][s]``: bytes per device that choosing ``s`` for ``v`` keeps alive for the
+  step: parameter + gradient + optimizer state, inputs, and forward activations the backward
+  reads;
+* ``edges``: for every (producer value -> consumer argument) the transition time between each
+  producer output spec ``p`` and each required input spec ``q`` (``cost_models.comm``).
+  Gradient outputs are edges to their parameter (the gradient must arrive in the parameter's
+  layout: this is the gradient all-reduce / reduce-scatter of data parallelism), and the loss
+  must arrive replicated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from math import prod
+
+import torch
+import torch.fx as fx
+
+from cost_models.cluster import Cluster
+from cost_models.comm import transition_cost_s
+from cost_models.compute import roofline_time_s
+from cost_models.memory import OPTIMIZER_STATE_BYTES_PER_ELEMENT, OPTIMIZER_STEP_BYTES_PER_ELEMENT
+from passes.placement import Spec, local_numel, replicated, storage_factor
+from passes.strategies import StrategyTable, ValueRef, resolve_value, tensor_args
+from passes.trace import TracedProgram
+
+OUTPUT_CONSUMER = "<output>"
+"""Pseudo consumer of the loss (needs ``R``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    """Producer value -> one argument of a consumer (or a parameter, for gradients)."""
+
+    producer: ValueRef
+    consumer: str
+    arg_index: int
+    """Index into the consumer's tensor args; -1 for gradient -> parameter and loss -> output."""
+    src_groups: dict[Spec, tuple[int, ...]]
+    """Producer output spec -> producer strategy indices with that spec."""
+    dst_groups: dict[Spec, tuple[int, ...]]
+    """Required input spec -> consumer strategy indices requiring it."""
+    cost_s: dict[tuple[Spec, Spec], float]
+    """Transition time for every (src spec, dst spec) pair."""
+    full_bytes: int
+
+
+@dataclass(slots=True)
+class CostProblem:
+    table: StrategyTable
+    cluster: Cluster
+    node_time_s: dict[str, list[float]] = field(default_factory=dict)
+    node_bytes: dict[str, list[float]] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
+    capacity_bytes: float = 0.0
+
+
+def _val_bytes(val: torch.Tensor) -> int:
+    return prod(val.shape) * val.element_size()
+
+
+def _as_list(val: object) -> list[object]:
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def _work_divisor(in_specs: Sequence[Spec], out_specs: Sequence[Spec | None], mesh_shape: Sequence[int]) -> int:
+    """Work is split as finely as the most finely *stored* operand or result."""
+    specs = [s for s in (*in_specs, *out_specs) if s is not None]
+    return max((storage_factor(s, mesh_shape) for s in specs), default=1)
+
+
+def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Cluster, *, optimizer: str) -> CostProblem:
+    gm = traced.graph_module
+    mesh_shape = cluster.mesh_shape
+    device = cluster.device
+    problem = CostProblem(table=table, cluster=cluster, capacity_bytes=float(device.mem_capacity_bytes))
+    nodes_by_name = {n.name: n for n in gm.graph.nodes}
+
+    # forward values read by the backward are saved activations
+    saved: set[ValueRef] = set()
+    for n in gm.graph.nodes:
+        if n.meta.get("autoplan.phase") == "bwd":
+            for a in tensor_args(n):
+                ref = resolve_value(a)
+                src = nodes_by_name[ref.node]
+                if src.op == "call_function" and src.meta.get("autoplan.phase") == "fwd":
+                    saved.add(ref)
+
+    for name, ns in table.nodes.items():
+        node = nodes_by_name[name]
+        val = node.meta.get("val")
+        times: list[float] = []
+        sizes: list[float] = []
+        for s in ns.strategies:
+            t = 0.0
+            b = 0.0
+            if ns.kind == "param":
+                spec = s.output_specs[0]
+                local = local_numel(spec, val.shape, mesh_shape)
+                b = local * (2 * val.element_size() + OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer])
+                t = local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
+            elif ns.kind in ("input", "target", "buffer"):
+                b = local_numel(s.output_specs[0], val.shape, mesh_shape) * val.element_size()
+            elif ns.kind in ("op", "fallback"):
+                ins = [a.meta["val"] for a in tensor_args(node)]
+                outs = [v for v in _as_list(val) if isinstance(v, torch.Tensor)]
+                div = _work_divisor(s.input_specs, s.output_specs, mesh_shape)
+                t = roofline_time_s(node.target, ins, outs, device, work_divisor=div)
+                for i, v in enumerate(_as_list(val)):
+                    spec = s.output_specs[i] if i < len(s.output_specs) else None
+                    if spec is not None and isinstance(v, torch.Tensor) and ValueRef(name, i) in saved:
+                        b += local_numel(spec, v.shape, mesh_shape) * v.element_size()
+            times.append(t)
+            sizes.append(b)
+        problem.node_time_s[name] = times
+        problem.node_bytes[name] = sizes
+
+    for name, ns in table.nodes.items():
+        node = nodes_by_name[name]
+        for i, (ref, a) in enumerate(zip(ns.inputs, tensor_args(node), strict=True)):
+            dst_groups: dict[Spec, list[int]] = {}
+            for si, s in enumerate(ns.strategies):
+                dst_groups.setdefault(s.input_specs[i], []).append(si)
+            problem.edges.append(_edge(table, ref, name, i, dst_groups, _val_bytes(a.meta["val"]), cluster))
+
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss, *grads = out.args[0]
+    rep = replicated(len(mesh_shape))
+    problem.edges.append(
+        _edge(table, resolve_value(loss), OUTPUT_CONSUMER, -1, {rep: [0]}, _val_bytes(loss.meta["val"]), cluster)
+    )
+    for pname, g in zip(traced.param_names, grads, strict=True):
+        pnode = "p_" + pname.replace(".", "_")
+        ps = table.nodes[pnode]
+        groups: dict[Spec, list[int]] = {}
+        for si, s in enumerate(ps.strategies):
+            groups.setdefault(s.output_specs[0], []).append(si)
+        problem.edges.append(_edge(table, resolve_value(g), pnode, -1, groups, _val_bytes(g.meta["val"]), cluster))
+    return problem
+
+
+@functools.lru_cache(maxsize=65536)
+def _transition_cost(p: Spec, q: Spec, full_bytes: int, cluster: Cluster) -> float:
+    return transition_cost_s(p, q, full_bytes, cluster)
+
+
+def _edge(
+    table: StrategyTable,
+    ref: ValueRef,
+    consumer: str,
+    arg_index: int,
+    dst_groups: dict[Spec, list[int]],
+    full_bytes: int,
+    cluster: Cluster,
+) -> Edge:
+    src_groups: dict[Spec, list[int]] = {}
+    for si, s in enumerate(table.nodes[ref.node].strategies):
+        spec = s.output_specs[ref.index]
+        assert spec is not None, (ref, consumer)
+        src_groups.setdefault(spec, []).append(si)
+    cost = {(p, q): _transition_cost(p, q, full_bytes, cluster) for p in src_groups for q in dst_groups}
+    return Edge(
+        producer=ref,
+        consumer=consumer,
+        arg_index=arg_index,
+        src_groups={k: tuple(v) for k, v in src_groups.items()},
+        dst_groups={k: tuple(v) for k, v in dst_groups.items()},
+        cost_s=cost,
+        full_bytes=full_bytes,
+    )
+
+
+def is_fx_node(x: object) -> bool:
+    return isinstance(x, fx.Node)

@@ -1,0 +1,108 @@
+"""Placement vocabulary shared by the solver, the plan file and the generated program.
+
+A *placement* says how one tensor is laid out along one mesh axis: ``R`` (replicated),
+``S(d)`` (sharded along tensor dim ``d``) or ``P`` (partial sums still to be reduced). A *spec*
+is one placement per mesh axis, written ``S(0)R`` in logs and ``["S(0)", "R"]`` in plan files.
+
+These are thin, terse views over ``torch.distributed.tensor`` placements, which stay the
+source of truth at run time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+Spec = tuple[Placement, ...]
+"""One placement per mesh axis."""
+
+_SHARD_RE = re.compile(r"^S\((\d+)\)$")
+
+
+def placement_str(p: Placement) -> str:
+    """Terse text of one placement: ``R``, ``S(0)`` or ``P``."""
+    if type(p) is Replicate:
+        return "R"
+    if type(p) is Shard:
+        return f"S({p.dim})"
+    if type(p) is Partial and p.reduce_op == "sum":
+        return "P"
+    raise ValueError(f"placement {p!r} is outside autoplan's vocabulary (R, S(d), P)")
+
+
+def parse_placement(text: str) -> Placement:
+    """Inverse of :func:`placement_str`."""
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial("sum")
+    m = _SHARD_RE.match(text)
+    if m:
+        return Shard(int(m.group(1)))
+    raise ValueError(f"placement {text!r} is malformed: expected 'R', 'P' or 'S(<dim>)'")
+
+
+def spec_strs(spec: Sequence[Placement]) -> list[str]:
+    return [placement_str(p) for p in spec]
+
+
+def parse_spec(texts: Sequence[str]) -> Spec:
+    return tuple(parse_placement(t) for t in texts)
+
+
+def spec_str(spec: Sequence[Placement]) -> str:
+    """``S(0)R`` style text used in logs, summaries and node names."""
+    return "".join(placement_str(p) for p in spec)
+
+
+def is_supported(p: Placement) -> bool:
+    """True for the placements the planner reasons about (no strided or masked variants)."""
+    return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op == "sum")
+
+
+def shard_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    """How many pieces the data is split into (product of axes that are not ``R``)."""
+    n = 1
+    for p, size in zip(spec, mesh_shape, strict=True):
+        if not isinstance(p, Replicate):
+            n *= size
+    return n
+
+
+def storage_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    """How many pieces the *storage* is split into: only ``S`` divides bytes, ``P`` keeps a
+    full-size buffer on every device."""
+    n = 1
+    for p, size in zip(spec, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            n *= size
+    return n
+
+
+def is_shardable(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    """Every sharded dim must give each device at least one element."""
+    per_dim: dict[int, int] = {}
+    for p, size in zip(spec, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape) or p.dim < 0:
+                return False
+            per_dim[p.dim] = per_dim.get(p.dim, 1) * size
+    return all(shape[d] >= n for d, n in per_dim.items())
+
+
+def local_numel(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """Elements held per device (ceil division for uneven shards)."""
+    sizes = list(shape)
+    for p, size in zip(spec, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            sizes[p.dim] = -(-sizes[p.dim] // size)
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def replicated(ndim_mesh: int) -> Spec:
+    return tuple(Replicate() for _ in range(ndim_mesh))

@@ -1,0 +1,185 @@
+r"""Pass 4 — solve: pick one strategy per node with an integer linear program (PuLP + CBC).
+
+Formulation
+-----------
+Sets: nodes :math:`V`; strategies :math:`S_v` of node :math:`v`; edges :math:`E` (producer value
+-> consumer argument, gradient -> parameter, loss -> output). For an edge :math:`e=(u\to v)`,
+:math:`P_e` are the distinct output specs of :math:`u` and :math:`Q_e` the distinct specs
+:math:`v` may require; :math:`S_u(p)` / :math:`S_v(q)` are the strategies with that spec.
+
+Variables::
+
+    x[v,s] in {0,1}         node v runs strategy s
+    y[e,p,q] >= 0           edge e converts spec p to spec q   (continuous; integral once x is)
+
+Objective (seconds of one training step, all nodes and edges)::
+
+    min  sum_v sum_s  t[v,s] x[v,s]  +  sum_e sum_{p,q}  c[e,p,q] y[e,p,q]
+
+with ``t`` the compute time (plus optimizer step for parameters) and ``c`` the transition time
+(``cost_models.comm``).
+
+Constraint families (one method each, every constraint named ``<family>__<node/edge>``)::
+
+    one_strategy        sum_s x[v,s] = 1                                   for all v
+    edge_source         sum_q y[e,p,q] = sum_{s in S_u(p)} x[u,s]          for all e, p
+    edge_target         sum_p y[e,p,q] = sum_{s in S_v(q)} x[v,s]          for all e, q
+    memory_per_device   sum_v sum_s b[v,s] x[v,s] <= M                     (bytes)
+
+where ``b`` are the bytes a strategy keeps on each device (parameters, gradients, optimizer
+state, inputs, saved activations) and ``M`` the device capacity. ``edge_source`` and
+``edge_target`` make ``y`` the joint choice of the two endpoints (the "local polytope"
+linearisation of the quadratic term ``x_u^T C x_v``); when a side has a single spec the edge cost
+is linear in the other side's ``x`` and no ``y`` is created.
+
+User pins remove strategies before the model is built. An infeasible model raises
+:class:`~cost_models.errors.InfeasiblePlanError` with the memory needed against the capacity.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pulp
+
+from cost_models.errors import InfeasiblePlanError
+from passes.costing import CostProblem, Edge
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverOptions:
+    time_limit_s: float = 120.0
+    """Wall-clock limit given to CBC; the best feasible solution found is returned with its gap."""
+    threads: int = 1
+    """CBC threads (1 keeps results deterministic)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Solution:
+    choice: Mapping[str, int]
+    """Node name -> index of the chosen strategy."""
+    objective_s: float
+    status: str
+    """PuLP status text ("Optimal", "Not Solved" when stopped by the time limit...)."""
+    solve_time_s: float
+    num_variables: int
+    num_constraints: int
+
+
+class ShardingILP:
+    """Builds and solves the ILP of the module docstring for one :class:`CostProblem`."""
+
+    def __init__(self, problem: CostProblem, options: SolverOptions | None = None) -> None:
+        self.problem = problem
+        self.options = options or SolverOptions()
+        self.model = pulp.LpProblem("autoplan_sharding", pulp.LpMinimize)
+        self.x: dict[str, list[pulp.LpVariable]] = {}
+        self._objective: list[tuple[pulp.LpVariable, float]] = []
+        self._build()
+
+    # -- variables --------------------------------------------------------------------------
+    def _build(self) -> None:
+        for i, (name, times) in enumerate(self.problem.node_time_s.items()):
+            xs = [pulp.LpVariable(f"x_{i}_{s}", cat=pulp.LpBinary) for s in range(len(times))]
+            self.x[name] = xs
+            self._objective += [(v, t) for v, t in zip(xs, times, strict=True)]
+        self.add_one_strategy_constraint()
+        for k, edge in enumerate(self.problem.edges):
+            self.add_edge_constraints(k, edge)
+        self.add_memory_per_device_constraint()
+        self.model += pulp.LpAffineExpression(self._objective)
+
+    def _sum_x(self, node: str, indices: tuple[int, ...]) -> pulp.LpAffineExpression:
+        xs = self.x[node]
+        return pulp.LpAffineExpression([(xs[i], 1.0) for i in indices])
+
+    # -- constraint families ----------------------------------------------------------------
+    def add_one_strategy_constraint(self) -> None:
+        """one_strategy: sum_s x[v,s] = 1 for every node v."""
+        for i, (name, xs) in enumerate(self.x.items()):
+            self.model += (pulp.LpAffineExpression([(v, 1.0) for v in xs]) == 1, f"one_strategy__{i}_{name}")
+
+    def add_edge_constraints(self, k: int, edge: Edge) -> None:
+        """edge_source / edge_target: y[e,p,q] is the joint choice of producer spec p and consumer spec q.
+
+        sum_q y[e,p,q] = sum_{s in S_u(p)} x[u,s]   and   sum_p y[e,p,q] = sum_{s in S_v(q)} x[v,s]
+        """
+        u, v = edge.producer.node, edge.consumer
+        P, Q = list(edge.src_groups), list(edge.dst_groups)
+        if all(c == 0.0 for c in edge.cost_s.values()):
+            return
+        if v not in self.x:  # loss -> output: a fixed requirement, linear in the producer
+            (q,) = Q
+            self._objective += [(self.x[u][s], edge.cost_s[(p, q)]) for p in P for s in edge.src_groups[p]]
+            return
+        if len(P) == 1:
+            (p,) = P
+            self._objective += [(self.x[v][s], edge.cost_s[(p, q)]) for q in Q for s in edge.dst_groups[q]]
+            return
+        if len(Q) == 1:
+            (q,) = Q
+            self._objective += [(self.x[u][s], edge.cost_s[(p, q)]) for p in P for s in edge.src_groups[p]]
+            return
+        y = {
+            (i, j): pulp.LpVariable(f"y_{k}_{i}_{j}", lowBound=0)
+            for i in range(len(P))
+            for j in range(len(Q))
+        }
+        for i, p in enumerate(P):
+            lhs = pulp.LpAffineExpression([(y[i, j], 1.0) for j in range(len(Q))])
+            self.model += (lhs == self._sum_x(u, edge.src_groups[p]), f"edge_source__{k}_{i}")
+        for j, q in enumerate(Q):
+            lhs = pulp.LpAffineExpression([(y[i, j], 1.0) for i in range(len(P))])
+            self.model += (lhs == self._sum_x(v, edge.dst_groups[q]), f"edge_target__{k}_{j}")
+        self._objective += [(y[i, j], edge.cost_s[(p, q)]) for i, p in enumerate(P) for j, q in enumerate(Q)]
+
+    def add_memory_per_device_constraint(self) -> None:
+        """memory_per_device: sum_v sum_s b[v,s] x[v,s] <= M (bytes)."""
+        terms = [
+            (xv, b)
+            for name, xs in self.x.items()
+            for xv, b in zip(xs, self.problem.node_bytes[name], strict=True)
+            if b > 0
+        ]
+        self.model += (pulp.LpAffineExpression(terms) <= self.problem.capacity_bytes, "memory_per_device")
+
+    # -- solve ------------------------------------------------------------------------------
+    def solve(self) -> Solution:
+        t0 = time.perf_counter()
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=self.options.time_limit_s, threads=self.options.threads)
+        status = self.model.solve(solver)
+        dt = time.perf_counter() - t0
+        status_text = pulp.LpStatus[status]
+        n_vars, n_cons = len(self.model.variables()), len(self.model.constraints)
+        log.info("ILP %s in %.2fs: %d variables, %d constraints", status_text, dt, n_vars, n_cons)
+        has_solution = all(any((v.value() or 0) > 0.5 for v in xs) for xs in self.x.values())
+        if status == pulp.LpStatusInfeasible or not has_solution:
+            raise self.infeasible_error()
+        choice = {name: max(range(len(xs)), key=lambda s: xs[s].value() or 0.0) for name, xs in self.x.items()}
+        return Solution(
+            choice=choice,
+            objective_s=float(pulp.value(self.model.objective) or 0.0),
+            status=status_text,
+            solve_time_s=dt,
+            num_variables=n_vars,
+            num_constraints=n_cons,
+        )
+
+    def infeasible_error(self) -> InfeasiblePlanError:
+        """Name the memory needed (with every node at its smallest footprint) against the capacity."""
+        need = sum(min(b) for b in self.problem.node_bytes.values())
+        cap = self.problem.capacity_bytes
+        cluster = self.problem.cluster
+        return InfeasiblePlanError(
+            f"no sharding fits: the smallest layout still needs {need / GiB:.2f} GiB per device for parameters, "
+            f"gradients, optimizer state and saved activations; {cluster.device.name} has {cap / GiB:.2f} GiB "
+            f"({cluster.world_size} devices, mesh {cluster.mesh_shape}): add devices, lower the batch size, "
+            "or relax pinned placements"
+        )

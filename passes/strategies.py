@@ -1,0 +1,359 @@
+"""Pass 2 — strategies: for every node of the joint graph, the shardings it can run with.
+
+Contract
+--------
+Input: a :class:`~passes.trace.TracedProgram` and a ``DeviceMesh`` (a fake process group is
+enough: nothing is communicated). Output: a :class:`StrategyTable` with, for every value-producing
+node, a tuple of :class:`Strategy` — the placement of each output and the placement each tensor
+argument must arrive in.
+
+The strategies of an operator are PyTorch's own DTensor op strategies (``register_op_strategy``
+and single-mesh-dim strategies expanded over the mesh), so whatever the solver picks is what
+DTensor executes. We keep the vocabulary ``R``, ``S(d)``, ``P`` (sum), drop shardings that
+leave a device without data, and keep the first strategy per input layout (the one DTensor's
+dispatcher would also pick for those inputs).
+
+Special nodes:
+
+* placeholders: parameters and inputs may be replicated or sharded along any dim on any axis;
+  buffers are replicated;
+* *constant* nodes (depending on no placeholder, e.g. ``arange`` for positions) run as plain
+  replicated tensors;
+* ops with no DTensor strategy fall back to "replicate everything" and are listed in the plan
+  (``StrategyTable.fallback_ops``);
+* ``getitem`` on multi-output ops is an alias of the producer's output ``i`` (no decision).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.utils import _pytree as pytree
+
+from passes.placement import Spec, is_shardable, is_supported, replicated, spec_str
+from passes.trace import TracedProgram
+
+log = logging.getLogger(__name__)
+
+NodeKind = Literal["param", "buffer", "input", "target", "op", "constant", "fallback"]
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRef:
+    """Output ``index`` of node ``node`` (``getitem`` nodes resolved away)."""
+
+    node: str
+    index: int = 0
+
+    def __str__(self) -> str:
+        return self.node if self.index == 0 else f"{self.node}[{self.index}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One way to run a node: output placements and the placements its tensor args need."""
+
+    output_specs: tuple[Spec | None, ...]
+    """One spec per output (``None`` for outputs that are not tensors)."""
+    input_specs: tuple[Spec, ...]
+    """One spec per tensor argument, in :attr:`NodeStrategies.inputs` order."""
+
+    def __str__(self) -> str:
+        outs = ",".join(spec_str(s) if s is not None else "-" for s in self.output_specs)
+        ins = ",".join(spec_str(s) for s in self.input_specs)
+        return f"{outs}<-({ins})"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStrategies:
+    """Decision domain of one node."""
+
+    node: str
+    kind: NodeKind
+    strategies: tuple[Strategy, ...]
+    inputs: tuple[ValueRef, ...]
+    """Producer of each tensor argument, in flattened argument order."""
+
+
+@dataclass(slots=True)
+class StrategyTable:
+    """Strategies of every value-producing node, in graph order."""
+
+    mesh_shape: tuple[int, ...]
+    nodes: dict[str, NodeStrategies] = field(default_factory=dict)
+    fallback_ops: dict[str, str] = field(default_factory=dict)
+    """node name -> op name of nodes with no DTensor strategy (run replicated)."""
+
+    def num_strategies(self) -> int:
+        return sum(len(n.strategies) for n in self.nodes.values())
+
+
+# --------------------------------------------------------------------------------------------
+# value references
+
+
+def resolve_value(node: fx.Node) -> ValueRef:
+    """Map a graph node to the value it denotes (``getitem(x, i)`` -> ``ValueRef(x, i)``)."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        parent, idx = node.args
+        assert isinstance(parent, fx.Node) and isinstance(idx, int)
+        return ValueRef(resolve_value(parent).node, idx)
+    return ValueRef(node.name, 0)
+
+
+def tensor_args(node: fx.Node) -> list[fx.Node]:
+    """Tensor-valued node arguments of ``node`` in pytree flatten order (positional args only)."""
+    leaves = pytree.tree_leaves(node.args)
+    return [a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _has_tensor_kwargs(node: fx.Node) -> bool:
+    return any(isinstance(a, fx.Node) for a in pytree.tree_leaves(node.kwargs))
+
+
+# --------------------------------------------------------------------------------------------
+# placeholder domains
+
+
+def sharding_specs(shape: Sequence[int], mesh_shape: Sequence[int], *, max_dim: int | None = None) -> list[Spec]:
+    """Every spec of ``R``/``S(d)`` per axis that gives each device data (``R`` first)."""
+    ndim = len(shape) if max_dim is None else min(len(shape), max_dim)
+    per_axis = [Replicate(), *[Shard(d) for d in range(ndim)]]
+    out = []
+    for combo in itertools.product(per_axis, repeat=len(mesh_shape)):
+        if is_shardable(combo, shape, mesh_shape):
+            out.append(tuple(combo))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# DTensor strategy enumeration
+
+
+def _tensor_meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def _single(spec: Spec, mesh: DeviceMesh, t: torch.Tensor) -> DTensorSpec:
+    return DTensorSpec(mesh, spec, tensor_meta=_tensor_meta(t))
+
+
+class _Enumerator:
+    """Calls DTensor's registered strategy functions with every candidate input spec."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self._cache: dict[object, tuple[Strategy, ...] | None] = {}
+
+    def has_strategy(self, op: object) -> bool:
+        return op in self.prop.op_strategy_funcs or op in self.prop.op_single_dim_strategy_funcs
+
+    def enumerate(
+        self, node: fx.Node, candidates: Sequence[Sequence[Spec]]
+    ) -> tuple[Strategy, ...] | None:
+        """Strategies of ``node`` given candidate specs for each tensor argument (None: no rule)."""
+        op = node.target
+        targs = tensor_args(node)
+        key = (
+            op,
+            tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype, tuple(c)) for a, c in zip(targs, candidates, strict=True)),
+            repr(fx.node.map_arg(node.args, lambda n: n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else n.name)),
+            repr(node.kwargs),
+        )
+        if key not in self._cache:
+            try:
+                self._cache[key] = self._enumerate(node, candidates)
+            except Exception as exc:  # noqa: BLE001 - a rule that cannot handle this case = no rule
+                log.debug("strategy rule of %s failed on all candidates at once (%s); trying one by one", op, exc)
+                self._cache[key] = self._enumerate_one_by_one(node, candidates)
+        return self._cache[key]
+
+    def _enumerate_one_by_one(
+        self, node: fx.Node, candidates: Sequence[Sequence[Spec]]
+    ) -> tuple[Strategy, ...] | None:
+        """Some rules assume one spec per input or reject some specs: ask per input combination."""
+        combos = list(itertools.islice(itertools.product(*candidates), _MAX_COMBOS))
+        found: dict[tuple[Spec, ...], Strategy] = {}
+        for combo in combos:
+            try:
+                strategies = self._enumerate(node, [[c] for c in combo])
+            except Exception as exc:  # noqa: BLE001
+                log.debug("strategy rule of %s rejects %s: %s", node.target, combo, exc)
+                continue
+            for s in strategies or ():
+                found.setdefault(s.input_specs, s)
+        return tuple(found.values()) or None
+
+    def _enumerate(self, node: fx.Node, candidates: Sequence[Sequence[Spec]]) -> tuple[Strategy, ...] | None:
+        op = node.target
+        prop, mesh = self.prop, self.mesh
+        single_dim = prop.op_single_dim_strategy_funcs.get(op)
+        it_spec = iter(candidates)
+        it_strat = iter(candidates)
+
+        def to_spec(a: object) -> object:
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                return _single(next(it_spec)[0], mesh, a.meta["val"])
+            return a.meta["val"] if isinstance(a, fx.Node) else a
+
+        def to_strategy(a: object) -> object:
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+                cands = next(it_strat)
+                t = a.meta["val"]
+                if single_dim is not None:
+                    # single-dim rules fill shard placeholders from the input's placements: show a Shard
+                    spec = next((c for c in cands if any(isinstance(p, Shard) for p in c)), cands[0])
+                    if not any(isinstance(p, Shard) for p in spec) and t.dim() > 0:
+                        spec = (Shard(0), *spec[1:])
+                    return OpStrategy([OpSpec(_single(spec, mesh, t))])
+                return OpStrategy([OpSpec(_single(c, mesh, t)) for c in cands])
+            return a.meta["val"] if isinstance(a, fx.Node) else a
+
+        args_spec = pytree.tree_map(to_spec, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
+        args_strat = pytree.tree_map(to_strategy, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
+        args_strat = tuple(_wrap_lists(a) for a in args_strat)
+        schema_info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
+        spec_schema = OpSchema(op, tuple(args_spec), dict(node.kwargs), schema_info=schema_info)
+        out_meta = prop._propagate_tensor_meta_non_cached(spec_schema)
+        strat_schema = OpSchema(op, args_strat, dict(node.kwargs), schema_info=schema_info)
+        if single_dim is not None:
+            from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
+
+            fn = _expand_single_dim_strategy_to_mesh(mesh, strat_schema, single_dim, out_meta)
+            result = fn(op, strat_schema.args_meta, strat_schema.kwargs_meta)
+        elif op in prop.op_strategy_funcs:
+            result = prop.op_strategy_funcs[op](strat_schema)
+        else:
+            return None
+        if not isinstance(result, OpStrategy):
+            return None
+        return self._filter(node, result)
+
+    def _filter(self, node: fx.Node, result: OpStrategy) -> tuple[Strategy, ...]:
+        targs = tensor_args(node)
+        val = node.meta["val"]
+        out_vals = list(val) if isinstance(val, (tuple, list)) else [val]
+        seen_inputs: set[tuple[Spec, ...]] = set()
+        out: list[Strategy] = []
+        for s in result.strategies:
+            outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
+            out_specs: list[Spec | None] = []
+            ok = len(outs) == len(out_vals)
+            for o, v in zip(outs, out_vals, strict=False):
+                if o is None or not isinstance(v, torch.Tensor):
+                    out_specs.append(None)
+                    continue
+                if not all(is_supported(p) for p in o.placements) or not is_shardable(o.placements, v.shape, self.mesh_shape):
+                    ok = False
+                out_specs.append(tuple(o.placements))
+            in_specs = s.input_specs if s.input_specs is not None else [outs[0]] * len(targs)
+            if len(in_specs) != len(targs):
+                ok = False
+            ins: list[Spec] = []
+            for spec, a in zip(in_specs, targs, strict=False):
+                if not all(is_supported(p) for p in spec.placements) or not is_shardable(
+                    spec.placements, a.meta["val"].shape, self.mesh_shape
+                ):
+                    ok = False
+                ins.append(tuple(spec.placements))
+            key = tuple(ins)
+            if not ok or key in seen_inputs:
+                continue
+            seen_inputs.add(key)
+            out.append(Strategy(output_specs=tuple(out_specs), input_specs=tuple(ins)))
+        return tuple(out)
+
+
+_MAX_COMBOS = 512
+
+
+def _wrap_lists(a: object) -> object:
+    if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+        return TupleStrategy(list(a))
+    return a
+
+
+# --------------------------------------------------------------------------------------------
+# the pass
+
+
+def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTable:
+    """Enumerate the strategies of every node (see the module docstring)."""
+    mesh_shape = tuple(mesh.shape)
+    rep = replicated(len(mesh_shape))
+    table = StrategyTable(mesh_shape=mesh_shape)
+    enum = _Enumerator(mesh)
+    depends_on_input: set[str] = set()
+
+    def out_candidates(ref: ValueRef) -> list[Spec]:
+        ns = table.nodes[ref.node]
+        seen: dict[Spec, None] = {}
+        for s in ns.strategies:
+            spec = s.output_specs[ref.index]
+            if spec is not None:
+                seen.setdefault(spec, None)
+        return list(seen) or [rep]
+
+    for node in traced.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            depends_on_input.add(node.name)
+            kind: NodeKind = (
+                "param" if node.name.startswith("p_")
+                else "buffer" if node.name.startswith("b_")
+                else "input" if node.name.startswith("input_")
+                else "target"
+            )
+            specs = [rep] if kind == "buffer" else sharding_specs(val.shape, mesh_shape)
+            table.nodes[node.name] = NodeStrategies(
+                node=node.name, kind=kind, strategies=tuple(Strategy((s,), ()) for s in specs), inputs=()
+            )
+            continue
+        if node.op == "get_attr":
+            table.nodes[node.name] = NodeStrategies(node=node.name, kind="constant", strategies=(Strategy((rep,), ()),), inputs=())
+            continue
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        targs = tensor_args(node)
+        refs = tuple(resolve_value(a) for a in targs)
+        n_out = len(val) if isinstance(val, (tuple, list)) else 1
+        if not any(r.node in depends_on_input for r in refs):
+            table.nodes[node.name] = NodeStrategies(
+                node=node.name, kind="constant", strategies=(Strategy((rep,) * n_out, (rep,) * len(refs)),), inputs=refs
+            )
+            continue
+        depends_on_input.add(node.name)
+        strategies = None
+        if enum.has_strategy(node.target) and not _has_tensor_kwargs(node):
+            cands = [out_candidates(r) for r in refs]
+            strategies = enum.enumerate(node, cands)
+            if strategies is not None:
+                # constants are plain replicated tensors at run time
+                const_idx = [i for i, r in enumerate(refs) if table.nodes[r.node].kind == "constant"]
+                strategies = tuple(s for s in strategies if all(s.input_specs[i] == rep for i in const_idx))
+        if not strategies:
+            table.fallback_ops[node.name] = str(node.target)
+            outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in (val if n_out > 1 else [val]))
+            table.nodes[node.name] = NodeStrategies(
+                node=node.name, kind="fallback", strategies=(Strategy(outs, (rep,) * len(refs)),), inputs=refs
+            )
+            continue
+        table.nodes[node.name] = NodeStrategies(node=node.name, kind="op", strategies=strategies, inputs=refs)
+    log.info(
+        "strategies: %d nodes, %d strategies, %d fallback ops",
+        len(table.nodes), table.num_strategies(), len(table.fallback_ops),
+    )
+    return table

@@ -1,0 +1,268 @@
+"""Pass 1 — trace: ``nn.Module`` + loss -> joint forward/backward aten graph.
+
+Contract
+--------
+Input: a module (on any device, ``meta`` included), example inputs and targets, a loss function
+``loss_fn(model_output, *targets) -> scalar``.
+
+Output: a :class:`TracedProgram` whose ``graph_module`` computes one training step's
+forward *and* backward::
+
+    step(*params, *buffers, *inputs, *targets) -> (loss, *grads)     # grads in param order
+
+* every node carries ``meta["val"]`` (shape and dtype), so later passes never run the model;
+* placeholders are named ``p_<fqn>``, ``b_<fqn>``, ``input_<i>``, ``target_<i>``;
+* nodes the loss depends on are the forward, the rest the backward
+  (``meta["autoplan.phase"]`` is ``"fwd"`` or ``"bwd"``);
+* ``fingerprint`` is a hash of ops, wiring, shapes and dtypes: equal fingerprints mean a plan
+  made for one trace applies to the other.
+
+The model is first exported with ``torch.export`` (non-strict), which is the supported way to
+capture Hugging Face models; the joint graph is then built with ``make_fx`` over the exported
+module and ``torch.autograd.grad``. Training is the workload: backward ops are ordinary nodes,
+so their cost is counted like any other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from cost_models.errors import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[..., torch.Tensor]
+
+_DROP_TARGETS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TracedProgram:
+    """The joint training-step graph and how its placeholders map to the user's objects."""
+
+    graph_module: fx.GraphModule
+    """``step(*params, *buffers, *inputs, *targets) -> (loss, *grads)``."""
+    param_names: tuple[str, ...]
+    """Parameter FQNs, in placeholder order (tied parameters appear once)."""
+    buffer_names: tuple[str, ...]
+    """Buffer FQNs, in placeholder order."""
+    num_inputs: int
+    """Number of model inputs (``input_<i>`` placeholders)."""
+    num_targets: int
+    """Number of loss targets (``target_<i>`` placeholders)."""
+    fingerprint: str
+    """sha256 of ops, wiring, shapes and dtypes (hex, 16 chars)."""
+    trace_time_s: float
+    """Wall time spent exporting and building the joint graph."""
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.graph_module.graph.nodes)
+
+
+class _LossWrapper(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None, num_inputs: int) -> None:
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+        self._num_inputs = num_inputs
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        inputs, targets = args[: self._num_inputs], args[self._num_inputs :]
+        out = self.model(*inputs)
+        loss = self._loss_fn(out, *targets) if self._loss_fn is not None else out
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise UnsupportedModelError(
+                "the loss must be a scalar tensor: pass loss_fn=(output, *targets) -> scalar, "
+                "or make the model return its loss"
+            )
+        return loss
+
+
+def _user_frame(exc: BaseException) -> str:
+    """The innermost traceback frame outside torch/site-packages: where the user's code failed."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if "site-packages/torch" not in fr.filename and "/autoplan/" not in fr.filename and "/passes/" not in fr.filename:
+            return f"{fr.filename}:{fr.lineno} ({fr.line})"
+    return frames[-1].filename + f":{frames[-1].lineno}" if frames else "<unknown>"
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+    try:
+        ep = torch.export.export(wrapper, args, strict=False)
+    except UnsupportedModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every export failure becomes one clear message
+        raise UnsupportedModelError(
+            f"torch.export could not trace the model: {type(exc).__name__}: {_first_line(exc)} "
+            f"at {_user_frame(exc)}; remove data-dependent Python control flow there "
+            "(use torch.where / torch.cond) or pass inputs that avoid it"
+        ) from exc
+    return ep.module()
+
+
+def _placeholder_name(kind: str, name: str) -> str:
+    return f"{kind}_{name.replace('.', '_')}"
+
+
+def trace_training_step(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    loss_fn: LossFn | None,
+    example_targets: Sequence[Any] = (),
+) -> TracedProgram:
+    """Trace one training step of ``model`` (see the module docstring for the contract)."""
+    t0 = time.perf_counter()
+    if not isinstance(example_inputs, (tuple, list)) or len(example_inputs) == 0:
+        raise UnsupportedModelError(
+            "example_inputs is missing: pass a tuple of example tensors, e.g. example_inputs=(ids,)"
+        )
+    inputs, targets = tuple(example_inputs), tuple(example_targets)
+    # The same tensor passed twice (e.g. ids as input and target) must stay two graph inputs.
+    seen: set[int] = set()
+    flat_user = []
+    for t in inputs + targets:
+        flat_user.append(t.clone() if isinstance(t, torch.Tensor) and id(t) in seen else t)
+        seen.add(id(t))
+    inputs, targets = tuple(flat_user[: len(inputs)]), tuple(flat_user[len(inputs) :])
+    for i, t in enumerate(inputs + targets):
+        if not isinstance(t, torch.Tensor):
+            raise UnsupportedModelError(
+                f"example input/target #{i} is a {type(t).__name__}; autoplan needs tensors "
+                "(wrap Python values in torch.tensor or bind them into the model)"
+            )
+    wrapper = _LossWrapper(model, loss_fn, len(inputs))
+    exported = _export(wrapper, inputs + targets)
+
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    param_names, buffer_names = tuple(params), tuple(buffers)
+    full_param_names = ["model." + n for n in param_names]
+    full_buffer_names = ["model." + n for n in buffer_names]
+    num_p, num_b = len(param_names), len(buffer_names)
+
+    def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        p = dict(zip(full_param_names, flat[:num_p], strict=True))
+        b = dict(zip(full_buffer_names, flat[num_p : num_p + num_b], strict=True))
+        loss = torch.func.functional_call(exported, {**p, **b}, tuple(flat[num_p + num_b :]))
+        grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+        return (loss, *grads)
+
+    flat_args = [p.detach().requires_grad_(True) for p in params.values()]
+    flat_args += [b.detach() for b in buffers.values()] + list(inputs) + list(targets)
+    try:
+        gm = make_fx(step)(*flat_args)
+    except Exception as exc:  # noqa: BLE001
+        raise UnsupportedModelError(
+            f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)} "
+            f"at {_user_frame(exc)}"
+        ) from exc
+
+    _check_grads(gm, param_names)
+    _clean_graph(gm)
+    _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))
+    _mark_phases(gm)
+    fingerprint = graph_fingerprint(gm)
+    dt = time.perf_counter() - t0
+    log.info("traced %d nodes in %.2fs (fingerprint %s)", len(gm.graph.nodes), dt, fingerprint)
+    return TracedProgram(
+        graph_module=gm,
+        param_names=param_names,
+        buffer_names=buffer_names,
+        num_inputs=len(inputs),
+        num_targets=len(targets),
+        fingerprint=fingerprint,
+        trace_time_s=dt,
+    )
+
+
+def _check_grads(gm: fx.GraphModule, param_names: Sequence[str]) -> None:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = out.args[0][1:]
+    unused = [name for name, g in zip(param_names, grads, strict=True) if g is None]
+    if unused:
+        raise UnsupportedModelError(
+            f"{len(unused)} parameter(s) get no gradient from the loss (e.g. {unused[0]!r}); "
+            "freeze them with requires_grad_(False) or remove them from the model"
+        )
+
+
+def _clean_graph(gm: fx.GraphModule) -> None:
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op == "call_function" and node.target in _DROP_TARGETS and not node.users:
+            g.erase_node(node)
+    g.eliminate_dead_code()
+    for node in g.nodes:
+        if node.op in ("placeholder", "call_function") and not isinstance(
+            node.meta.get("val"), (torch.Tensor, tuple, list, int, float, bool, torch.SymInt)
+        ) and node.meta.get("val") is not None:
+            raise UnsupportedModelError(f"node {node.name} ({node.target}) has no tensor metadata")
+    gm.recompile()
+
+
+def _name_placeholders(
+    gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str], num_inputs: int, num_targets: int
+) -> None:
+    names = [_placeholder_name("p", n) for n in param_names]
+    names += [_placeholder_name("b", n) for n in buffer_names]
+    names += [f"input_{i}" for i in range(num_inputs)] + [f"target_{i}" for i in range(num_targets)]
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(phs) == len(names), (len(phs), len(names))
+    for node, name in zip(phs, names, strict=True):
+        node.name = name  # fx de-duplicates if needed
+        node.target = node.name
+    gm.recompile()
+
+
+def _mark_phases(gm: fx.GraphModule) -> None:
+    """Forward = ancestors of the loss; everything else computed is backward."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = out.args[0][0]
+    fwd: set[fx.Node] = set()
+    stack = [loss]
+    while stack:
+        n = stack.pop()
+        if n in fwd:
+            continue
+        fwd.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            n.meta["autoplan.phase"] = "fwd" if n in fwd else "bwd"
+
+
+def _val_sig(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{tuple(val.shape)}:{val.dtype}"
+    if isinstance(val, (tuple, list)):
+        return "(" + ",".join(_val_sig(v) for v in val) + ")"
+    return repr(val)
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """Stable hash of the graph's ops, wiring, shapes and dtypes (not of parameter values)."""
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}")
+        h.update(f"{node.op}|{node.name}|{node.target}|{args}|{_val_sig(node.meta.get('val'))}\n".encode())
+    return h.hexdigest()[:16]
