@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cost_models.errors import UnsupportedModelError
 
@@ -170,7 +171,10 @@ def trace_training_step(
     flat_args = [p.detach().requires_grad_(True) for p in params.values()]
     flat_args += [b.detach() for b in buffers.values()] + list(inputs) + list(targets)
     try:
-        gm = make_fx(step)(*flat_args)
+        # Attention as plain matmul + softmax, so the graph is the same on meta, CPU and CUDA
+        # (the fused kernels are device-specific and have no DTensor strategy on CPU).
+        with sdpa_kernel([SDPBackend.MATH]):
+            gm = make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
         raise UnsupportedModelError(
             f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)} "
@@ -263,6 +267,7 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
     """Stable hash of the graph's ops, wiring, shapes and dtypes (not of parameter values)."""
     h = hashlib.sha256()
     for node in gm.graph.nodes:
-        args = fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{n.name}")
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}  # meta vs cpu trace: same plan
+        args = fx.node.map_arg((node.args, kwargs), lambda n: f"%{n.name}")
         h.update(f"{node.op}|{node.name}|{node.target}|{args}|{_val_sig(node.meta.get('val'))}\n".encode())
     return h.hexdigest()[:16]

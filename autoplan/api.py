@@ -1,0 +1,304 @@
+"""The public pipeline: trace -> strategies -> cost -> solve -> plan, then apply.
+
+``plan()`` decides and returns a :class:`~autoplan.plan.Plan` (no process group needed: a fake
+one stands in for big clusters). ``parallelize()`` applies a plan inside a ``torchrun`` job and
+returns a :class:`ParallelModel` that trains exactly like the single-device model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autoplan.parallel import ParallelModel
+from autoplan.plan import CollectiveRecord, Estimate, Plan, software_versions
+from cost_models.cluster import Cluster
+from cost_models.comm import transition_cost_s
+from cost_models.errors import PlanError, PlanMismatchError
+from passes.apply import edge_redistributions, generate_program
+from passes.costing import build_cost_problem
+from passes.placement import parse_spec, spec_str, spec_strs
+from passes.solver import ShardingILP, SolverOptions
+from passes.strategies import NodeStrategies, StrategyTable, build_strategy_table
+from passes.trace import LossFn, TracedProgram, trace_training_step
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adam", "adamw", "sgd", "sgd_momentum")
+Pins = Mapping[str, str | Sequence[str]]
+
+
+def _as_cluster(cluster: Cluster | str) -> Cluster:
+    return Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+
+
+@contextlib.contextmanager
+def planning_mesh(cluster: Cluster) -> Iterator[DeviceMesh]:
+    """A DeviceMesh of the cluster's shape for strategy enumeration.
+
+    Inside a job of the right size the real mesh is used; otherwise a fake process group of
+    ``cluster.world_size`` ranks is created for the duration (nothing is communicated).
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != cluster.world_size:
+            raise PlanMismatchError(
+                f"cannot plan for {cluster.world_size} devices inside a {dist.get_world_size()}-rank job: "
+                "plan outside torchrun (autoplan plan ...) or use a cluster of the job's size"
+            )
+        yield init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
+    try:
+        yield init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
+    finally:
+        dist.destroy_process_group()
+
+
+def _placeholder_of(table: StrategyTable, traced: TracedProgram, pattern: str) -> list[str]:
+    names = {f"p_{n.replace('.', '_')}": n for n in traced.param_names}
+    names.update({f"input_{i}": f"input_{i}" for i in range(traced.num_inputs)})
+    names.update({f"target_{i}": f"target_{i}" for i in range(traced.num_targets)})
+    return [node for node, user_name in names.items() if fnmatch.fnmatchcase(user_name, pattern) or node == pattern]
+
+
+def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None:
+    """Restrict pinned placeholders (params by FQN glob, ``input_<i>``, ``target_<i>``) to one spec."""
+    ndim = len(table.mesh_shape)
+    for pattern, value in pins.items():
+        texts = [t.strip() for t in value.split(",")] if isinstance(value, str) else list(value)
+        try:
+            spec = parse_spec(texts)
+        except ValueError as exc:
+            raise PlanError(f"pin {pattern!r}: {exc}") from exc
+        if len(spec) != ndim:
+            raise PlanError(f"pin {pattern!r} gives {len(spec)} placements but the mesh has {ndim} axes {table.mesh_shape}")
+        matched = _placeholder_of(table, traced, pattern)
+        if not matched:
+            raise PlanError(
+                f"pin {pattern!r} matches no parameter or input; parameters look like {traced.param_names[0]!r}, "
+                "inputs like 'input_0'"
+            )
+        for node in matched:
+            ns = table.nodes[node]
+            keep = tuple(s for s in ns.strategies if s.output_specs[0] == spec)
+            if not keep:
+                raise PlanError(f"pin {pattern!r}: {spec_str(spec)} is not a valid layout for {node} (shape too small?)")
+            table.nodes[node] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+
+
+def plan_traced(
+    traced: TracedProgram,
+    cluster: Cluster,
+    *,
+    mesh: DeviceMesh,
+    optimizer: str = "adam",
+    pins: Pins | None = None,
+    time_limit_s: float = 120.0,
+) -> Plan:
+    """Plan an already traced training step on ``mesh`` (the cluster's shape)."""
+    t0 = time.perf_counter()
+    table = build_strategy_table(traced, mesh)
+    _apply_pins(table, traced, pins or {})
+    problem = build_cost_problem(traced, table, cluster, optimizer=optimizer)
+    solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s)).solve()
+    assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
+
+    gm = traced.graph_module
+    node_by_name = {n.name: n for n in gm.graph.nodes}
+    redistributions = edge_redistributions(traced, assignment, cluster.mesh_ndim)
+    collectives = []
+    comm_s = 0.0
+    for r in redistributions:
+        nbytes = _value_bytes(node_by_name, r.producer)
+        t = transition_cost_s(r.src, r.dst, nbytes, cluster)
+        comm_s += t
+        collectives.append(
+            CollectiveRecord(
+                producer=str(r.producer),
+                consumer=r.consumer,
+                arg_index=r.arg_index,
+                src=tuple(spec_strs(r.src)),
+                dst=tuple(spec_strs(r.dst)),
+                steps=tuple((s.kind, s.axis) for s in r.steps),
+                time_s=t,
+            )
+        )
+    compute_s = sum(problem.node_time_s[n][s] for n, s in solution.choice.items())
+    memory = _memory_breakdown(table, problem.node_bytes, solution.choice, traced, cluster, optimizer)
+    nodes = {}
+    for name, strat in assignment.items():
+        ns = table.nodes[name]
+        if ns.kind in ("op", "fallback"):
+            nodes[name] = {
+                "op": str(node_by_name[name].target),
+                "out": [spec_strs(s) if s is not None else None for s in strat.output_specs],
+                "in": [spec_strs(s) for s in strat.input_specs],
+            }
+    param_specs = {n: tuple(spec_strs(assignment[f"p_{n.replace('.', '_')}"].output_specs[0])) for n in traced.param_names}
+    plan = Plan(
+        fingerprint=traced.fingerprint,
+        cluster=cluster,
+        optimizer=optimizer,
+        param_names=traced.param_names,
+        input_specs=tuple(tuple(spec_strs(assignment[f"input_{i}"].output_specs[0])) for i in range(traced.num_inputs)),
+        target_specs=tuple(tuple(spec_strs(assignment[f"target_{i}"].output_specs[0])) for i in range(traced.num_targets)),
+        param_specs=param_specs,
+        nodes=nodes,
+        fallback_ops=dict(table.fallback_ops),
+        collectives=tuple(collectives),
+        estimate=Estimate(
+            step_time_s=compute_s + comm_s,
+            compute_s=compute_s,
+            comm_s=comm_s,
+            memory_bytes=memory,
+            capacity_bytes=float(cluster.device.mem_capacity_bytes),
+        ),
+        solver={
+            "status": solution.status,
+            "objective_s": solution.objective_s,
+            "solve_time_s": round(solution.solve_time_s, 3),
+            "num_variables": solution.num_variables,
+            "num_constraints": solution.num_constraints,
+            "plan_time_s": round(time.perf_counter() - t0 + traced.trace_time_s, 3),
+        },
+        versions=software_versions(),
+    )
+    log.info("plan %s: %s", plan.fingerprint, plan.parallelism())
+    return plan
+
+
+def _value_bytes(node_by_name: Mapping[str, torch.fx.Node], ref: Any) -> int:
+    val = node_by_name[ref.node].meta["val"]
+    if isinstance(val, (tuple, list)):
+        val = val[ref.index]
+    return val.numel() * val.element_size()
+
+
+def _memory_breakdown(
+    table: StrategyTable,
+    node_bytes: Mapping[str, list[float]],
+    choice: Mapping[str, int],
+    traced: TracedProgram,
+    cluster: Cluster,
+    optimizer: str,
+) -> dict[str, float]:
+    from cost_models.memory import OPTIMIZER_STATE_BYTES_PER_ELEMENT
+
+    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
+    for name, s in choice.items():
+        kind = table.nodes[name].kind
+        b = node_bytes[name][s]
+        if kind == "param":
+            # param_training_bytes = numel * (2 * itemsize + state): split back into its parts
+            item = 4.0
+            state = OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer]
+            numel = b / (2 * item + state)
+            out["params"] += numel * item
+            out["grads"] += numel * item
+            out["optimizer"] += numel * state
+        elif kind in ("input", "target", "buffer"):
+            out["inputs"] += b
+        else:
+            out["activations"] += b
+    out["total"] = sum(out.values())
+    return out
+
+
+def _check_optimizer(optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+
+
+def plan(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: LossFn | None = None,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: str = "adam",
+    pins: Pins | None = None,
+    time_limit_s: float = 120.0,
+) -> Plan:
+    """Plan data/tensor/sequence/parameter sharding of one training step of ``model``.
+
+    ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
+    a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
+    ``{"layers.*.mlp.up.weight": "R,S(0)", "input_0": "S(0),R"}``.
+    """
+    cluster = _as_cluster(cluster)
+    _check_optimizer(optimizer)
+    traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    with planning_mesh(cluster) as mesh:
+        return plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, time_limit_s=time_limit_s)
+
+
+def _runtime_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def parallelize(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: LossFn | None = None,
+    example_targets: Sequence[torch.Tensor] = (),
+    plan: Plan | None = None,
+    optimizer: str = "adam",
+    pins: Pins | None = None,
+) -> ParallelModel:
+    """Apply ``plan`` (or plan now) to ``model`` inside a ``torchrun`` job.
+
+    Every rank must build the same model with the same weights. Returns a
+    :class:`~autoplan.parallel.ParallelModel` whose parameters are DTensors in the planned
+    placements and whose ``program`` is the generated per-rank step.
+    """
+    cluster = _as_cluster(cluster)
+    if not dist.is_initialized():
+        raise PlanMismatchError(
+            "parallelize() needs a process group: run under torchrun (autoplan run ...) "
+            "or call torch.distributed.init_process_group first"
+        )
+    world = dist.get_world_size()
+    if plan is not None:
+        cluster = plan.cluster
+    if world != cluster.world_size:
+        raise PlanMismatchError(
+            f"the job has {world} ranks but the {'plan' if plan else 'cluster'} is for {cluster.world_size} devices "
+            f"({cluster}): launch with --nproc-per-node={cluster.world_size} or re-plan"
+        )
+    device = _runtime_device()
+    model = model.to(device)
+    inputs = tuple(t.to(device) for t in example_inputs)
+    targets = tuple(t.to(device) for t in example_targets)
+    traced = trace_training_step(model, inputs, loss_fn=loss_fn, example_targets=targets)
+    mesh = init_device_mesh(device.type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
+    if plan is None:
+        _check_optimizer(optimizer)
+        plan = plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins)
+    plan.check_applies_to(fingerprint=traced.fingerprint, world_size=world)
+    program = generate_program(
+        traced,
+        plan.assignment(),
+        fallback_nodes=frozenset(plan.fallback_ops),
+        axis_names=cluster.mesh_axis_names,
+        device=device,
+    )
+    return ParallelModel(model=model, traced=traced, plan=plan, program=program, mesh=mesh, device=device)
+
+
+LossCallable = Callable[..., torch.Tensor]

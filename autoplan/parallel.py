@@ -1,0 +1,136 @@
+"""The applied plan: sharded parameters plus the generated per-rank training step."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from autoplan.plan import Plan
+from passes.apply import GeneratedProgram, expected_output_placements
+from passes.placement import parse_spec, spec_str
+from passes.trace import TracedProgram
+
+
+class PlacementMismatchError(AssertionError):
+    """Checked execution found a value whose placement differs from the plan (an autoplan bug)."""
+
+
+class _CheckedInterpreter(fx.Interpreter):
+    """Runs the generated program and asserts every op output has its planned placement."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.expected = expected_output_placements(gm)
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        spec = self.expected.get(n.name)
+        if spec is not None:
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(first, DTensor) and tuple(first.placements) != tuple(spec):
+                raise PlacementMismatchError(
+                    f"{n.name} ({n.target}) produced {spec_str(first.placements)}, plan says {spec_str(spec)}"
+                )
+        return out
+
+
+class ParallelModel(torch.nn.Module):
+    """A model sharded by a plan. One call of :meth:`forward_backward` is one training step's
+    forward and backward: it returns the loss and leaves each parameter's gradient (a DTensor in
+    the parameter's placement) in ``.grad``; any ``torch.optim`` optimizer then steps locally."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        traced: TracedProgram,
+        plan: Plan,
+        program: GeneratedProgram,
+        mesh: DeviceMesh,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.plan = plan
+        self.mesh = mesh
+        self.device = device
+        self.program = program.graph_module
+        self.redistributions = program.redistributions
+        self._traced = traced
+        self.param_names = traced.param_names
+        named = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        self._params = torch.nn.ParameterList(
+            torch.nn.Parameter(
+                distribute_tensor(named[n].detach(), mesh, parse_spec(plan.param_specs[n]), src_data_rank=None)
+            )
+            for n in self.param_names
+        )
+        rep = [Replicate()] * mesh.ndim
+        self._buffers_list = [distribute_tensor(buffers[n].detach(), mesh, rep, src_data_rank=None) for n in traced.buffer_names]
+        self._input_specs = [parse_spec(s) for s in plan.input_specs]
+        self._target_specs = [parse_spec(s) for s in plan.target_specs]
+
+    # -- parameters -------------------------------------------------------------------------
+    def named_sharded_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        yield from zip(self.param_names, self._params, strict=True)
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # noqa: ARG002
+        yield from self._params
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered to a full tensor (collective: call on all ranks)."""
+        return {n: p.detach().full_tensor() for n, p in self.named_sharded_parameters()}
+
+    @property
+    def code(self) -> str:
+        """The generated per-rank program as readable Python."""
+        return self.program.code
+
+    def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer the plan was costed for, over the sharded parameters."""
+        name = self.plan.optimizer
+        params = list(self._params)
+        if name == "adam":
+            return torch.optim.Adam(params, **kwargs)
+        if name == "adamw":
+            return torch.optim.AdamW(params, **kwargs)
+        if name == "sgd_momentum":
+            return torch.optim.SGD(params, momentum=kwargs.pop("momentum", 0.9), **kwargs)
+        return torch.optim.SGD(params, **kwargs)
+
+    # -- execution --------------------------------------------------------------------------
+    def _distribute(self, tensors: Sequence[torch.Tensor], specs: Sequence[Any]) -> list[DTensor]:
+        return [
+            distribute_tensor(t.to(self.device), self.mesh, spec, src_data_rank=None)
+            for t, spec in zip(tensors, specs, strict=True)
+        ]
+
+    def forward_backward(
+        self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = (), check: bool = False
+    ) -> torch.Tensor:
+        """Run one step's forward and backward on the *global* batch (identical on every rank;
+        each rank keeps its shard). Returns the loss; gradients land in ``.grad``.
+
+        ``check=True`` asserts every intermediate has its planned placement (slower)."""
+        if len(inputs) != len(self._input_specs) or len(targets) != len(self._target_specs):
+            raise ValueError(
+                f"expected {len(self._input_specs)} inputs and {len(self._target_specs)} targets as planned, "
+                f"got {len(inputs)} and {len(targets)}"
+            )
+        args = [p.detach() for p in self._params] + list(self._buffers_list)
+        args += self._distribute(inputs, self._input_specs) + self._distribute(targets, self._target_specs)
+        with torch.no_grad(), implicit_replication():
+            outs = _CheckedInterpreter(self.program).run(*args) if check else self.program(*args)
+        loss, *grads = outs
+        for p, g in zip(self._params, grads, strict=True):
+            p.grad = g
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def forward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        return self.forward_backward(*inputs, targets=targets)

@@ -1,0 +1,296 @@
+"""The plan: a plain, versioned, JSON-serialisable decision, made before anything runs.
+
+A :class:`Plan` says, for one traced model and one cluster, which placement every parameter,
+input and operator gets, which collectives that implies (and their estimated cost), and what
+the step is estimated to cost in time and memory. It is saved as JSON (never pickled) with the
+model's graph fingerprint and the cluster, so it cannot silently be applied to another model or
+world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cost_models.cluster import Cluster
+from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
+from passes.placement import parse_spec, spec_str, spec_strs
+from passes.strategies import Strategy
+
+PLAN_FORMAT = "autoplan.plan"
+PLAN_VERSION = 1
+GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveRecord:
+    """One redistribution in the plan: a producer value converted for one consumer."""
+
+    producer: str
+    consumer: str
+    arg_index: int
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    steps: tuple[tuple[str, int], ...]
+    """(kind, mesh axis) per single-axis step, e.g. ``("all_gather", 1)``."""
+    time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "producer": self.producer,
+            "consumer": self.consumer,
+            "arg_index": self.arg_index,
+            "src": list(self.src),
+            "dst": list(self.dst),
+            "steps": [list(s) for s in self.steps],
+            "time_s": self.time_s,
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> CollectiveRecord:
+        return CollectiveRecord(
+            producer=d["producer"],
+            consumer=d["consumer"],
+            arg_index=int(d["arg_index"]),
+            src=tuple(d["src"]),
+            dst=tuple(d["dst"]),
+            steps=tuple((str(k), int(a)) for k, a in d["steps"]),
+            time_s=float(d["time_s"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Estimate:
+    """Estimated cost of one training step on one device."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    memory_bytes: Mapping[str, float]
+    """Bytes per device by category (params, grads, optimizer, activations, inputs) and total."""
+    capacity_bytes: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """A sharding plan for one model on one cluster (see the module docstring)."""
+
+    fingerprint: str
+    """Graph fingerprint of the traced training step the plan was made for."""
+    cluster: Cluster
+    optimizer: str
+    param_names: tuple[str, ...]
+    input_specs: tuple[tuple[str, ...], ...]
+    target_specs: tuple[tuple[str, ...], ...]
+    param_specs: Mapping[str, tuple[str, ...]]
+    nodes: Mapping[str, Mapping[str, Any]]
+    """node name -> {"op", "out": [spec per output or None], "in": [spec per tensor arg]}."""
+    fallback_ops: Mapping[str, str]
+    collectives: tuple[CollectiveRecord, ...]
+    estimate: Estimate
+    solver: Mapping[str, Any]
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+    # -- views ------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    def strategy_of(self, node: str) -> Strategy:
+        d = self.nodes[node]
+        outs = tuple(parse_spec(s) if s is not None else None for s in d["out"])
+        ins = tuple(parse_spec(s) for s in d["in"])
+        return Strategy(output_specs=outs, input_specs=ins)
+
+    def assignment(self) -> dict[str, Strategy]:
+        """node name -> chosen strategy, placeholders included (buffers and constants are ``R``)."""
+        out = {name: self.strategy_of(name) for name in self.nodes}
+        for name in self.param_names:
+            out["p_" + name.replace(".", "_")] = Strategy((parse_spec(self.param_specs[name]),), ())
+        for i, s in enumerate(self.input_specs):
+            out[f"input_{i}"] = Strategy((parse_spec(s),), ())
+        for i, s in enumerate(self.target_specs):
+            out[f"target_{i}"] = Strategy((parse_spec(s),), ())
+        return out
+
+    def collective_counts(self) -> dict[str, int]:
+        """Number of collectives of each kind one step runs (local steps excluded)."""
+        counts: dict[str, int] = {}
+        for c in self.collectives:
+            for kind, _axis in c.steps:
+                if kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
+                    counts[kind] = counts.get(kind, 0) + 1
+        return dict(sorted(counts.items()))
+
+    def parallelism(self) -> dict[str, str]:
+        """Per mesh axis, a name for what the plan does along it (data / tensor / mixed)."""
+        out = {}
+        for axis, name in enumerate(self.cluster.mesh_axis_names):
+            batch = [s[axis] for s in self.input_specs]
+            params_sharded = sum(1 for s in self.param_specs.values() if s[axis] != "R")
+            kinds = []
+            if any(p.startswith("S(0)") for p in batch):
+                kinds.append("data")
+            elif any(p.startswith("S(") for p in batch):
+                kinds.append("sequence")
+            if params_sharded:
+                kinds.append(f"tensor/param-sharded ({params_sharded}/{len(self.param_specs)} params)")
+            out[name] = " + ".join(kinds) if kinds else "replicated"
+        return out
+
+    def summary(self) -> str:
+        """Readable multi-line summary for review before anything runs."""
+        c, e = self.cluster, self.estimate
+        mem = e.memory_bytes
+        lines = [
+            f"autoplan plan {self.fingerprint} for {c} ({c.device.name}, {c.world_size} devices)",
+            f"  estimated step: {e.step_time_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f} ms, "
+            f"communication {e.comm_s * 1e3:.3f} ms)",
+            f"  memory per device: {mem['total'] / GiB:.3f} GiB of {e.capacity_bytes / GiB:.1f} GiB "
+            f"(params {mem['params'] / GiB:.3f}, grads {mem['grads'] / GiB:.3f}, optimizer {mem['optimizer'] / GiB:.3f}, "
+            f"activations {mem['activations'] / GiB:.3f}, inputs {mem['inputs'] / GiB:.3f})",
+            f"  solver: {self.solver['status']} in {self.solver['solve_time_s']:.2f} s "
+            f"({self.solver['num_variables']} variables, {self.solver['num_constraints']} constraints)",
+            "  mesh axes: " + ", ".join(
+                f"{name}={size}: {kind}"
+                for (name, kind), size in zip(self.parallelism().items(), c.mesh_shape, strict=True)
+            ),
+            "  inputs: " + ", ".join(spec_str(parse_spec(s)) for s in self.input_specs),
+            "  collectives per step: " + (", ".join(f"{k} x{v}" for k, v in self.collective_counts().items()) or "none"),
+        ]
+        if self.fallback_ops:
+            lines.append("  replicated fallback ops (no DTensor strategy): " + ", ".join(sorted(set(self.fallback_ops.values()))))
+        lines.append("  parameters:")
+        width = max((len(n) for n in self.param_names), default=10)
+        for name in self.param_names:
+            lines.append(f"    {name:<{width}}  {spec_str(parse_spec(self.param_specs[name]))}")
+        return "\n".join(lines)
+
+    # -- checks -----------------------------------------------------------------------------
+    def check_applies_to(self, *, fingerprint: str, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise PlanMismatchError(
+                f"plan is for {self.world_size} devices ({self.cluster}) but the job has {world_size} ranks: "
+                f"launch with --nproc-per-node matching the plan, or re-plan for {world_size} devices"
+            )
+        if fingerprint != self.fingerprint:
+            raise PlanMismatchError(
+                f"plan was made for a different model or input shapes (graph fingerprint {self.fingerprint}, "
+                f"this model traces to {fingerprint}): re-plan with `autoplan plan` for this model"
+            )
+
+    # -- serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        e = self.estimate
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "fingerprint": self.fingerprint,
+            "cluster": self.cluster.to_dict(),
+            "optimizer": self.optimizer,
+            "param_names": list(self.param_names),
+            "placements": {
+                "inputs": [list(s) for s in self.input_specs],
+                "targets": [list(s) for s in self.target_specs],
+                "params": {n: list(self.param_specs[n]) for n in self.param_names},
+            },
+            "estimate": {
+                "step_time_s": e.step_time_s,
+                "compute_s": e.compute_s,
+                "comm_s": e.comm_s,
+                "memory_bytes": dict(e.memory_bytes),
+                "capacity_bytes": e.capacity_bytes,
+            },
+            "solver": dict(self.solver),
+            "fallback_ops": dict(self.fallback_ops),
+            "collectives": [c.to_dict() for c in self.collectives],
+            "nodes": {n: {"op": d["op"], "out": d["out"], "in": d["in"]} for n, d in self.nodes.items()},
+            "versions": dict(self.versions),
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any], *, where: str = "plan") -> Plan:
+        if not isinstance(d, Mapping) or d.get("format") != PLAN_FORMAT:
+            raise PlanFileError(f"{where} is not an autoplan plan (missing \"format\": \"{PLAN_FORMAT}\")")
+        if d.get("version") != PLAN_VERSION:
+            raise PlanFileError(
+                f"{where} has plan version {d.get('version')!r}; this autoplan reads version {PLAN_VERSION}: re-plan with this version"
+            )
+        try:
+            cluster = Cluster.from_dict(d["cluster"], where=f"{where} (cluster)")
+            est = d["estimate"]
+            plan = Plan(
+                fingerprint=str(d["fingerprint"]),
+                cluster=cluster,
+                optimizer=str(d["optimizer"]),
+                param_names=tuple(d["param_names"]),
+                input_specs=tuple(tuple(s) for s in d["placements"]["inputs"]),
+                target_specs=tuple(tuple(s) for s in d["placements"]["targets"]),
+                param_specs={k: tuple(v) for k, v in d["placements"]["params"].items()},
+                nodes={k: dict(v) for k, v in d["nodes"].items()},
+                fallback_ops=dict(d["fallback_ops"]),
+                collectives=tuple(CollectiveRecord.from_dict(c) for c in d["collectives"]),
+                estimate=Estimate(
+                    step_time_s=float(est["step_time_s"]),
+                    compute_s=float(est["compute_s"]),
+                    comm_s=float(est["comm_s"]),
+                    memory_bytes={k: float(v) for k, v in est["memory_bytes"].items()},
+                    capacity_bytes=float(est["capacity_bytes"]),
+                ),
+                solver=dict(d["solver"]),
+                versions=dict(d.get("versions", {})),
+            )
+            for n in plan.nodes:
+                plan.strategy_of(n)  # validates every spec string
+            for n in plan.param_names:
+                parse_spec(plan.param_specs[n])
+        except ClusterSpecError as exc:
+            raise PlanFileError(str(exc)) from exc
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PlanFileError(f"{where} is malformed ({type(exc).__name__}: {exc}): re-create it with `autoplan plan`") from exc
+        return plan
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON, atomically (a temporary file renamed into place)."""
+        path = Path(path)
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @staticmethod
+    def load(path: str | os.PathLike[str]) -> Plan:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise PlanFileError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(
+                f"plan file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg}); it may be truncated: re-create it with `autoplan plan`"
+            ) from exc
+        return Plan.from_dict(data, where=f"plan file {str(path)!r}")
+
+
+def spec_list(spec: Any) -> list[str]:
+    return spec_strs(spec)
+
+
+def software_versions() -> dict[str, str]:
+    from autoplan import __version__
+
+    return {"autoplan": __version__, "torch": torch.__version__}

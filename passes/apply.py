@@ -1,0 +1,201 @@
+"""Pass 5 — apply: the plan becomes an executable per-rank program with explicit collectives.
+
+Contract
+--------
+Input: the traced joint graph and an assignment ``node name -> Strategy`` (from the plan).
+Output: a :class:`GeneratedProgram` whose ``graph_module`` has the same signature as the traced
+step, runs on DTensors (parameters and inputs in their planned placements) and contains, before
+every argument whose producer's placement differs from what the consumer needs, the chain of
+single-axis steps of :func:`cost_models.comm.plan_transition` as explicit calls
+(``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``shard``, ``to_partial``).
+
+:func:`edge_redistributions` lists those same transitions as data; the planner prices exactly
+this list and the program contains exactly these calls, nothing else.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from cost_models.comm import TransitionStep, plan_transition
+from passes import runtime
+from passes.placement import Spec, replicated, spec_str
+from passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
+from passes.trace import TracedProgram
+
+OUTPUT = "<output>"
+
+
+@dataclass(frozen=True, slots=True)
+class Redistribution:
+    """One producer value converted for one consumer argument."""
+
+    producer: ValueRef
+    consumer: str
+    """Consumer node name, ``<output>`` for the loss, or ``p_<param>`` for a gradient."""
+    arg_index: int
+    src: Spec
+    dst: Spec
+    steps: tuple[TransitionStep, ...]
+
+    def __str__(self) -> str:
+        steps = " ".join(str(s) for s in self.steps)
+        return f"{self.producer} -> {self.consumer}[{self.arg_index}]: {spec_str(self.src)}->{spec_str(self.dst)} ({steps})"
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratedProgram:
+    graph_module: fx.GraphModule
+    redistributions: tuple[Redistribution, ...]
+
+
+def _output_spec(assignment: Mapping[str, Strategy], ref: ValueRef, mesh_ndim: int) -> Spec:
+    strat = assignment.get(ref.node)
+    if strat is None:
+        return replicated(mesh_ndim)
+    spec = strat.output_specs[ref.index]
+    assert spec is not None, ref
+    return spec
+
+
+def edge_redistributions(
+    traced: TracedProgram, assignment: Mapping[str, Strategy], mesh_ndim: int
+) -> list[Redistribution]:
+    """Every transition the planned program performs, in graph order."""
+    out: list[Redistribution] = []
+    gm = traced.graph_module
+    for node in gm.graph.nodes:
+        if node.name not in assignment or node.op != "call_function":
+            continue
+        strat = assignment[node.name]
+        for i, a in enumerate(tensor_args(node)):
+            ref = resolve_value(a)
+            src, dst = _output_spec(assignment, ref, mesh_ndim), strat.input_specs[i]
+            if src != dst:
+                out.append(Redistribution(ref, node.name, i, src, dst, plan_transition(src, dst)))
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    loss, *grads = output.args[0]
+    rep = replicated(mesh_ndim)
+    ref = resolve_value(loss)
+    src = _output_spec(assignment, ref, mesh_ndim)
+    if src != rep:
+        out.append(Redistribution(ref, OUTPUT, -1, src, rep, plan_transition(src, rep)))
+    for pname, g in zip(traced.param_names, grads, strict=True):
+        pnode = "p_" + pname.replace(".", "_")
+        ref = resolve_value(g)
+        src, dst = _output_spec(assignment, ref, mesh_ndim), assignment[pnode].output_specs[0]
+        assert dst is not None
+        if src != dst:
+            out.append(Redistribution(ref, pnode, -1, src, dst, plan_transition(src, dst)))
+    return out
+
+
+_STEP_FN = {
+    "all_gather": runtime.all_gather,
+    "all_reduce": runtime.all_reduce,
+    "reduce_scatter": runtime.reduce_scatter,
+    "all_to_all": runtime.all_to_all,
+    "shard": runtime.shard,
+    "to_partial": runtime.to_partial,
+}
+
+
+def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], axis_names: tuple[str, ...]) -> fx.Node:
+    for st in steps:
+        kwargs: dict[str, object] = {"axis": st.axis}
+        if isinstance(st.dst, Shard) and st.kind in ("reduce_scatter", "all_to_all", "shard"):
+            kwargs["dim"] = st.dst.dim
+        x = graph.create_node(
+            "call_function", _STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}"
+        )
+    return x
+
+
+def _fix_device(kwargs: dict[str, object], device: torch.device) -> dict[str, object]:
+    if "device" in kwargs:
+        kwargs = {**kwargs, "device": device}
+    return kwargs
+
+
+def generate_program(
+    traced: TracedProgram,
+    assignment: Mapping[str, Strategy],
+    *,
+    fallback_nodes: frozenset[str],
+    axis_names: tuple[str, ...],
+    device: torch.device,
+) -> GeneratedProgram:
+    """Build the per-rank program (see the module docstring)."""
+    mesh_ndim = len(axis_names)
+    src_gm = traced.graph_module
+    redistributions = edge_redistributions(traced, assignment, mesh_ndim)
+    by_edge = {(r.consumer, r.arg_index): r for r in redistributions}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in src_gm.graph.nodes:
+        if node.op == "output":
+            loss, *grads = node.args[0]
+            new_loss = env[loss]
+            r = by_edge.get((OUTPUT, -1))
+            if r is not None:
+                new_loss = _emit_steps(graph, new_loss, r.steps, axis_names)
+            new_grads = []
+            for pname, g in zip(traced.param_names, grads, strict=True):
+                r = by_edge.get(("p_" + pname.replace(".", "_"), -1))
+                ng = env[g]
+                new_grads.append(_emit_steps(graph, ng, r.steps, axis_names) if r is not None else ng)
+            graph.output((new_loss, *new_grads))
+            continue
+        if node.op != "call_function" or node.target is operator.getitem or node.name not in assignment:
+            new = graph.node_copy(node, lambda n: env[n])
+            if node.op == "call_function":
+                new.kwargs = _fix_device(dict(new.kwargs), device)
+            env[node] = new
+            continue
+        targs = tensor_args(node)
+        converted: list[fx.Node] = []
+        for i, a in enumerate(targs):
+            r = by_edge.get((node.name, i))
+            converted.append(_emit_steps(graph, env[a], r.steps, axis_names) if r is not None else env[a])
+        it = iter(converted)
+
+        def remap(a: object) -> object:
+            if isinstance(a, fx.Node):
+                return next(it) if isinstance(a.meta.get("val"), torch.Tensor) else env[a]
+            return a
+
+        new_args = pytree.tree_map(remap, node.args, is_leaf=lambda a: isinstance(a, fx.Node))
+        new_kwargs = _fix_device(fx.node.map_arg(dict(node.kwargs), lambda n: env[n]), device)
+        if node.name in fallback_nodes:
+            new = graph.create_node(
+                "call_function", runtime.replicated_call, (node.target, *new_args), new_kwargs, name=node.name
+            )
+        else:
+            new = graph.create_node("call_function", node.target, tuple(new_args), new_kwargs, name=node.name)
+        new.meta = dict(node.meta)
+        strat = assignment[node.name]
+        new.meta["autoplan.output_specs"] = strat.output_specs
+        env[node] = new
+    gm = fx.GraphModule(src_gm, graph, class_name="AutoplanStep")
+    gm.recompile()
+    return GeneratedProgram(graph_module=gm, redistributions=tuple(redistributions))
+
+
+def expected_output_placements(gm: fx.GraphModule) -> dict[str, Spec]:
+    """Planned output spec of every op node of a generated program (for checked execution)."""
+    out = {}
+    for n in gm.graph.nodes:
+        specs = n.meta.get("autoplan.output_specs")
+        if specs and specs[0] is not None:
+            out[n.name] = specs[0]
+    return out
+
+
+__all__ = ["GeneratedProgram", "Redistribution", "edge_redistributions", "generate_program", "Replicate"]

@@ -1,0 +1,85 @@
+"""Functions the generated per-rank program calls: one explicit collective per mesh axis.
+
+Each function changes the placement of exactly one mesh axis of a DTensor; the name says which
+collective runs (``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``) or that the
+step is local (``shard``, ``to_partial``). They are thin wrappers over
+``DTensor.redistribute`` so that NCCL, gloo and fake process groups all work unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+
+def _move(x: DTensor, axis: int, dst: Placement) -> DTensor:
+    if not isinstance(x, DTensor):
+        raise TypeError(f"expected a DTensor, got {type(x).__name__}")
+    placements = list(x.placements)
+    placements[axis] = dst
+    return x.redistribute(x.device_mesh, placements)
+
+
+def all_gather(x: DTensor, axis: int) -> DTensor:
+    """``S(d) -> R`` on ``axis``."""
+    return _move(x, axis, Replicate())
+
+
+def all_reduce(x: DTensor, axis: int) -> DTensor:
+    """``P -> R`` on ``axis``."""
+    return _move(x, axis, Replicate())
+
+
+def reduce_scatter(x: DTensor, axis: int, dim: int) -> DTensor:
+    """``P -> S(dim)`` on ``axis``."""
+    return _move(x, axis, Shard(dim))
+
+
+def all_to_all(x: DTensor, axis: int, dim: int) -> DTensor:
+    """``S(d) -> S(dim)`` on ``axis``."""
+    return _move(x, axis, Shard(dim))
+
+
+def shard(x: DTensor, axis: int, dim: int) -> DTensor:
+    """``R -> S(dim)`` on ``axis``: local slice, no communication."""
+    return _move(x, axis, Shard(dim))
+
+
+def to_partial(x: DTensor, axis: int) -> DTensor:
+    """``R -> P`` on ``axis``: local, no communication (rank 0 of the axis keeps the value,
+    the others hold zeros, so the pending sum is the original value)."""
+    if not isinstance(x, DTensor) or not isinstance(x.placements[axis], Replicate):
+        raise TypeError("to_partial expects a DTensor replicated on that axis")
+    placements = list(x.placements)
+    placements[axis] = Partial("sum")
+    local = x.to_local()
+    if x.device_mesh.get_local_rank(axis) != 0:
+        local = torch.zeros_like(local)
+    return DTensor.from_local(local, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def replicated_call(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run an op that has no DTensor strategy on replicated inputs; outputs are replicated DTensors."""
+    mesh = None
+
+    def unwrap(a: Any) -> Any:
+        nonlocal mesh
+        if isinstance(a, DTensor):
+            assert all(isinstance(p, Replicate) for p in a.placements), a.placements
+            mesh = a.device_mesh
+            return a.to_local()
+        return a
+
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs))
+    out = op(*args, **kwargs)
+    if mesh is None:
+        return out
+    rep = [Replicate()] * mesh.ndim
+
+    def wrap(t: Any) -> Any:
+        return DTensor.from_local(t, mesh, rep, run_check=False) if isinstance(t, torch.Tensor) else t
+
+    return pytree.tree_map(wrap, out)
