@@ -65,11 +65,11 @@ def planning_mesh(cluster: Cluster) -> Iterator[DeviceMesh]:
         dist.destroy_process_group()
 
 
-def _placeholder_of(table: StrategyTable, traced: TracedProgram, pattern: str) -> list[str]:
-    names = {f"p_{n.replace('.', '_')}": n for n in traced.param_names}
-    names.update({f"input_{i}": f"input_{i}" for i in range(traced.num_inputs)})
-    names.update({f"target_{i}": f"target_{i}" for i in range(traced.num_targets)})
-    return [node for node, user_name in names.items() if fnmatch.fnmatchcase(user_name, pattern) or node == pattern]
+def _placeholder_of(traced: TracedProgram, pattern: str) -> list[str]:
+    """Placeholders a pin names: ``input_<i>`` / ``target_<i>`` exactly, parameters by FQN glob."""
+    if pattern in {f"input_{i}" for i in range(traced.num_inputs)} | {f"target_{i}" for i in range(traced.num_targets)}:
+        return [pattern]
+    return [f"p_{n.replace('.', '_')}" for n in traced.param_names if fnmatch.fnmatchcase(n, pattern)]
 
 
 def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None:
@@ -83,7 +83,7 @@ def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None
             raise PlanError(f"pin {pattern!r}: {exc}") from exc
         if len(spec) != ndim:
             raise PlanError(f"pin {pattern!r} gives {len(spec)} placements but the mesh has {ndim} axes {table.mesh_shape}")
-        matched = _placeholder_of(table, traced, pattern)
+        matched = _placeholder_of(traced, pattern)
         if not matched:
             raise PlanError(
                 f"pin {pattern!r} matches no parameter or input; parameters look like {traced.param_names[0]!r}, "
@@ -119,9 +119,13 @@ def plan_traced(
     redistributions = edge_redistributions(traced, assignment, cluster.mesh_ndim)
     collectives = []
     comm_s = 0.0
+    buckets_seen: set[str] = set()
     for r in redistributions:
         nbytes = _value_bytes(node_by_name, r.producer)
-        t = transition_cost_s(r.src, r.dst, nbytes, cluster)
+        t = transition_cost_s(r.src, r.dst, nbytes, cluster, include_latency=r.bucket is None)
+        if r.bucket is not None and r.bucket not in buckets_seen:
+            buckets_seen.add(r.bucket)
+            t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
         comm_s += t
         collectives.append(
             CollectiveRecord(
@@ -132,6 +136,7 @@ def plan_traced(
                 dst=tuple(spec_strs(r.dst)),
                 steps=tuple((s.kind, s.axis) for s in r.steps),
                 time_s=t,
+                bucket=r.bucket,
             )
         )
     compute_s = sum(problem.node_time_s[n][s] for n, s in solution.choice.items())
@@ -297,6 +302,7 @@ def parallelize(
         fallback_nodes=frozenset(plan.fallback_ops),
         axis_names=cluster.mesh_axis_names,
         device=device,
+        mesh=mesh,
     )
     return ParallelModel(model=model, traced=traced, plan=plan, program=program, mesh=mesh, device=device)
 

@@ -41,9 +41,12 @@ class CollectiveRecord:
     steps: tuple[tuple[str, int], ...]
     """(kind, mesh axis) per single-axis step, e.g. ``("all_gather", 1)``."""
     time_s: float
+    bucket: str | None = None
+    """Coalesced gradient reductions share a bucket: one collective per step for the bucket."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "bucket": self.bucket,
             "producer": self.producer,
             "consumer": self.consumer,
             "arg_index": self.arg_index,
@@ -63,6 +66,7 @@ class CollectiveRecord:
             dst=tuple(d["dst"]),
             steps=tuple((str(k), int(a)) for k, a in d["steps"]),
             time_s=float(d["time_s"]),
+            bucket=d.get("bucket"),
         )
 
 
@@ -123,7 +127,12 @@ class Plan:
     def collective_counts(self) -> dict[str, int]:
         """Number of collectives of each kind one step runs (local steps excluded)."""
         counts: dict[str, int] = {}
+        seen_buckets: set[str] = set()
         for c in self.collectives:
+            if c.bucket is not None:
+                if c.bucket in seen_buckets:
+                    continue
+                seen_buckets.add(c.bucket)
             for kind, _axis in c.steps:
                 if kind in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all"):
                     counts[kind] = counts.get(kind, 0) + 1

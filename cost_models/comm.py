@@ -150,10 +150,24 @@ def step_bytes(step: TransitionStep, before: Sequence[Placement], full_bytes: fl
     return 0.0
 
 
+def is_coalescable(steps: Sequence[TransitionStep]) -> bool:
+    """Gradient reductions made only of all-reduces are coalesced into one flat all-reduce per
+    (mesh axis, partial kind) by the generated program, as DDP buckets gradients: their per-message
+    latency is paid once per step, not once per tensor."""
+    return bool(steps) and all(s.kind == "all_reduce" for s in steps)
+
+
 def transition_cost_s(
-    src: Sequence[Placement], dst: Sequence[Placement], full_bytes: float, cluster: Cluster
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    full_bytes: float,
+    cluster: Cluster,
+    *,
+    include_latency: bool = True,
 ) -> float:
-    """Time to convert a tensor of ``full_bytes`` (global size) from ``src`` to ``dst``."""
+    """Time to convert a tensor of ``full_bytes`` (global size) from ``src`` to ``dst``.
+
+    ``include_latency=False`` gives the bandwidth term only (for coalesced gradient reductions)."""
     if tuple(src) == tuple(dst):
         return 0.0
     mesh_shape = cluster.mesh_shape
@@ -163,6 +177,7 @@ def transition_cost_s(
         if step.is_collective:
             link = cluster.axis_link(step.axis)
             nbytes = step_bytes(step, cur, full_bytes, mesh_shape)
-            total += collective_time_s(step.kind, nbytes, mesh_shape[step.axis], link.bw_GBps, link.latency_us)
+            latency_us = link.latency_us if include_latency else 0.0
+            total += collective_time_s(step.kind, nbytes, mesh_shape[step.axis], link.bw_GBps, latency_us)
         cur[step.axis] = step.dst
     return total

@@ -8,6 +8,8 @@ step, runs on DTensors (parameters and inputs in their planned placements) and c
 every argument whose producer's placement differs from what the consumer needs, the chain of
 single-axis steps of :func:`cost_models.comm.plan_transition` as explicit calls
 (``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``shard``, ``to_partial``).
+Gradient all-reduces with the same transition are coalesced into one ``all_reduce_coalesced``
+per mesh axis (one flat buffer, as DDP buckets gradients).
 
 :func:`edge_redistributions` lists those same transitions as data; the planner prices exactly
 this list and the program contains exactly these calls, nothing else.
@@ -21,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from cost_models.comm import TransitionStep, plan_transition
+from cost_models.comm import TransitionStep, is_coalescable, plan_transition
 from passes import runtime
 from passes.placement import Spec, replicated, spec_str
 from passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
@@ -44,6 +47,8 @@ class Redistribution:
     src: Spec
     dst: Spec
     steps: tuple[TransitionStep, ...]
+    bucket: str | None = None
+    """Gradient reductions with the same key run as one coalesced all-reduce per step."""
 
     def __str__(self) -> str:
         steps = " ".join(str(s) for s in self.steps)
@@ -93,7 +98,9 @@ def edge_redistributions(
         src, dst = _output_spec(assignment, ref, mesh_ndim), assignment[pnode].output_specs[0]
         assert dst is not None
         if src != dst:
-            out.append(Redistribution(ref, pnode, -1, src, dst, plan_transition(src, dst)))
+            steps = plan_transition(src, dst)
+            bucket = f"grad:{spec_str(src)}->{spec_str(dst)}" if is_coalescable(steps) else None
+            out.append(Redistribution(ref, pnode, -1, src, dst, steps, bucket))
     return out
 
 
@@ -112,6 +119,8 @@ def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], 
         kwargs: dict[str, object] = {"axis": st.axis}
         if isinstance(st.dst, Shard) and st.kind in ("reduce_scatter", "all_to_all", "shard"):
             kwargs["dim"] = st.dst.dim
+        if st.kind == "to_partial" and isinstance(st.dst, Partial) and st.dst.reduce_op != "sum":
+            kwargs["reduce_op"] = st.dst.reduce_op
         x = graph.create_node(
             "call_function", _STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}"
         )
@@ -124,6 +133,10 @@ def _fix_device(kwargs: dict[str, object], device: torch.device) -> dict[str, ob
     return kwargs
 
 
+def _is_dtensor_input(node: fx.Node) -> bool:
+    return node.op == "placeholder"
+
+
 def generate_program(
     traced: TracedProgram,
     assignment: Mapping[str, Strategy],
@@ -131,6 +144,7 @@ def generate_program(
     fallback_nodes: frozenset[str],
     axis_names: tuple[str, ...],
     device: torch.device,
+    mesh: DeviceMesh | None = None,
 ) -> GeneratedProgram:
     """Build the per-rank program (see the module docstring)."""
     mesh_ndim = len(axis_names)
@@ -139,6 +153,7 @@ def generate_program(
     by_edge = {(r.consumer, r.arg_index): r for r in redistributions}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    mesh_node: fx.Node | None = None
     for node in src_gm.graph.nodes:
         if node.op == "output":
             loss, *grads = node.args[0]
@@ -146,11 +161,28 @@ def generate_program(
             r = by_edge.get((OUTPUT, -1))
             if r is not None:
                 new_loss = _emit_steps(graph, new_loss, r.steps, axis_names)
-            new_grads = []
-            for pname, g in zip(traced.param_names, grads, strict=True):
+            new_grads: list[fx.Node] = []
+            buckets: dict[str, list[int]] = {}
+            for i, (pname, g) in enumerate(zip(traced.param_names, grads, strict=True)):
                 r = by_edge.get(("p_" + pname.replace(".", "_"), -1))
                 ng = env[g]
-                new_grads.append(_emit_steps(graph, ng, r.steps, axis_names) if r is not None else ng)
+                if r is not None and r.bucket is not None:
+                    buckets.setdefault(r.bucket, []).append(i)
+                new_grads.append(_emit_steps(graph, ng, r.steps, axis_names) if r is not None and r.bucket is None else ng)
+            for key, members in buckets.items():
+                r = by_edge[("p_" + traced.param_names[members[0]].replace(".", "_"), -1)]
+                group = [new_grads[i] for i in members]
+                for st in r.steps:
+                    red = graph.create_node(
+                        "call_function",
+                        runtime.all_reduce_coalesced,
+                        (tuple(group),),
+                        {"axis": st.axis},
+                        name=f"all_reduce_coalesced_{axis_names[st.axis]}",
+                    )
+                    group = [graph.call_function(operator.getitem, (red, j)) for j in range(len(members))]
+                for i, node in zip(members, group, strict=True):
+                    new_grads[i] = node
             graph.output((new_loss, *new_grads))
             continue
         if node.op != "call_function" or node.target is operator.getitem or node.name not in assignment:
@@ -163,7 +195,13 @@ def generate_program(
         converted: list[fx.Node] = []
         for i, a in enumerate(targs):
             r = by_edge.get((node.name, i))
-            converted.append(_emit_steps(graph, env[a], r.steps, axis_names) if r is not None else env[a])
+            x = env[a]
+            if r is not None and resolve_value(a).node not in assignment and not _is_dtensor_input(a):
+                # a constant (plain tensor, same on every rank) needed sharded: wrap, then slice
+                if mesh_node is None:
+                    mesh_node = graph.get_attr("device_mesh")
+                x = graph.create_node("call_function", runtime.replicate, (x, mesh_node), {}, name=f"{a.name}_replicated")
+            converted.append(_emit_steps(graph, x, r.steps, axis_names) if r is not None else x)
         it = iter(converted)
 
         def remap(a: object) -> object:
@@ -183,7 +221,12 @@ def generate_program(
         strat = assignment[node.name]
         new.meta["autoplan.output_specs"] = strat.output_specs
         env[node] = new
-    gm = fx.GraphModule(src_gm, graph, class_name="AutoplanStep")
+    root = torch.nn.Module()
+    for n in graph.nodes:
+        if n.op == "get_attr" and n.target != "device_mesh":
+            setattr(root, n.target, getattr(src_gm, n.target))
+    root.device_mesh = mesh
+    gm = fx.GraphModule(root, graph, class_name="AutoplanStep")
     gm.recompile()
     return GeneratedProgram(graph_module=gm, redistributions=tuple(redistributions))
 

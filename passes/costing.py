@@ -15,11 +15,14 @@ Output: a :class:`CostProblem`, the plain data the ILP is built from:
   producer output spec ``p`` and each required input spec ``q`` (``cost_models.comm``).
   Gradient outputs are edges to their parameter (the gradient must arrive in the parameter's
   layout: this is the gradient all-reduce / reduce-scatter of data parallelism), and the loss
-  must arrive replicated.
+  must arrive replicated. Gradient all-reduces are coalesced by the generated program
+  (``cost_models.comm.is_coalescable``), so their edges carry the bandwidth term only; the
+  latency of each coalesced collective is added once to the plan's estimate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,8 +32,8 @@ import torch
 import torch.fx as fx
 
 from cost_models.cluster import Cluster
-from cost_models.comm import transition_cost_s
-from cost_models.compute import roofline_time_s
+from cost_models.comm import is_coalescable, plan_transition, transition_cost_s
+from cost_models.compute import is_matmul, roofline_time_s
 from cost_models.memory import OPTIMIZER_STATE_BYTES_PER_ELEMENT, OPTIMIZER_STEP_BYTES_PER_ELEMENT
 from passes.placement import Spec, local_numel, replicated, storage_factor
 from passes.strategies import StrategyTable, ValueRef, resolve_value, tensor_args
@@ -55,6 +58,11 @@ class Edge:
     cost_s: dict[tuple[Spec, Spec], float]
     """Transition time for every (src spec, dst spec) pair."""
     full_bytes: int
+    tied: bool = False
+    """True when the consumer is a size-preserving single-input op (view, transpose, unary
+    elementwise...) that accepts every producer spec as is: it then simply follows its producer.
+    Resharding such a value before the op costs exactly what resharding its output costs, so
+    the solver loses nothing by moving any conversion to the op's consumers."""
 
 
 @dataclass(slots=True)
@@ -133,7 +141,10 @@ def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Clu
             dst_groups: dict[Spec, list[int]] = {}
             for si, s in enumerate(ns.strategies):
                 dst_groups.setdefault(s.input_specs[i], []).append(si)
-            problem.edges.append(_edge(table, ref, name, i, dst_groups, _val_bytes(a.meta["val"]), cluster))
+            edge = _edge(table, ref, name, i, dst_groups, _val_bytes(a.meta["val"]), cluster)
+            if _is_follower(node, ns.kind) and set(edge.src_groups) <= set(edge.dst_groups):
+                edge = dataclasses.replace(edge, tied=True)
+            problem.edges.append(edge)
 
     out = next(n for n in gm.graph.nodes if n.op == "output")
     loss, *grads = out.args[0]
@@ -147,13 +158,27 @@ def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Clu
         groups: dict[Spec, list[int]] = {}
         for si, s in enumerate(ps.strategies):
             groups.setdefault(s.output_specs[0], []).append(si)
-        problem.edges.append(_edge(table, resolve_value(g), pnode, -1, groups, _val_bytes(g.meta["val"]), cluster))
+        problem.edges.append(
+            _edge(table, resolve_value(g), pnode, -1, groups, _val_bytes(g.meta["val"]), cluster, gradient=True)
+        )
     return problem
 
 
+def _is_follower(node: fx.Node, kind: str) -> bool:
+    """Single tensor input, same number of elements out as in, not a matmul."""
+    if kind != "op":
+        return False
+    targs = tensor_args(node)
+    val = node.meta.get("val")
+    if len(targs) != 1 or not isinstance(val, torch.Tensor) or is_matmul(node.target):
+        return False
+    return targs[0].meta["val"].numel() == val.numel()
+
+
 @functools.lru_cache(maxsize=65536)
-def _transition_cost(p: Spec, q: Spec, full_bytes: int, cluster: Cluster) -> float:
-    return transition_cost_s(p, q, full_bytes, cluster)
+def _transition_cost(p: Spec, q: Spec, full_bytes: int, cluster: Cluster, gradient: bool) -> float:
+    latency = not (gradient and is_coalescable(plan_transition(p, q)))
+    return transition_cost_s(p, q, full_bytes, cluster, include_latency=latency)
 
 
 def _edge(
@@ -164,13 +189,15 @@ def _edge(
     dst_groups: dict[Spec, list[int]],
     full_bytes: int,
     cluster: Cluster,
+    *,
+    gradient: bool = False,
 ) -> Edge:
     src_groups: dict[Spec, list[int]] = {}
     for si, s in enumerate(table.nodes[ref.node].strategies):
         spec = s.output_specs[ref.index]
         assert spec is not None, (ref, consumer)
         src_groups.setdefault(spec, []).append(si)
-    cost = {(p, q): _transition_cost(p, q, full_bytes, cluster) for p in src_groups for q in dst_groups}
+    cost = {(p, q): _transition_cost(p, q, full_bytes, cluster, gradient) for p in src_groups for q in dst_groups}
     return Edge(
         producer=ref,
         consumer=consumer,

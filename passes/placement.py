@@ -1,7 +1,8 @@
 """Placement vocabulary shared by the solver, the plan file and the generated program.
 
 A *placement* says how one tensor is laid out along one mesh axis: ``R`` (replicated),
-``S(d)`` (sharded along tensor dim ``d``) or ``P`` (partial sums still to be reduced). A *spec*
+``S(d)`` (sharded along tensor dim ``d``), ``P`` (partial sums still to be reduced) or
+``P(avg)`` (partial values still to be averaged, e.g. a mean loss over a sharded batch). A *spec*
 is one placement per mesh axis, written ``S(0)R`` in logs and ``["S(0)", "R"]`` in plan files.
 
 These are thin, terse views over ``torch.distributed.tensor`` placements, which stay the
@@ -29,7 +30,9 @@ def placement_str(p: Placement) -> str:
         return f"S({p.dim})"
     if type(p) is Partial and p.reduce_op == "sum":
         return "P"
-    raise ValueError(f"placement {p!r} is outside autoplan's vocabulary (R, S(d), P)")
+    if type(p) is Partial and p.reduce_op == "avg":
+        return "P(avg)"
+    raise ValueError(f"placement {p!r} is outside autoplan's vocabulary (R, S(d), P, P(avg))")
 
 
 def parse_placement(text: str) -> Placement:
@@ -38,10 +41,12 @@ def parse_placement(text: str) -> Placement:
         return Replicate()
     if text == "P":
         return Partial("sum")
+    if text == "P(avg)":
+        return Partial("avg")
     m = _SHARD_RE.match(text)
     if m:
         return Shard(int(m.group(1)))
-    raise ValueError(f"placement {text!r} is malformed: expected 'R', 'P' or 'S(<dim>)'")
+    raise ValueError(f"placement {text!r} is malformed: expected 'R', 'P', 'P(avg)' or 'S(<dim>)'")
 
 
 def spec_strs(spec: Sequence[Placement]) -> list[str]:
@@ -59,7 +64,7 @@ def spec_str(spec: Sequence[Placement]) -> str:
 
 def is_supported(p: Placement) -> bool:
     """True for the placements the planner reasons about (no strided or masked variants)."""
-    return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op == "sum")
+    return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
 
 
 def shard_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:

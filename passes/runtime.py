@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 
@@ -21,6 +22,11 @@ def _move(x: DTensor, axis: int, dst: Placement) -> DTensor:
     placements = list(x.placements)
     placements[axis] = dst
     return x.redistribute(x.device_mesh, placements)
+
+
+def replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """A plain tensor computed identically on every rank (a constant) as a replicated DTensor."""
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def all_gather(x: DTensor, axis: int) -> DTensor:
@@ -48,17 +54,40 @@ def shard(x: DTensor, axis: int, dim: int) -> DTensor:
     return _move(x, axis, Shard(dim))
 
 
-def to_partial(x: DTensor, axis: int) -> DTensor:
-    """``R -> P`` on ``axis``: local, no communication (rank 0 of the axis keeps the value,
-    the others hold zeros, so the pending sum is the original value)."""
+def to_partial(x: DTensor, axis: int, reduce_op: str = "sum") -> DTensor:
+    """``R -> P`` on ``axis``: local, no communication. For a sum, rank 0 of the axis keeps the
+    value and the others hold zeros; for an average every rank keeps the value."""
     if not isinstance(x, DTensor) or not isinstance(x.placements[axis], Replicate):
         raise TypeError("to_partial expects a DTensor replicated on that axis")
     placements = list(x.placements)
-    placements[axis] = Partial("sum")
+    placements[axis] = Partial(reduce_op)
     local = x.to_local()
-    if x.device_mesh.get_local_rank(axis) != 0:
+    if reduce_op == "sum" and x.device_mesh.get_local_rank(axis) != 0:
         local = torch.zeros_like(local)
     return DTensor.from_local(local, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
+    """``P -> R`` on ``axis`` for several tensors with one flat all-reduce (gradient bucketing)."""
+    import torch.distributed._functional_collectives as funcol
+
+    first = xs[0]
+    mesh = first.device_mesh
+    partial = first.placements[axis]
+    if not isinstance(partial, Partial) or any(x.placements[axis] != partial for x in xs):
+        raise TypeError("all_reduce_coalesced expects tensors with the same Partial placement on that axis")
+    locals_ = [x.to_local() for x in xs]
+    flat = torch.cat([t.reshape(-1) for t in locals_])
+    flat = funcol.wait_tensor(funcol.all_reduce(flat, partial.reduce_op, (mesh, axis)))
+    out = []
+    offset = 0
+    for x, t in zip(xs, locals_, strict=True):
+        piece = flat[offset : offset + t.numel()].view(t.shape)
+        offset += t.numel()
+        placements = list(x.placements)
+        placements[axis] = Replicate()
+        out.append(DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
+    return tuple(out)
 
 
 def replicated_call(op: Any, *args: Any, **kwargs: Any) -> Any:

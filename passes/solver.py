@@ -24,13 +24,17 @@ Constraint families (one method each, every constraint named ``<family>__<node/e
     one_strategy        sum_s x[v,s] = 1                                   for all v
     edge_source         sum_q y[e,p,q] = sum_{s in S_u(p)} x[u,s]          for all e, p
     edge_target         sum_p y[e,p,q] = sum_{s in S_v(q)} x[v,s]          for all e, q
+    edge_tied           sum_{s in S_v(q)} x[v,s] = sum_{s in S_u(q)} x[u,s]  for tied e, all q
     memory_per_device   sum_v sum_s b[v,s] x[v,s] <= M                     (bytes)
 
 where ``b`` are the bytes a strategy keeps on each device (parameters, gradients, optimizer
 state, inputs, saved activations) and ``M`` the device capacity. ``edge_source`` and
 ``edge_target`` make ``y`` the joint choice of the two endpoints (the "local polytope"
 linearisation of the quadratic term ``x_u^T C x_v``); when a side has a single spec the edge cost
-is linear in the other side's ``x`` and no ``y`` is created.
+is linear in the other side's ``x`` and no ``y`` is created. A *tied* edge feeds a
+size-preserving single-input op (view, transpose, unary elementwise) that accepts every spec its
+producer can give: the op follows its producer (no conversion, no ``y``), which loses nothing
+since converting its input costs the same as converting its output.
 
 User pins remove strategies before the model is built. An infeasible model raises
 :class:`~cost_models.errors.InfeasiblePlanError` with the memory needed against the capacity.
@@ -58,7 +62,9 @@ class SolverOptions:
     time_limit_s: float = 120.0
     """Wall-clock limit given to CBC; the best feasible solution found is returned with its gap."""
     threads: int = 1
-    """CBC threads (1 keeps results deterministic)."""
+    """Solver threads (1 keeps results deterministic)."""
+    backend: str = "auto"
+    """``"auto"`` (HiGHS if installed, else CBC), ``"highs"`` or ``"cbc"``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +77,15 @@ class Solution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+
+
+def _make_solver(options: SolverOptions) -> pulp.LpSolver:
+    """HiGHS (via highspy) when installed and allowed, else the CBC binary bundled with PuLP."""
+    if options.backend in ("auto", "highs") and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        return pulp.HiGHS(msg=False, timeLimit=options.time_limit_s, threads=options.threads, random_seed=0)
+    if options.backend == "highs":
+        raise RuntimeError("solver backend 'highs' requested but highspy is not installed: pip install highspy")
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads)
 
 
 class ShardingILP:
@@ -113,6 +128,9 @@ class ShardingILP:
         """
         u, v = edge.producer.node, edge.consumer
         P, Q = list(edge.src_groups), list(edge.dst_groups)
+        if edge.tied:
+            self.add_edge_tied_constraint(k, edge)
+            return
         if all(c == 0.0 for c in edge.cost_s.values()):
             return
         if v not in self.x:  # loss -> output: a fixed requirement, linear in the producer
@@ -140,6 +158,13 @@ class ShardingILP:
             self.model += (lhs == self._sum_x(v, edge.dst_groups[q]), f"edge_target__{k}_{j}")
         self._objective += [(y[i, j], edge.cost_s[(p, q)]) for i, p in enumerate(P) for j, q in enumerate(Q)]
 
+    def add_edge_tied_constraint(self, k: int, edge: Edge) -> None:
+        """edge_tied: sum_{s in S_v(q)} x[v,s] = sum_{s in S_u(q)} x[u,s] for every spec q."""
+        u, v = edge.producer.node, edge.consumer
+        for j, (q, consumer_strats) in enumerate(edge.dst_groups.items()):
+            rhs = self._sum_x(u, edge.src_groups.get(q, ()))
+            self.model += (self._sum_x(v, consumer_strats) == rhs, f"edge_tied__{k}_{j}")
+
     def add_memory_per_device_constraint(self) -> None:
         """memory_per_device: sum_v sum_s b[v,s] x[v,s] <= M (bytes)."""
         terms = [
@@ -153,7 +178,7 @@ class ShardingILP:
     # -- solve ------------------------------------------------------------------------------
     def solve(self) -> Solution:
         t0 = time.perf_counter()
-        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=self.options.time_limit_s, threads=self.options.threads)
+        solver = _make_solver(self.options)
         status = self.model.solve(solver)
         dt = time.perf_counter() - t0
         status_text = pulp.LpStatus[status]

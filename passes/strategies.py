@@ -17,8 +17,8 @@ Special nodes:
 
 * placeholders: parameters and inputs may be replicated or sharded along any dim on any axis;
   buffers are replicated;
-* *constant* nodes (depending on no placeholder, e.g. ``arange`` for positions) run as plain
-  replicated tensors;
+* *constant* nodes (depending on no placeholder, e.g. ``arange`` for positions, causal masks)
+  run as plain replicated tensors; a consumer that needs one sharded slices it locally;
 * ops with no DTensor strategy fall back to "replicate everything" and are listed in the plan
   (``StrategyTable.fallback_ops``);
 * ``getitem`` on multi-output ops is an alias of the producer's output ``i`` (no decision).
@@ -186,6 +186,8 @@ class _Enumerator:
     ) -> tuple[Strategy, ...] | None:
         """Some rules assume one spec per input or reject some specs: ask per input combination."""
         combos = list(itertools.islice(itertools.product(*candidates), _MAX_COMBOS))
+        if len(combos) == _MAX_COMBOS:
+            log.warning("TRUNC %s %s", node.name, [len(c) for c in candidates])
         found: dict[tuple[Spec, ...], Strategy] = {}
         for combo in combos:
             try:
@@ -340,10 +342,6 @@ def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTab
         if enum.has_strategy(node.target) and not _has_tensor_kwargs(node):
             cands = [out_candidates(r) for r in refs]
             strategies = enum.enumerate(node, cands)
-            if strategies is not None:
-                # constants are plain replicated tensors at run time
-                const_idx = [i for i, r in enumerate(refs) if table.nodes[r.node].kind == "constant"]
-                strategies = tuple(s for s in strategies if all(s.input_specs[i] == rep for i in const_idx))
         if not strategies:
             table.fallback_ops[node.name] = str(node.target)
             outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in (val if n_out > 1 else [val]))
