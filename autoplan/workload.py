@@ -23,6 +23,9 @@ class Workload:
     """``loss_fn(model_output, *example_targets) -> scalar``; None if the model returns its loss."""
     example_targets: tuple[torch.Tensor, ...] = ()
     """Targets passed to ``loss_fn``."""
+    optimizer: str = "adam"
+    """Optimizer the plan is costed for and ``autoplan run`` trains with
+    (``adam``, ``adamw``, ``sgd``, ``sgd_momentum``); ``--optimizer`` overrides it."""
     lr: float = 1e-3
     """Learning rate used by ``autoplan run``."""
     batches: Callable[[int], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] | None = field(default=None)

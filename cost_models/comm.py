@@ -178,6 +178,10 @@ def transition_cost_s(
             link = cluster.axis_link(step.axis)
             nbytes = step_bytes(step, cur, full_bytes, mesh_shape)
             latency_us = link.latency_us if include_latency else 0.0
-            total += collective_time_s(step.kind, nbytes, mesh_shape[step.axis], link.bw_GBps, latency_us)
+            kind = step.kind
+            if kind == "all_to_all" and cluster.device.name == "CPU":
+                # gloo has no all_to_all: DTensor gathers the whole axis and keeps its chunk
+                kind, nbytes = "all_gather", nbytes * mesh_shape[step.axis]
+            total += collective_time_s(kind, nbytes, mesh_shape[step.axis], link.bw_GBps, latency_us)
         cur[step.axis] = step.dst
     return total

@@ -26,6 +26,7 @@ so their cost is counted like any other.
 from __future__ import annotations
 
 import hashlib
+import operator
 import logging
 import time
 import traceback
@@ -183,6 +184,7 @@ def trace_training_step(
 
     _check_grads(gm, param_names)
     _clean_graph(gm)
+    _canonicalize(gm)
     _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))
     _mark_phases(gm)
     fingerprint = graph_fingerprint(gm)
@@ -221,6 +223,42 @@ def _clean_graph(gm: fx.GraphModule) -> None:
             node.meta.get("val"), (torch.Tensor, tuple, list, int, float, bool, torch.SymInt)
         ) and node.meta.get("val") is not None:
             raise UnsupportedModelError(f"node {node.name} ({node.target}) has no tensor metadata")
+    gm.recompile()
+
+
+_CANONICAL_TARGETS = {
+    # reshape lowers to view or _unsafe_view depending on the device's stride bookkeeping; both
+    # are the same operation for planning and for DTensor execution
+    torch.ops.aten._unsafe_view.default: torch.ops.aten.view.default,
+}
+
+
+def _canonicalize(gm: fx.GraphModule) -> None:
+    """Make the graph identical whatever device the model was traced on (meta, CPU, CUDA):
+    canonical targets and names ``<op>_<k>`` numbered in graph order."""
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "get_attr"):
+            continue
+        node.target = _CANONICAL_TARGETS.get(node.target, node.target)
+        if node.target is torch.ops.aten.view.default and isinstance(node.meta.get("val"), torch.Tensor):
+            node.args = (node.args[0], list(node.meta["val"].shape))  # resolve -1 the same way everywhere
+        if node.op == "get_attr":
+            base = "const"
+        elif node.target is operator.getitem:
+            base = "getitem"
+        elif isinstance(node.target, torch._ops.OpOverload):
+            base = node.target._schema.name.split("::")[-1]
+        else:
+            base = getattr(node.target, "__name__", "op")
+        k = counts.get(base, 0)
+        counts[base] = k + 1
+        node.name = base if k == 0 else f"{base}_{k}"
+    # copy into a fresh graph so the new names are the only ones registered
+    fresh = fx.Graph()
+    out = fresh.graph_copy(gm.graph, {})
+    fresh.output(out)
+    gm.graph = fresh
     gm.recompile()
 
 

@@ -1,0 +1,198 @@
+"""``autoplan`` command line: a thin layer over the Python API.
+
+    autoplan plan  my_models.py:build --cluster 4xCPU --out plan.json
+    autoplan show  plan.json
+    autoplan run   my_models.py:build --plan plan.json --steps 10        # launches torchrun
+
+Bad input (untraceable model, malformed cluster or plan file, plan for another model or world
+size, model that cannot fit) prints one line ``autoplan: error: ...`` and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def _cluster(spec: str, mesh: str | None):  # noqa: ANN202 - Cluster, imported lazily
+    from cost_models.cluster import Cluster
+    from cost_models.errors import ClusterSpecError
+
+    mesh_shape = None
+    if mesh:
+        try:
+            mesh_shape = tuple(int(x) for x in mesh.split(","))
+        except ValueError as exc:
+            raise ClusterSpecError(f"--mesh {mesh!r} is malformed: expected sizes like 2,2") from exc
+    if Path(spec).suffix.lower() in (".yaml", ".yml", ".json") or Path(spec).is_file():
+        cluster = Cluster.from_file(spec)
+        return cluster.with_mesh(mesh_shape) if mesh_shape else cluster
+    return Cluster.preset(spec, mesh_shape=mesh_shape)
+
+
+def _pins(items: Sequence[str]) -> dict[str, str]:
+    from cost_models.errors import PlanError
+
+    pins = {}
+    for item in items:
+        if "=" not in item:
+            raise PlanError(f"--pin {item!r} is malformed: expected NAME=SPEC like 'input_0=S(0),R'")
+        name, spec = item.split("=", 1)
+        pins[name.strip()] = spec.strip()
+    return pins
+
+
+def _make_plan(args: argparse.Namespace):  # noqa: ANN202
+    from autoplan.api import plan as make_plan
+    from autoplan.loader import build_workload
+
+    cluster = _cluster(args.cluster, args.mesh)
+    wl = build_workload(args.target, device="meta", seed=args.seed)
+    return make_plan(
+        wl.model,
+        cluster,
+        example_inputs=wl.example_inputs,
+        loss_fn=wl.loss_fn,
+        example_targets=wl.example_targets,
+        optimizer=args.optimizer or wl.optimizer,
+        pins=_pins(args.pin),
+        time_limit_s=args.time_limit,
+    )
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    plan = _make_plan(args)
+    plan.save(args.out)
+    if args.json:
+        print(json.dumps(plan.to_dict()["estimate"]))
+    elif not args.quiet:
+        print(plan.summary())
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from autoplan.plan import Plan
+
+    plan = Plan.load(args.plan)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        print(plan.summary())
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from autoplan.plan import Plan
+    from cost_models.errors import PlanError
+
+    if args.plan is None and args.cluster is None:
+        raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
+    tmpdir = None
+    if args.plan is not None:
+        plan = Plan.load(args.plan)
+        plan_path = args.plan
+        if args.nproc is not None and args.nproc != plan.world_size:
+            raise PlanError(
+                f"--nproc {args.nproc} does not match the plan's {plan.world_size} devices: "
+                f"drop --nproc or re-plan for {args.nproc} devices"
+            )
+    else:
+        plan = _make_plan(args)
+        tmpdir = tempfile.mkdtemp(prefix="autoplan-")
+        plan_path = os.path.join(tmpdir, "plan.json")
+        plan.save(plan_path)
+    if not args.quiet:
+        print(plan.summary(), flush=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc-per-node", str(plan.world_size),
+        "--nnodes", "1",
+        "--master-addr", "127.0.0.1",
+        "--master-port", str(args.master_port),
+        "-m", "autoplan._worker", args.target,
+        "--plan", plan_path,
+        "--steps", str(args.steps),
+        "--seed", str(args.seed),
+    ]
+    if args.compare:
+        cmd.append("--compare")
+    if args.show_code:
+        cmd.append("--show-code")
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if not args.verbose:
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env.setdefault("LOGLEVEL", "ERROR")
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    rc = subprocess.call(cmd, env=env)
+    return EXIT_BAD_INPUT if rc == EXIT_BAD_INPUT else rc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoplan", description="Automatic parallelism planner for PyTorch.")
+    parser.add_argument("--verbose", "-v", action="store_true", help="log planner progress")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_planning(p: argparse.ArgumentParser, *, cluster_required: bool) -> None:
+        p.add_argument("target", help="FILE.py:FUNCTION returning autoplan.Workload")
+        p.add_argument("--cluster", required=cluster_required, help="preset like 4xCPU, 2x8xH100, or a YAML/JSON file")
+        p.add_argument("--mesh", help="logical mesh shape, e.g. 2,2 (default: nodes x devices)")
+        p.add_argument(
+            "--optimizer", choices=["adam", "adamw", "sgd", "sgd_momentum"], help="default: the workload's optimizer"
+        )
+        p.add_argument("--pin", action="append", default=[], metavar="NAME=SPEC", help="fix a placement, e.g. input_0=S(0)")
+        p.add_argument("--time-limit", type=float, default=120.0, help="solver time limit in seconds")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--quiet", "-q", action="store_true")
+
+    p_plan = sub.add_parser("plan", help="plan a model for a cluster and write plan.json")
+    add_planning(p_plan, cluster_required=True)
+    p_plan.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
+    p_plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p_plan.set_defaults(func=cmd_plan)
+
+    p_show = sub.add_parser("show", help="print a plan file for review")
+    p_show.add_argument("plan")
+    p_show.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    p_show.set_defaults(func=cmd_show)
+
+    p_run = sub.add_parser("run", help="train with a plan under torchrun (plans first if --plan is not given)")
+    add_planning(p_run, cluster_required=False)
+    p_run.add_argument("--plan", help="plan file from `autoplan plan`")
+    p_run.add_argument("--steps", type=int, default=10)
+    p_run.add_argument("--nproc", type=int, help="check the plan's world size against this number of ranks")
+    p_run.add_argument("--compare", action="store_true", help="also train the single-device model and print both losses")
+    p_run.add_argument("--show-code", action="store_true", help="print the generated per-rank program")
+    p_run.add_argument("--master-port", type=int, default=29533)
+    p_run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.verbose:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from cost_models.errors import PlanError
+
+    try:
+        return args.func(args)
+    except PlanError as exc:
+        print(f"autoplan: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
