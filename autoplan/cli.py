@@ -92,8 +92,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from autoplan.loader import build_workload
     from autoplan.plan import Plan
-    from cost_models.errors import PlanError
+    from cost_models.errors import PlanError, PlanMismatchError
+    from passes.trace import trace_training_step
 
     if args.plan is None and args.cluster is None:
         raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
@@ -102,10 +104,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = Plan.load(args.plan)
         plan_path = args.plan
         if args.nproc is not None and args.nproc != plan.world_size:
-            raise PlanError(
+            raise PlanMismatchError(
                 f"--nproc {args.nproc} does not match the plan's {plan.world_size} devices: "
                 f"drop --nproc or re-plan for {args.nproc} devices"
             )
+        # check the plan fits this model before launching any rank (a meta trace is cheap)
+        wl = build_workload(args.target, device="meta", seed=args.seed)
+        traced = trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)
+        plan.check_applies_to(fingerprint=traced.fingerprint, world_size=plan.world_size)
     else:
         plan = _make_plan(args)
         tmpdir = tempfile.mkdtemp(prefix="autoplan-")

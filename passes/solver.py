@@ -102,7 +102,7 @@ class ShardingILP:
     # -- variables --------------------------------------------------------------------------
     def _build(self) -> None:
         for i, (name, times) in enumerate(self.problem.node_time_s.items()):
-            xs = [pulp.LpVariable(f"x_{i}_{s}", cat=pulp.LpBinary) for s in range(len(times))]
+            xs = [self._var(f"x_{i}_{s}", binary=True) for s in range(len(times))]
             self.x[name] = xs
             self._objective += [(v, t) for v, t in zip(xs, times, strict=True)]
         self.add_one_strategy_constraint()
@@ -110,6 +110,15 @@ class ShardingILP:
             self.add_edge_constraints(k, edge)
         self.add_memory_per_device_constraint()
         self.model += pulp.LpAffineExpression(self._objective)
+
+    def _var(self, name: str, *, binary: bool) -> pulp.LpVariable:
+        if hasattr(self.model, "add_variable"):  # PuLP >= 3.3 attaches variables to the model
+            if binary:
+                return self.model.add_variable(name, cat=pulp.LpBinary)
+            return self.model.add_variable(name, lowBound=0)
+        if binary:
+            return pulp.LpVariable(name, cat=pulp.LpBinary)
+        return pulp.LpVariable(name, lowBound=0)
 
     def _sum_x(self, node: str, indices: tuple[int, ...]) -> pulp.LpAffineExpression:
         xs = self.x[node]
@@ -146,7 +155,7 @@ class ShardingILP:
             self._objective += [(self.x[u][s], edge.cost_s[(p, q)]) for p in P for s in edge.src_groups[p]]
             return
         y = {
-            (i, j): pulp.LpVariable(f"y_{k}_{i}_{j}", lowBound=0)
+            (i, j): self._var(f"y_{k}_{i}_{j}", binary=False)
             for i in range(len(P))
             for j in range(len(Q))
         }
@@ -182,7 +191,7 @@ class ShardingILP:
         status = self.model.solve(solver)
         dt = time.perf_counter() - t0
         status_text = pulp.LpStatus[status]
-        n_vars, n_cons = len(self.model.variables()), len(self.model.constraints)
+        n_vars, n_cons = self.model.numVariables(), self.model.numConstraints()
         log.info("ILP %s in %.2fs: %d variables, %d constraints", status_text, dt, n_vars, n_cons)
         has_solution = all(any((v.value() or 0) > 0.5 for v in xs) for xs in self.x.values())
         if status == pulp.LpStatusInfeasible or not has_solution:
