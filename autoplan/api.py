@@ -249,6 +249,33 @@ def plan(
         return plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, time_limit_s=time_limit_s)
 
 
+def _plan_on_rank0(traced: TracedProgram, cluster: Cluster, *, mesh: DeviceMesh, optimizer: str, pins: Pins | None) -> Plan:
+    """Rank 0 solves; every rank receives the same plan as JSON bytes (so all ranks run one plan)."""
+    import json
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    error: str | None = None
+    payload = b""
+    if dist.get_rank() == 0:
+        try:
+            payload = json.dumps(plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins).to_dict()).encode()
+        except PlanError as exc:
+            error = str(exc)
+            payload = json.dumps({"error": error, "type": type(exc).__name__}).encode()
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    dist.broadcast(buf, src=0)
+    data = json.loads(buf.cpu().numpy().tobytes().decode())
+    if "error" in data:
+        import autoplan.errors as errors
+
+        raise getattr(errors, data["type"], PlanError)(data["error"])
+    return Plan.from_dict(data)
+
+
 def _runtime_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -294,7 +321,7 @@ def parallelize(
     mesh = init_device_mesh(device.type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
     if plan is None:
         _check_optimizer(optimizer)
-        plan = plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins)
+        plan = _plan_on_rank0(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins)
     plan.check_applies_to(fingerprint=traced.fingerprint, world_size=world)
     program = generate_program(
         traced,

@@ -20,7 +20,9 @@ def _mlp_workload(num_in: int, num_hidden: int, num_out: int) -> autoplan.Worklo
     model = nn.Sequential(nn.Linear(num_in, num_hidden), nn.GELU(), nn.Linear(num_hidden, num_out))
     x = torch.randn(BATCH, num_in)  # (B, num_in)
     y = torch.randn(BATCH, num_out)  # (B, num_out)
-    return autoplan.Workload(model=model, example_inputs=(x,), loss_fn=F.mse_loss, example_targets=(y,), optimizer="sgd")
+    return autoplan.Workload(
+        model=model, example_inputs=(x,), loss_fn=F.mse_loss, example_targets=(y,), optimizer="sgd"
+    )
 
 
 def mlp() -> autoplan.Workload:
@@ -63,4 +65,6 @@ def huge() -> autoplan.Workload:
     """
     model = nn.Sequential(*(nn.Linear(HUGE_WIDTH, HUGE_WIDTH) for _ in range(HUGE_LAYERS)))
     x, y = torch.randn(BATCH, HUGE_WIDTH), torch.randn(BATCH, HUGE_WIDTH)
-    return autoplan.Workload(model=model, example_inputs=(x,), loss_fn=F.mse_loss, example_targets=(y,), optimizer="adam")
+    return autoplan.Workload(
+        model=model, example_inputs=(x,), loss_fn=F.mse_loss, example_targets=(y,), optimizer="adam"
+    )

@@ -111,7 +111,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                 deadline = min(deadline, time.monotonic() + 5.0)
         for r in range(world_size):
             if r not in values and r not in errors:
-                errors[r] = f"rank {r} gave no result within the time limit ({timeout_s:.0f} s, or 5 s after another rank failed)"
+                errors[r] = (
+                    f"rank {r} gave no result within the time limit ({timeout_s:.0f} s, or 5 s after another rank failed)"
+                )
     finally:
         for p in procs:
             p.join(timeout=0.5 if errors else 10.0)

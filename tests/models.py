@@ -23,7 +23,9 @@ def mlp(seed: int = 0) -> nn.Sequential:
     FQNs: ``0.weight`` (32, 16), ``0.bias``, ``2.weight`` (8, 32), ``2.bias``, ``3.weight``, ``3.bias``.
     """
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(MLP_IN, MLP_HIDDEN), nn.GELU(), nn.Linear(MLP_HIDDEN, MLP_OUT), nn.LayerNorm(MLP_OUT))
+    model = nn.Sequential(
+        nn.Linear(MLP_IN, MLP_HIDDEN), nn.GELU(), nn.Linear(MLP_HIDDEN, MLP_OUT), nn.LayerNorm(MLP_OUT)
+    )
     # A non-trivial LayerNorm affine, so its gradients are not all equal.
     with torch.no_grad():
         model[3].weight.uniform_(0.5, 1.5)

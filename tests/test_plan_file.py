@@ -1,0 +1,192 @@
+"""The plan as a file (Python API): round trip, determinism, malformed files, mismatch checks, pins.
+
+The ``mlp`` of ``tests/cli_models.py`` is planned once for ``2xCPU`` on the meta device.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import cli_models
+import pytest
+import torch
+
+import autoplan
+from passes.trace import trace_training_step
+
+SOLVER_TIMING_KEYS = ("solve_time_s", "plan_time_s")
+"""Wall-clock fields under "solver": the only parts of a plan that may differ between two runs."""
+
+
+def build_on_meta(build: object) -> autoplan.Workload:
+    with torch.device("meta"):
+        return build()
+
+
+def plan_workload(wl: autoplan.Workload, **kwargs: object) -> autoplan.Plan:
+    return autoplan.plan(
+        wl.model,
+        autoplan.Cluster.preset("2xCPU"),
+        example_inputs=wl.example_inputs,
+        loss_fn=wl.loss_fn,
+        example_targets=wl.example_targets,
+        optimizer=wl.optimizer,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def mlp_plan() -> autoplan.Plan:
+    return plan_workload(build_on_meta(cli_models.mlp))
+
+
+@pytest.fixture()
+def plan_dict(mlp_plan) -> dict:
+    return json.loads(json.dumps(mlp_plan.to_dict()))
+
+
+def without_solver_timing(d: dict) -> dict:
+    d = json.loads(json.dumps(d))
+    for key in SOLVER_TIMING_KEYS:
+        del d["solver"][key]
+    return d
+
+
+# --- round trip and determinism ------------------------------------------------------------------
+
+
+def test_save_then_load_gives_an_equal_plan(mlp_plan, tmp_path):
+    mlp_plan.save(tmp_path / "plan.json")
+
+    loaded = autoplan.Plan.load(tmp_path / "plan.json")
+
+    assert loaded.to_dict() == mlp_plan.to_dict()
+    assert loaded.summary() == mlp_plan.summary()
+    assert loaded.world_size == 2
+
+
+def test_saving_twice_writes_identical_bytes(mlp_plan, tmp_path):
+    mlp_plan.save(tmp_path / "a.json")
+    mlp_plan.save(tmp_path / "b.json")
+
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]  # no temporary files left
+
+
+def test_planning_twice_gives_identical_json_except_solver_timings(mlp_plan):
+    again = plan_workload(build_on_meta(cli_models.mlp))
+
+    first, second = without_solver_timing(mlp_plan.to_dict()), without_solver_timing(again.to_dict())
+    assert json.dumps(first, indent=1) == json.dumps(second, indent=1)
+    assert set(mlp_plan.solver) - set(first["solver"]) == set(SOLVER_TIMING_KEYS)
+
+
+# --- malformed plan files --------------------------------------------------------------------------
+
+
+def test_load_of_truncated_json_names_the_file(mlp_plan, tmp_path):
+    path = tmp_path / "truncated_plan.json"
+    mlp_plan.save(path)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 3])
+
+    with pytest.raises(autoplan.PlanFileError, match="truncated_plan.json") as info:
+        autoplan.Plan.load(path)
+    assert "JSON" in str(info.value)
+
+
+def _write(tmp_path: Path, name: str, data: object) -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_load_of_another_format_names_the_file(plan_dict, tmp_path):
+    plan_dict["format"] = "someone.else"
+    path = _write(tmp_path, "other_format.json", plan_dict)
+
+    with pytest.raises(autoplan.PlanFileError, match="other_format.json.*autoplan.plan"):
+        autoplan.Plan.load(path)
+
+
+def test_load_of_another_version_names_the_file_and_the_version(plan_dict, tmp_path):
+    plan_dict["version"] = 2
+    path = _write(tmp_path, "v2_plan.json", plan_dict)
+
+    with pytest.raises(autoplan.PlanFileError, match="v2_plan.json.*version 2"):
+        autoplan.Plan.load(path)
+
+
+@pytest.mark.parametrize("key", ["fingerprint", "cluster", "placements", "estimate", "nodes"])
+def test_load_with_a_missing_key_names_the_file_and_the_key(key, plan_dict, tmp_path):
+    del plan_dict[key]
+    path = _write(tmp_path, "missing_key.json", plan_dict)
+
+    with pytest.raises(autoplan.PlanFileError, match="missing_key.json") as info:
+        autoplan.Plan.load(path)
+    assert key in str(info.value)
+
+
+def test_load_of_a_missing_file_names_it(tmp_path):
+    with pytest.raises(autoplan.PlanFileError, match="no_such_plan.json"):
+        autoplan.Plan.load(tmp_path / "no_such_plan.json")
+
+
+# --- a plan applies to one model and one world size ---------------------------------------------
+
+
+def test_plan_for_another_world_size_names_both_sizes(mlp_plan):
+    with pytest.raises(autoplan.PlanMismatchError, match=r"2 devices.*\b4\b"):
+        mlp_plan.check_applies_to(fingerprint=mlp_plan.fingerprint, world_size=4)
+
+
+def test_plan_for_another_model_names_both_fingerprints(mlp_plan):
+    wide = build_on_meta(cli_models.mlp_wide)
+    other = trace_training_step(
+        wide.model, wide.example_inputs, loss_fn=wide.loss_fn, example_targets=wide.example_targets
+    ).fingerprint
+    assert other != mlp_plan.fingerprint
+
+    with pytest.raises(autoplan.PlanMismatchError) as info:
+        mlp_plan.check_applies_to(fingerprint=other, world_size=2)
+    assert mlp_plan.fingerprint in str(info.value)
+    assert other in str(info.value)
+
+
+def test_plan_applies_to_its_own_model_and_world_size(mlp_plan):
+    mlp_plan.check_applies_to(fingerprint=mlp_plan.fingerprint, world_size=2)
+
+
+# --- pins ------------------------------------------------------------------------------------------
+
+
+def test_pinning_input_0_to_batch_sharding_is_obeyed():
+    plan = plan_workload(build_on_meta(cli_models.mlp), pins={"input_0": "S(0)"})
+
+    assert plan.input_specs[0] == ("S(0)",)
+
+
+@pytest.mark.parametrize(
+    "pins, message",
+    [
+        ({"no_such_layer.*": "R"}, "matches no parameter or input"),
+        ({"input_7": "R"}, "matches no parameter or input"),
+        ({"input_0": "S(x)"}, "malformed"),
+        ({"input_0": "R,R"}, "2 placements but the mesh has 1 axes"),
+    ],
+    ids=["unmatched_glob", "unmatched_input", "malformed_spec", "too_many_axes"],
+)
+def test_bad_pin_raises_plan_error_naming_the_pin(pins, message):
+    with pytest.raises(autoplan.PlanError, match=message) as info:
+        plan_workload(build_on_meta(cli_models.mlp), pins=pins)
+    assert repr(next(iter(pins))) in str(info.value)
+
+
+# --- infeasible ------------------------------------------------------------------------------------
+
+
+def test_model_that_cannot_fit_raises_infeasible_plan_error_in_gib():
+    with pytest.raises(autoplan.InfeasiblePlanError, match="GiB") as info:
+        plan_workload(build_on_meta(cli_models.huge))
+    assert "2 devices" in str(info.value)
