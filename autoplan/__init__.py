@@ -1,9 +1,9 @@
 """autoplan: automatic parallelism planning and sharded-program generation for PyTorch.
 
-    cluster = autoplan.Cluster.preset("2x8xH100")
-    plan = autoplan.plan(model, cluster, example_inputs=(ids,), loss_fn=..., example_targets=(ids,))
-    print(plan.summary()); plan.save("plan.json")
-    pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=..., plan=plan)
+cluster = autoplan.Cluster.preset("2x8xH100")
+plan = autoplan.plan(model, cluster, example_inputs=(ids,), loss_fn=..., example_targets=(ids,))
+print(plan.summary()); plan.save("plan.json")
+pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=..., plan=plan)
 """
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """Per-rank entry point of ``autoplan run`` (started by torchrun; not a public API).
 
-    torchrun --nproc-per-node=N -m autoplan._worker TARGET --plan plan.json --steps 10 [--compare]
+torchrun --nproc-per-node=N -m autoplan._worker TARGET --plan plan.json --steps 10 [--compare]
 """
 
 from __future__ import annotations
@@ -76,9 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         if reference is not None:
             full = pm.full_parameters()
             ref = dict(reference.named_parameters())
-            worst = max(((full[n] - ref[n].detach()).norm() / ref[n].detach().norm().clamp_min(1e-12)).item() for n in full)
+            worst = max(
+                ((full[n] - ref[n].detach()).norm() / ref[n].detach().norm().clamp_min(1e-12)).item() for n in full
+            )
             if rank == 0:
-                print(f"parameters after {args.steps} steps: max relative error vs single device {worst:.2e}", flush=True)
+                print(
+                    f"parameters after {args.steps} steps: max relative error vs single device {worst:.2e}", flush=True
+                )
     except PlanError as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)

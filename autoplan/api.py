@@ -82,7 +82,9 @@ def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None
         except ValueError as exc:
             raise PlanError(f"pin {pattern!r}: {exc}") from exc
         if len(spec) != ndim:
-            raise PlanError(f"pin {pattern!r} gives {len(spec)} placements but the mesh has {ndim} axes {table.mesh_shape}")
+            raise PlanError(
+                f"pin {pattern!r} gives {len(spec)} placements but the mesh has {ndim} axes {table.mesh_shape}"
+            )
         matched = _placeholder_of(traced, pattern)
         if not matched:
             raise PlanError(
@@ -93,7 +95,9 @@ def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None
             ns = table.nodes[node]
             keep = tuple(s for s in ns.strategies if s.output_specs[0] == spec)
             if not keep:
-                raise PlanError(f"pin {pattern!r}: {spec_str(spec)} is not a valid layout for {node} (shape too small?)")
+                raise PlanError(
+                    f"pin {pattern!r}: {spec_str(spec)} is not a valid layout for {node} (shape too small?)"
+                )
             table.nodes[node] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
 
 
@@ -150,14 +154,18 @@ def plan_traced(
                 "out": [spec_strs(s) if s is not None else None for s in strat.output_specs],
                 "in": [spec_strs(s) for s in strat.input_specs],
             }
-    param_specs = {n: tuple(spec_strs(assignment[f"p_{n.replace('.', '_')}"].output_specs[0])) for n in traced.param_names}
+    param_specs = {
+        n: tuple(spec_strs(assignment[f"p_{n.replace('.', '_')}"].output_specs[0])) for n in traced.param_names
+    }
     plan = Plan(
         fingerprint=traced.fingerprint,
         cluster=cluster,
         optimizer=optimizer,
         param_names=traced.param_names,
         input_specs=tuple(tuple(spec_strs(assignment[f"input_{i}"].output_specs[0])) for i in range(traced.num_inputs)),
-        target_specs=tuple(tuple(spec_strs(assignment[f"target_{i}"].output_specs[0])) for i in range(traced.num_targets)),
+        target_specs=tuple(
+            tuple(spec_strs(assignment[f"target_{i}"].output_specs[0])) for i in range(traced.num_targets)
+        ),
         param_specs=param_specs,
         nodes=nodes,
         fallback_ops=dict(table.fallback_ops),
@@ -249,7 +257,9 @@ def plan(
         return plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, time_limit_s=time_limit_s)
 
 
-def _plan_on_rank0(traced: TracedProgram, cluster: Cluster, *, mesh: DeviceMesh, optimizer: str, pins: Pins | None) -> Plan:
+def _plan_on_rank0(
+    traced: TracedProgram, cluster: Cluster, *, mesh: DeviceMesh, optimizer: str, pins: Pins | None
+) -> Plan:
     """Rank 0 solves; every rank receives the same plan as JSON bytes (so all ranks run one plan)."""
     import json
 
@@ -258,7 +268,9 @@ def _plan_on_rank0(traced: TracedProgram, cluster: Cluster, *, mesh: DeviceMesh,
     payload = b""
     if dist.get_rank() == 0:
         try:
-            payload = json.dumps(plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins).to_dict()).encode()
+            payload = json.dumps(
+                plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins).to_dict()
+            ).encode()
         except PlanError as exc:
             error = str(exc)
             payload = json.dumps({"error": error, "type": type(exc).__name__}).encode()

@@ -110,7 +110,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         # check the plan fits this model before launching any rank (a meta trace is cheap)
         wl = build_workload(args.target, device="meta", seed=args.seed)
-        traced = trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)
+        traced = trace_training_step(
+            wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets
+        )
         plan.check_applies_to(fingerprint=traced.fingerprint, world_size=plan.world_size)
     else:
         plan = _make_plan(args)
@@ -120,15 +122,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(plan.summary(), flush=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(plan.world_size),
-        "--nnodes", "1",
-        "--master-addr", "127.0.0.1",
-        "--master-port", str(args.master_port),
-        "-m", "autoplan._worker", args.target,
-        "--plan", plan_path,
-        "--steps", str(args.steps),
-        "--seed", str(args.seed),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(plan.world_size),
+        "--nnodes",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(args.master_port),
+        "-m",
+        "autoplan._worker",
+        args.target,
+        "--plan",
+        plan_path,
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(args.seed),
     ]
     if args.compare:
         cmd.append("--compare")
@@ -158,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--optimizer", choices=["adam", "adamw", "sgd", "sgd_momentum"], help="default: the workload's optimizer"
         )
-        p.add_argument("--pin", action="append", default=[], metavar="NAME=SPEC", help="fix a placement, e.g. input_0=S(0)")
+        p.add_argument(
+            "--pin", action="append", default=[], metavar="NAME=SPEC", help="fix a placement, e.g. input_0=S(0)"
+        )
         p.add_argument("--time-limit", type=float, default=120.0, help="solver time limit in seconds")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", "-q", action="store_true")
@@ -179,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--plan", help="plan file from `autoplan plan`")
     p_run.add_argument("--steps", type=int, default=10)
     p_run.add_argument("--nproc", type=int, help="check the plan's world size against this number of ranks")
-    p_run.add_argument("--compare", action="store_true", help="also train the single-device model and print both losses")
+    p_run.add_argument(
+        "--compare", action="store_true", help="also train the single-device model and print both losses"
+    )
     p_run.add_argument("--show-code", action="store_true", help="print the generated per-rank program")
     p_run.add_argument("--master-port", type=int, default=29533)
     p_run.set_defaults(func=cmd_run)

@@ -57,5 +57,7 @@ def build_workload(target: str, *, device: str | torch.device, seed: int = 0) ->
     except Exception as exc:  # noqa: BLE001
         raise TargetError(f"{target} failed while building the model: {type(exc).__name__}: {exc}") from exc
     if not isinstance(wl, Workload):
-        raise TargetError(f"{target} returned {type(wl).__name__}; it must return autoplan.Workload(model=..., example_inputs=...)")
+        raise TargetError(
+            f"{target} returned {type(wl).__name__}; it must return autoplan.Workload(model=..., example_inputs=...)"
+        )
     return wl

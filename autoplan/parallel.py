@@ -72,7 +72,9 @@ class ParallelModel(torch.nn.Module):
             for n in self.param_names
         )
         rep = [Replicate()] * mesh.ndim
-        self._buffers_list = [distribute_tensor(buffers[n].detach(), mesh, rep, src_data_rank=None) for n in traced.buffer_names]
+        self._buffers_list = [
+            distribute_tensor(buffers[n].detach(), mesh, rep, src_data_rank=None) for n in traced.buffer_names
+        ]
         self._input_specs = [parse_spec(s) for s in plan.input_specs]
         self._target_specs = [parse_spec(s) for s in plan.target_specs]
 

@@ -167,15 +167,19 @@ class Plan:
             f"activations {mem['activations'] / GiB:.3f}, inputs {mem['inputs'] / GiB:.3f})",
             f"  solver: {self.solver['status']} in {self.solver['solve_time_s']:.2f} s "
             f"({self.solver['num_variables']} variables, {self.solver['num_constraints']} constraints)",
-            "  mesh axes: " + ", ".join(
+            "  mesh axes: "
+            + ", ".join(
                 f"{name}={size}: {kind}"
                 for (name, kind), size in zip(self.parallelism().items(), c.mesh_shape, strict=True)
             ),
             "  inputs: " + ", ".join(spec_str(parse_spec(s)) for s in self.input_specs),
-            "  collectives per step: " + (", ".join(f"{k} x{v}" for k, v in self.collective_counts().items()) or "none"),
+            "  collectives per step: "
+            + (", ".join(f"{k} x{v}" for k, v in self.collective_counts().items()) or "none"),
         ]
         if self.fallback_ops:
-            lines.append("  replicated fallback ops (no DTensor strategy): " + ", ".join(sorted(set(self.fallback_ops.values()))))
+            lines.append(
+                "  replicated fallback ops (no DTensor strategy): " + ", ".join(sorted(set(self.fallback_ops.values())))
+            )
         lines.append("  parameters:")
         width = max((len(n) for n in self.param_names), default=10)
         for name in self.param_names:
@@ -227,7 +231,7 @@ class Plan:
     @staticmethod
     def from_dict(d: Mapping[str, Any], *, where: str = "plan") -> Plan:
         if not isinstance(d, Mapping) or d.get("format") != PLAN_FORMAT:
-            raise PlanFileError(f"{where} is not an autoplan plan (missing \"format\": \"{PLAN_FORMAT}\")")
+            raise PlanFileError(f'{where} is not an autoplan plan (missing "format": "{PLAN_FORMAT}")')
         if d.get("version") != PLAN_VERSION:
             raise PlanFileError(
                 f"{where} has plan version {d.get('version')!r}; this autoplan reads version {PLAN_VERSION}: re-plan with this version"
@@ -263,7 +267,9 @@ class Plan:
         except ClusterSpecError as exc:
             raise PlanFileError(str(exc)) from exc
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PlanFileError(f"{where} is malformed ({type(exc).__name__}: {exc}): re-create it with `autoplan plan`") from exc
+            raise PlanFileError(
+                f"{where} is malformed ({type(exc).__name__}: {exc}): re-create it with `autoplan plan`"
+            ) from exc
         return plan
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -88,9 +88,7 @@ class Cluster:
         if isinstance(self.device, str):
             object.__setattr__(self, "device", get_device_spec(self.device))
         elif not isinstance(self.device, DeviceSpec):
-            raise ClusterSpecError(
-                f"device must be a DeviceSpec or a catalog name like 'H100', got {self.device!r}"
-            )
+            raise ClusterSpecError(f"device must be a DeviceSpec or a catalog name like 'H100', got {self.device!r}")
         if self.mesh_shape is None:
             shape = self._default_mesh_shape()
         else:
@@ -111,17 +109,11 @@ class Cluster:
 
     def _checked_mesh_shape(self, mesh_shape: object) -> tuple[int, ...]:
         if isinstance(mesh_shape, (str, bytes)) or not isinstance(mesh_shape, Sequence):
-            raise ClusterSpecError(
-                f"mesh_shape must be a list of positive integers like [2, 8], got {mesh_shape!r}"
-            )
+            raise ClusterSpecError(f"mesh_shape must be a list of positive integers like [2, 8], got {mesh_shape!r}")
         shape = tuple(mesh_shape)
-        if not shape or not all(
-            isinstance(size, int) and not isinstance(size, bool) and size > 0
-            for size in shape
-        ):
+        if not shape or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in shape):
             raise ClusterSpecError(
-                f"mesh_shape must be a non-empty list of positive integers like [2, 8], "
-                f"got {mesh_shape!r}"
+                f"mesh_shape must be a non-empty list of positive integers like [2, 8], got {mesh_shape!r}"
             )
         hierarchy = f"{self.num_nodes} nodes x {self.devices_per_node} devices"
         if math.prod(shape) != self.world_size:
@@ -143,30 +135,21 @@ class Cluster:
 
     def _checked_axis_names(self, names: object) -> tuple[str, ...]:
         if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
-            raise ClusterSpecError(
-                f"mesh_axis_names must be a list of strings like ['dp', 'tp'], got {names!r}"
-            )
+            raise ClusterSpecError(f"mesh_axis_names must be a list of strings like ['dp', 'tp'], got {names!r}")
         checked = tuple(names)
         if not all(isinstance(name, str) and name for name in checked):
-            raise ClusterSpecError(
-                f"mesh_axis_names must be non-empty strings, got {list(checked)!r}"
-            )
+            raise ClusterSpecError(f"mesh_axis_names must be non-empty strings, got {list(checked)!r}")
         if len(checked) != len(self.mesh_shape):
             raise ClusterSpecError(
                 f"mesh_axis_names {list(checked)!r} has {len(checked)} names but mesh_shape "
                 f"{self.mesh_shape} has {len(self.mesh_shape)} axes; give one name per axis"
             )
         if len(set(checked)) != len(checked):
-            raise ClusterSpecError(
-                f"mesh_axis_names {list(checked)!r} repeats a name; axis names must be unique"
-            )
+            raise ClusterSpecError(f"mesh_axis_names {list(checked)!r} repeats a name; axis names must be unique")
         return checked
 
     def _derived_axis_names(self) -> tuple[str, ...]:
-        kinds = [
-            "inter" if self._axis_crosses_nodes(i) else "intra"
-            for i in range(self.mesh_ndim)
-        ]
+        kinds = ["inter" if self._axis_crosses_nodes(i) else "intra" for i in range(self.mesh_ndim)]
         seen = {"inter": 0, "intra": 0}
         names = []
         for kind in kinds:
@@ -196,18 +179,13 @@ class Cluster:
         """Non-negative index of a mesh axis given by index (negative allowed) or by name."""
         if isinstance(axis, str):
             if axis not in self.mesh_axis_names:
-                raise ClusterSpecError(
-                    f"no mesh axis named {axis!r}; axes are {', '.join(self.mesh_axis_names)}"
-                )
+                raise ClusterSpecError(f"no mesh axis named {axis!r}; axes are {', '.join(self.mesh_axis_names)}")
             return self.mesh_axis_names.index(axis)
         if isinstance(axis, bool) or not isinstance(axis, int):
-            raise ClusterSpecError(
-                f"mesh axis must be an int or an axis name, got {axis!r}"
-            )
+            raise ClusterSpecError(f"mesh axis must be an int or an axis name, got {axis!r}")
         if not -self.mesh_ndim <= axis < self.mesh_ndim:
             raise ClusterSpecError(
-                f"mesh axis {axis} is out of range for the {self.mesh_ndim}-D mesh "
-                f"{self.mesh_shape}"
+                f"mesh axis {axis} is out of range for the {self.mesh_ndim}-D mesh {self.mesh_shape}"
             )
         return axis % self.mesh_ndim
 
@@ -234,9 +212,7 @@ class Cluster:
             spans_nodes=False,
         )
 
-    def with_mesh(
-        self, mesh_shape: Sequence[int], mesh_axis_names: Sequence[str] | None = None
-    ) -> Cluster:
+    def with_mesh(self, mesh_shape: Sequence[int], mesh_axis_names: Sequence[str] | None = None) -> Cluster:
         """The same cluster with another logical mesh (names derived when not given)."""
         return dataclasses.replace(
             self,
@@ -246,10 +222,7 @@ class Cluster:
 
     def __str__(self) -> str:
         names = ",".join(self.mesh_axis_names)
-        return (
-            f"{self.num_nodes}x{self.devices_per_node}x{self.device.name} "
-            f"mesh={self.mesh_shape}[{names}]"
-        )
+        return f"{self.num_nodes}x{self.devices_per_node}x{self.device.name} mesh={self.mesh_shape}[{names}]"
 
     # --- Serialisation -----------------------------------------------------------------------
 
@@ -264,9 +237,7 @@ class Cluster:
         }
 
     @classmethod
-    def from_dict(
-        cls, data: Mapping[str, Any], *, where: str = "cluster description"
-    ) -> Cluster:
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "cluster description") -> Cluster:
         """Build a cluster from ``to_dict`` output or a parsed cluster file.
 
         ``device`` is a catalog name, a mapping of every ``DeviceSpec`` field, or
@@ -276,8 +247,7 @@ class Cluster:
         try:
             if not isinstance(data, Mapping):
                 raise ClusterSpecError(
-                    f"expected a mapping with keys {', '.join(_REQUIRED_KEYS)}, "
-                    f"got {type(data).__name__}"
+                    f"expected a mapping with keys {', '.join(_REQUIRED_KEYS)}, got {type(data).__name__}"
                 )
             for key in data:
                 if key not in CLUSTER_KEYS:
@@ -286,15 +256,10 @@ class Cluster:
                         if key == "overrides"
                         else ""
                     )
-                    raise ClusterSpecError(
-                        f"unknown key {key!r}; known keys: {', '.join(CLUSTER_KEYS)}{hint}"
-                    )
+                    raise ClusterSpecError(f"unknown key {key!r}; known keys: {', '.join(CLUSTER_KEYS)}{hint}")
             missing = [key for key in _REQUIRED_KEYS if key not in data]
             if missing:
-                raise ClusterSpecError(
-                    f"missing key {', '.join(missing)}; a cluster needs "
-                    f"{', '.join(_REQUIRED_KEYS)}"
-                )
+                raise ClusterSpecError(f"missing key {', '.join(missing)}; a cluster needs {', '.join(_REQUIRED_KEYS)}")
             return cls(
                 num_nodes=data["num_nodes"],
                 devices_per_node=data["devices_per_node"],
@@ -312,15 +277,11 @@ class Cluster:
         where = f"cluster file '{path}'"
         suffix = path.suffix.lower()
         if suffix not in (".yaml", ".yml", ".json"):
-            raise ClusterSpecError(
-                f"{where} has extension {suffix!r}; use .yaml, .yml or .json"
-            )
+            raise ClusterSpecError(f"{where} has extension {suffix!r}; use .yaml, .yml or .json")
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise ClusterSpecError(
-                f"{where} does not exist; check the path or use a preset like '2x8xH100'"
-            ) from None
+            raise ClusterSpecError(f"{where} does not exist; check the path or use a preset like '2x8xH100'") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ClusterSpecError(
                 f"{where} cannot be read ({_one_line(exc)}); check that it is a UTF-8 text file"
@@ -330,8 +291,7 @@ class Cluster:
                 data = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise ClusterSpecError(
-                    f"{where} is not valid JSON (line {exc.lineno}, column {exc.colno}: "
-                    f"{exc.msg}); fix the syntax"
+                    f"{where} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix the syntax"
                 ) from exc
         else:
             try:
@@ -341,9 +301,7 @@ class Cluster:
                     f"{where} is not valid YAML ({_yaml_error_summary(exc)}); fix the syntax"
                 ) from exc
         if data is None:
-            raise ClusterSpecError(
-                f"{where} is empty; expected a mapping with keys {', '.join(_REQUIRED_KEYS)}"
-            )
+            raise ClusterSpecError(f"{where} is empty; expected a mapping with keys {', '.join(_REQUIRED_KEYS)}")
         return cls.from_dict(data, where=where)
 
     @classmethod
@@ -368,9 +326,7 @@ class Cluster:
                 devices_per_node=int(devices_per_node),
                 device=device,
                 mesh_shape=None if mesh_shape is None else tuple(mesh_shape),
-                mesh_axis_names=None
-                if mesh_axis_names is None
-                else tuple(mesh_axis_names),
+                mesh_axis_names=None if mesh_axis_names is None else tuple(mesh_axis_names),
             )
         except ClusterSpecError as exc:
             raise type(exc)(f"cluster preset {spec!r}: {exc}") from None
@@ -382,8 +338,7 @@ def _device_from_value(value: object, *, origin: str) -> DeviceSpec:
         return get_device_spec(value)
     if not isinstance(value, Mapping):
         raise ClusterSpecError(
-            f"device must be a catalog name like 'H100' or a mapping of DeviceSpec fields, "
-            f"got {value!r}"
+            f"device must be a catalog name like 'H100' or a mapping of DeviceSpec fields, got {value!r}"
         )
     if "overrides" in value:
         extra = [key for key in value if key not in ("name", "overrides")]
@@ -393,9 +348,7 @@ def _device_from_value(value: object, *, origin: str) -> DeviceSpec:
                 f"got keys {', '.join(map(str, value))}"
             )
         base = get_device_spec(value["name"])
-        return base.with_overrides(
-            value["overrides"], where="device.overrides", origin=origin
-        )
+        return base.with_overrides(value["overrides"], where="device.overrides", origin=origin)
     if set(value) == {"name"} and isinstance(value["name"], str):
         return get_device_spec(value["name"])
     return DeviceSpec.from_dict(value, where="device", origin=origin)

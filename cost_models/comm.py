@@ -122,7 +122,11 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
     for i in range(n):
         if cur[i] != dst[i]:
             assert isinstance(cur[i], Replicate), (src, dst, cur)
-            steps.append(_step("shard", i, cur[i], dst[i]) if isinstance(dst[i], Shard) else _step("to_partial", i, cur[i], dst[i]))
+            steps.append(
+                _step("shard", i, cur[i], dst[i])
+                if isinstance(dst[i], Shard)
+                else _step("to_partial", i, cur[i], dst[i])
+            )
             cur[i] = dst[i]
     return tuple(steps)
 
@@ -135,7 +139,9 @@ def _local_bytes(spec: Sequence[Placement], full_bytes: float, mesh_shape: Seque
     return full_bytes / div
 
 
-def step_bytes(step: TransitionStep, before: Sequence[Placement], full_bytes: float, mesh_shape: Sequence[int]) -> float:
+def step_bytes(
+    step: TransitionStep, before: Sequence[Placement], full_bytes: float, mesh_shape: Sequence[int]
+) -> float:
     """Payload of one step in the convention of :func:`collective_time_s`."""
     after = list(before)
     after[step.axis] = step.dst

@@ -107,9 +107,7 @@ class DeviceSpec:
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
         if not isinstance(self.name, str) or not self.name.strip():
-            raise ClusterSpecError(
-                f"device name must be a non-empty string, got {self.name!r}"
-            )
+            raise ClusterSpecError(f"device name must be a non-empty string, got {self.name!r}")
         if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
             raise ClusterSpecError(
                 f"{where}: peak_flops must be a mapping with at least a 'float32' entry "
@@ -119,8 +117,7 @@ class DeviceSpec:
         for key, value in self.peak_flops.items():
             if key not in PEAK_FLOPS_KEYS:
                 raise ClusterSpecError(
-                    f"{where}: unknown peak_flops dtype {key!r}; use one of "
-                    f"{', '.join(PEAK_FLOPS_KEYS)}"
+                    f"{where}: unknown peak_flops dtype {key!r}; use one of {', '.join(PEAK_FLOPS_KEYS)}"
                 )
             flops[key] = _positive_float(value, f"{where}: peak_flops[{key!r}]")
         object.__setattr__(self, "peak_flops", _ReadOnlyMapping(flops))
@@ -131,9 +128,7 @@ class DeviceSpec:
             "inter_node_bw_GBps",
             "inter_node_latency_us",
         ):
-            object.__setattr__(
-                self, name, _positive_float(getattr(self, name), f"{where}: {name}")
-            )
+            object.__setattr__(self, name, _positive_float(getattr(self, name), f"{where}: {name}"))
         capacity = self.mem_capacity_bytes
         if isinstance(capacity, float) and capacity.is_integer():
             capacity = int(capacity)
@@ -144,14 +139,11 @@ class DeviceSpec:
             )
         object.__setattr__(self, "mem_capacity_bytes", capacity)
         if isinstance(self.sources, str) or not isinstance(self.sources, (tuple, list)):
-            raise ClusterSpecError(
-                f"{where}: sources must be a list of citations, got {self.sources!r}"
-            )
+            raise ClusterSpecError(f"{where}: sources must be a list of citations, got {self.sources!r}")
         sources = tuple(self.sources)
         if not sources or not all(isinstance(s, str) and s.strip() for s in sources):
             raise ClusterSpecError(
-                f"{where}: sources must cite at least one datasheet or state the assumption, "
-                f"got {self.sources!r}"
+                f"{where}: sources must cite at least one datasheet or state the assumption, got {self.sources!r}"
             )
         object.__setattr__(self, "sources", sources)
 
@@ -167,9 +159,7 @@ class DeviceSpec:
         key = _dtype_key(dtype)
         if key in self.peak_flops:
             return self.peak_flops[key]
-        logger.debug(
-            "device %s has no peak_flops for %s; using float32", self.name, key
-        )
+        logger.debug("device %s has no peak_flops for %s; using float32", self.name, key)
         return self.peak_flops["float32"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -193,9 +183,7 @@ class DeviceSpec:
         ``origin`` (the file the numbers came from; defaults to ``where``).
         """
         if not isinstance(data, Mapping):
-            raise ClusterSpecError(
-                f"{where}: expected a mapping of DeviceSpec fields, got {data!r}"
-            )
+            raise ClusterSpecError(f"{where}: expected a mapping of DeviceSpec fields, got {data!r}")
         _check_keys(data, where=where)
         required = [name for name in DEVICE_SPEC_FIELDS if name != "sources"]
         missing = [name for name in required if name not in data]
@@ -222,17 +210,14 @@ class DeviceSpec:
         overridden. ``where`` prefixes every error message.
         """
         if not isinstance(overrides, Mapping):
-            raise ClusterSpecError(
-                f"{where}: expected a mapping of DeviceSpec fields to override, got {overrides!r}"
-            )
+            raise ClusterSpecError(f"{where}: expected a mapping of DeviceSpec fields to override, got {overrides!r}")
         _check_keys(overrides, where=where)
         kwargs = self.to_dict()
         for key, value in overrides.items():
             if key == "peak_flops":
                 if not isinstance(value, Mapping):
                     raise ClusterSpecError(
-                        f"{where}: peak_flops must be a mapping of dtype name to FLOP/s, "
-                        f"got {value!r}"
+                        f"{where}: peak_flops must be a mapping of dtype name to FLOP/s, got {value!r}"
                     )
                 kwargs["peak_flops"] = {**kwargs["peak_flops"], **value}
             else:
@@ -253,9 +238,7 @@ DEVICE_SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DeviceSpec))
 def _check_keys(data: Mapping[str, Any], *, where: str) -> None:
     for key in data:
         if key not in DEVICE_SPEC_FIELDS:
-            raise ClusterSpecError(
-                f"{where}: unknown device key {key!r}; known keys: {', '.join(DEVICE_SPEC_FIELDS)}"
-            )
+            raise ClusterSpecError(f"{where}: unknown device key {key!r}; known keys: {', '.join(DEVICE_SPEC_FIELDS)}")
 
 
 def _positive_float(value: object, what: str) -> float:
@@ -442,9 +425,7 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
     ),
 )
 
-DEVICE_CATALOG: Mapping[str, DeviceSpec] = _ReadOnlyMapping(
-    {spec.name: spec for spec in _CATALOG_ENTRIES}
-)
+DEVICE_CATALOG: Mapping[str, DeviceSpec] = _ReadOnlyMapping({spec.name: spec for spec in _CATALOG_ENTRIES})
 """Catalog devices by canonical name. Look names up with ``get_device_spec`` (aliases, any case)."""
 
 DEVICE_ALIASES: Mapping[str, str] = {

@@ -37,11 +37,25 @@ def gpt2_tiny() -> autoplan.Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
-        n_layer=2, n_embd=128, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        n_layer=2,
+        n_embd=128,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
     )
     ids = _batch()
-    return autoplan.Workload(model=GPT2LMHeadModel(cfg), example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), optimizer="sgd_momentum", lr=0.05)
+    return autoplan.Workload(
+        model=GPT2LMHeadModel(cfg),
+        example_inputs=(ids,),
+        loss_fn=lm_loss,
+        example_targets=(ids,),
+        optimizer="sgd_momentum",
+        lr=0.05,
+    )
 
 
 def llama_tiny() -> autoplan.Workload:
@@ -49,8 +63,21 @@ def llama_tiny() -> autoplan.Workload:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ, use_cache=False,
+        num_hidden_layers=2,
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=SEQ,
+        use_cache=False,
     )
     ids = _batch()
-    return autoplan.Workload(model=LlamaForCausalLM(cfg), example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), optimizer="sgd_momentum", lr=0.05)
+    return autoplan.Workload(
+        model=LlamaForCausalLM(cfg),
+        example_inputs=(ids,),
+        loss_fn=lm_loss,
+        example_targets=(ids,),
+        optimizer="sgd_momentum",
+        lr=0.05,
+    )

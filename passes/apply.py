@@ -18,7 +18,7 @@ this list and the program contains exactly these calls, nothing else.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -121,9 +121,7 @@ def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], 
             kwargs["dim"] = st.dst.dim
         if st.kind == "to_partial" and isinstance(st.dst, Partial) and st.dst.reduce_op != "sum":
             kwargs["reduce_op"] = st.dst.reduce_op
-        x = graph.create_node(
-            "call_function", _STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}"
-        )
+        x = graph.create_node("call_function", _STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}")
     return x
 
 
@@ -131,6 +129,17 @@ def _fix_device(kwargs: dict[str, object], device: torch.device) -> dict[str, ob
     if "device" in kwargs:
         kwargs = {**kwargs, "device": device}
     return kwargs
+
+
+def _replace_tensor_args(args: object, converted: Iterator[fx.Node], env: Mapping[fx.Node, fx.Node]) -> object:
+    """``args`` with each tensor node replaced, in flatten order, by the next converted node."""
+
+    def remap(a: object) -> object:
+        if isinstance(a, fx.Node):
+            return next(converted) if isinstance(a.meta.get("val"), torch.Tensor) else env[a]
+        return a
+
+    return pytree.tree_map(remap, args, is_leaf=lambda a: isinstance(a, fx.Node))
 
 
 def _is_dtensor_input(node: fx.Node) -> bool:
@@ -168,8 +177,10 @@ def generate_program(
                 ng = env[g]
                 if r is not None and r.bucket is not None:
                     buckets.setdefault(r.bucket, []).append(i)
-                new_grads.append(_emit_steps(graph, ng, r.steps, axis_names) if r is not None and r.bucket is None else ng)
-            for key, members in buckets.items():
+                new_grads.append(
+                    _emit_steps(graph, ng, r.steps, axis_names) if r is not None and r.bucket is None else ng
+                )
+            for members in buckets.values():
                 r = by_edge[("p_" + traced.param_names[members[0]].replace(".", "_"), -1)]
                 group = [new_grads[i] for i in members]
                 for st in r.steps:
@@ -200,16 +211,11 @@ def generate_program(
                 # a constant (plain tensor, same on every rank) needed sharded: wrap, then slice
                 if mesh_node is None:
                     mesh_node = graph.get_attr("device_mesh")
-                x = graph.create_node("call_function", runtime.replicate, (x, mesh_node), {}, name=f"{a.name}_replicated")
+                x = graph.create_node(
+                    "call_function", runtime.replicate, (x, mesh_node), {}, name=f"{a.name}_replicated"
+                )
             converted.append(_emit_steps(graph, x, r.steps, axis_names) if r is not None else x)
-        it = iter(converted)
-
-        def remap(a: object) -> object:
-            if isinstance(a, fx.Node):
-                return next(it) if isinstance(a.meta.get("val"), torch.Tensor) else env[a]
-            return a
-
-        new_args = pytree.tree_map(remap, node.args, is_leaf=lambda a: isinstance(a, fx.Node))
+        new_args = _replace_tensor_args(node.args, iter(converted), env)
         new_kwargs = _fix_device(fx.node.map_arg(dict(node.kwargs), lambda n: env[n]), device)
         if node.name in fallback_nodes:
             new = graph.create_node(

@@ -154,11 +154,7 @@ class ShardingILP:
             (q,) = Q
             self._objective += [(self.x[u][s], edge.cost_s[(p, q)]) for p in P for s in edge.src_groups[p]]
             return
-        y = {
-            (i, j): self._var(f"y_{k}_{i}_{j}", binary=False)
-            for i in range(len(P))
-            for j in range(len(Q))
-        }
+        y = {(i, j): self._var(f"y_{k}_{i}_{j}", binary=False) for i in range(len(P)) for j in range(len(Q))}
         for i, p in enumerate(P):
             lhs = pulp.LpAffineExpression([(y[i, j], 1.0) for j in range(len(Q))])
             self.model += (lhs == self._sum_x(u, edge.src_groups[p]), f"edge_source__{k}_{i}")

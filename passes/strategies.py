@@ -161,16 +161,21 @@ class _Enumerator:
     def has_strategy(self, op: object) -> bool:
         return op in self.prop.op_strategy_funcs or op in self.prop.op_single_dim_strategy_funcs
 
-    def enumerate(
-        self, node: fx.Node, candidates: Sequence[Sequence[Spec]]
-    ) -> tuple[Strategy, ...] | None:
+    def enumerate(self, node: fx.Node, candidates: Sequence[Sequence[Spec]]) -> tuple[Strategy, ...] | None:
         """Strategies of ``node`` given candidate specs for each tensor argument (None: no rule)."""
         op = node.target
         targs = tensor_args(node)
         key = (
             op,
-            tuple((tuple(a.meta["val"].shape), a.meta["val"].dtype, tuple(c)) for a, c in zip(targs, candidates, strict=True)),
-            repr(fx.node.map_arg(node.args, lambda n: n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else n.name)),
+            tuple(
+                (tuple(a.meta["val"].shape), a.meta["val"].dtype, tuple(c))
+                for a, c in zip(targs, candidates, strict=True)
+            ),
+            repr(
+                fx.node.map_arg(
+                    node.args, lambda n: n.meta["val"].shape if isinstance(n.meta.get("val"), torch.Tensor) else n.name
+                )
+            ),
             repr(node.kwargs),
         )
         if key not in self._cache:
@@ -181,9 +186,7 @@ class _Enumerator:
                 self._cache[key] = self._enumerate_one_by_one(node, candidates)
         return self._cache[key]
 
-    def _enumerate_one_by_one(
-        self, node: fx.Node, candidates: Sequence[Sequence[Spec]]
-    ) -> tuple[Strategy, ...] | None:
+    def _enumerate_one_by_one(self, node: fx.Node, candidates: Sequence[Sequence[Spec]]) -> tuple[Strategy, ...] | None:
         """Some rules assume one spec per input or reject some specs: ask per input combination."""
         combos = list(itertools.islice(itertools.product(*candidates), _MAX_COMBOS))
         if len(combos) == _MAX_COMBOS:
@@ -258,7 +261,9 @@ class _Enumerator:
                 if o is None or not isinstance(v, torch.Tensor):
                     out_specs.append(None)
                     continue
-                if not all(is_supported(p) for p in o.placements) or not is_shardable(o.placements, v.shape, self.mesh_shape):
+                if not all(is_supported(p) for p in o.placements) or not is_shardable(
+                    o.placements, v.shape, self.mesh_shape
+                ):
                     ok = False
                 out_specs.append(tuple(o.placements))
             in_specs = s.input_specs if s.input_specs is not None else [outs[0]] * len(targs)
@@ -314,9 +319,12 @@ def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTab
         if node.op == "placeholder":
             depends_on_input.add(node.name)
             kind: NodeKind = (
-                "param" if node.name.startswith("p_")
-                else "buffer" if node.name.startswith("b_")
-                else "input" if node.name.startswith("input_")
+                "param"
+                if node.name.startswith("p_")
+                else "buffer"
+                if node.name.startswith("b_")
+                else "input"
+                if node.name.startswith("input_")
                 else "target"
             )
             specs = [rep] if kind == "buffer" else sharding_specs(val.shape, mesh_shape)
@@ -325,7 +333,9 @@ def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTab
             )
             continue
         if node.op == "get_attr":
-            table.nodes[node.name] = NodeStrategies(node=node.name, kind="constant", strategies=(Strategy((rep,), ()),), inputs=())
+            table.nodes[node.name] = NodeStrategies(
+                node=node.name, kind="constant", strategies=(Strategy((rep,), ()),), inputs=()
+            )
             continue
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -352,6 +362,8 @@ def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTab
         table.nodes[node.name] = NodeStrategies(node=node.name, kind="op", strategies=strategies, inputs=refs)
     log.info(
         "strategies: %d nodes, %d strategies, %d fallback ops",
-        len(table.nodes), table.num_strategies(), len(table.fallback_ops),
+        len(table.nodes),
+        table.num_strategies(),
+        len(table.fallback_ops),
     )
     return table

@@ -26,8 +26,8 @@ so their cost is counted like any other.
 from __future__ import annotations
 
 import hashlib
-import operator
 import logging
+import operator
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -97,7 +97,11 @@ def _user_frame(exc: BaseException) -> str:
     """The innermost traceback frame outside torch/site-packages: where the user's code failed."""
     frames = traceback.extract_tb(exc.__traceback__)
     for fr in reversed(frames):
-        if "site-packages/torch" not in fr.filename and "/autoplan/" not in fr.filename and "/passes/" not in fr.filename:
+        if (
+            "site-packages/torch" not in fr.filename
+            and "/autoplan/" not in fr.filename
+            and "/passes/" not in fr.filename
+        ):
             return f"{fr.filename}:{fr.lineno} ({fr.line})"
     return frames[-1].filename + f":{frames[-1].lineno}" if frames else "<unknown>"
 
@@ -178,8 +182,7 @@ def trace_training_step(
             gm = make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
         raise UnsupportedModelError(
-            f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)} "
-            f"at {_user_frame(exc)}"
+            f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)} at {_user_frame(exc)}"
         ) from exc
 
     _check_grads(gm, param_names)
@@ -219,9 +222,11 @@ def _clean_graph(gm: fx.GraphModule) -> None:
             g.erase_node(node)
     g.eliminate_dead_code()
     for node in g.nodes:
-        if node.op in ("placeholder", "call_function") and not isinstance(
-            node.meta.get("val"), (torch.Tensor, tuple, list, int, float, bool, torch.SymInt)
-        ) and node.meta.get("val") is not None:
+        if (
+            node.op in ("placeholder", "call_function")
+            and not isinstance(node.meta.get("val"), (torch.Tensor, tuple, list, int, float, bool, torch.SymInt))
+            and node.meta.get("val") is not None
+        ):
             raise UnsupportedModelError(f"node {node.name} ({node.target}) has no tensor metadata")
     gm.recompile()
 
