@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -155,7 +156,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    rc = subprocess.call(cmd, env=env)
+    try:
+        rc = subprocess.call(cmd, env=env)
+    finally:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
     return EXIT_BAD_INPUT if rc == EXIT_BAD_INPUT else rc
 
 

@@ -27,6 +27,7 @@ from passes.strategies import Strategy
 PLAN_FORMAT = "autoplan.plan"
 PLAN_VERSION = 1
 GiB = 1024**3
+_SOLVER_KEYS = ("status", "objective_s", "solve_time_s", "num_variables", "num_constraints")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -264,6 +265,11 @@ class Plan:
                 plan.strategy_of(n)  # validates every spec string
             for n in plan.param_names:
                 parse_spec(plan.param_specs[n])
+            for spec in plan.input_specs + plan.target_specs:
+                parse_spec(spec)
+            missing = [k for k in _SOLVER_KEYS if k not in plan.solver]
+            if missing:
+                raise KeyError(f"solver.{missing[0]}")
         except ClusterSpecError as exc:
             raise PlanFileError(str(exc)) from exc
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -276,11 +282,19 @@ class Plan:
         """Write the plan as JSON, atomically (a temporary file renamed into place)."""
         path = Path(path)
         text = json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise PlanFileError(
+                f"cannot write plan file {str(path)!r}: {exc.strerror}; create the directory {str(path.parent)!r} first"
+            ) from exc
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
             os.replace(tmp, path)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise PlanFileError(f"cannot write plan file {str(path)!r}: {exc.strerror}") from exc
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -25,7 +25,9 @@ so their cost is counted like any other.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import logging
 import operator
 import time
@@ -112,8 +114,13 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+    captured = io.StringIO()
+    torch_logger = logging.getLogger("torch")
+    old_level = torch_logger.level
+    torch_logger.setLevel(logging.ERROR)  # export prints partial graphs and hints on failure
     try:
-        ep = torch.export.export(wrapper, args, strict=False)
+        with contextlib.redirect_stderr(captured):
+            ep = torch.export.export(wrapper, args, strict=False)
     except UnsupportedModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes one clear message
@@ -122,6 +129,10 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
             f"at {_user_frame(exc)}; remove data-dependent Python control flow there "
             "(use torch.where / torch.cond) or pass inputs that avoid it"
         ) from exc
+    finally:
+        torch_logger.setLevel(old_level)
+        if captured.getvalue():
+            log.debug("torch.export said:\n%s", captured.getvalue())
     return ep.module()
 
 
