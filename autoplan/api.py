@@ -109,13 +109,14 @@ def plan_traced(
     optimizer: str = "adam",
     pins: Pins | None = None,
     time_limit_s: float = 120.0,
+    solver: str = "auto",
 ) -> Plan:
     """Plan an already traced training step on ``mesh`` (the cluster's shape)."""
     t0 = time.perf_counter()
     table = build_strategy_table(traced, mesh)
     _apply_pins(table, traced, pins or {})
     problem = build_cost_problem(traced, table, cluster, optimizer=optimizer)
-    solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s)).solve()
+    solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
 
     gm = traced.graph_module
@@ -243,18 +244,22 @@ def plan(
     optimizer: str = "adam",
     pins: Pins | None = None,
     time_limit_s: float = 120.0,
+    solver: str = "auto",
 ) -> Plan:
     """Plan data/tensor/sequence/parameter sharding of one training step of ``model``.
 
     ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
     a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
-    ``{"layers.*.mlp.up.weight": "R,S(0)", "input_0": "S(0),R"}``.
+    ``{"layers.*.mlp.up.weight": "R,S(0)", "input_0": "S(0),R"}``. ``solver`` is ``"auto"``
+    (HiGHS when installed, else PuLP's bundled CBC), ``"highs"`` or ``"cbc"``.
     """
     cluster = _as_cluster(cluster)
     _check_optimizer(optimizer)
     traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     with planning_mesh(cluster) as mesh:
-        return plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, time_limit_s=time_limit_s)
+        return plan_traced(
+            traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, time_limit_s=time_limit_s, solver=solver
+        )
 
 
 def _plan_on_rank0(

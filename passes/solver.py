@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from cost_models.errors import InfeasiblePlanError
+from cost_models.errors import InfeasiblePlanError, PlanError
 from passes.costing import CostProblem, Edge
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,10 @@ def _make_solver(options: SolverOptions) -> pulp.LpSolver:
     """HiGHS (via highspy) when installed and allowed, else the CBC binary bundled with PuLP."""
     if options.backend in ("auto", "highs") and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
         return pulp.HiGHS(msg=False, timeLimit=options.time_limit_s, threads=options.threads, random_seed=0)
+    if options.backend not in ("auto", "highs", "cbc"):
+        raise PlanError(f"unknown solver backend {options.backend!r}: use 'auto', 'highs' or 'cbc'")
     if options.backend == "highs":
-        raise RuntimeError("solver backend 'highs' requested but highspy is not installed: pip install highspy")
+        raise PlanError("solver backend 'highs' requested but highspy is not installed: pip install highspy")
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads)
 
 

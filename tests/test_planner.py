@@ -99,3 +99,13 @@ def test_infeasible_plan_names_needed_and_available_memory() -> None:
         autoplan.plan(model, "2xCPU", example_inputs=(x,), loss_fn=lambda out: out.mean())
     msg = str(info.value)
     assert "GiB" in msg and "2 devices" in msg and "\n" not in msg
+
+
+def test_cbc_and_highs_find_the_same_optimum() -> None:
+    model, ids = _gpt2(256, 1, batch=64, seq=32)
+    kwargs = dict(example_inputs=(ids,), loss_fn=_lm_loss, example_targets=(ids,))
+    highs = autoplan.plan(model, "2x4xH100", solver="highs", **kwargs)
+    cbc = autoplan.plan(model, "2x4xH100", solver="cbc", **kwargs)
+    assert cbc.solver["status"] == highs.solver["status"] == "Optimal"
+    # both stop at a relative MIP gap of 1e-4 (their default), so optima agree to that tolerance
+    assert cbc.solver["objective_s"] == pytest.approx(highs.solver["objective_s"], rel=2e-4)
