@@ -140,16 +140,19 @@ class Plan:
         return dict(sorted(counts.items()))
 
     def parallelism(self) -> dict[str, str]:
-        """Per mesh axis, a name for what the plan does along it (data / tensor / mixed)."""
+        """Per mesh axis, what the plan does along it: ``data`` (the batch is split, so gradients
+        are reduced over the axis), ``tensor/param-sharded`` (parameters are split), both, or
+        ``replicated``."""
         out = {}
         for axis, name in enumerate(self.cluster.mesh_axis_names):
-            batch = [s[axis] for s in self.input_specs]
+            grads_reduced = any(
+                c.consumer.startswith("p_") and any(a == axis and k in ("all_reduce", "reduce_scatter") for k, a in c.steps)
+                for c in self.collectives
+            )
             params_sharded = sum(1 for s in self.param_specs.values() if s[axis] != "R")
             kinds = []
-            if any(p.startswith("S(0)") for p in batch):
+            if grads_reduced:
                 kinds.append("data")
-            elif any(p.startswith("S(") for p in batch):
-                kinds.append("sequence")
             if params_sharded:
                 kinds.append(f"tensor/param-sharded ({params_sharded}/{len(self.param_specs)} params)")
             out[name] = " + ".join(kinds) if kinds else "replicated"

@@ -18,16 +18,18 @@ The plan is what the test name says
 Pins fix only placeholders (parameters, inputs, targets); the ILP picks every op in between by
 cost. With the ``NxCPU`` preset numbers the tiny test models are so cheap to compute that the
 optimum often undoes a pin at once: a batch pinned ``S(0)`` is all-gathered at the first op and
-the whole step runs replicated, or a row-parallel weight is all-gathered before its matmul. The
-data-parallel cases therefore run on the preset with compute made ``compute_slowdown`` times
-slower (peak FLOP/s and memory bandwidth divided, links unchanged), which makes splitting the
-work pay for its communication. Each test asserts the resulting layout on the forward matmuls
-(``assert_layers_split_batch``, ``assert_layers_use_sharded_weights``) before it checks numbers.
+the whole step runs replicated, or a row-parallel weight is all-gathered before its matmul. Cases
+whose layout the preset optimum undoes run on the preset with compute made ``compute_slowdown``
+times slower (peak FLOP/s and memory bandwidth divided, links unchanged), which makes splitting
+the work pay for its communication. Each test asserts the resulting layout of the forward
+matmuls (``assert_layers_split_batch``, ``assert_layers_use_sharded_weights``) before it checks
+numbers.
 
 Attention is not head-parallel in any plan: the decomposed attention multiplies
 ``(B * H, T, D)`` views, and a ``(B, H, T, D)`` tensor sharded on ``H`` cannot be viewed as a
 sharded ``B * H`` dim, so the planner gathers the heads (and the row-parallel ``o_proj`` /
-``attn.c_proj`` weight) before the attention matmuls. The tensor-parallel assertions therefore
+``attn.c_proj`` weight) before the attention matmuls; GPT-2's fused ``c_attn`` weight is gathered
+too (a column split of its ``3 * C`` outputs would not align with q/k/v). The tensor-parallel assertions therefore
 name the projections that really run sharded: q/k/v and the MLP for Llama, the MLP for GPT-2.
 
 Optimizers: Adam for the MLP; SGD with momentum for the Hugging Face models. Adam's update is
@@ -170,7 +172,7 @@ def train_sharded_and_reference(rank: int, world_size: int, case: Case) -> dict[
         pins=dict(case.pins),
         optimizer=case.optimizer,
     )
-    # Every rank plans on its own: make a disagreement a clear failure rather than a hang.
+    # All ranks must run one plan: a disagreement should fail here, not hang in a collective.
     keys: list[str | None] = [None] * world_size
     dist.all_gather_object(keys, _plan_key(pm.plan))
     assert all(k == keys[0] for k in keys), f"ranks planned differently: {[hash(k) for k in keys]}"
@@ -409,7 +411,7 @@ def test_llama_gqa_tensor_parallel_on_2_ranks_trains_like_single_device():
     assert_trains_like_reference(results)
 
 
-@pytest.mark.slow  # ~3 min on 2 cores: each of the 4 ranks solves a ~50 s ILP
+@pytest.mark.slow  # 70-175 s on 2 cores, mostly the 20-50 s ILP solve of the 2x2 mesh
 def test_llama_gqa_data_x_tensor_parallel_on_2x2_mesh_trains_like_single_device():
     case = Case(
         name="llama-gqa-dp-x-tp-2x2",
