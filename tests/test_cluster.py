@@ -61,9 +61,7 @@ def test_malformed_preset_raises_with_the_expected_format(spec):
 
 
 def test_preset_with_unknown_device_or_zero_count_names_the_preset():
-    with pytest.raises(
-        UnknownDeviceError, match="preset '2x8xH100x': unknown device 'H100x'"
-    ):
+    with pytest.raises(UnknownDeviceError, match="preset '2x8xH100x': unknown device 'H100x'"):
         Cluster.preset("2x8xH100x")
     with pytest.raises(
         ClusterSpecError,
@@ -143,9 +141,7 @@ def test_cluster_is_hashable_picklable_and_deep_copyable():
 
     assert pickle.loads(pickle.dumps(cluster)) == cluster
     assert copy.deepcopy(cluster) == cluster
-    assert hash(cluster) == hash(
-        Cluster.preset("2x8xH100", mesh_axis_names=("dp", "tp"))
-    )
+    assert hash(cluster) == hash(Cluster.preset("2x8xH100", mesh_axis_names=("dp", "tp")))
 
 
 # --- Files and dictionaries -----------------------------------------------------------------------
@@ -172,15 +168,9 @@ def test_to_dict_from_dict_round_trips_a_custom_device():
 
 @pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
 def test_from_file_round_trips_yaml_and_json(tmp_path, suffix):
-    cluster = Cluster.preset(
-        "2x4xA100-40GB", mesh_shape=(2, 2, 2), mesh_axis_names=("a", "b", "c")
-    )
+    cluster = Cluster.preset("2x4xA100-40GB", mesh_shape=(2, 2, 2), mesh_axis_names=("a", "b", "c"))
     path = tmp_path / f"cluster{suffix}"
-    text = (
-        json.dumps(cluster.to_dict())
-        if suffix == ".json"
-        else yaml.safe_dump(cluster.to_dict())
-    )
+    text = json.dumps(cluster.to_dict()) if suffix == ".json" else yaml.safe_dump(cluster.to_dict())
     path.write_text(text)
 
     assert Cluster.from_file(path) == cluster
@@ -200,10 +190,7 @@ def test_from_file_accepts_a_device_name_and_overrides(tmp_path):
 
     assert cluster.device.inter_node_bw_GBps == 25.0
     assert cluster.device.peak_flops["bfloat16"] == 8e14
-    assert (
-        cluster.device.peak_flops["float32"]
-        == DEVICE_CATALOG["H100"].peak_flops["float32"]
-    )
+    assert cluster.device.peak_flops["float32"] == DEVICE_CATALOG["H100"].peak_flops["float32"]
     assert "cluster.yaml" in cluster.device.sources[-1]
     assert cluster.axis_link(0).bw_GBps == 25.0
 
@@ -255,9 +242,7 @@ def test_missing_file_raises_cluster_spec_error_naming_the_file(tmp_path):
 
 def test_unknown_key_error_names_the_key(tmp_path):
     path = tmp_path / "c.json"
-    path.write_text(
-        '{"num_nodes": 1, "devices_per_node": 2, "device": "CPU", "gpus": 2}'
-    )
+    path.write_text('{"num_nodes": 1, "devices_per_node": 2, "device": "CPU", "gpus": 2}')
 
     with pytest.raises(ClusterSpecError, match="unknown key 'gpus'"):
         Cluster.from_file(path)

@@ -99,7 +99,11 @@ def _generated_code(rank: int, world_size: int) -> str:
     x, y = mlp_batch()
     cluster = autoplan.Cluster.preset(f"{world_size}xCPU")
     pm = autoplan.parallelize(
-        model, cluster, example_inputs=(x,), loss_fn=mse_loss, example_targets=(y,),
+        model,
+        cluster,
+        example_inputs=(x,),
+        loss_fn=mse_loss,
+        example_targets=(y,),
         pins={"input_0": "S(0)", "target_0": "S(0)"},
     )
     return pm.code

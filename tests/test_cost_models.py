@@ -27,7 +27,9 @@ def test_matmul_flops_are_two_per_multiply_accumulate() -> None:
     assert op_flops(aten.addmm.default, [bias, a, b], [out]) == pytest.approx(2 * 64 * 128 * 32 + 64 * 32)
     # bmm (B,M,K)@(B,K,N): 2*B*M*K*N
     x, y = torch.empty(4, 16, 8, device="meta"), torch.empty(4, 8, 2, device="meta")
-    assert op_flops(aten.bmm.default, [x, y], [torch.empty(4, 16, 2, device="meta")]) == pytest.approx(2 * 4 * 16 * 8 * 2)
+    assert op_flops(aten.bmm.default, [x, y], [torch.empty(4, 16, 2, device="meta")]) == pytest.approx(
+        2 * 4 * 16 * 8 * 2
+    )
 
 
 def test_roofline_is_compute_bound_for_big_matmuls_and_divides_with_sharding() -> None:

@@ -13,8 +13,15 @@ transformers = pytest.importorskip("transformers")
 
 def _gpt2(n_embd: int, n_layer: int, batch: int, seq: int, vocab: int = 1024):
     cfg = transformers.GPT2Config(
-        n_layer=n_layer, n_embd=n_embd, n_head=32, vocab_size=vocab, n_positions=seq,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=32,
+        vocab_size=vocab,
+        n_positions=seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
     )
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(cfg)
@@ -27,7 +34,9 @@ def _lm_loss(out, labels):
 
 
 def _block_matrices(plan: autoplan.Plan) -> dict[str, tuple[str, ...]]:
-    return {n: s for n, s in plan.param_specs.items() if ".h." in n and n.endswith("weight") and ("attn" in n or "mlp" in n)}
+    return {
+        n: s for n, s in plan.param_specs.items() if ".h." in n and n.endswith("weight") and ("attn" in n or "mlp" in n)
+    }
 
 
 @pytest.fixture(scope="module")
