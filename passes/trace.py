@@ -42,6 +42,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cost_models.errors import UnsupportedModelError
+from passes.attention import attention_as_single_op
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
     old_level = torch_logger.level
     torch_logger.setLevel(logging.ERROR)  # export prints partial graphs and hints on failure
     try:
-        with contextlib.redirect_stderr(captured):
+        with contextlib.redirect_stderr(captured), attention_as_single_op():
             ep = torch.export.export(wrapper, args, strict=False)
     except UnsupportedModelError:
         raise
@@ -189,7 +190,7 @@ def trace_training_step(
     try:
         # Attention as plain matmul + softmax, so the graph is the same on meta, CPU and CUDA
         # (the fused kernels are device-specific and have no DTensor strategy on CPU).
-        with sdpa_kernel([SDPBackend.MATH]):
+        with sdpa_kernel([SDPBackend.MATH]), attention_as_single_op():
             gm = make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
         raise UnsupportedModelError(

@@ -408,6 +408,9 @@ def test_llama_gqa_tensor_parallel_on_2_ranks_trains_like_single_device():
 
     assert results[0]["plan"].input_specs[0] == ("R",)
     assert_layers_use_sharded_weights(results[0], axis=0, weights=LLAMA_SHARDED_MATMULS)
+    # attention itself runs head-parallel: each rank attends over its own 2 query / 1 key-value heads
+    attention = {n: d for n, d in results[0]["plan"].nodes.items() if d["op"] == "autoplan.sdpa.default"}
+    assert len(attention) == 2 and all(d["out"] == [["S(1)"]] for d in attention.values()), attention
     assert_trains_like_reference(results)
 
 

@@ -57,8 +57,10 @@ def test_big_transformer_does_not_fit_under_pure_data_parallelism() -> None:
 def test_solver_picks_tensor_parallel_inside_node_and_data_parallel_across_nodes(big_transformer_plan) -> None:
     plan = big_transformer_plan
     assert plan.cluster.mesh_axis_names == ("inter", "intra")
-    # data parallel across nodes: the batch is split over the inter-node axis, not within a node
-    assert plan.input_specs[0] == ("S(0)", "R")
+    # data parallel across nodes: gradients are reduced over the inter-node axis, and the batch
+    # is not split within a node
+    assert plan.parallelism()["inter"].startswith("data"), plan.parallelism()
+    assert plan.input_specs[0][1] == "R"
     # tensor parallel inside a node: every attention/MLP weight matrix is sharded on the NVLink axis
     matrices = _block_matrices(plan)
     assert matrices and all(spec[1].startswith("S(") for spec in matrices.values()), matrices
@@ -68,7 +70,7 @@ def test_solver_picks_tensor_parallel_inside_node_and_data_parallel_across_nodes
 def test_solver_picks_pure_data_parallel_for_a_small_model() -> None:
     model, ids = _gpt2(256, 2, batch=256, seq=128)
     plan = autoplan.plan(model, "8x8xH100", example_inputs=(ids,), loss_fn=_lm_loss, example_targets=(ids,))
-    assert plan.input_specs[0] == ("S(0)", "S(0)")
+    assert plan.parallelism() == {"inter": "data", "intra": "data"}
     assert all(spec == ("R", "R") for spec in plan.param_specs.values()), plan.param_specs
     # data parallelism communicates only gradient (and loss) all-reduces
     assert set(plan.collective_counts()) == {"all_reduce"}
