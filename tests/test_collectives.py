@@ -114,3 +114,44 @@ def test_generated_program_is_readable_python_with_named_collectives() -> None:
     assert "def forward(" in code
     assert "all_reduce_coalesced" in code  # the gradient bucket of data parallelism
     assert "torch.ops.aten.addmm.default" in code or "torch.ops.aten.mm.default" in code
+
+
+class _RenormNet(torch.nn.Module):
+    """``renorm`` has no DTensor rule: the planner must run it replicated (fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1 = torch.nn.Linear(16, 32)
+        self.lin2 = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(self.lin1(x).renorm(2, 0, 1.0))
+
+
+def _fallback_step(rank: int, world_size: int) -> dict:
+    model = _RenormNet()
+    ref = _RenormNet()
+    x, y = mlp_batch(batch=8)
+    pm = autoplan.parallelize(
+        model, autoplan.Cluster.preset(f"{world_size}xCPU"), example_inputs=(x,), loss_fn=mse_loss,
+        example_targets=(y,), pins={"input_0": "S(0)", "target_0": "S(0)"},
+    )  # fmt: skip
+    loss = pm.forward_backward(x, targets=(y,), check=True)
+    ref_loss = mse_loss(ref(x), y)
+    ref_loss.backward()
+    errors = {
+        n: (
+            (p.grad.full_tensor() - dict(ref.named_parameters())[n].grad).norm()
+            / dict(ref.named_parameters())[n].grad.norm()
+        ).item()
+        for n, p in pm.named_sharded_parameters()
+    }
+    return {"fallback": dict(pm.plan.fallback_ops), "loss": (loss.item(), ref_loss.item()), "grad_errors": errors}
+
+
+def test_op_without_dtensor_rule_runs_replicated_and_matches_single_device() -> None:
+    r = run_ranks(_fallback_step, 2)[0]
+    assert "aten.renorm.default" in r["fallback"].values()
+    assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6)
+    assert max(r["grad_errors"].values()) < 1e-6, r["grad_errors"]

@@ -414,7 +414,6 @@ def test_llama_gqa_tensor_parallel_on_2_ranks_trains_like_single_device():
     assert_trains_like_reference(results)
 
 
-@pytest.mark.slow  # 70-175 s on 2 cores, mostly the 20-50 s ILP solve of the 2x2 mesh
 def test_llama_gqa_data_x_tensor_parallel_on_2x2_mesh_trains_like_single_device():
     case = Case(
         name="llama-gqa-dp-x-tp-2x2",
