@@ -87,7 +87,12 @@ class ParallelModel(torch.nn.Module):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to a full tensor (collective: call on all ranks)."""
-        return {n: p.detach().full_tensor() for n, p in self.named_sharded_parameters()}
+        out = {}
+        for n, p in self.named_sharded_parameters():
+            value = p.detach()
+            assert isinstance(value, DTensor)
+            out[n] = value.full_tensor()
+        return out
 
     @property
     def code(self) -> str:

@@ -146,7 +146,8 @@ class Plan:
         out = {}
         for axis, name in enumerate(self.cluster.mesh_axis_names):
             grads_reduced = any(
-                c.consumer.startswith("p_") and any(a == axis and k in ("all_reduce", "reduce_scatter") for k, a in c.steps)
+                c.consumer.startswith("p_")
+                and any(a == axis and k in ("all_reduce", "reduce_scatter") for k, a in c.steps)
                 for c in self.collectives
             )
             params_sharded = sum(1 for s in self.param_specs.values() if s[axis] != "R")

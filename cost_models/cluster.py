@@ -73,7 +73,7 @@ class Cluster:
     """Number of nodes (machines)."""
     devices_per_node: int
     """Devices (ranks) per node."""
-    device: DeviceSpec
+    device: DeviceSpec  # a catalog name is accepted too and normalised in __post_init__
     """Device type; the constructor also accepts a catalog name such as ``"H100"``."""
     mesh_shape: tuple[int, ...] | None = None
     """Logical device mesh, row-major over ranks. ``None`` picks the default: ``(nodes, devices)``
@@ -324,7 +324,7 @@ class Cluster:
             return cls(
                 num_nodes=int(num_nodes) if num_nodes is not None else 1,
                 devices_per_node=int(devices_per_node),
-                device=device,
+                device=device,  # type: ignore[arg-type]  # a name, normalised by __post_init__
                 mesh_shape=None if mesh_shape is None else tuple(mesh_shape),
                 mesh_axis_names=None if mesh_axis_names is None else tuple(mesh_axis_names),
             )

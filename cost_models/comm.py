@@ -75,14 +75,17 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
     steps: list[TransitionStep] = []
     R = Replicate()
 
+    def shard_dim(p: Placement) -> int | None:
+        return p.dim if isinstance(p, Shard) else None
+
     def unshard_inner(axis: int, dim: int) -> None:
         for j in range(n - 1, axis, -1):
-            if isinstance(cur[j], Shard) and cur[j].dim == dim:
+            if shard_dim(cur[j]) == dim:
                 steps.append(_step("all_gather", j, cur[j], R))
                 cur[j] = R
 
     def sharded_elsewhere(axis: int, dim: int) -> bool:
-        return any(isinstance(cur[j], Shard) and cur[j].dim == dim for j in range(n) if j != axis)
+        return any(shard_dim(cur[j]) == dim for j in range(n) if j != axis)
 
     # 1. leave shardings that must change, innermost axis first
     for i in reversed(range(n)):

@@ -129,7 +129,7 @@ class DeviceSpec:
             "inter_node_latency_us",
         ):
             object.__setattr__(self, name, _positive_float(getattr(self, name), f"{where}: {name}"))
-        capacity = self.mem_capacity_bytes
+        capacity: object = self.mem_capacity_bytes
         if isinstance(capacity, float) and capacity.is_integer():
             capacity = int(capacity)
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:

@@ -18,13 +18,15 @@ this list and the program contains exactly these calls, nothing else.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.node import Argument
 from torch.utils import _pytree as pytree
 
 from cost_models.comm import TransitionStep, is_coalescable, plan_transition
@@ -104,7 +106,7 @@ def edge_redistributions(
     return out
 
 
-_STEP_FN = {
+_STEP_FN: dict[str, Callable[..., Any]] = {
     "all_gather": runtime.all_gather,
     "all_reduce": runtime.all_reduce,
     "reduce_scatter": runtime.reduce_scatter,
@@ -116,7 +118,7 @@ _STEP_FN = {
 
 def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], axis_names: tuple[str, ...]) -> fx.Node:
     for st in steps:
-        kwargs: dict[str, object] = {"axis": st.axis}
+        kwargs: dict[str, Argument] = {"axis": st.axis}
         if isinstance(st.dst, Shard) and st.kind in ("reduce_scatter", "all_to_all", "shard"):
             kwargs["dim"] = st.dst.dim
         if st.kind == "to_partial" and isinstance(st.dst, Partial) and st.dst.reduce_op != "sum":
@@ -125,13 +127,15 @@ def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], 
     return x
 
 
-def _fix_device(kwargs: dict[str, object], device: torch.device) -> dict[str, object]:
+def _fix_device(kwargs: dict[str, Argument], device: torch.device) -> dict[str, Argument]:
     if "device" in kwargs:
         kwargs = {**kwargs, "device": device}
     return kwargs
 
 
-def _replace_tensor_args(args: object, converted: Iterator[fx.Node], env: Mapping[fx.Node, fx.Node]) -> object:
+def _replace_tensor_args(
+    args: tuple[Argument, ...], converted: Iterator[fx.Node], env: Mapping[fx.Node, fx.Node]
+) -> tuple[Argument, ...]:
     """``args`` with each tensor node replaced, in flatten order, by the next converted node."""
 
     def remap(a: object) -> object:
@@ -216,7 +220,7 @@ def generate_program(
                 )
             converted.append(_emit_steps(graph, x, r.steps, axis_names) if r is not None else x)
         new_args = _replace_tensor_args(node.args, iter(converted), env)
-        new_kwargs = _fix_device(fx.node.map_arg(dict(node.kwargs), lambda n: env[n]), device)
+        new_kwargs = _fix_device(dict(fx.node.map_arg(node.kwargs, lambda n: env[n])), device)
         if node.name in fallback_nodes:
             new = graph.create_node(
                 "call_function", runtime.replicated_call, (node.target, *new_args), new_kwargs, name=node.name
@@ -231,7 +235,7 @@ def generate_program(
     for n in graph.nodes:
         if n.op == "get_attr" and n.target != "device_mesh":
             setattr(root, n.target, getattr(src_gm, n.target))
-    root.device_mesh = mesh
+    root.device_mesh = mesh  # type: ignore[assignment]  # read by the program's get_attr
     gm = fx.GraphModule(root, graph, class_name="AutoplanStep")
     gm.recompile()
     return GeneratedProgram(graph_module=gm, redistributions=tuple(redistributions))

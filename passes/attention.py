@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
@@ -147,17 +147,17 @@ def attention_as_single_op() -> Iterator[None]:
 # DTensor strategies: replicate, shard the batch (dim 0), or shard the heads (dim 1)
 
 
-def _mask_placement(mask: object, dim: int) -> object:
+def _mask_placement(mask: object, dim: int) -> Placement:
     """A mask broadcast along ``dim`` (size 1) stays replicated; otherwise it is split like q."""
     assert isinstance(mask, OpStrategy)
     return Shard(dim) if mask.shape[dim] > 1 else Replicate()
 
 
-def _single_dim_strategies(num_outputs: int, num_qkv_like: int, mask: object) -> list[list[object]]:
+def _single_dim_strategies(num_outputs: int, num_qkv_like: int, mask: object) -> list[list[Placement | None]]:
     width = num_outputs + num_qkv_like
-    strategies: list[list[object]] = [[Replicate()] * (width + (mask is not None))]
+    strategies: list[list[Placement | None]] = [[Replicate()] * (width + (mask is not None))]
     for dim in (0, 1):
-        row: list[object] = [Shard(dim)] * width
+        row: list[Placement | None] = [Shard(dim)] * width
         if mask is not None:
             row.append(_mask_placement(mask, dim))
         strategies.append(row)

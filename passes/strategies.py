@@ -204,6 +204,7 @@ class _Enumerator:
 
     def _enumerate(self, node: fx.Node, candidates: Sequence[Sequence[Spec]]) -> tuple[Strategy, ...] | None:
         op = node.target
+        assert isinstance(op, torch._ops.OpOverload), op
         prop, mesh = self.prop, self.mesh
         single_dim = prop.op_single_dim_strategy_funcs.get(op)
         it_spec = iter(candidates)
