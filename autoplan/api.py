@@ -12,8 +12,7 @@ import fnmatch
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,17 +22,18 @@ from autoplan.parallel import ParallelModel
 from autoplan.plan import CollectiveRecord, Estimate, Plan, software_versions
 from cost_models.cluster import Cluster
 from cost_models.comm import transition_cost_s
+from cost_models.compute import tensor_bytes
 from cost_models.errors import PlanError, PlanMismatchError
+from cost_models.memory import OPTIMIZERS, param_training_bytes_by_part
 from passes.apply import edge_redistributions, generate_program
 from passes.costing import build_cost_problem
-from passes.placement import parse_spec, spec_str, spec_strs
+from passes.placement import local_numel, parse_spec, spec_str, spec_strs
 from passes.solver import ShardingILP, SolverOptions
-from passes.strategies import NodeStrategies, StrategyTable, build_strategy_table
-from passes.trace import LossFn, TracedProgram, trace_training_step
+from passes.strategies import NodeStrategies, StrategyTable, ValueRef, build_strategy_table
+from passes.trace import LossFn, TracedProgram, param_node_name, trace_training_step
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adam", "adamw", "sgd", "sgd_momentum")
 Pins = Mapping[str, str | Sequence[str]]
 
 
@@ -69,7 +69,7 @@ def _placeholder_of(traced: TracedProgram, pattern: str) -> list[str]:
     """Placeholders a pin names: ``input_<i>`` / ``target_<i>`` exactly, parameters by FQN glob."""
     if pattern in {f"input_{i}" for i in range(traced.num_inputs)} | {f"target_{i}" for i in range(traced.num_targets)}:
         return [pattern]
-    return [f"p_{n.replace('.', '_')}" for n in traced.param_names if fnmatch.fnmatchcase(n, pattern)]
+    return [param_node_name(n) for n in traced.param_names if fnmatch.fnmatchcase(n, pattern)]
 
 
 def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None:
@@ -145,7 +145,7 @@ def plan_traced(
             )
         )
     compute_s = sum(problem.node_time_s[n][s] for n, s in solution.choice.items())
-    memory = _memory_breakdown(table, problem.node_bytes, solution.choice, traced, cluster, optimizer)
+    memory = _memory_breakdown(table, problem.node_bytes, solution.choice, node_by_name, cluster.mesh_shape, optimizer)
     nodes = {}
     for name, strat in assignment.items():
         ns = table.nodes[name]
@@ -155,9 +155,7 @@ def plan_traced(
                 "out": [spec_strs(s) if s is not None else None for s in strat.output_specs],
                 "in": [spec_strs(s) for s in strat.input_specs],
             }
-    param_specs = {
-        n: tuple(spec_strs(assignment[f"p_{n.replace('.', '_')}"].output_specs[0])) for n in traced.param_names
-    }
+    param_specs = {n: tuple(spec_strs(assignment[param_node_name(n)].output_specs[0])) for n in traced.param_names}
     plan = Plan(
         fingerprint=traced.fingerprint,
         cluster=cluster,
@@ -192,39 +190,32 @@ def plan_traced(
     return plan
 
 
-def _value_bytes(node_by_name: Mapping[str, torch.fx.Node], ref: Any) -> int:
+def _value_bytes(node_by_name: Mapping[str, torch.fx.Node], ref: ValueRef) -> int:
     val = node_by_name[ref.node].meta["val"]
-    if isinstance(val, (tuple, list)):
-        val = val[ref.index]
-    return val.numel() * val.element_size()
+    return tensor_bytes(val[ref.index] if isinstance(val, (tuple, list)) else val)
 
 
 def _memory_breakdown(
     table: StrategyTable,
     node_bytes: Mapping[str, list[float]],
     choice: Mapping[str, int],
-    traced: TracedProgram,
-    cluster: Cluster,
+    node_by_name: Mapping[str, torch.fx.Node],
+    mesh_shape: Sequence[int],
     optimizer: str,
 ) -> dict[str, float]:
-    from cost_models.memory import OPTIMIZER_STATE_BYTES_PER_ELEMENT
-
+    """The bytes the ILP counted, by category."""
     out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
     for name, s in choice.items():
-        kind = table.nodes[name].kind
-        b = node_bytes[name][s]
-        if kind == "param":
-            # param_training_bytes = numel * (2 * itemsize + state): split back into its parts
-            item = 4.0
-            state = OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer]
-            numel = b / (2 * item + state)
-            out["params"] += numel * item
-            out["grads"] += numel * item
-            out["optimizer"] += numel * state
-        elif kind in ("input", "target", "buffer"):
-            out["inputs"] += b
+        ns = table.nodes[name]
+        if ns.kind == "param":
+            val = node_by_name[name].meta["val"]
+            local = local_numel(ns.strategies[s].output_specs[0], val.shape, mesh_shape)
+            for part, nbytes in param_training_bytes_by_part(local, val.element_size(), optimizer).items():
+                out[part] += nbytes
+        elif ns.kind in ("input", "target", "buffer"):
+            out["inputs"] += node_bytes[name][s]
         else:
-            out["activations"] += b
+            out["activations"] += node_bytes[name][s]
     out["total"] = sum(out.values())
     return out
 
@@ -263,13 +254,17 @@ def plan(
 
 
 def _plan_on_rank0(
-    traced: TracedProgram, cluster: Cluster, *, mesh: DeviceMesh, optimizer: str, pins: Pins | None
+    traced: TracedProgram,
+    cluster: Cluster,
+    *,
+    mesh: DeviceMesh,
+    device: torch.device,
+    optimizer: str,
+    pins: Pins | None,
 ) -> Plan:
     """Rank 0 solves; every rank receives the same plan as JSON bytes (so all ranks run one plan)."""
     import json
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    error: str | None = None
     payload = b""
     if dist.get_rank() == 0:
         try:
@@ -277,8 +272,7 @@ def _plan_on_rank0(
                 plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins).to_dict()
             ).encode()
         except PlanError as exc:
-            error = str(exc)
-            payload = json.dumps({"error": error, "type": type(exc).__name__}).encode()
+            payload = json.dumps({"error": str(exc), "type": type(exc).__name__}).encode()
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     dist.broadcast(size, src=0)
     buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
@@ -338,7 +332,7 @@ def parallelize(
     mesh = init_device_mesh(device.type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
     if plan is None:
         _check_optimizer(optimizer)
-        plan = _plan_on_rank0(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins)
+        plan = _plan_on_rank0(traced, cluster, mesh=mesh, device=device, optimizer=optimizer, pins=pins)
     plan.check_applies_to(fingerprint=traced.fingerprint, world_size=world)
     program = generate_program(
         traced,
@@ -349,6 +343,3 @@ def parallelize(
         mesh=mesh,
     )
     return ParallelModel(model=model, traced=traced, plan=plan, program=program, mesh=mesh, device=device)
-
-
-LossCallable = Callable[..., torch.Tensor]

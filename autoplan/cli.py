@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from cost_models.memory import OPTIMIZERS
+
 EXIT_BAD_INPUT = 2
 
 
@@ -173,9 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("target", help="FILE.py:FUNCTION returning autoplan.Workload")
         p.add_argument("--cluster", required=cluster_required, help="preset like 4xCPU, 2x8xH100, or a YAML/JSON file")
         p.add_argument("--mesh", help="logical mesh shape, e.g. 2,2 (default: nodes x devices)")
-        p.add_argument(
-            "--optimizer", choices=["adam", "adamw", "sgd", "sgd_momentum"], help="default: the workload's optimizer"
-        )
+        p.add_argument("--optimizer", choices=OPTIMIZERS, help="default: the workload's optimizer")
         p.add_argument(
             "--pin", action="append", default=[], metavar="NAME=SPEC", help="fix a placement, e.g. input_0=S(0)"
         )

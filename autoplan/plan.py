@@ -21,8 +21,9 @@ import torch
 
 from cost_models.cluster import Cluster
 from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
-from passes.placement import parse_spec, spec_str, spec_strs
+from passes.placement import parse_spec, spec_str
 from passes.strategies import Strategy
+from passes.trace import param_node_name
 
 PLAN_FORMAT = "autoplan.plan"
 PLAN_VERSION = 1
@@ -118,7 +119,7 @@ class Plan:
         """node name -> chosen strategy, placeholders included (buffers and constants are ``R``)."""
         out = {name: self.strategy_of(name) for name in self.nodes}
         for name in self.param_names:
-            out["p_" + name.replace(".", "_")] = Strategy((parse_spec(self.param_specs[name]),), ())
+            out[param_node_name(name)] = Strategy((parse_spec(self.param_specs[name]),), ())
         for i, s in enumerate(self.input_specs):
             out[f"input_{i}"] = Strategy((parse_spec(s),), ())
         for i, s in enumerate(self.target_specs):
@@ -317,10 +318,6 @@ class Plan:
                 f"plan file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg}); it may be truncated: re-create it with `autoplan plan`"
             ) from exc
         return Plan.from_dict(data, where=f"plan file {str(path)!r}")
-
-
-def spec_list(spec: Any) -> list[str]:
-    return spec_strs(spec)
 
 
 def software_versions() -> dict[str, str]:

@@ -36,10 +36,19 @@ OPTIMIZER_STEP_BYTES_PER_ELEMENT: dict[str, int] = {
 }
 
 
-def optimizer_state_bytes_per_element(optimizer: str) -> int:
-    return OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer]
+OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_STATE_BYTES_PER_ELEMENT)
+"""Optimizer names the memory and time model knows."""
+
+
+def param_training_bytes_by_part(numel: int, itemsize: int, optimizer: str) -> dict[str, int]:
+    """Bytes of ``numel`` parameter elements split into ``params``, ``grads`` and ``optimizer``."""
+    return {
+        "params": numel * itemsize,
+        "grads": numel * itemsize,
+        "optimizer": numel * OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer],
+    }
 
 
 def param_training_bytes(numel: int, itemsize: int, optimizer: str) -> int:
     """Bytes of one (unsharded) parameter with its gradient and optimizer state."""
-    return numel * (2 * itemsize + OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer])
+    return sum(param_training_bytes_by_part(numel, itemsize, optimizer).values())

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Shard
 from torch.fx.node import Argument
 from torch.utils import _pytree as pytree
 
@@ -33,7 +33,7 @@ from cost_models.comm import TransitionStep, is_coalescable, plan_transition
 from passes import runtime
 from passes.placement import Spec, replicated, spec_str
 from passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
-from passes.trace import TracedProgram
+from passes.trace import TracedProgram, param_node_name
 
 OUTPUT = "<output>"
 
@@ -95,7 +95,7 @@ def edge_redistributions(
     if src != rep:
         out.append(Redistribution(ref, OUTPUT, -1, src, rep, plan_transition(src, rep)))
     for pname, g in zip(traced.param_names, grads, strict=True):
-        pnode = "p_" + pname.replace(".", "_")
+        pnode = param_node_name(pname)
         ref = resolve_value(g)
         src, dst = _output_spec(assignment, ref, mesh_ndim), assignment[pnode].output_specs[0]
         assert dst is not None
@@ -177,7 +177,7 @@ def generate_program(
             new_grads: list[fx.Node] = []
             buckets: dict[str, list[int]] = {}
             for i, (pname, g) in enumerate(zip(traced.param_names, grads, strict=True)):
-                r = by_edge.get(("p_" + pname.replace(".", "_"), -1))
+                r = by_edge.get((param_node_name(pname), -1))
                 ng = env[g]
                 if r is not None and r.bucket is not None:
                     buckets.setdefault(r.bucket, []).append(i)
@@ -185,7 +185,7 @@ def generate_program(
                     _emit_steps(graph, ng, r.steps, axis_names) if r is not None and r.bucket is None else ng
                 )
             for members in buckets.values():
-                r = by_edge[("p_" + traced.param_names[members[0]].replace(".", "_"), -1)]
+                r = by_edge[(param_node_name(traced.param_names[members[0]]), -1)]
                 group = [new_grads[i] for i in members]
                 for st in r.steps:
                     red = graph.create_node(
@@ -249,6 +249,3 @@ def expected_output_placements(gm: fx.GraphModule) -> dict[str, Spec]:
         if specs and specs[0] is not None:
             out[n.name] = specs[0]
     return out
-
-
-__all__ = ["GeneratedProgram", "Redistribution", "edge_redistributions", "generate_program", "Replicate"]

@@ -26,18 +26,17 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from math import prod
 
 import torch
 import torch.fx as fx
 
 from cost_models.cluster import Cluster
 from cost_models.comm import is_coalescable, plan_transition, transition_cost_s
-from cost_models.compute import is_matmul, roofline_time_s
-from cost_models.memory import OPTIMIZER_STATE_BYTES_PER_ELEMENT, OPTIMIZER_STEP_BYTES_PER_ELEMENT
+from cost_models.compute import is_matmul, roofline_time_s, tensor_bytes
+from cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes
 from passes.placement import Spec, local_numel, replicated, storage_factor
 from passes.strategies import StrategyTable, ValueRef, resolve_value, tensor_args
-from passes.trace import TracedProgram
+from passes.trace import TracedProgram, param_node_name
 
 OUTPUT_CONSUMER = "<output>"
 """Pseudo consumer of the loss (needs ``R``)."""
@@ -73,10 +72,6 @@ class CostProblem:
     node_bytes: dict[str, list[float]] = field(default_factory=dict)
     edges: list[Edge] = field(default_factory=list)
     capacity_bytes: float = 0.0
-
-
-def _val_bytes(val: torch.Tensor) -> int:
-    return prod(val.shape) * val.element_size()
 
 
 def _as_list(val: object) -> list[object]:
@@ -117,7 +112,7 @@ def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Clu
             if ns.kind == "param":
                 spec = s.output_specs[0]
                 local = local_numel(spec, val.shape, mesh_shape)
-                b = local * (2 * val.element_size() + OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer])
+                b = param_training_bytes(local, val.element_size(), optimizer)
                 t = local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
             elif ns.kind in ("input", "target", "buffer"):
                 b = local_numel(s.output_specs[0], val.shape, mesh_shape) * val.element_size()
@@ -141,7 +136,7 @@ def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Clu
             dst_groups: dict[Spec, list[int]] = {}
             for si, s in enumerate(ns.strategies):
                 dst_groups.setdefault(s.input_specs[i], []).append(si)
-            edge = _edge(table, ref, name, i, dst_groups, _val_bytes(a.meta["val"]), cluster)
+            edge = _edge(table, ref, name, i, dst_groups, tensor_bytes(a.meta["val"]), cluster)
             if _is_follower(node, ns.kind) and set(edge.src_groups) <= set(edge.dst_groups):
                 edge = dataclasses.replace(edge, tied=True)
             problem.edges.append(edge)
@@ -150,16 +145,16 @@ def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Clu
     loss, *grads = out.args[0]
     rep = replicated(len(mesh_shape))
     problem.edges.append(
-        _edge(table, resolve_value(loss), OUTPUT_CONSUMER, -1, {rep: [0]}, _val_bytes(loss.meta["val"]), cluster)
+        _edge(table, resolve_value(loss), OUTPUT_CONSUMER, -1, {rep: [0]}, tensor_bytes(loss.meta["val"]), cluster)
     )
     for pname, g in zip(traced.param_names, grads, strict=True):
-        pnode = "p_" + pname.replace(".", "_")
+        pnode = param_node_name(pname)
         ps = table.nodes[pnode]
         groups: dict[Spec, list[int]] = {}
         for si, s in enumerate(ps.strategies):
             groups.setdefault(s.output_specs[0], []).append(si)
         problem.edges.append(
-            _edge(table, resolve_value(g), pnode, -1, groups, _val_bytes(g.meta["val"]), cluster, gradient=True)
+            _edge(table, resolve_value(g), pnode, -1, groups, tensor_bytes(g.meta["val"]), cluster, gradient=True)
         )
     return problem
 
@@ -207,7 +202,3 @@ def _edge(
         cost_s=cost,
         full_bytes=full_bytes,
     )
-
-
-def is_fx_node(x: object) -> bool:
-    return isinstance(x, fx.Node)

@@ -190,7 +190,11 @@ class _Enumerator:
         """Some rules assume one spec per input or reject some specs: ask per input combination."""
         combos = list(itertools.islice(itertools.product(*candidates), _MAX_COMBOS))
         if len(combos) == _MAX_COMBOS:
-            log.warning("TRUNC %s %s", node.name, [len(c) for c in candidates])
+            log.warning(
+                "strategies of %s: stopped after %d input-layout combinations; other layouts are not considered",
+                node.name,
+                _MAX_COMBOS,
+            )
         found: dict[tuple[Spec, ...], Strategy] = {}
         for combo in combos:
             try:

@@ -141,6 +141,11 @@ def _placeholder_name(kind: str, name: str) -> str:
     return f"{kind}_{name.replace('.', '_')}"
 
 
+def param_node_name(fqn: str) -> str:
+    """Placeholder name of the parameter ``fqn`` in the traced step (``p_<fqn with _>``)."""
+    return _placeholder_name("p", fqn)
+
+
 def trace_training_step(
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
@@ -282,7 +287,7 @@ def _canonicalize(gm: fx.GraphModule) -> None:
 def _name_placeholders(
     gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str], num_inputs: int, num_targets: int
 ) -> None:
-    names = [_placeholder_name("p", n) for n in param_names]
+    names = [param_node_name(n) for n in param_names]
     names += [_placeholder_name("b", n) for n in buffer_names]
     names += [f"input_{i}" for i in range(num_inputs)] + [f"target_{i}" for i in range(num_targets)]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]

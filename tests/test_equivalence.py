@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 import autoplan
-from passes.trace import trace_training_step
+from passes.trace import param_node_name, trace_training_step
 from tests import models
 from tests.dist_utils import run_ranks
 
@@ -135,7 +135,7 @@ def forward_matmuls(case: Case, plan: autoplan.Plan) -> list[dict[str, Any]]:
     a parameter (directly or through transposes/views), that parameter and the argument's spec."""
     x, y = case.make_batch(seed=1)
     traced = trace_training_step(case.build_model(), (x,), loss_fn=case.loss_fn, example_targets=(y,))
-    fqn_of = {"p_" + n.replace(".", "_"): n for n in traced.param_names}
+    fqn_of = {param_node_name(n): n for n in traced.param_names}
     rows = []
     for node in traced.graph_module.graph.nodes:
         if str(node.target) not in _MATMULS or node.meta.get("autoplan.phase") != "fwd":
