@@ -25,10 +25,15 @@ Constraint families (one method each, every constraint named ``<family>__<node/e
     edge_source         sum_q y[e,p,q] = sum_{s in S_u(p)} x[u,s]          for all e, p
     edge_target         sum_p y[e,p,q] = sum_{s in S_v(q)} x[v,s]          for all e, q
     edge_tied           sum_{s in S_v(q)} x[v,s] = sum_{s in S_u(q)} x[u,s]  for tied e, all q
-    memory_per_device   sum_v sum_s b[v,s] x[v,s] <= M                     (bytes)
+    memory_at           sum_{v placeholder} sum_s k[v,s] x[v,s]
+                          + sum_{a alive at t} sum_s b[a,s] x[u(a),s]
+                          + sum_{p: grad born <= t} sum_s g[p,s] x[p,s]  <= M   for t in T
 
-where ``b`` are the bytes a strategy keeps on each device (parameters, gradients, optimizer
-state, inputs, saved activations) and ``M`` the device capacity. ``edge_source`` and
+where ``k`` are the bytes a placeholder keeps for the whole step (parameter + optimizer state,
+input shards), ``b[a,s]`` the local bytes of storage ``a`` when its producer ``u(a)`` runs
+``s``, ``g`` the gradient of parameter ``p`` in its layout, ``M`` the device capacity and ``T``
+the checkpoints of :func:`passes.liveness.memory_checkpoints` (the local maxima of the live
+bytes and the end of the step): peak memory over the step, not a sum over it. ``edge_source`` and
 ``edge_target`` make ``y`` the joint choice of the two endpoints (the "local polytope"
 linearisation of the quadratic term ``x_u^T C x_v``); when a side has a single spec the edge cost
 is linear in the other side's ``x`` and no ``y`` is created. A *tied* edge feeds a
@@ -90,6 +95,15 @@ def _make_solver(options: SolverOptions) -> pulp.LpSolver:
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads)
 
 
+def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
+    """Sum of ``coefficient * variable`` with repeated variables added up (``LpAffineExpression``
+    built from a list keeps only the last coefficient of a repeated variable)."""
+    coeffs: dict[pulp.LpVariable, float] = {}
+    for var, c in terms:
+        coeffs[var] = coeffs.get(var, 0.0) + c
+    return pulp.LpAffineExpression(list(coeffs.items()))
+
+
 class ShardingILP:
     """Builds and solves the ILP of the module docstring for one :class:`CostProblem`."""
 
@@ -110,8 +124,8 @@ class ShardingILP:
         self.add_one_strategy_constraint()
         for k, edge in enumerate(self.problem.edges):
             self.add_edge_constraints(k, edge)
-        self.add_memory_per_device_constraint()
-        self.model += pulp.LpAffineExpression(self._objective)
+        self.add_memory_at_constraints()
+        self.model += _affine(self._objective)
 
     def _var(self, name: str, *, binary: bool) -> pulp.LpVariable:
         if hasattr(self.model, "add_variable"):  # PuLP >= 3.3 attaches variables to the model
@@ -172,15 +186,31 @@ class ShardingILP:
             rhs = self._sum_x(u, edge.src_groups.get(q, ()))
             self.model += (self._sum_x(v, consumer_strats) == rhs, f"edge_tied__{k}_{j}")
 
-    def add_memory_per_device_constraint(self) -> None:
-        """memory_per_device: sum_v sum_s b[v,s] x[v,s] <= M (bytes)."""
-        terms = [
-            (xv, b)
-            for name, xs in self.x.items()
-            for xv, b in zip(xs, self.problem.node_bytes[name], strict=True)
-            if b > 0
+    def add_memory_at_constraints(self) -> None:
+        """memory_at: persistent + live storages + produced gradients <= M at every checkpoint t."""
+        p = self.problem
+        persistent = [
+            (xv, b) for name, sizes in p.persistent_bytes.items() for xv, b in zip(self.x[name], sizes, strict=True)
         ]
-        self.model += (pulp.LpAffineExpression(terms) <= self.problem.capacity_bytes, "memory_per_device")
+        for point in p.memory_points:
+            terms = list(persistent)
+            for a in point.storages:
+                terms += [(xv, b) for xv, b in zip(self.x[a.node], p.value_bytes[a], strict=True) if b > 0]
+            for param in point.grads_of:
+                terms += [(xv, b) for xv, b in zip(self.x[param], p.grad_bytes[param], strict=True)]
+            # a parameter's x carries its persistent bytes and its gradient: _affine sums them
+            self.model += (_affine(terms) <= p.capacity_bytes, f"memory_at__{point.position}_{point.node}")
+
+    def min_bytes_needed(self) -> float:
+        """Lower bound of the peak: every term at its smallest, at the worst checkpoint."""
+        p = self.problem
+        persistent = sum(min(b) for b in p.persistent_bytes.values())
+        worst = 0.0
+        for point in p.memory_points:
+            live = sum(min(p.value_bytes[a]) for a in point.storages)
+            grads = sum(min(p.grad_bytes[g]) for g in point.grads_of)
+            worst = max(worst, live + grads)
+        return persistent + worst
 
     # -- solve ------------------------------------------------------------------------------
     def solve(self) -> Solution:
@@ -206,12 +236,12 @@ class ShardingILP:
 
     def infeasible_error(self) -> InfeasiblePlanError:
         """Name the memory needed (with every node at its smallest footprint) against the capacity."""
-        need = sum(min(b) for b in self.problem.node_bytes.values())
+        need = self.min_bytes_needed()
         cap = self.problem.capacity_bytes
         cluster = self.problem.cluster
         return InfeasiblePlanError(
-            f"no sharding fits: the smallest layout still needs {need / GiB:.2f} GiB per device for parameters, "
-            f"gradients, optimizer state and saved activations; {cluster.device.name} has {cap / GiB:.2f} GiB "
+            f"no sharding fits: the smallest layout still needs {need / GiB:.2f} GiB per device at the peak of "
+            f"the step (parameters, gradients, optimizer state, live activations); {cluster.device.name} has {cap / GiB:.2f} GiB "
             f"({cluster.world_size} devices, mesh {cluster.mesh_shape}): add devices, lower the batch size, "
             "or relax pinned placements"
         )
