@@ -24,10 +24,11 @@ from cost_models.cluster import Cluster
 from cost_models.comm import transition_cost_s
 from cost_models.compute import tensor_bytes
 from cost_models.errors import PlanError, PlanMismatchError
-from cost_models.memory import OPTIMIZERS, param_training_bytes_by_part
+from cost_models.memory import OPTIMIZERS
+from passes import liveness
 from passes.apply import edge_redistributions, generate_program
 from passes.costing import build_cost_problem
-from passes.placement import local_numel, parse_spec, spec_str, spec_strs
+from passes.placement import parse_spec, spec_str, spec_strs
 from passes.solver import ShardingILP, SolverOptions
 from passes.strategies import NodeStrategies, StrategyTable, ValueRef, build_strategy_table
 from passes.trace import LossFn, TracedProgram, param_node_name, trace_training_step
@@ -42,11 +43,12 @@ def _as_cluster(cluster: Cluster | str) -> Cluster:
 
 
 @contextlib.contextmanager
-def planning_mesh(cluster: Cluster) -> Iterator[DeviceMesh]:
+def planning_mesh(cluster: Cluster, *, device_type: str = "cpu") -> Iterator[DeviceMesh]:
     """A DeviceMesh of the cluster's shape for strategy enumeration.
 
     Inside a job of the right size the real mesh is used; otherwise a fake process group of
     ``cluster.world_size`` ranks is created for the duration (nothing is communicated).
+    ``device_type="cuda"`` gives a mesh whose DTensors live on the GPU (``autoplan profile``).
     """
     if dist.is_initialized():
         if dist.get_world_size() != cluster.world_size:
@@ -54,13 +56,13 @@ def planning_mesh(cluster: Cluster) -> Iterator[DeviceMesh]:
                 f"cannot plan for {cluster.world_size} devices inside a {dist.get_world_size()}-rank job: "
                 "plan outside torchrun (autoplan plan ...) or use a cluster of the job's size"
             )
-        yield init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
+        yield init_device_mesh(device_type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
     try:
-        yield init_device_mesh("cpu", cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
+        yield init_device_mesh(device_type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
     finally:
         dist.destroy_process_group()
 
@@ -145,7 +147,17 @@ def plan_traced(
             )
         )
     compute_s = sum(problem.node_time_s[n][s] for n, s in solution.choice.items())
-    memory = _memory_breakdown(table, problem.node_bytes, solution.choice, node_by_name, cluster.mesh_shape, optimizer)
+    param_nodes = [param_node_name(n) for n in traced.param_names]
+    memory = liveness.peak_memory(
+        gm,
+        liveness.analyze(gm, param_nodes),
+        assignment,
+        redistributions,
+        mesh_shape=cluster.mesh_shape,
+        optimizer=optimizer,
+        param_nodes=param_nodes,
+        device_kind="cpu" if cluster.device.name == "CPU" else "cuda",
+    )
     nodes = {}
     for name, strat in assignment.items():
         ns = table.nodes[name]
@@ -173,7 +185,8 @@ def plan_traced(
             step_time_s=compute_s + comm_s,
             compute_s=compute_s,
             comm_s=comm_s,
-            memory_bytes=memory,
+            memory_bytes=memory.as_dict(),
+            memory_peak_at=memory.peak_at,
             capacity_bytes=float(cluster.device.mem_capacity_bytes),
         ),
         solver={
@@ -193,31 +206,6 @@ def plan_traced(
 def _value_bytes(node_by_name: Mapping[str, torch.fx.Node], ref: ValueRef) -> int:
     val = node_by_name[ref.node].meta["val"]
     return tensor_bytes(val[ref.index] if isinstance(val, (tuple, list)) else val)
-
-
-def _memory_breakdown(
-    table: StrategyTable,
-    node_bytes: Mapping[str, list[float]],
-    choice: Mapping[str, int],
-    node_by_name: Mapping[str, torch.fx.Node],
-    mesh_shape: Sequence[int],
-    optimizer: str,
-) -> dict[str, float]:
-    """The bytes the ILP counted, by category."""
-    out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "inputs": 0.0}
-    for name, s in choice.items():
-        ns = table.nodes[name]
-        if ns.kind == "param":
-            val = node_by_name[name].meta["val"]
-            local = local_numel(ns.strategies[s].output_specs[0], val.shape, mesh_shape)
-            for part, nbytes in param_training_bytes_by_part(local, val.element_size(), optimizer).items():
-                out[part] += nbytes
-        elif ns.kind in ("input", "target", "buffer"):
-            out["inputs"] += node_bytes[name][s]
-        else:
-            out["activations"] += node_bytes[name][s]
-    out["total"] = sum(out.values())
-    return out
 
 
 def _check_optimizer(optimizer: str) -> None:

@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from autoplan import calibrate_cmd, profile_cmd
 from cost_models.memory import OPTIMIZERS
 
 EXIT_BAD_INPUT = 2
@@ -205,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--show-code", action="store_true", help="print the generated per-rank program")
     p_run.add_argument("--master-port", type=int, default=29533)
     p_run.set_defaults(func=cmd_run)
+    calibrate_cmd.add_parser(sub)
+    profile_cmd.add_parser(sub)
     return parser
 
 

@@ -85,6 +85,10 @@ class ParallelModel(torch.nn.Module):
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # noqa: ARG002
         yield from self._params
 
+    def sharded_buffers(self) -> Iterator[DTensor]:
+        """The model's buffers as the program reads them (replicated DTensors)."""
+        yield from self._buffers_list
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to a full tensor (collective: call on all ranks)."""
         out = {}

@@ -80,8 +80,16 @@ class Estimate:
     compute_s: float
     comm_s: float
     memory_bytes: Mapping[str, float]
-    """Bytes per device by category (params, grads, optimizer, activations, inputs) and total."""
+    """Peak bytes per device (``total``) and its parts at the peak: params, optimizer, buffers,
+    inputs, grads, activations (live activations and collective buffers)."""
     capacity_bytes: float
+    memory_peak_at: str = ""
+    """Node of the generated program at which the peak occurs (``<optimizer>``: optimizer step)."""
+    compute_sources: Mapping[str, int] = field(default_factory=dict)
+    """How many op timings came from the profile database (``profiled``) and from the
+    analytic roofline (``analytic``)."""
+    exposed_comm_s: float | None = None
+    """Communication time not hidden behind compute (``None``: no overlap modelled, all exposed)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,9 +176,11 @@ class Plan:
             f"autoplan plan {self.fingerprint} for {c} ({c.device.name}, {c.world_size} devices)",
             f"  estimated step: {e.step_time_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f} ms, "
             f"communication {e.comm_s * 1e3:.3f} ms)",
-            f"  memory per device: {mem['total'] / GiB:.3f} GiB of {e.capacity_bytes / GiB:.1f} GiB "
-            f"(params {mem['params'] / GiB:.3f}, grads {mem['grads'] / GiB:.3f}, optimizer {mem['optimizer'] / GiB:.3f}, "
-            f"activations {mem['activations'] / GiB:.3f}, inputs {mem['inputs'] / GiB:.3f})",
+            f"  peak memory per device: {mem['total'] / GiB:.3f} GiB of {e.capacity_bytes / GiB:.1f} GiB"
+            f"{f' at {e.memory_peak_at}' if e.memory_peak_at else ''} "
+            f"(params {mem.get('params', 0) / GiB:.3f}, grads {mem.get('grads', 0) / GiB:.3f}, "
+            f"optimizer {mem.get('optimizer', 0) / GiB:.3f}, activations {mem.get('activations', 0) / GiB:.3f}, "
+            f"inputs {mem.get('inputs', 0) / GiB:.3f})",
             f"  solver: {self.solver['status']} in {self.solver['solve_time_s']:.2f} s "
             f"({self.solver['num_variables']} variables, {self.solver['num_constraints']} constraints)",
             "  mesh axes: "
@@ -226,6 +236,9 @@ class Plan:
                 "comm_s": e.comm_s,
                 "memory_bytes": dict(e.memory_bytes),
                 "capacity_bytes": e.capacity_bytes,
+                "memory_peak_at": e.memory_peak_at,
+                "compute_sources": dict(e.compute_sources),
+                "exposed_comm_s": e.exposed_comm_s,
             },
             "solver": dict(self.solver),
             "fallback_ops": dict(self.fallback_ops),
@@ -262,6 +275,9 @@ class Plan:
                     comm_s=float(est["comm_s"]),
                     memory_bytes={k: float(v) for k, v in est["memory_bytes"].items()},
                     capacity_bytes=float(est["capacity_bytes"]),
+                    memory_peak_at=str(est.get("memory_peak_at", "")),
+                    compute_sources={k: int(v) for k, v in est.get("compute_sources", {}).items()},
+                    exposed_comm_s=None if est.get("exposed_comm_s") is None else float(est["exposed_comm_s"]),
                 ),
                 solver=dict(d["solver"]),
                 versions=dict(d.get("versions", {})),

@@ -15,6 +15,29 @@ YAML/JSON file (``Cluster.from_file``)::
     mesh_shape: [2, 8]            # optional
     mesh_axis_names: [dp, tp]     # optional
 
+A *cluster profile* written by ``autoplan calibrate`` adds measured links per mesh axis name
+(they replace the catalog numbers in ``Cluster.axis_link``) and where they were measured::
+
+    links:
+      intra:
+        bw_GBps: 1.9                  # joint fit over every kind below
+        latency_us: 41.0
+        collectives:                  # optional, per kind: the fit of that collective alone
+          all_reduce: {bw_GBps: 2.1, latency_us: 38.5, fit_err: 0.04}
+    calibration:
+      device: CPU                     # catalog name; must equal the device above
+      device_model: AMD EPYC          # what the OS/driver calls the hardware measured
+      torch_version: 2.13.0
+      backend: gloo
+      world_size: 2
+      date: '2025-01-31T12:00:00+00:00'
+      num_samples: 65
+      fit_err_median: 0.05            # median |fitted - measured| / measured
+
+Fitted numbers are in the ring convention of ``cost_models.comm`` (see its docstring). A profile
+measured with another torch version, backend or device than this machine's is rejected by
+``Cluster.from_file`` unless ``check_versions=False`` (see ``check_calibration_matches``).
+
 Every malformed description raises ``ClusterSpecError`` with a one-line message.
 """
 
@@ -22,18 +45,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
+import platform
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import torch
 import yaml
 
 from cost_models.errors import ClusterSpecError
-from cost_models.hardware import DeviceSpec, get_device_spec
+from cost_models.hardware import DeviceSpec, _ReadOnlyMapping, get_device_spec
+
+logger = logging.getLogger(__name__)
 
 CLUSTER_KEYS: tuple[str, ...] = (
     "num_nodes",
@@ -41,12 +69,44 @@ CLUSTER_KEYS: tuple[str, ...] = (
     "device",
     "mesh_shape",
     "mesh_axis_names",
+    "links",
+    "calibration",
 )
 """Keys of a cluster description (``to_dict`` output and cluster files)."""
 
 _REQUIRED_KEYS: tuple[str, ...] = ("num_nodes", "devices_per_node", "device")
 
 _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([a-z][a-z0-9_.-]*)$", re.IGNORECASE)
+
+CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
+COMM_KINDS: tuple[CommKind, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+"""Communication kinds priced by ``cost_models.comm`` and measured by ``autoplan calibrate``."""
+
+Backend = Literal["gloo", "nccl"]
+_LINK_KEYS: tuple[str, ...] = ("bw_GBps", "latency_us", "collectives")
+_FIT_KEYS: tuple[str, ...] = ("bw_GBps", "latency_us", "fit_err")
+_RECALIBRATE = "re-run `autoplan calibrate` on the target machine"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveFit:
+    """Measured parameters of one collective kind on one link, in the ring convention of
+    ``cost_models.comm.collective_time_s`` (fitted by ``cost_models.calibration``)."""
+
+    bw_GBps: float
+    """Fitted bandwidth, GB/s (1e9 bytes/s), in the convention of the kind's ring formula."""
+    latency_us: float
+    """Fitted per-step latency, microseconds (0 when the fit was clamped)."""
+    fit_err: float | None = None
+    """Median relative error |fitted - measured| / measured of the fit; ``None`` if unknown."""
+
+    def __post_init__(self) -> None:
+        _check_link_numbers(self.bw_GBps, self.latency_us, "collective fit")
+        if self.fit_err is not None:
+            object.__setattr__(self, "fit_err", _non_negative_float(self.fit_err, "fit_err"))
+
+    def __str__(self) -> str:
+        return f"{self.bw_GBps:.4g}GB/s {self.latency_us:.4g}us"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,10 +119,92 @@ class LinkSpec:
     """Per-message latency of one collective step, microseconds."""
     spans_nodes: bool
     """True if the axis crosses node boundaries (network link), False for an intra-node link."""
+    collectives: Mapping[str, CollectiveFit] = field(default_factory=dict)
+    """Calibrated parameters per communication kind (keys from ``COMM_KINDS``); a kind present
+    here is priced with its own numbers instead of ``bw_GBps``/``latency_us``."""
+
+    def __post_init__(self) -> None:
+        _check_link_numbers(self.bw_GBps, self.latency_us, "link")
+        if not isinstance(self.collectives, Mapping):
+            raise ClusterSpecError(f"link collectives must map a kind to a CollectiveFit, got {self.collectives!r}")
+        for kind, fit in self.collectives.items():
+            if kind not in COMM_KINDS:
+                raise ClusterSpecError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COMM_KINDS)}")
+            if not isinstance(fit, CollectiveFit):
+                raise ClusterSpecError(f"collective {kind!r} must be a CollectiveFit, got {fit!r}")
+        ordered = {kind: self.collectives[kind] for kind in COMM_KINDS if kind in self.collectives}
+        object.__setattr__(self, "collectives", _ReadOnlyMapping(ordered))
+
+    def params(self, kind: str) -> CollectiveFit:
+        """The (bandwidth, latency) to price ``kind`` with: its calibrated fit if the link has one,
+        else the link's generic numbers."""
+        fit = self.collectives.get(kind)
+        return fit if fit is not None else CollectiveFit(bw_GBps=self.bw_GBps, latency_us=self.latency_us)
+
+    @property
+    def is_calibrated(self) -> bool:
+        """True if at least one collective kind carries measured parameters."""
+        return bool(self.collectives)
 
     def __str__(self) -> str:
         kind = "inter-node" if self.spans_nodes else "intra-node"
-        return f"{kind} {self.bw_GBps:g}GB/s {self.latency_us:g}us"
+        fitted = f" (+{len(self.collectives)} fitted kinds)" if self.collectives else ""
+        return f"{kind} {self.bw_GBps:g}GB/s {self.latency_us:g}us{fitted}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CalibrationInfo:
+    """Where and how a cluster profile's links were measured (the ``calibration:`` section)."""
+
+    device: str
+    """Catalog name of the device calibrated (must equal the cluster's ``device.name``)."""
+    device_model: str
+    """The hardware the sweep ran on, as the OS or driver names it (``current_device_model``)."""
+    torch_version: str
+    """``torch.__version__`` of the calibration run."""
+    backend: Backend
+    """Process-group backend the collectives ran on."""
+    world_size: int
+    """Number of ranks of the calibration run (equals the cluster's world size)."""
+    date: str
+    """ISO-8601 timestamp of the run (UTC)."""
+    num_samples: int
+    """Number of (kind, size) timings the fits were made from."""
+    fit_err_median: float
+    """Median relative error |fitted - measured| / measured over all samples."""
+
+    def __post_init__(self) -> None:
+        for name in ("device", "device_model", "torch_version", "date"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ClusterSpecError(f"calibration.{name} must be a non-empty string, got {value!r}")
+            object.__setattr__(self, name, str(value))  # plain str: torch.__version__ is a subclass
+        if self.backend not in ("gloo", "nccl"):
+            raise ClusterSpecError(f"calibration.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        _check_positive_int(self.world_size, "calibration.world_size")
+        _check_positive_int(self.num_samples, "calibration.num_samples")
+        object.__setattr__(
+            self, "fit_err_median", _non_negative_float(self.fit_err_median, "calibration.fit_err_median")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """YAML/JSON-serialisable form; ``CalibrationInfo.from_dict`` reads it back."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: object) -> CalibrationInfo:
+        """Parse the ``calibration:`` section of a cluster profile."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(data, Mapping):
+            raise ClusterSpecError(f"calibration must be a mapping with keys {', '.join(names)}, got {data!r}")
+        unknown = [key for key in data if key not in names]
+        missing = [key for key in names if key not in data]
+        if unknown or missing:
+            what = f"unknown key {unknown[0]!r}" if unknown else f"missing key {', '.join(missing)}"
+            raise ClusterSpecError(f"calibration: {what}; expected keys {', '.join(names)}; {_RECALIBRATE}")
+        kwargs: dict[str, Any] = {key: data[key] for key in names}
+        kwargs["date"] = str(kwargs["date"])  # YAML reads an unquoted ISO date as a datetime
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +223,11 @@ class Cluster:
     mesh_axis_names: tuple[str, ...] | None = None
     """One unique name per mesh axis. ``None`` derives them from the hierarchy: "intra" for an
     axis inside a node, "inter" for one across nodes ("intra0", "intra1", ... if several)."""
+    links: Mapping[str, LinkSpec] = field(default_factory=dict)
+    """Measured links by mesh axis name (from ``autoplan calibrate``); an axis without an entry
+    uses the device's catalog numbers. ``spans_nodes`` of each link must match its axis."""
+    calibration: CalibrationInfo | None = None
+    """Where the ``links`` were measured; ``None`` for catalog-only clusters."""
 
     def __post_init__(self) -> None:
         _check_positive_int(self.num_nodes, "num_nodes")
@@ -99,6 +246,8 @@ class Cluster:
         else:
             names = self._checked_axis_names(self.mesh_axis_names)
         object.__setattr__(self, "mesh_axis_names", names)
+        object.__setattr__(self, "links", self._checked_links(self.links))
+        self._check_calibration()
 
     # --- Validation --------------------------------------------------------------------------
 
@@ -148,6 +297,47 @@ class Cluster:
             raise ClusterSpecError(f"mesh_axis_names {list(checked)!r} repeats a name; axis names must be unique")
         return checked
 
+    def _checked_links(self, links: object) -> Mapping[str, LinkSpec]:
+        if not isinstance(links, Mapping):
+            raise ClusterSpecError(f"links must map mesh axis names to LinkSpec, got {links!r}")
+        for name, link in links.items():
+            if name not in self.mesh_axis_names:
+                raise ClusterSpecError(
+                    f"links has an entry for axis {name!r} but the mesh axes are "
+                    f"{', '.join(self.mesh_axis_names)}; rename it or {_RECALIBRATE} with this mesh"
+                )
+            if not isinstance(link, LinkSpec):
+                raise ClusterSpecError(f"links[{name!r}] must be a LinkSpec, got {link!r}")
+            if link.spans_nodes != self.axis_spans_nodes(name):
+                where = "crosses nodes" if self.axis_spans_nodes(name) else "stays inside a node"
+                raise ClusterSpecError(
+                    f"links[{name!r}] has spans_nodes={link.spans_nodes} but axis {name!r} {where}; "
+                    "set spans_nodes from Cluster.axis_spans_nodes"
+                )
+        return _ReadOnlyMapping({name: links[name] for name in self.mesh_axis_names if name in links})
+
+    def _check_calibration(self) -> None:
+        info = self.calibration
+        if info is None:
+            return
+        if not isinstance(info, CalibrationInfo):
+            raise ClusterSpecError(f"calibration must be a CalibrationInfo, got {info!r}")
+        if info.device != self.device.name:
+            raise ClusterSpecError(
+                f"links were calibrated on device {info.device!r} but the cluster's device is "
+                f"{self.device.name!r}; {_RECALIBRATE}"
+            )
+        if info.world_size != self.world_size:
+            raise ClusterSpecError(
+                f"links were calibrated on {info.world_size} ranks but the cluster has {self.world_size} "
+                f"devices; {_RECALIBRATE} with --cluster of {self.world_size} devices"
+            )
+        if info.backend != self.backend:
+            raise ClusterSpecError(
+                f"links were calibrated with backend {info.backend!r} but {self.device.name} runs "
+                f"{self.backend!r}; {_RECALIBRATE}"
+            )
+
     def _derived_axis_names(self) -> tuple[str, ...]:
         kinds = ["inter" if self._axis_crosses_nodes(i) else "intra" for i in range(self.mesh_ndim)]
         seen = {"inter": 0, "intra": 0}
@@ -196,9 +386,18 @@ class Cluster:
         """
         return self._axis_crosses_nodes(self.axis_index(axis))
 
+    @property
+    def backend(self) -> Backend:
+        """Process-group backend the generated program runs on: gloo for CPU ranks, else NCCL."""
+        return "gloo" if self.device.name == "CPU" else "nccl"
+
     def axis_link(self, axis: int | str) -> LinkSpec:
-        """The link collectives along ``axis`` use: network numbers if it spans nodes, else
-        the intra-node (NVLink) numbers of the device."""
+        """The link collectives along ``axis`` use: the calibrated link of that axis if the
+        cluster has one (see ``links``), else the device's catalog numbers (network if the axis
+        spans nodes, intra-node/NVLink otherwise)."""
+        name = self.mesh_axis_names[self.axis_index(axis)]
+        if name in self.links:
+            return self.links[name]
         spans = self.axis_spans_nodes(axis)
         if spans:
             return LinkSpec(
@@ -213,12 +412,32 @@ class Cluster:
         )
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_axis_names: Sequence[str] | None = None) -> Cluster:
-        """The same cluster with another logical mesh (names derived when not given)."""
-        return dataclasses.replace(
+        """The same cluster with another logical mesh (names derived when not given).
+
+        Calibrated links are kept for axes that keep their name, size and node span; the others
+        fall back to catalog numbers (logged as a warning)."""
+        reshaped = dataclasses.replace(
             self,
             mesh_shape=tuple(mesh_shape),
             mesh_axis_names=None if mesh_axis_names is None else tuple(mesh_axis_names),
+            links={},
         )
+        sizes = dict(zip(self.mesh_axis_names, self.mesh_shape, strict=True))
+        new_sizes = dict(zip(reshaped.mesh_axis_names, reshaped.mesh_shape, strict=True))
+        kept = {
+            name: link
+            for name, link in self.links.items()
+            if new_sizes.get(name) == sizes[name] and reshaped.axis_spans_nodes(name) == link.spans_nodes
+        }
+        dropped = sorted(set(self.links) - set(kept))
+        if dropped:
+            logger.warning(
+                "mesh %s drops the calibrated links of axes %s (their size or name changed); they use catalog "
+                "numbers now: re-run `autoplan calibrate --mesh ...` for this mesh",
+                reshaped.mesh_shape,
+                ", ".join(dropped),
+            )
+        return dataclasses.replace(reshaped, links=kept) if kept else reshaped
 
     def __str__(self) -> str:
         names = ",".join(self.mesh_axis_names)
@@ -227,14 +446,21 @@ class Cluster:
     # --- Serialisation -----------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-serialisable form with the full device numbers, so custom devices round-trip."""
-        return {
+        """JSON-serialisable form with the full device numbers, so custom devices round-trip.
+
+        ``links`` and ``calibration`` appear only when the cluster has them."""
+        out: dict[str, Any] = {
             "num_nodes": self.num_nodes,
             "devices_per_node": self.devices_per_node,
             "device": self.device.to_dict(),
             "mesh_shape": list(self.mesh_shape),
             "mesh_axis_names": list(self.mesh_axis_names),
         }
+        if self.links:
+            out["links"] = {name: _link_to_dict(link) for name, link in self.links.items()}
+        if self.calibration is not None:
+            out["calibration"] = self.calibration.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "cluster description") -> Cluster:
@@ -260,19 +486,32 @@ class Cluster:
             missing = [key for key in _REQUIRED_KEYS if key not in data]
             if missing:
                 raise ClusterSpecError(f"missing key {', '.join(missing)}; a cluster needs {', '.join(_REQUIRED_KEYS)}")
-            return cls(
+            cluster = cls(
                 num_nodes=data["num_nodes"],
                 devices_per_node=data["devices_per_node"],
                 device=_device_from_value(data["device"], origin=where),
                 mesh_shape=data.get("mesh_shape"),
                 mesh_axis_names=data.get("mesh_axis_names"),
             )
+            calibration = data.get("calibration")
+            links = data.get("links")
+            if links is None and calibration is None:
+                return cluster
+            return dataclasses.replace(
+                cluster,
+                links=_links_from_value(links if links is not None else {}, cluster),
+                calibration=None if calibration is None else CalibrationInfo.from_dict(calibration),
+            )
         except ClusterSpecError as exc:
             raise type(exc)(f"{where}: {exc}") from None
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> Cluster:
-        """Read a cluster description from a .yaml/.yml or .json file (see the module docstring)."""
+    def from_file(cls, path: str | os.PathLike[str], *, check_versions: bool = True) -> Cluster:
+        """Read a cluster description or profile from a .yaml/.yml or .json file (see the module
+        docstring).
+
+        A profile with a ``calibration:`` section must come from this torch version, backend and
+        device (``check_calibration_matches``); ``check_versions=False`` loads it anyway."""
         path = Path(path)
         where = f"cluster file '{path}'"
         suffix = path.suffix.lower()
@@ -302,7 +541,13 @@ class Cluster:
                 ) from exc
         if data is None:
             raise ClusterSpecError(f"{where} is empty; expected a mapping with keys {', '.join(_REQUIRED_KEYS)}")
-        return cls.from_dict(data, where=where)
+        cluster = cls.from_dict(data, where=where)
+        if check_versions and cluster.calibration is not None:
+            try:
+                check_calibration_matches(cluster.calibration)
+            except ClusterSpecError as exc:
+                raise type(exc)(f"{where}: {exc}") from None
+        return cluster
 
     @classmethod
     def preset(
@@ -330,6 +575,128 @@ class Cluster:
             )
         except ClusterSpecError as exc:
             raise type(exc)(f"cluster preset {spec!r}: {exc}") from None
+
+
+# --- Calibration environment -------------------------------------------------------------------------
+
+
+def _public_version(version: str) -> str:
+    """``"2.13.0+cu128"`` -> ``"2.13.0"``: CPU and CUDA builds of one release run the same Python."""
+    return version.split("+", 1)[0]
+
+
+def current_device_model(backend: Backend) -> str | None:
+    """The hardware this process would calibrate with ``backend``: the CUDA device name for
+    NCCL (``None`` without a GPU), the CPU model name for gloo."""
+    if backend == "nccl":
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip() or platform.machine()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def check_calibration_matches(info: CalibrationInfo) -> None:
+    """Raise ``ClusterSpecError`` if ``info`` was measured with another torch version or on other
+    hardware than this machine's.
+
+    The torch version compares without the local build tag (``2.13.0+cu128`` == ``2.13.0``). A GPU
+    profile loaded on a machine without a GPU is accepted (planning from a login node); a GPU
+    profile on another GPU model, or a CPU profile on another CPU model, is not.
+    """
+    here = _public_version(torch.__version__)
+    if _public_version(info.torch_version) != here:
+        raise ClusterSpecError(
+            f"profile was calibrated with torch {info.torch_version} but this is torch {torch.__version__}; "
+            f"{_RECALIBRATE}, or load it with check_versions=False"
+        )
+    model = current_device_model(info.backend)
+    if model is not None and model != info.device_model:
+        raise ClusterSpecError(
+            f"profile was calibrated on {info.device_model!r} ({info.backend}) but this machine has {model!r}; "
+            f"{_RECALIBRATE}, or load it with check_versions=False"
+        )
+
+
+def _link_to_dict(link: LinkSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"bw_GBps": link.bw_GBps, "latency_us": link.latency_us}
+    if link.collectives:
+        out["collectives"] = {
+            kind: {"bw_GBps": fit.bw_GBps, "latency_us": fit.latency_us}
+            | ({} if fit.fit_err is None else {"fit_err": fit.fit_err})
+            for kind, fit in link.collectives.items()
+        }
+    return out
+
+
+def _links_from_value(value: object, cluster: Cluster) -> dict[str, LinkSpec]:
+    """Parse the ``links:`` section; ``spans_nodes`` comes from the cluster's mesh."""
+    if not isinstance(value, Mapping):
+        raise ClusterSpecError(
+            f"links must map mesh axis names ({', '.join(cluster.mesh_axis_names)}) to "
+            f"{{bw_GBps, latency_us, collectives}}, got {value!r}"
+        )
+    links = {}
+    for name, entry in value.items():
+        where = f"links.{name}"
+        if name not in cluster.mesh_axis_names:
+            raise ClusterSpecError(
+                f"{where}: no mesh axis named {name!r}; the mesh axes are {', '.join(cluster.mesh_axis_names)}: "
+                f"rename it or {_RECALIBRATE} with this mesh"
+            )
+        _check_section_keys(entry, _LINK_KEYS, where=where, required=("bw_GBps", "latency_us"))
+        fits = entry.get("collectives", {})
+        if not isinstance(fits, Mapping):
+            raise ClusterSpecError(f"{where}.collectives must map a kind ({', '.join(COMM_KINDS)}) to a fit")
+        collectives = {}
+        for kind, fit in fits.items():
+            if kind not in COMM_KINDS:
+                raise ClusterSpecError(
+                    f"{where}.collectives: unknown kind {kind!r}; known kinds: {', '.join(COMM_KINDS)}"
+                )
+            _check_section_keys(fit, _FIT_KEYS, where=f"{where}.collectives.{kind}", required=_FIT_KEYS[:2])
+            try:
+                collectives[kind] = CollectiveFit(**fit)
+            except ClusterSpecError as exc:
+                raise ClusterSpecError(f"{where}.collectives.{kind}: {exc}") from None
+        try:
+            links[name] = LinkSpec(
+                bw_GBps=entry["bw_GBps"],
+                latency_us=entry["latency_us"],
+                spans_nodes=cluster.axis_spans_nodes(name),
+                collectives=collectives,
+            )
+        except ClusterSpecError as exc:
+            raise ClusterSpecError(f"{where}: {exc}") from None
+    return links
+
+
+def _check_section_keys(entry: object, keys: Sequence[str], *, where: str, required: Sequence[str]) -> None:
+    if not isinstance(entry, Mapping):
+        raise ClusterSpecError(f"{where} must be a mapping with keys {', '.join(keys)}, got {entry!r}")
+    for key in entry:
+        if key not in keys:
+            raise ClusterSpecError(f"{where}: unknown key {key!r}; known keys: {', '.join(keys)}")
+    missing = [key for key in required if key not in entry]
+    if missing:
+        raise ClusterSpecError(f"{where}: missing key {', '.join(missing)}")
+
+
+def _check_link_numbers(bw_GBps: object, latency_us: object, what: str) -> None:
+    if isinstance(bw_GBps, bool) or not isinstance(bw_GBps, (int, float)) or not 0 < bw_GBps < math.inf:
+        raise ClusterSpecError(
+            f"{what} bw_GBps must be a positive finite number of GB/s, got {bw_GBps!r}; fix it or {_RECALIBRATE}"
+        )
+    _non_negative_float(latency_us, f"{what} latency_us")
+
+
+def _non_negative_float(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ClusterSpecError(f"{what} must be a non-negative finite number, got {value!r}; fix it or {_RECALIBRATE}")
+    return float(value)
 
 
 def _device_from_value(value: object, *, origin: str) -> DeviceSpec:

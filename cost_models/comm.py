@@ -8,6 +8,25 @@ Collective Communication Operations in MPICH", IJHPCA 2005)::
     reduce_scatter(B_in)  = (n-1)/n * B_in  / bw + (n-1) * lat
     all_reduce(B)         = 2 (n-1)/n * B   / bw + 2 (n-1) * lat   (reduce_scatter + all_gather)
     all_to_all(B_local)   = (n-1)/n * B_local / bw + (n-1) * lat
+    send_recv(B)          =             B   / bw +         lat     (point to point, one message)
+
+All-reduce may also run as NCCL's double binary tree (Sanders, Speck & Träff, "Two-tree
+algorithms for full bandwidth broadcast, reduction and scan", Parallel Computing 2009; NVIDIA,
+"Massively Scale Your Deep Learning Training with NCCL 2.4", 2019): a pipelined reduce up and
+broadcast down ``ceil(log2 n)`` levels, each byte crossing a link twice::
+
+    all_reduce_tree(B)    = 2 * B / bw + 2 * ceil(log2 n) * lat
+
+``algorithm="auto"`` prices an all-reduce at the cheaper of ring and tree (NCCL's tuner picks per
+call the same way); gloo only has the ring, so CPU clusters use ``"ring"``. Every formula is
+``latency_steps * lat + bytes_factor * B / bw`` (:func:`collective_terms`), which is the family
+``cost_models.calibration`` fits: a link may carry fitted ``(bw, lat)`` per kind
+(``LinkSpec.collectives``), always in the *ring* convention, and those replace the link's generic
+numbers for that kind (:func:`link_time_s`). A fitted all-reduce already contains whatever
+algorithm the library chose, so it is never re-priced as a tree.
+
+On CPU ranks gloo has no all_to_all: DTensor all-gathers the axis and keeps its chunk, so an
+all_to_all of ``B_local`` costs ``all_gather(n * B_local)`` there (:func:`effective_collective`).
 
 A *transition* converts a tensor from one spec (placement per mesh axis) to another, one axis
 at a time; :func:`plan_transition` gives the exact sequence of single-axis steps that the
@@ -23,16 +42,37 @@ afterwards.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from cost_models.cluster import Cluster
+from cost_models.cluster import COMM_KINDS, Backend, Cluster, CommKind, LinkSpec
 
 StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard", "to_partial"]
 COLLECTIVE_KINDS: frozenset[str] = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+"""Step kinds of a placement transition that communicate."""
+LOCAL_KINDS: frozenset[str] = frozenset({"shard", "to_partial"})
+"""Step kinds of a placement transition that are local (cost nothing on the network)."""
+Algorithm = Literal["ring", "tree", "auto"]
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "COMM_KINDS",
+    "Algorithm",
+    "CommKind",
+    "TransitionStep",
+    "collective_terms",
+    "collective_time_s",
+    "effective_collective",
+    "is_coalescable",
+    "link_time_s",
+    "plan_transition",
+    "step_bytes",
+    "transition_cost_s",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +92,86 @@ class TransitionStep:
         return f"{self.kind}@{self.axis}"
 
 
-def collective_time_s(kind: str, nbytes: float, num_ranks: int, bw_GBps: float, latency_us: float) -> float:
-    """Ring-algorithm time of one collective (see module docstring); ``nbytes`` per its convention."""
-    if num_ranks <= 1 or kind not in COLLECTIVE_KINDS:
-        return 0.0
+def collective_terms(kind: str, num_ranks: int, *, algorithm: Literal["ring", "tree"] = "ring") -> tuple[float, float]:
+    """``(latency_steps, bytes_factor)`` of one collective: its time is
+    ``latency_steps * lat + bytes_factor * nbytes / bw`` (formulas in the module docstring).
+
+    ``(0, 0)`` for a single rank or a local step kind; ``algorithm="tree"`` exists for all_reduce only."""
+    if kind in LOCAL_KINDS:
+        return 0.0, 0.0
+    if kind not in COMM_KINDS:
+        raise ValueError(f"unknown communication kind {kind!r}; use one of {', '.join(COMM_KINDS)}")
+    if algorithm == "tree" and kind != "all_reduce":
+        raise ValueError(f"algorithm='tree' is defined for all_reduce only, not {kind!r}; use 'ring' or 'auto'")
     n = num_ranks
+    if n <= 1:
+        return 0.0, 0.0
+    if kind == "send_recv":
+        return 1.0, 1.0
+    if kind == "all_reduce":
+        if algorithm == "tree":
+            return 2.0 * math.ceil(math.log2(n)), 2.0
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    return float(n - 1), (n - 1) / n
+
+
+def collective_time_s(
+    kind: str,
+    nbytes: float,
+    num_ranks: int,
+    bw_GBps: float,
+    latency_us: float,
+    *,
+    algorithm: Algorithm = "auto",
+) -> float:
+    """Time of one collective (see module docstring); ``nbytes`` per its convention.
+
+    ``algorithm`` matters for all_reduce only: "ring", "tree", or "auto" = the faster of the two.
+    Local step kinds ("shard", "to_partial") and a single rank cost 0."""
+    if algorithm == "auto":
+        candidates: tuple[Literal["ring", "tree"], ...] = ("ring", "tree") if kind == "all_reduce" else ("ring",)
+    else:
+        candidates = (algorithm,)
     bw = bw_GBps * 1e9
     lat = latency_us * 1e-6
-    if kind == "all_reduce":
-        return 2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * lat
-    return (n - 1) / n * nbytes / bw + (n - 1) * lat
+    times = []
+    for algo in candidates:
+        latency_steps, bytes_factor = collective_terms(kind, num_ranks, algorithm=algo)
+        times.append(latency_steps * lat + (bytes_factor * nbytes / bw if bytes_factor else 0.0))
+    return min(times)
+
+
+def effective_collective(kind: str, nbytes: float, num_ranks: int, *, backend: Backend) -> tuple[str, float]:
+    """The collective that really runs for ``kind`` on ``backend``, and its payload: gloo has no
+    all_to_all, so DTensor all-gathers ``num_ranks * nbytes`` and keeps its chunk."""
+    if kind == "all_to_all" and backend == "gloo":
+        return "all_gather", nbytes * num_ranks
+    return kind, nbytes
+
+
+def link_time_s(
+    kind: str,
+    nbytes: float,
+    num_ranks: int,
+    link: LinkSpec,
+    *,
+    backend: Backend,
+    algorithm: Algorithm | None = None,
+    include_latency: bool = True,
+) -> float:
+    """Time of one ``kind`` message of ``nbytes`` over ``num_ranks`` ranks on ``link``.
+
+    A kind with calibrated parameters on the link is priced with them in the ring convention it
+    was fitted in; otherwise the link's generic numbers and ``algorithm`` apply (default: "auto"
+    on NCCL, "ring" on gloo). ``include_latency=False`` gives the bandwidth term only."""
+    params = link.params(kind)
+    run_kind, run_bytes = effective_collective(kind, nbytes, num_ranks, backend=backend)
+    if kind in link.collectives:
+        algo: Algorithm = "ring"
+    else:
+        algo = algorithm if algorithm is not None else ("ring" if backend == "gloo" else "auto")
+    latency_us = params.latency_us if include_latency else 0.0
+    return collective_time_s(run_kind, run_bytes, num_ranks, params.bw_GBps, latency_us, algorithm=algo)
 
 
 def _step(kind: StepKind, axis: int, src: Placement, dst: Placement) -> TransitionStep:
@@ -173,10 +283,14 @@ def transition_cost_s(
     cluster: Cluster,
     *,
     include_latency: bool = True,
+    algorithm: Algorithm | None = None,
 ) -> float:
     """Time to convert a tensor of ``full_bytes`` (global size) from ``src`` to ``dst``.
 
-    ``include_latency=False`` gives the bandwidth term only (for coalesced gradient reductions)."""
+    Each collective step is priced by :func:`link_time_s` on its axis's link (calibrated numbers
+    when the cluster has them). ``include_latency=False`` gives the bandwidth term only (for
+    coalesced gradient reductions; with ``algorithm="auto"`` the bandwidth and the latency of a
+    bucket are then each priced at their cheaper algorithm, a slight underestimate of NCCL)."""
     if tuple(src) == tuple(dst):
         return 0.0
     mesh_shape = cluster.mesh_shape
@@ -184,13 +298,14 @@ def transition_cost_s(
     total = 0.0
     for step in plan_transition(src, dst):
         if step.is_collective:
-            link = cluster.axis_link(step.axis)
-            nbytes = step_bytes(step, cur, full_bytes, mesh_shape)
-            latency_us = link.latency_us if include_latency else 0.0
-            kind = step.kind
-            if kind == "all_to_all" and cluster.device.name == "CPU":
-                # gloo has no all_to_all: DTensor gathers the whole axis and keeps its chunk
-                kind, nbytes = "all_gather", nbytes * mesh_shape[step.axis]
-            total += collective_time_s(kind, nbytes, mesh_shape[step.axis], link.bw_GBps, latency_us)
+            total += link_time_s(
+                step.kind,
+                step_bytes(step, cur, full_bytes, mesh_shape),
+                mesh_shape[step.axis],
+                cluster.axis_link(step.axis),
+                backend=cluster.backend,
+                algorithm=algorithm,
+                include_latency=include_latency,
+            )
         cur[step.axis] = step.dst
     return total

@@ -36,3 +36,8 @@ class PlanFileError(PlanError):
 
 class PlanMismatchError(PlanFileError):
     """A plan is applied to a different model, input shapes or world size than it was made for."""
+
+
+class ProfileError(PlanError):
+    """A profile database is unreadable, of an unknown format, measured on another device or
+    software stack, or profiling was asked for on a device this machine does not have."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, TypeVar
 
 import torch
@@ -103,6 +103,10 @@ class DeviceSpec:
     """Per-message latency of a collective step across nodes, microseconds."""
     sources: tuple[str, ...]
     """Citations (datasheet name + URL, or a stated assumption) for every number above."""
+    num_sms: int | None = None
+    """Streaming multiprocessors of a GPU: how many matmul output tiles run at once (the wave
+    size of ``cost_models.compute.matmul_efficiency``). ``None`` for CPUs and for GPUs whose count
+    is not given; the wave term is then left out. Optional so older cluster files still load."""
 
     def __post_init__(self) -> None:
         where = f"device {self.name!r}"
@@ -138,6 +142,14 @@ class DeviceSpec:
                 f"got {self.mem_capacity_bytes!r}"
             )
         object.__setattr__(self, "mem_capacity_bytes", capacity)
+        num_sms: object = self.num_sms
+        if isinstance(num_sms, float) and num_sms.is_integer():
+            num_sms = int(num_sms)
+        if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0):
+            raise ClusterSpecError(
+                f"{where}: num_sms must be a positive integer (SMs per GPU) or null, got {self.num_sms!r}"
+            )
+        object.__setattr__(self, "num_sms", num_sms)
         if isinstance(self.sources, str) or not isinstance(self.sources, (tuple, list)):
             raise ClusterSpecError(f"{where}: sources must be a list of citations, got {self.sources!r}")
         sources = tuple(self.sources)
@@ -185,7 +197,7 @@ class DeviceSpec:
         if not isinstance(data, Mapping):
             raise ClusterSpecError(f"{where}: expected a mapping of DeviceSpec fields, got {data!r}")
         _check_keys(data, where=where)
-        required = [name for name in DEVICE_SPEC_FIELDS if name != "sources"]
+        required = [name for name in DEVICE_SPEC_FIELDS if name != "sources" and name not in _OPTIONAL_FIELDS]
         missing = [name for name in required if name not in data]
         if missing:
             raise ClusterSpecError(
@@ -233,6 +245,7 @@ class DeviceSpec:
 
 DEVICE_SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DeviceSpec))
 """Names of the ``DeviceSpec`` fields, in declaration order (the keys of a device mapping)."""
+_OPTIONAL_FIELDS: frozenset[str] = frozenset(f.name for f in fields(DeviceSpec) if f.default is not MISSING)
 
 
 def _check_keys(data: Mapping[str, Any], *, where: str) -> None:
@@ -264,6 +277,10 @@ _A100_DATASHEET = (
     "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
     "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf"
 )
+_AMPERE_WHITEPAPER = (
+    "NVIDIA A100 Tensor Core GPU Architecture whitepaper: the A100 (SXM4) has 108 SMs, "
+    "https://images.nvidia.com/aem-dam/en-zz/Solutions/data-center/nvidia-ampere-architecture-whitepaper.pdf"
+)
 _DGX_A100_DATASHEET = (
     "NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand for compute, "
     "one per GPU, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/"
@@ -276,6 +293,10 @@ _H100_DATASHEET = (
 _HOPPER_WHITEPAPER = (
     "NVIDIA H100 Tensor Core GPU Architecture whitepaper (Hopper), dense H100 SXM5 peak table, "
     "https://resources.nvidia.com/en-us-tensor-core/gtc22-whitepaper-hopper"
+)
+_HOPPER_SM_COUNT = (
+    "Hopper whitepaper: the H100 SXM5 has 132 SMs; the H200 is the same GH100 SXM5 GPU with HBM3e "
+    "(same peaks in its datasheet), so it has 132 SMs too"
 )
 _DGX_H100_H200_GUIDE = (
     "NVIDIA DGX H100/H200 User Guide, hardware overview: 8x ConnectX-7 400 Gb/s compute NICs, "
@@ -293,6 +314,10 @@ _DGX_B200_DATASHEET = (
 _HGX_B200_SPECS = (
     "NVIDIA HGX platform page, HGX B200 specifications (8-GPU totals, tensor-core numbers with "
     "sparsity; dense is half), https://www.nvidia.com/en-us/data-center/hgx/"
+)
+_B200_SM_COUNT = (
+    "B200 SM count 148 (2 dies x 74 SMs) is the multiProcessorCount CUDA reports for a B200; "
+    "NVIDIA's B200 datasheets do not list it"
 )
 _GPU_LATENCY_ASSUMPTION = (
     "latencies are modelling assumptions, not vendor numbers: ~3 us per NCCL step over NVLink "
@@ -348,7 +373,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         intra_node_latency_us=_NVLINK_LATENCY_US,
         inter_node_bw_GBps=25.0,  # DGX A100 datasheet: one 200 Gb/s HDR NIC per GPU = 25 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
-        sources=(_A100_DATASHEET, _DGX_A100_DATASHEET, _GPU_LATENCY_ASSUMPTION),
+        num_sms=108,  # Ampere whitepaper: A100 has 108 SMs
+        sources=(_A100_DATASHEET, _AMPERE_WHITEPAPER, _DGX_A100_DATASHEET, _GPU_LATENCY_ASSUMPTION),
     ),
     DeviceSpec(
         name="A100-80GB",
@@ -359,7 +385,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         intra_node_latency_us=_NVLINK_LATENCY_US,
         inter_node_bw_GBps=25.0,  # DGX A100 datasheet: one 200 Gb/s HDR NIC per GPU = 25 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
-        sources=(_A100_DATASHEET, _DGX_A100_DATASHEET, _GPU_LATENCY_ASSUMPTION),
+        num_sms=108,  # Ampere whitepaper: A100 has 108 SMs
+        sources=(_A100_DATASHEET, _AMPERE_WHITEPAPER, _DGX_A100_DATASHEET, _GPU_LATENCY_ASSUMPTION),
     ),
     DeviceSpec(
         name="H100",
@@ -370,9 +397,11 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         intra_node_latency_us=_NVLINK_LATENCY_US,
         inter_node_bw_GBps=50.0,  # DGX H100 guide: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
+        num_sms=132,  # Hopper whitepaper: H100 SXM5 has 132 SMs
         sources=(
             _H100_DATASHEET,
             _HOPPER_WHITEPAPER,
+            _HOPPER_SM_COUNT,
             _DGX_H100_H200_GUIDE,
             _GPU_LATENCY_ASSUMPTION,
         ),
@@ -388,9 +417,11 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         intra_node_latency_us=_NVLINK_LATENCY_US,
         inter_node_bw_GBps=50.0,  # DGX H200 guide: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
+        num_sms=132,  # same GH100 SXM5 GPU as the H100, see _HOPPER_SM_COUNT
         sources=(
             _H200_DATASHEET,
             _HOPPER_WHITEPAPER,
+            _HOPPER_SM_COUNT,
             _DGX_H100_H200_GUIDE,
             _GPU_LATENCY_ASSUMPTION,
         ),
@@ -404,7 +435,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         intra_node_latency_us=_NVLINK_LATENCY_US,
         inter_node_bw_GBps=50.0,  # DGX B200 datasheet: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
-        sources=(_DGX_B200_DATASHEET, _HGX_B200_SPECS, _GPU_LATENCY_ASSUMPTION),
+        num_sms=148,  # see _B200_SM_COUNT
+        sources=(_DGX_B200_DATASHEET, _HGX_B200_SPECS, _B200_SM_COUNT, _GPU_LATENCY_ASSUMPTION),
     ),
     DeviceSpec(
         name="CPU",

@@ -52,3 +52,21 @@ def param_training_bytes_by_part(numel: int, itemsize: int, optimizer: str) -> d
 def param_training_bytes(numel: int, itemsize: int, optimizer: str) -> int:
     """Bytes of one (unsharded) parameter with its gradient and optimizer state."""
     return sum(param_training_bytes_by_part(numel, itemsize, optimizer).values())
+
+
+def optimizer_temp_bytes(optimizer: str, max_param_bytes: float, total_param_bytes: float, device_kind: str) -> float:
+    """Temporary bytes one optimizer step allocates on top of parameters, gradients and states.
+
+    ``torch.optim`` uses its single-tensor loop on CPU and the foreach (multi-tensor) kernels on
+    CUDA (``torch.optim.optimizer._default_to_fused_or_foreach``). Adam's step computes
+    ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: single-tensor, the
+    ``sqrt`` and the division's result briefly coexist (two temporaries of the parameter's size);
+    foreach, ``_foreach_sqrt`` allocates one per parameter, all at once, then divides in place.
+    SGD with or without momentum updates in place::
+
+        adam, adamw   single-tensor: 2 * max_param_bytes      foreach: total_param_bytes
+        sgd*          0
+    """
+    if optimizer in ("adam", "adamw"):
+        return float(total_param_bytes if device_kind == "cuda" else 2 * max_param_bytes)
+    return 0.0

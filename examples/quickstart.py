@@ -51,7 +51,9 @@ def main() -> None:
     model = build()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 512, (16, 64))
-    pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), plan=plan)
+    pmodel = autoplan.parallelize(
+        model, cluster, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), plan=plan
+    )
     if rank == 0:
         print("\n".join(pmodel.code.strip().splitlines()[:12]), "\n    ...")
 

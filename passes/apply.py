@@ -9,7 +9,9 @@ every argument whose producer's placement differs from what the consumer needs, 
 single-axis steps of :func:`cost_models.comm.plan_transition` as explicit calls
 (``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``shard``, ``to_partial``).
 Gradient all-reduces with the same transition are coalesced into one ``all_reduce_coalesced``
-per mesh axis (one flat buffer, as DDP buckets gradients).
+per mesh axis at the end (one flat buffer, as DDP buckets gradients); every other gradient
+conversion (e.g. the reduce-scatter of a sharded parameter's gradient) runs right after the
+gradient is produced, so its full-size partial is freed at once.
 
 :func:`edge_redistributions` lists those same transitions as data; the planner prices exactly
 this list and the program contains exactly these calls, nothing else.
@@ -167,6 +169,20 @@ def generate_program(
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     mesh_node: fx.Node | None = None
+    # gradients that are not bucketed are converted right after they are produced, so a partial
+    # (full-size) gradient is freed at once instead of living to the end of the backward
+    output_node = next(n for n in src_gm.graph.nodes if n.op == "output")
+    grad_conversions: dict[fx.Node, list[tuple[int, Redistribution]]] = {}
+    for i, (pname, g) in enumerate(zip(traced.param_names, output_node.args[0][1:], strict=True)):
+        r = by_edge.get((param_node_name(pname), -1))
+        if r is not None and r.bucket is None:
+            grad_conversions.setdefault(g, []).append((i, r))
+    converted_grads: dict[int, fx.Node] = {}
+
+    def convert_grads(node: fx.Node) -> None:
+        for i, r in grad_conversions.get(node, ()):
+            converted_grads[i] = _emit_steps(graph, env[node], r.steps, axis_names)
+
     for node in src_gm.graph.nodes:
         if node.op == "output":
             loss, *grads = node.args[0]
@@ -178,12 +194,9 @@ def generate_program(
             buckets: dict[str, list[int]] = {}
             for i, (pname, g) in enumerate(zip(traced.param_names, grads, strict=True)):
                 r = by_edge.get((param_node_name(pname), -1))
-                ng = env[g]
                 if r is not None and r.bucket is not None:
                     buckets.setdefault(r.bucket, []).append(i)
-                new_grads.append(
-                    _emit_steps(graph, ng, r.steps, axis_names) if r is not None and r.bucket is None else ng
-                )
+                new_grads.append(converted_grads.get(i, env[g]))
             for members in buckets.values():
                 r = by_edge[(param_node_name(traced.param_names[members[0]]), -1)]
                 group = [new_grads[i] for i in members]
@@ -205,6 +218,7 @@ def generate_program(
             if node.op == "call_function":
                 new.kwargs = _fix_device(dict(new.kwargs), device)
             env[node] = new
+            convert_grads(node)
             continue
         targs = tensor_args(node)
         converted: list[fx.Node] = []
@@ -231,6 +245,7 @@ def generate_program(
         strat = assignment[node.name]
         new.meta["autoplan.output_specs"] = strat.output_specs
         env[node] = new
+        convert_grads(node)
     root = torch.nn.Module()
     for n in graph.nodes:
         if n.op == "get_attr" and n.target != "device_mesh":

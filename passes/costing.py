@@ -8,9 +8,13 @@ Output: a :class:`CostProblem`, the plain data the ILP is built from:
 * ``node_time_s[v][s]``: compute time of node ``v`` under strategy ``s`` (forward and backward
   ops alike, since the graph is the joint training step), plus the optimizer step for
   parameters;
-* ``node_bytes[v][s]``: bytes per device that choosing ``s`` for ``v`` keeps alive for the
-  step: parameter + gradient + optimizer state, inputs, and forward activations the backward
-  reads;
+* ``persistent_bytes[v][s]``: bytes per device a placeholder keeps for the whole step under
+  strategy ``s``: parameter + optimizer state for parameters, the local shard for inputs and
+  buffers;
+* ``value_bytes[a][s]``: local bytes of storage ``a`` (:mod:`passes.liveness`) when its producer
+  runs strategy ``s``; ``grad_bytes[p][s]``: the gradient of parameter ``p`` in layout ``s``;
+* ``memory_points``: the positions of the step where the ILP bounds the live bytes, each with
+  the storages alive there and the gradients already produced;
 * ``edges``: for every (producer value -> consumer argument) the transition time between each
   producer output spec ``p`` and each required input spec ``q`` (``cost_models.comm``).
   Gradient outputs are edges to their parameter (the gradient must arrive in the parameter's
@@ -33,7 +37,8 @@ import torch.fx as fx
 from cost_models.cluster import Cluster
 from cost_models.comm import is_coalescable, plan_transition, transition_cost_s
 from cost_models.compute import is_matmul, roofline_time_s, tensor_bytes
-from cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes
+from cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part
+from passes import liveness
 from passes.placement import Spec, local_numel, replicated, storage_factor
 from passes.strategies import StrategyTable, ValueRef, resolve_value, tensor_args
 from passes.trace import TracedProgram, param_node_name
@@ -64,12 +69,27 @@ class Edge:
     the solver loses nothing by moving any conversion to the op's consumers."""
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryPoint:
+    """A position of the step at which the ILP bounds memory."""
+
+    position: int
+    node: str
+    storages: tuple[ValueRef, ...]
+    """Storages alive at ``position`` (placeholders excluded: they are persistent)."""
+    grads_of: tuple[str, ...]
+    """Parameter nodes whose gradient exists at ``position``."""
+
+
 @dataclass(slots=True)
 class CostProblem:
     table: StrategyTable
     cluster: Cluster
     node_time_s: dict[str, list[float]] = field(default_factory=dict)
-    node_bytes: dict[str, list[float]] = field(default_factory=dict)
+    persistent_bytes: dict[str, list[float]] = field(default_factory=dict)
+    value_bytes: dict[ValueRef, list[float]] = field(default_factory=dict)
+    grad_bytes: dict[str, list[float]] = field(default_factory=dict)
+    memory_points: list[MemoryPoint] = field(default_factory=list)
     edges: list[Edge] = field(default_factory=list)
     capacity_bytes: float = 0.0
 
@@ -91,44 +111,23 @@ def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Clu
     problem = CostProblem(table=table, cluster=cluster, capacity_bytes=float(device.mem_capacity_bytes))
     nodes_by_name = {n.name: n for n in gm.graph.nodes}
 
-    # forward values read by the backward are saved activations
-    saved: set[ValueRef] = set()
-    for n in gm.graph.nodes:
-        if n.meta.get("autoplan.phase") == "bwd":
-            for a in tensor_args(n):
-                ref = resolve_value(a)
-                src = nodes_by_name[ref.node]
-                if src.op == "call_function" and src.meta.get("autoplan.phase") == "fwd":
-                    saved.add(ref)
-
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
         val = node.meta.get("val")
         times: list[float] = []
-        sizes: list[float] = []
         for s in ns.strategies:
             t = 0.0
-            b = 0.0
             if ns.kind == "param":
-                spec = s.output_specs[0]
-                local = local_numel(spec, val.shape, mesh_shape)
-                b = param_training_bytes(local, val.element_size(), optimizer)
+                local = local_numel(s.output_specs[0], val.shape, mesh_shape)
                 t = local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
-            elif ns.kind in ("input", "target", "buffer"):
-                b = local_numel(s.output_specs[0], val.shape, mesh_shape) * val.element_size()
             elif ns.kind in ("op", "fallback"):
                 ins = [a.meta["val"] for a in tensor_args(node)]
                 outs = [v for v in _as_list(val) if isinstance(v, torch.Tensor)]
                 div = _work_divisor(s.input_specs, s.output_specs, mesh_shape)
                 t = roofline_time_s(node.target, ins, outs, device, work_divisor=div)
-                for i, v in enumerate(_as_list(val)):
-                    spec = s.output_specs[i] if i < len(s.output_specs) else None
-                    if spec is not None and isinstance(v, torch.Tensor) and ValueRef(name, i) in saved:
-                        b += local_numel(spec, v.shape, mesh_shape) * v.element_size()
             times.append(t)
-            sizes.append(b)
         problem.node_time_s[name] = times
-        problem.node_bytes[name] = sizes
+    _add_memory(problem, traced, table, optimizer)
 
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
@@ -202,3 +201,41 @@ def _edge(
         cost_s=cost,
         full_bytes=full_bytes,
     )
+
+
+def _add_memory(problem: CostProblem, traced: TracedProgram, table: StrategyTable, optimizer: str) -> None:
+    """Bytes per strategy and the memory checkpoints of :mod:`passes.liveness`."""
+    mesh_shape = table.mesh_shape
+    param_nodes = [param_node_name(p) for p in traced.param_names]
+    live = liveness.analyze(traced.graph_module, param_nodes)
+    for name, ns in table.nodes.items():
+        if ns.kind not in ("param", "input", "target", "buffer"):
+            continue
+        val = live.value_shape[ValueRef(name)]
+        sizes = []
+        for s in ns.strategies:
+            local = local_numel(s.output_specs[0], val.shape, mesh_shape)
+            if ns.kind == "param":
+                parts = param_training_bytes_by_part(local, val.element_size(), optimizer)
+                sizes.append(float(parts["params"] + parts["optimizer"]))
+            else:
+                sizes.append(float(local * val.element_size()))
+        problem.persistent_bytes[name] = sizes
+        if ns.kind == "param":  # the gradient is counted from its birth (memory_points)
+            problem.grad_bytes[name] = [
+                float(local_numel(s.output_specs[0], val.shape, mesh_shape) * val.element_size()) for s in ns.strategies
+            ]
+    for storage in live.births():
+        ns = table.nodes.get(storage.node)
+        if ns is None:  # a constant or an op outside the table: replicated, same for every plan
+            continue
+        t = live.value_shape[storage]
+        problem.value_bytes[storage] = [
+            float(liveness.local_bytes(s.output_specs[storage.index], t, mesh_shape)) for s in ns.strategies
+        ]
+    names = {i: n for n, i in live.position.items()}
+    grad_born = live.grad_births()
+    for pos in liveness.memory_checkpoints(live):
+        storages = tuple(s for s in liveness.live_at(live, pos) if s in problem.value_bytes)
+        grads = tuple(p for p, born in grad_born.items() if born <= pos)
+        problem.memory_points.append(MemoryPoint(position=pos, node=names[pos], storages=storages, grads_of=grads))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
@@ -69,8 +70,6 @@ def to_partial(x: DTensor, axis: int, reduce_op: str = "sum") -> DTensor:
 
 def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
     """``P -> R`` on ``axis`` for several tensors with one flat all-reduce (gradient bucketing)."""
-    import torch.distributed._functional_collectives as funcol
-
     first = xs[0]
     mesh = first.device_mesh
     partial = first.placements[axis]
@@ -78,7 +77,12 @@ def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
         raise TypeError("all_reduce_coalesced expects tensors with the same Partial placement on that axis")
     locals_ = [x.to_local() for x in xs]
     flat = torch.cat([t.reshape(-1) for t in locals_])
-    flat = funcol.wait_tensor(funcol.all_reduce(flat, partial.reduce_op, (mesh, axis)))
+    # in place on the flat buffer: one extra copy of the bucket, not two
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
+    if partial.reduce_op == "avg":
+        flat.div_(mesh.size(axis))
+    elif partial.reduce_op != "sum":
+        raise TypeError(f"all_reduce_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
     out = []
     offset = 0
     for x, t in zip(xs, locals_, strict=True):

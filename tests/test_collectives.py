@@ -31,6 +31,7 @@ _FUNCOL_KIND = {
     "all_reduce": "all_reduce",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_to_all_single": "all_to_all",
+    "allreduce_": "all_reduce",  # c10d in-place all-reduce of a coalesced gradient bucket
 }
 
 
@@ -67,6 +68,10 @@ def _gpt2_step_counts(rank: int, world_size: int, mesh_shape: tuple[int, ...], p
         "ran": dict(sorted(ran.items())),
         "graph": _graph_counts(pm.program),
         "plan_raw": planned,
+        "buckets": [
+            len(n.args[0]) for n in pm.program.graph.nodes if n.op == "call_function" and "coalesced" in n.name
+        ],
+        "num_params": len(pm.param_names),
     }
 
 
@@ -88,10 +93,13 @@ def test_program_runs_exactly_the_collectives_the_plan_paid_for(mesh_shape, pins
 
 def test_data_parallel_gradients_are_reduced_in_one_coalesced_all_reduce() -> None:
     results = run_ranks(_gpt2_step_counts, 2, (2,), {"input_0": "S(0)", "target_0": "S(0)", "*": "R"})
-    # one coalesced all-reduce for all 28 parameter gradients, plus the two scalars of the mean
-    # cross entropy over a sharded batch: the loss itself and its total weight (for backward)
-    assert results[0]["ran"] == {"all_reduce": 3}, results[0]
-    assert results[0]["graph"] == {"all_reduce": 3}, results[0]
+    # one coalesced all-reduce carries all 28 parameter gradients; the few other collectives
+    # combine the mean loss over the sharded batch (all-reduce of two scalars or a gather of the
+    # per-token terms, whichever the cost model prices lower): at most 3 collectives in all
+    r = results[0]
+    assert r["buckets"] == [r["num_params"]], r
+    assert r["ran"] == r["planned"] and r["graph"] == r["plan_raw"], r
+    assert r["ran"]["all_reduce"] >= 1 and sum(r["ran"].values()) <= 3, r
 
 
 def _generated_code(rank: int, world_size: int) -> str:

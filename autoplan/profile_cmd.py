@@ -1,0 +1,173 @@
+"""``autoplan profile``: time every distinct op of a workload's training step on this machine.
+
+    autoplan profile examples/hf_models.py:gpt2_tiny --cluster 2xCPU
+    autoplan profile my_models.py:build --cluster 1x8xH100 --mesh 2,4 --device cuda
+
+The workload is traced on the ``meta`` device and its strategies are enumerated on a fake mesh of
+the cluster's shape; each distinct (op, local shard shapes, dtypes) then runs through DTensor on
+``--device`` (see :mod:`passes.profile`). Times go to this machine's profile database
+(:mod:`cost_models.profile_db`; ``--profile-db PATH`` for another file), which later plans read;
+keys already in it are not measured again.
+
+CPU times depend on torch's intra-op threads (``OMP_NUM_THREADS``); the database records the
+count, so profile with the thread count the training ranks use (``autoplan run`` starts CPU
+ranks with ``OMP_NUM_THREADS=1`` unless it is set).
+
+The summary compares the profiled time of the slowest keys with the analytic roofline the
+planner would otherwise use, and ends with one machine-readable line::
+
+    profile: keys=286 matmul_analytic_err_median=85.2%
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from cost_models.memory import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from cost_models.cluster import Cluster
+    from cost_models.profile_db import ProfileDB
+    from passes.profile import ProfileReport
+    from passes.strategies import StrategyTable
+    from passes.trace import TracedProgram
+
+log = logging.getLogger(__name__)
+
+_MATMULS = ("aten.mm.default(", "aten.addmm.default(", "aten.bmm.default(")
+_TOP = 10
+_OP_WIDTH = 96
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's private subparsers type
+    """Register ``autoplan profile`` on the CLI's subparsers."""
+    p = subparsers.add_parser("profile", help="time the ops of a workload on this machine's device")
+    p.add_argument("target", help="FILE.py:FUNCTION returning autoplan.Workload")
+    p.add_argument("--cluster", required=True, help="cluster whose mesh shape sets the shard shapes, e.g. 4xCPU")
+    p.add_argument("--mesh", help="logical mesh shape, e.g. 2,2 (default: nodes x devices)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to time on (default: cpu)")
+    p.add_argument("--profile-db", metavar="PATH", help="database file (default: this machine's file in the cache)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer to time (default: the workload's)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds per op; the median is kept (default: 5)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls per op before timing (default: 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, print only the final line")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from autoplan.api import planning_mesh
+    from autoplan.cli import _cluster
+    from autoplan.loader import build_workload
+    from cost_models.errors import PlanError
+    from cost_models.profile_db import ProfileDB
+    from passes.profile import profile_program
+    from passes.strategies import build_strategy_table
+    from passes.trace import trace_training_step
+
+    cluster = _cluster(args.cluster, args.mesh)
+    if args.device == "cpu":
+        _warn_if_busy()
+    # open the database first: a missing GPU or a foreign/corrupted file fails before any tracing
+    db = (
+        ProfileDB.open_path(args.profile_db, args.device)
+        if args.profile_db
+        else ProfileDB.open_for_current_device(args.device)
+    )
+    wl = build_workload(args.target, device="meta", seed=args.seed)
+    optimizer = args.optimizer or wl.optimizer
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    traced = trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)
+    with planning_mesh(cluster, device_type=args.device) as mesh:
+        table = build_strategy_table(traced, mesh)
+        before = len(db)
+        try:
+            report = profile_program(
+                traced,
+                table,
+                mesh,
+                db,
+                device=args.device,
+                optimizer=optimizer,
+                warmup=args.warmup,
+                repeats=args.repeats,
+                progress=False if args.quiet else None,
+            )
+        finally:
+            if len(db) != before:
+                db.save()  # what was measured is kept even if profiling is interrupted
+    if not db.path.exists():
+        db.save()  # nothing new, but the database file exists after a successful run
+    rows = _comparison(report, traced, table, cluster, optimizer)
+    matmul_errs = [abs(err) for _, _, err, op in rows if op.startswith(_MATMULS)]
+    median = f"{statistics.median(matmul_errs):.1f}%" if matmul_errs else "n/a"
+    if not args.quiet:
+        _print_summary(args, db, report, rows, cluster)
+    print(f"profile: keys={report.num_keys} matmul_analytic_err_median={median}")
+    return 0
+
+
+def _warn_if_busy() -> None:
+    """CPU times of a busy machine are inflated (threads wait for cores other processes hold)."""
+    import torch
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    num_cores = os.cpu_count() or 1
+    if load + torch.get_num_threads() > num_cores + 0.5:
+        log.warning(
+            "load average %.1f on %d cores with %d torch threads: other processes compete for the CPU and "
+            "profiled times will be inflated; profile on a quiet machine or lower OMP_NUM_THREADS",
+            load,
+            num_cores,
+            torch.get_num_threads(),
+        )
+
+
+Row = tuple[float, float, float, str]
+"""``(profiled_s, analytic_s, err_percent, key)``."""
+
+
+def _comparison(
+    report: ProfileReport, traced: TracedProgram, table: StrategyTable, cluster: Cluster, optimizer: str
+) -> list[Row]:
+    """``(profiled_s, analytic_s, err_percent, key)`` for every key with a profiled time, slowest first."""
+    from passes.profile import analytic_time_s
+
+    node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
+    rows: list[Row] = []
+    for e in report.entries:
+        if e.time_s is None:
+            continue
+        node = node_by_name[e.node]
+        strategy = table.nodes[e.node].strategies[e.strategy_index]
+        analytic_s = analytic_time_s(node, strategy, e.kind, cluster.device, cluster.mesh_shape, optimizer=optimizer)
+        err = (analytic_s - e.time_s) / e.time_s * 100.0 if e.time_s > 0 else float("inf")
+        rows.append((e.time_s, analytic_s, err, e.key))
+    rows.sort(key=lambda r: -r[0])
+    return rows
+
+
+def _print_summary(
+    args: argparse.Namespace, db: ProfileDB, report: ProfileReport, rows: list[Row], cluster: Cluster
+) -> None:
+    print(f"profile database: {db.path}")
+    print(f"measured on: {db.device}; shard shapes for {cluster}")
+    print(
+        f"keys: {report.num_keys} ({report.num_measured} measured, {report.num_cached} cached, "
+        f"{report.num_failed} failed) in {report.wall_s:.1f}s; the database holds {len(db)} times"
+    )
+    if (cluster.device.name == "CPU") != (args.device == "cpu"):
+        print(f"note: analytic estimates are for the cluster's {cluster.device.name}, ops ran on {args.device}")
+    if not rows:
+        return
+    print(f"slowest keys, profiled vs analytic roofline on {cluster.device.name} (err = analytic/profiled - 1):")
+    print(f"  {'profiled_us':>11} {'analytic_us':>11} {'err':>7}  op")
+    for profiled_s, analytic_s, err, key in rows[:_TOP]:
+        text = key if len(key) <= _OP_WIDTH else key[: _OP_WIDTH - 3] + "..."
+        print(f"  {profiled_s * 1e6:11.1f} {analytic_s * 1e6:11.1f} {err:+6.0f}%  {text}")

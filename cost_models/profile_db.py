@@ -1,0 +1,286 @@
+"""Profile database: measured op times on one device, stored as JSON (never pickle).
+
+A database file holds the times measured by ``autoplan profile`` on one machine, keyed by the
+strings of :func:`passes.profile.op_key` and :func:`passes.profile.optimizer_key`. A time is
+only valid on the device and software it was measured with, so every file carries a
+:class:`DeviceKey` header, and the default file name is a short hash of that header::
+
+    <cache>/profiles/<kind>-<sha256(header)[:12]>.json
+    <cache> = $AUTOPLAN_CACHE_DIR | $XDG_CACHE_HOME/autoplan | ~/.cache/autoplan
+
+    {"format": "autoplan-profile-db", "version": 1,
+     "device": {"kind": "cpu", "name": "AMD EPYC", "torch_version": "2.13.0", "cuda_version": null,
+                "num_threads": 2},
+     "time_s": {"aten.mm.default(f32[512,128], f32[128,384])": 4.1e-05, ...}}
+
+CPU times depend on the number of intra-op threads torch uses (``torch.get_num_threads()``,
+set by ``OMP_NUM_THREADS``), so the header records it: a profile taken with 16 threads is not
+used by a process running with 1 (``autoplan run`` starts its CPU ranks with
+``OMP_NUM_THREADS=1`` unless the variable is set).
+
+Writes are atomic (temporary file + ``os.replace``) and deterministic (sorted keys): loading
+and saving again gives the same bytes. A corrupted file is reported, never silently replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from cost_models.errors import ProfileError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "autoplan-profile-db"
+VERSION = 1
+"""Schema version of the file; bump when keys or the layout change meaning."""
+
+DeviceKind = Literal["cpu", "cuda"]
+DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda")
+
+_FIX = "re-run `autoplan profile` on this machine or pass --profile-db with another file"
+
+
+def default_cache_dir() -> Path:
+    """``$AUTOPLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/autoplan``, else ``~/.cache/autoplan``."""
+    if os.environ.get("AUTOPLAN_CACHE_DIR"):
+        return Path(os.environ["AUTOPLAN_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "autoplan"
+    return Path.home() / ".cache" / "autoplan"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceKey:
+    """What a measured time depends on besides the op: the device and the software stack."""
+
+    kind: DeviceKind
+    """``"cpu"`` or ``"cuda"``."""
+    name: str
+    """CPU model (``/proc/cpuinfo``) or GPU name (``torch.cuda.get_device_name``)."""
+    torch_version: str
+    """``torch.__version__``."""
+    cuda_version: str | None
+    """``torch.version.cuda`` for CUDA profiles, ``None`` on CPU."""
+    num_threads: int | None
+    """``torch.get_num_threads()`` for CPU profiles (intra-op threads), ``None`` on CUDA."""
+
+    def __str__(self) -> str:
+        plural = "" if self.num_threads == 1 else "s"
+        extra = f"CUDA {self.cuda_version}" if self.kind == "cuda" else f"{self.num_threads} thread{plural}"
+        return f"{self.kind} {self.name!r}, torch {self.torch_version}, {extra}"
+
+    @classmethod
+    def current(cls, kind: str) -> DeviceKey:
+        """The key of this process on ``kind`` (raises ProfileError if the device is missing)."""
+        if kind not in DEVICE_KINDS:
+            raise ProfileError(f"device {kind!r} cannot be profiled: use one of {', '.join(DEVICE_KINDS)}")
+        if kind == "cuda":
+            if not torch.cuda.is_available():
+                raise ProfileError(
+                    f"--device cuda needs a CUDA GPU but torch {torch.__version__} sees none "
+                    f"(CUDA build: {torch.version.cuda}): run on a GPU machine or use --device cpu"
+                )
+            return cls(
+                kind="cuda",
+                name=torch.cuda.get_device_name(),
+                torch_version=torch.__version__,
+                cuda_version=torch.version.cuda,
+                num_threads=None,
+            )
+        return cls(
+            kind="cpu",
+            name=_cpu_name(),
+            torch_version=torch.__version__,
+            cuda_version=None,
+            num_threads=torch.get_num_threads(),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object, *, where: str) -> DeviceKey:
+        fields = ("kind", "name", "torch_version", "cuda_version", "num_threads")
+        if not isinstance(data, Mapping) or set(data) != set(fields):
+            raise ProfileError(f"{where} has a malformed device header {data!r}: expected keys {', '.join(fields)}")
+        key = cls(**{f: data[f] for f in fields})
+        well_typed = (
+            key.kind in DEVICE_KINDS
+            and isinstance(key.name, str)
+            and isinstance(key.torch_version, str)
+            and isinstance(key.cuda_version, (str, type(None)))
+            and isinstance(key.num_threads, (int, type(None)))
+        )
+        if not well_typed:
+            raise ProfileError(
+                f"{where} has a malformed device header {data!r}: delete it and re-run `autoplan profile`"
+            )
+        return key
+
+    def digest(self) -> str:
+        """Short stable hash of the header (12 hex chars), used in the default file name."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def file_name(self) -> str:
+        return f"{self.kind}-{self.digest()}.json"
+
+
+def default_db_path(device: DeviceKey, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """``<cache>/profiles/<kind>-<hash>.json`` for ``device``."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "profiles" / device.file_name()
+
+
+def _check_time(key: object, time_s: object, *, where: str) -> float:
+    if not isinstance(key, str) or not key:
+        raise ProfileError(f"{where} has an entry with a non-string key {key!r}: delete the file and re-profile")
+    if isinstance(time_s, bool) or not isinstance(time_s, (int, float)) or not math.isfinite(time_s) or time_s < 0:
+        raise ProfileError(
+            f"{where} has an invalid time {time_s!r} for {key!r} (expected finite seconds >= 0): "
+            "delete the file and re-profile"
+        )
+    return float(time_s)
+
+
+class ProfileDB:
+    """Measured seconds per op key for one :class:`DeviceKey`, backed by one JSON file."""
+
+    __slots__ = ("_times_s", "device", "path")
+
+    def __init__(self, path: str | os.PathLike[str], device: DeviceKey, times_s: Mapping[str, float] | None = None):
+        self.path = Path(path)
+        self.device = device
+        self._times_s: dict[str, float] = {}
+        for key, t in (times_s or {}).items():
+            self.record(key, t)
+
+    def __repr__(self) -> str:
+        return f"ProfileDB(path={str(self.path)!r}, device={self.device!r}, entries={len(self)})"
+
+    def __len__(self) -> int:
+        return len(self._times_s)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._times_s
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._times_s)
+
+    def lookup(self, key: str) -> float | None:
+        """Measured seconds of ``key``, or ``None`` if it was never profiled here."""
+        return self._times_s.get(key)
+
+    def record(self, key: str, time_s: float) -> None:
+        """Store (or overwrite) the measured seconds of ``key``."""
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"profile key must be a non-empty string, got {key!r}")
+        if not math.isfinite(time_s) or time_s < 0:
+            raise ValueError(f"profiled time of {key!r} must be finite seconds >= 0, got {time_s!r}")
+        self._times_s[key] = float(time_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "device": self.device.to_dict(), "time_s": dict(self._times_s)}
+
+    def save(self) -> Path:
+        """Write the file atomically (temp file in the same folder + ``os.replace``)."""
+        text = json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        log.info("saved %d profiled times to %s", len(self), self.path)
+        return self.path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], expect: DeviceKey | None = None) -> ProfileDB:
+        """Read ``path``; with ``expect``, refuse a file measured on another device or software."""
+        path = Path(path)
+        where = f"profile database {path}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"cannot read {where}: {exc}; fix its permissions or pass --profile-db") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(
+                f"{where} is not valid JSON ({exc.msg} at line {exc.lineno}): delete it to re-profile or pass --profile-db"
+            ) from exc
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ProfileError(
+                f"{where} is not an autoplan profile database (format {found!r}, expected {FORMAT!r}): "
+                "pass the file `autoplan profile` wrote"
+            )
+        if data.get("version") != VERSION:
+            raise ProfileError(
+                f"{where} has schema version {data.get('version')!r}, this autoplan reads version {VERSION}: "
+                "delete it and re-run `autoplan profile`"
+            )
+        device = DeviceKey.from_dict(data.get("device"), where=where)
+        if expect is not None and device != expect:
+            fix = _FIX
+            if device.num_threads != expect.num_threads and device == dataclasses.replace(
+                expect, num_threads=device.num_threads
+            ):
+                fix = f"set OMP_NUM_THREADS={device.num_threads} to use it, or {_FIX}"
+            raise ProfileError(f"{where} was measured on {device}, but this machine is {expect}: {fix}")
+        times = data.get("time_s")
+        if not isinstance(times, dict):
+            raise ProfileError(f"{where} has no 'time_s' mapping: delete it and re-run `autoplan profile`")
+        checked = {k: _check_time(k, t, where=where) for k, t in times.items()}
+        db = cls(path, device)
+        db._times_s = checked
+        return db
+
+    @classmethod
+    def open_for_current_device(cls, device: str = "cpu", cache_dir: str | os.PathLike[str] | None = None) -> ProfileDB:
+        """This machine's database for ``device`` (``"cpu"``/``"cuda"``): loaded if it exists, else empty."""
+        key = DeviceKey.current(device)
+        path = default_db_path(key, cache_dir)
+        if path.exists():
+            return cls.load(path, expect=key)
+        return cls(path, key)
+
+    @classmethod
+    def open_path(cls, path: str | os.PathLike[str], device: str = "cpu") -> ProfileDB:
+        """The database at an explicit ``path`` (``--profile-db``), checked against this machine;
+        empty if the file does not exist yet."""
+        key = DeviceKey.current(device)
+        if Path(path).exists():
+            return cls.load(path, expect=key)
+        return cls(path, key)

@@ -1,0 +1,534 @@
+"""Profiled compute times: run every distinct op of the training step on the real device.
+
+Contract
+--------
+Input: a :class:`~passes.trace.TracedProgram`, its :class:`~passes.strategies.StrategyTable`, the
+``DeviceMesh`` the table was built on (a fake process group is enough: nothing is communicated)
+and a :class:`~cost_models.profile_db.ProfileDB`. Output: the database filled with the measured
+seconds of every key not already in it, and a :class:`ProfileReport`.
+
+A *key* names one local computation, whatever node or strategy it comes from::
+
+    op_key        = "<op>(<args with each tensor as its rank-0 local shard>)"
+                    e.g. "aten.addmm.default(f32[384], f32[512,128], f32[128,384])"
+    optimizer_key = "optim.<name>(<local param>)"          e.g. "optim.adam(f32[64,128])"
+
+A tensor is written ``<dtype>[<local shape>]`` plus ``@<dims, outermost first>`` when it is not
+contiguous (``t()`` of an ``(N, K)`` tensor is ``f32[K,N]@10``; ``b`` lists broadcast dims).
+Local shapes are DTensor's: ``S(d)`` on an axis of size ``n`` leaves ``ceil(size / n)`` on rank 0,
+nested over axes; ``R`` and ``P`` keep the full size. Non-tensor arguments appear as written in
+the graph (``device=`` dropped, so meta, CPU and CUDA traces give the same keys). Placements
+themselves are not part of a key: two strategies with equal local shapes run the same kernel.
+
+Measurement
+-----------
+Each op runs *through DTensor* on the mesh: its inputs are DTensors in the strategy's input
+placements (random floats in [0.5, 1.5), integer tensors zero so they are valid indices, boolean
+tensors true), and the call is ``node.target(*args)`` exactly as the generated program makes
+it (ops without a DTensor strategy via :func:`passes.runtime.replicated_call`). The time thus
+includes DTensor's dispatch overhead, which the generated program really pays (tens of
+microseconds: it dominates small ops on CPU). Per key: ``warmup`` calls, then ``repeats``
+rounds of enough calls to last about :data:`ROUND_TARGET_S`; the time is the median round
+divided by its calls (``torch.cuda.synchronize`` brackets each round on CUDA). An optimizer
+key times ``step()`` of the real ``torch.optim`` optimizer over one DTensor parameter with a
+gradient, after one warm-up step. An op that raises is counted as failed (logged at debug
+level) and left to the analytic model.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import statistics
+import sys
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils import _pytree as pytree
+
+from cost_models.compute import roofline_time_s
+from cost_models.errors import ProfileError
+from cost_models.hardware import DeviceSpec
+from cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, OPTIMIZERS
+from cost_models.profile_db import ProfileDB
+from passes.placement import Spec, local_numel, storage_factor
+from passes.runtime import replicated_call
+from passes.strategies import Strategy, StrategyTable, tensor_args
+from passes.trace import TracedProgram
+
+log = logging.getLogger(__name__)
+
+ROUND_TARGET_S = 2e-3
+"""Aim for timed rounds of about this long (many calls of a tiny op, one of a big one)."""
+MAX_CALLS_PER_ROUND = 50
+
+KeyKind = Literal["op", "fallback", "optimizer"]
+KeySource = Literal["measured", "cached", "failed"]
+
+# --------------------------------------------------------------------------------------------
+# keys
+
+_DTYPE_ABBR = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "b8",
+}
+
+
+def _dtype_abbr(dtype: torch.dtype) -> str:
+    return _DTYPE_ABBR.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorArg:
+    """A tensor argument of a node as traced (global shape and layout)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    order: tuple[int, ...]
+    """Dims from the largest stride to the smallest (identity when contiguous)."""
+    broadcast: tuple[int, ...]
+    """Dims of size > 1 with stride 0 (an ``expand``)."""
+    layout: str
+    """``""`` when contiguous, else ``@<order>`` and ``b<broadcast dims>``."""
+
+    @classmethod
+    def of(cls, val: torch.Tensor) -> _TensorArg:
+        shape, stride = tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride())
+        if val.is_contiguous():
+            return cls(shape, stride, val.dtype, tuple(range(len(shape))), (), "")
+        order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d], d)))
+        broadcast = tuple(d for d in range(len(shape)) if stride[d] == 0 and shape[d] > 1)
+        layout = "@" + "".join(str(d) for d in order) + ("b" + "".join(str(d) for d in broadcast) if broadcast else "")
+        return cls(shape, stride, val.dtype, order, broadcast, layout)
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """What a node's key is made of: text around each positional tensor argument."""
+
+    op: str
+    pieces: tuple[str, ...]
+    """``len(args) + 1`` text pieces; the key is ``op(pieces[0] t0 pieces[1] t1 ... pieces[-1])``."""
+    args: tuple[_TensorArg, ...]
+
+
+class _Slot:
+    def __repr__(self) -> str:
+        return "\x00"
+
+
+_SLOT = _Slot()
+_TEMPLATES: weakref.WeakKeyDictionary[fx.Node, _Template | None] = weakref.WeakKeyDictionary()
+
+
+def _op_name(target: object) -> str:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def _global_text(val: torch.Tensor) -> str:
+    arg = _TensorArg.of(val)
+    return f"{_dtype_abbr(arg.dtype)}[{','.join(map(str, arg.shape))}]{arg.layout}"
+
+
+class _Text:
+    """An argument rendered by its text (``repr`` returns it verbatim)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _build_template(node: fx.Node) -> _Template | None:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return None
+    targs = tensor_args(node)
+
+    def positional(n: fx.Node) -> Any:  # stands in for an fx Argument
+        val = n.meta.get("val")
+        return _SLOT if isinstance(val, torch.Tensor) else _Text(repr(val))
+
+    def keyword(n: fx.Node) -> Any:  # tensor kwargs only occur on replicated fallback ops
+        val = n.meta.get("val")
+        return _Text(_global_text(val)) if isinstance(val, torch.Tensor) else _Text(repr(val))
+
+    args_text = ", ".join(repr(a) for a in fx.node.map_arg(node.args, positional))
+    kwargs = fx.node.map_arg(node.kwargs, keyword)
+    kw_text = ", ".join(f"{k}={kwargs[k]!r}" for k in sorted(kwargs) if k != "device")
+    text = args_text + ("; " + kw_text if kw_text else "")
+    pieces = tuple(text.split("\x00"))
+    if len(pieces) != len(targs) + 1:  # a tensor inside an argument tensor_args does not see
+        log.debug("no profile key for %s: %d tensor slots, %d tensor args", node.name, len(pieces) - 1, len(targs))
+        return None
+    return _Template(op=_op_name(node.target), pieces=pieces, args=tuple(_TensorArg.of(a.meta["val"]) for a in targs))
+
+
+def _template(node: fx.Node) -> _Template | None:
+    try:
+        return _TEMPLATES[node]
+    except KeyError:
+        tmpl = _TEMPLATES[node] = _build_template(node)
+        return tmpl
+
+
+@lru_cache(maxsize=1 << 16)
+def local_shard_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Rank 0's shard of a tensor of ``shape`` placed as ``spec`` (DTensor's ``torch.chunk`` rule:
+    ``ceil(size / n)`` per ``S(d)`` axis, nested in mesh-axis order; ``R``/``P`` keep the size)."""
+    sizes = list(shape)
+    for p, n in zip(spec, mesh_shape, strict=True):
+        if isinstance(p, Shard):
+            sizes[p.dim] = -(-sizes[p.dim] // n)
+    return tuple(sizes)
+
+
+@lru_cache(maxsize=1 << 16)
+def _local_text(arg: _TensorArg, spec: Spec, mesh_shape: tuple[int, ...]) -> str:
+    return f"{_dtype_abbr(arg.dtype)}[{','.join(map(str, local_shard_shape(arg.shape, spec, mesh_shape)))}]{arg.layout}"
+
+
+def op_key(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> str | None:
+    """The profile key of ``node`` run with ``strategy`` on a mesh of ``mesh_shape``.
+
+    ``None`` for nodes that are not timed (placeholders, ``getitem``, the output). The text
+    around the tensors is computed once per node; local shapes are cached.
+    """
+    tmpl = _template(node)
+    if tmpl is None:
+        return None
+    if len(strategy.input_specs) != len(tmpl.args):
+        raise ValueError(f"{node.name}: strategy has {len(strategy.input_specs)} input specs for {len(tmpl.args)} args")
+    mesh = tuple(mesh_shape)
+    parts = [tmpl.op, "(", tmpl.pieces[0]]
+    for arg, spec, piece in zip(tmpl.args, strategy.input_specs, tmpl.pieces[1:], strict=True):
+        parts.append(_local_text(arg, spec, mesh))
+        parts.append(piece)
+    parts.append(")")
+    return "".join(parts)
+
+
+def optimizer_key(optimizer_name: str, local_shape: Sequence[int], dtype: torch.dtype) -> str:
+    """The profile key of one optimizer step over a parameter shard of ``local_shape``."""
+    return f"optim.{optimizer_name}({_dtype_abbr(dtype)}[{','.join(str(int(s)) for s in local_shape)}])"
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfiledKey:
+    """One distinct key of a program and where its time comes from."""
+
+    key: str
+    node: str
+    """First node with this key (a parameter placeholder for optimizer keys)."""
+    strategy_index: int
+    """Index into that node's strategies."""
+    kind: KeyKind
+    source: KeySource
+    time_s: float | None
+    """Profiled seconds (``None`` when the measurement failed)."""
+
+    def __str__(self) -> str:
+        t = f"{self.time_s * 1e6:.1f}us" if self.time_s is not None else "failed"
+        return f"{self.key}: {t} ({self.source})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileReport:
+    """Outcome of :func:`profile_program`."""
+
+    num_keys: int
+    """Distinct keys of the program (ops under every strategy, plus optimizer steps)."""
+    num_measured: int
+    num_cached: int
+    """Keys already in the database (not measured again)."""
+    num_failed: int
+    """Keys whose op raised; the planner uses the analytic model for them."""
+    wall_s: float
+    entries: tuple[ProfiledKey, ...]
+
+    def __str__(self) -> str:
+        return (
+            f"{self.num_keys} keys: {self.num_measured} measured, {self.num_cached} cached, "
+            f"{self.num_failed} failed in {self.wall_s:.1f}s"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# measurement
+
+
+def _random_local(arg: _TensorArg, shape: tuple[int, ...], device: str, gen: torch.Generator) -> torch.Tensor:
+    """A dense tensor of ``shape`` with ``arg``'s dim order and broadcast dims."""
+    base = [1 if d in arg.broadcast else shape[d] for d in arg.order]
+    if arg.dtype.is_floating_point or arg.dtype.is_complex:
+        t = torch.rand(base, dtype=arg.dtype, device=device, generator=gen) + 0.5
+    elif arg.dtype == torch.bool:
+        t = torch.ones(base, dtype=arg.dtype, device=device)
+    else:
+        t = torch.zeros(base, dtype=arg.dtype, device=device)
+    inverse = [0] * len(arg.order)
+    for i, d in enumerate(arg.order):
+        inverse[d] = i
+    t = t.permute(inverse)
+    return t.expand(shape) if arg.broadcast else t
+
+
+def _dtensor(arg: _TensorArg, spec: Spec, mesh: DeviceMesh, gen: torch.Generator) -> DTensor:
+    local = _random_local(arg, local_shard_shape(arg.shape, spec, tuple(mesh.shape)), mesh.device_type, gen)
+    return DTensor.from_local(local, mesh, spec, run_check=False, shape=torch.Size(arg.shape), stride=arg.stride)
+
+
+def _op_call(
+    node: fx.Node, strategy: Strategy, kind: KeyKind, mesh: DeviceMesh, gen: torch.Generator
+) -> Callable[[], object]:
+    tmpl = _template(node)
+    assert tmpl is not None
+    inputs = iter([_dtensor(a, s, mesh, gen) for a, s in zip(tmpl.args, strategy.input_specs, strict=True)])
+    rep = (Replicate(),) * mesh.ndim
+
+    def positional(a: object) -> object:
+        if isinstance(a, fx.Node):
+            return next(inputs) if isinstance(a.meta.get("val"), torch.Tensor) else a.meta.get("val")
+        return a
+
+    def keyword(a: fx.Node) -> Any:  # a DTensor or the traced scalar
+        val = a.meta.get("val")
+        return _dtensor(_TensorArg.of(val), rep, mesh, gen) if isinstance(val, torch.Tensor) else val
+
+    args = pytree.tree_map(positional, node.args, is_leaf=lambda a: isinstance(a, fx.Node))
+    kwargs = dict(fx.node.map_arg(node.kwargs, keyword))
+    if "device" in kwargs:
+        kwargs["device"] = torch.device(mesh.device_type)
+    target = node.target
+    assert callable(target), node.target
+    if kind == "fallback":
+        return lambda: replicated_call(target, *args, **kwargs)
+    return lambda: target(*args, **kwargs)
+
+
+def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The ``torch.optim`` optimizer a plan is costed for (as ``ParallelModel.make_optimizer``)."""
+    if name in ("adam", "adamw"):
+        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def _optimizer_call(
+    name: str, arg: _TensorArg, spec: Spec, mesh: DeviceMesh, gen: torch.Generator
+) -> Callable[[], object]:
+    contiguous = _TensorArg.of(torch.empty(arg.shape, dtype=arg.dtype, device="meta"))
+    param = torch.nn.Parameter(_dtensor(contiguous, spec, mesh, gen))
+    param.grad = _dtensor(contiguous, spec, mesh, gen)
+    opt = make_optimizer(name, [param])
+    opt.step()  # creates the optimizer state: later steps are the steady state
+    return opt.step
+
+
+def _median_time_s(fn: Callable[[], object], *, device: str, warmup: int, repeats: int) -> float:
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    estimate_s = time.perf_counter() - t0
+    calls = max(1, min(MAX_CALLS_PER_ROUND, int(ROUND_TARGET_S / max(estimate_s, 1e-9))))
+    samples = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / calls)
+    return statistics.median(samples)
+
+
+class _Progress:
+    """``\\r[####    ] 120/800 ops`` on an interactive stderr; silent otherwise."""
+
+    def __init__(self, total: int, enabled: bool | None) -> None:
+        self.total = total
+        self.enabled = enabled is not False and total > 0 and sys.stderr.isatty()
+        self._last = 0.0
+
+    def update(self, done: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self._last < 0.1 and done < self.total):
+            return
+        self._last = now
+        width = 30
+        filled = width * done // self.total
+        sys.stderr.write(f"\r[{'#' * filled}{' ' * (width - filled)}] {done}/{self.total} ops")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+@dataclass(frozen=True, slots=True)
+class _Work:
+    key: str
+    node: fx.Node
+    strategy_index: int
+    kind: KeyKind
+
+
+def _distinct_keys(traced: TracedProgram, table: StrategyTable, optimizer: str) -> list[_Work]:
+    mesh_shape = tuple(table.mesh_shape)
+    node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
+    seen: dict[str, _Work] = {}
+    for name, ns in table.nodes.items():
+        node = node_by_name[name]
+        for si, s in enumerate(ns.strategies):
+            if ns.kind in ("op", "fallback"):
+                key = op_key(node, s, mesh_shape)
+                kind: KeyKind = ns.kind
+            elif ns.kind == "param":
+                val = node.meta["val"]
+                key = optimizer_key(
+                    optimizer, local_shard_shape(tuple(val.shape), s.output_specs[0], mesh_shape), val.dtype
+                )
+                kind = "optimizer"
+            else:
+                continue
+            if key is not None and key not in seen:
+                seen[key] = _Work(key, node, si, kind)
+    return list(seen.values())
+
+
+def profile_program(
+    traced: TracedProgram,
+    table: StrategyTable,
+    mesh: DeviceMesh,
+    db: ProfileDB,
+    *,
+    device: str = "cpu",
+    optimizer: str = "adam",
+    warmup: int = 3,
+    repeats: int = 5,
+    progress: bool | None = None,
+) -> ProfileReport:
+    """Measure every key of ``traced`` under ``table`` that ``db`` lacks and record it in ``db``.
+
+    ``mesh`` must be the table's mesh, of device type ``device``. ``progress=None`` or ``True``
+    shows a bar when stderr is a terminal, ``False`` never. The caller saves ``db``.
+    """
+    t0 = time.perf_counter()
+    if mesh.device_type != device:
+        raise ProfileError(
+            f"profiling on {device} needs a mesh of device type {device}, got {mesh.device_type!r}: "
+            f"build it with planning_mesh(cluster, device_type={device!r})"
+        )
+    if tuple(mesh.shape) != tuple(table.mesh_shape):
+        raise ProfileError(f"mesh shape {tuple(mesh.shape)} differs from the strategy table's {table.mesh_shape}")
+    if optimizer not in OPTIMIZERS:
+        raise ProfileError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    if warmup < 0 or repeats < 1:
+        raise ProfileError(f"warmup must be >= 0 and repeats >= 1, got warmup={warmup} repeats={repeats}")
+    work = _distinct_keys(traced, table, optimizer)
+    todo = [w for w in work if db.lookup(w.key) is None]
+    bar = _Progress(len(todo), progress)
+    gen = torch.Generator(device=device).manual_seed(0)
+    outcome: dict[str, tuple[KeySource, float | None]] = {}
+    try:
+        for i, w in enumerate(todo):
+            ns = table.nodes[w.node.name]
+            strategy = ns.strategies[w.strategy_index]
+            try:
+                with torch.no_grad(), implicit_replication():
+                    if w.kind == "optimizer":
+                        val = w.node.meta["val"]
+                        arg = _TensorArg.of(val)
+                        fn = _optimizer_call(optimizer, arg, strategy.output_specs[0], mesh, gen)
+                    else:
+                        fn = _op_call(w.node, strategy, w.kind, mesh, gen)
+                    t = _median_time_s(fn, device=device, warmup=warmup, repeats=repeats)
+                del fn
+                db.record(w.key, t)
+                outcome[w.key] = ("measured", t)
+            except Exception as exc:  # noqa: BLE001 - an op that cannot run here is left to the analytic model
+                log.debug("profiling %s (%s) failed: %s: %s", w.key, w.node.name, type(exc).__name__, exc)
+                outcome[w.key] = ("failed", None)
+            bar.update(i + 1)
+    finally:
+        bar.close()
+    entries = []
+    for w in work:
+        source, t = outcome.get(w.key, ("cached", db.lookup(w.key)))
+        entries.append(
+            ProfiledKey(
+                key=w.key, node=w.node.name, strategy_index=w.strategy_index, kind=w.kind, source=source, time_s=t
+            )
+        )
+    report = ProfileReport(
+        num_keys=len(work),
+        num_measured=sum(1 for e in entries if e.source == "measured"),
+        num_cached=sum(1 for e in entries if e.source == "cached"),
+        num_failed=sum(1 for e in entries if e.source == "failed"),
+        wall_s=time.perf_counter() - t0,
+        entries=tuple(entries),
+    )
+    log.info("profiled %s", report)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# comparison with the analytic model
+
+
+def analytic_time_s(
+    node: fx.Node,
+    strategy: Strategy,
+    kind: KeyKind,
+    device: DeviceSpec,
+    mesh_shape: Sequence[int],
+    *,
+    optimizer: str,
+) -> float:
+    """The analytic estimate the planner uses for this (node, strategy) (as ``passes.costing``):
+    roofline over the global shapes divided by the finest storage split, or the optimizer's
+    bytes over memory bandwidth."""
+    val = node.meta["val"]
+    if kind == "optimizer":
+        local = local_numel(strategy.output_specs[0], val.shape, mesh_shape)
+        return local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
+    ins = [a.meta["val"] for a in tensor_args(node)]
+    outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
+    specs: list[Any] = [s for s in (*strategy.input_specs, *strategy.output_specs) if s is not None]
+    divisor = max((storage_factor(s, mesh_shape) for s in specs), default=1)
+    return roofline_time_s(node.target, ins, outs, device, work_divisor=divisor)
