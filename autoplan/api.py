@@ -21,13 +21,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autoplan.parallel import ParallelModel
 from autoplan.plan import CollectiveRecord, Estimate, Plan, software_versions
 from cost_models.cluster import Cluster
-from cost_models.comm import transition_cost_s
+from cost_models.comm import overlaps_compute, transition_cost_s
 from cost_models.compute import tensor_bytes
 from cost_models.errors import PlanError, PlanMismatchError
 from cost_models.memory import OPTIMIZERS
+from cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from passes import liveness
 from passes.apply import edge_redistributions, generate_program
 from passes.costing import build_cost_problem
+from passes.overlap import schedule_step
 from passes.placement import parse_spec, spec_str, spec_strs
 from passes.solver import ShardingILP, SolverOptions
 from passes.strategies import NodeStrategies, StrategyTable, ValueRef, build_strategy_table
@@ -103,6 +105,31 @@ def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None
             table.nodes[node] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
 
 
+ProfileChoice = ProfileDB | str | os.PathLike[str] | None
+
+
+def open_profile(cluster: Cluster, profile: ProfileChoice = "auto") -> ProfileDB | None:
+    """The profile database planning for ``cluster`` uses.
+
+    ``"auto"``: the database ``autoplan profile`` wrote for this machine's device, if the
+    cluster is made of that device (a CPU cluster planned on a CPU; a GPU cluster planned on a
+    machine with that GPU) and the file exists; else none (analytic times). A path: that file,
+    whatever machine measured it (plan a GPU cluster from a laptop with a profile taken on the
+    GPU). ``None``: analytic times only."""
+    if profile is None or isinstance(profile, ProfileDB):
+        return profile
+    if profile != "auto":
+        return ProfileDB.load(profile)
+    if cluster.device.name == "CPU":
+        key = DeviceKey.current("cpu")
+    elif torch.cuda.is_available() and cluster.device.name.lower() in torch.cuda.get_device_name().lower():
+        key = DeviceKey.current("cuda")
+    else:
+        return None
+    path = default_db_path(key)
+    return ProfileDB.load(path, expect=key) if path.exists() else None
+
+
 def plan_traced(
     traced: TracedProgram,
     cluster: Cluster,
@@ -112,20 +139,21 @@ def plan_traced(
     pins: Pins | None = None,
     time_limit_s: float = 120.0,
     solver: str = "auto",
+    profile: ProfileDB | None = None,
 ) -> Plan:
-    """Plan an already traced training step on ``mesh`` (the cluster's shape)."""
+    """Plan an already traced training step on ``mesh`` (the cluster's shape); op times come
+    from ``profile`` where it has them (see :func:`open_profile`)."""
     t0 = time.perf_counter()
     table = build_strategy_table(traced, mesh)
     _apply_pins(table, traced, pins or {})
-    problem = build_cost_problem(traced, table, cluster, optimizer=optimizer)
+    problem = build_cost_problem(traced, table, cluster, optimizer=optimizer, profile=profile)
     solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
 
     gm = traced.graph_module
     node_by_name = {n.name: n for n in gm.graph.nodes}
     redistributions = edge_redistributions(traced, assignment, cluster.mesh_ndim)
-    collectives = []
-    comm_s = 0.0
+    times_s = []
     buckets_seen: set[str] = set()
     for r in redistributions:
         nbytes = _value_bytes(node_by_name, r.producer)
@@ -133,20 +161,33 @@ def plan_traced(
         if r.bucket is not None and r.bucket not in buckets_seen:
             buckets_seen.add(r.bucket)
             t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
-        comm_s += t
-        collectives.append(
-            CollectiveRecord(
-                producer=str(r.producer),
-                consumer=r.consumer,
-                arg_index=r.arg_index,
-                src=tuple(spec_strs(r.src)),
-                dst=tuple(spec_strs(r.dst)),
-                steps=tuple((s.kind, s.axis) for s in r.steps),
-                time_s=t,
-                bucket=r.bucket,
-            )
+        times_s.append(t)
+    chosen_time_s = {n: problem.node_time_s[n][s] for n, s in solution.choice.items()}
+    schedule = schedule_step(
+        gm,
+        chosen_time_s,
+        redistributions,
+        times_s,
+        param_nodes=[param_node_name(n) for n in traced.param_names],
+        device_overlaps=overlaps_compute(cluster.device),
+    )
+    collectives = tuple(
+        CollectiveRecord(
+            producer=str(r.producer),
+            consumer=r.consumer,
+            arg_index=r.arg_index,
+            src=tuple(spec_strs(r.src)),
+            dst=tuple(spec_strs(r.dst)),
+            steps=tuple((s.kind, s.axis) for s in r.steps),
+            time_s=t,
+            bucket=r.bucket,
+            overlappable=sc.overlappable,
+            exposed_s=sc.exposed_s,
         )
-    compute_s = sum(problem.node_time_s[n][s] for n, s in solution.choice.items())
+        for r, t, sc in zip(redistributions, times_s, schedule.collectives, strict=True)
+    )
+    profiled = sum(problem.node_time_profiled[n][s] for n, s in solution.choice.items())
+    timed = sum(1 for n in solution.choice if table.nodes[n].kind in ("op", "fallback", "param"))
     param_nodes = [param_node_name(n) for n in traced.param_names]
     memory = liveness.peak_memory(
         gm,
@@ -180,11 +221,13 @@ def plan_traced(
         param_specs=param_specs,
         nodes=nodes,
         fallback_ops=dict(table.fallback_ops),
-        collectives=tuple(collectives),
+        collectives=collectives,
         estimate=Estimate(
-            step_time_s=compute_s + comm_s,
-            compute_s=compute_s,
-            comm_s=comm_s,
+            step_time_s=schedule.step_time_s,
+            compute_s=schedule.compute_s,
+            comm_s=schedule.comm_s,
+            exposed_comm_s=schedule.exposed_comm_s,
+            compute_sources={"profiled": profiled, "analytic": timed - profiled},
             memory_bytes=memory.as_dict(),
             memory_peak_at=memory.peak_at,
             capacity_bytes=float(cluster.device.mem_capacity_bytes),
@@ -224,20 +267,30 @@ def plan(
     pins: Pins | None = None,
     time_limit_s: float = 120.0,
     solver: str = "auto",
+    profile: ProfileChoice = "auto",
 ) -> Plan:
     """Plan data/tensor/sequence/parameter sharding of one training step of ``model``.
 
     ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
     a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
     ``{"layers.*.mlp.up.weight": "R,S(0)", "input_0": "S(0),R"}``. ``solver`` is ``"auto"``
-    (HiGHS when installed, else PuLP's bundled CBC), ``"highs"`` or ``"cbc"``.
+    (HiGHS when installed, else PuLP's bundled CBC), ``"highs"`` or ``"cbc"``. ``profile``
+    chooses measured op times (:func:`open_profile`); the plan's estimate says how many it used.
     """
     cluster = _as_cluster(cluster)
     _check_optimizer(optimizer)
     traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+    db = open_profile(cluster, profile)
     with planning_mesh(cluster) as mesh:
         return plan_traced(
-            traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, time_limit_s=time_limit_s, solver=solver
+            traced,
+            cluster,
+            mesh=mesh,
+            optimizer=optimizer,
+            pins=pins,
+            time_limit_s=time_limit_s,
+            solver=solver,
+            profile=db,
         )
 
 
@@ -249,6 +302,7 @@ def _plan_on_rank0(
     device: torch.device,
     optimizer: str,
     pins: Pins | None,
+    profile: ProfileChoice,
 ) -> Plan:
     """Rank 0 solves; every rank receives the same plan as JSON bytes (so all ranks run one plan)."""
     import json
@@ -257,7 +311,9 @@ def _plan_on_rank0(
     if dist.get_rank() == 0:
         try:
             payload = json.dumps(
-                plan_traced(traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins).to_dict()
+                plan_traced(
+                    traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, profile=open_profile(cluster, profile)
+                ).to_dict()
             ).encode()
         except PlanError as exc:
             payload = json.dumps({"error": str(exc), "type": type(exc).__name__}).encode()
@@ -291,6 +347,7 @@ def parallelize(
     plan: Plan | None = None,
     optimizer: str = "adam",
     pins: Pins | None = None,
+    profile: ProfileChoice = "auto",
 ) -> ParallelModel:
     """Apply ``plan`` (or plan now) to ``model`` inside a ``torchrun`` job.
 
@@ -320,7 +377,9 @@ def parallelize(
     mesh = init_device_mesh(device.type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
     if plan is None:
         _check_optimizer(optimizer)
-        plan = _plan_on_rank0(traced, cluster, mesh=mesh, device=device, optimizer=optimizer, pins=pins)
+        plan = _plan_on_rank0(
+            traced, cluster, mesh=mesh, device=device, optimizer=optimizer, pins=pins, profile=profile
+        )
     plan.check_applies_to(fingerprint=traced.fingerprint, world_size=world)
     program = generate_program(
         traced,

@@ -70,6 +70,7 @@ def _make_plan(args: argparse.Namespace):  # noqa: ANN202
         optimizer=args.optimizer or wl.optimizer,
         pins=_pins(args.pin),
         time_limit_s=args.time_limit,
+        profile=None if args.no_profile else (args.profile_db or "auto"),
     )
 
 
@@ -181,6 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
             "--pin", action="append", default=[], metavar="NAME=SPEC", help="fix a placement, e.g. input_0=S(0)"
         )
         p.add_argument("--time-limit", type=float, default=120.0, help="solver time limit in seconds")
+        p.add_argument(
+            "--profile-db",
+            metavar="PATH",
+            help="measured op times (`autoplan profile`); default: this machine's database when the cluster "
+            "is made of this machine's device",
+        )
+        p.add_argument("--no-profile", action="store_true", help="use analytic op times only")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", "-q", action="store_true")
 

@@ -45,6 +45,11 @@ class CollectiveRecord:
     time_s: float
     bucket: str | None = None
     """Coalesced gradient reductions share a bucket: one collective per step for the bucket."""
+    overlappable: bool = False
+    """Issued ahead of its first use, so it can run during compute (a gradient reduction during
+    the backward); operand conversions and end-of-step buckets cannot."""
+    exposed_s: float | None = None
+    """Part of ``time_s`` the step waits for (``None`` in plans from before overlap modelling)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +61,8 @@ class CollectiveRecord:
             "dst": list(self.dst),
             "steps": [list(s) for s in self.steps],
             "time_s": self.time_s,
+            "overlappable": self.overlappable,
+            "exposed_s": self.exposed_s,
         }
 
     @staticmethod
@@ -69,6 +76,8 @@ class CollectiveRecord:
             steps=tuple((str(k), int(a)) for k, a in d["steps"]),
             time_s=float(d["time_s"]),
             bucket=d.get("bucket"),
+            overlappable=bool(d.get("overlappable", False)),
+            exposed_s=None if d.get("exposed_s") is None else float(d["exposed_s"]),
         )
 
 
@@ -175,7 +184,15 @@ class Plan:
         lines = [
             f"autoplan plan {self.fingerprint} for {c} ({c.device.name}, {c.world_size} devices)",
             f"  estimated step: {e.step_time_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f} ms, "
-            f"communication {e.comm_s * 1e3:.3f} ms)",
+            f"communication {e.comm_s * 1e3:.3f} ms"
+            + (f", of which exposed {e.exposed_comm_s * 1e3:.3f} ms)" if e.exposed_comm_s is not None else ")"),
+            "  op times: "
+            + (
+                f"{e.compute_sources.get('profiled', 0)} profiled, {e.compute_sources.get('analytic', 0)} analytic"
+                if e.compute_sources
+                else "analytic"
+            )
+            + f"; links: {'calibrated' if c.calibration is not None else 'catalog numbers'}",
             f"  peak memory per device: {mem['total'] / GiB:.3f} GiB of {e.capacity_bytes / GiB:.1f} GiB"
             f"{f' at {e.memory_peak_at}' if e.memory_peak_at else ''} "
             f"(params {mem.get('params', 0) / GiB:.3f}, grads {mem.get('grads', 0) / GiB:.3f}, "

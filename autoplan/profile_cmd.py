@@ -137,7 +137,7 @@ def _comparison(
     report: ProfileReport, traced: TracedProgram, table: StrategyTable, cluster: Cluster, optimizer: str
 ) -> list[Row]:
     """``(profiled_s, analytic_s, err_percent, key)`` for every key with a profiled time, slowest first."""
-    from passes.profile import analytic_time_s
+    from passes.costing import analytic_time_s
 
     node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
     rows: list[Row] = []

@@ -50,6 +50,7 @@ from typing import Literal
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from cost_models.cluster import COMM_KINDS, Backend, Cluster, CommKind, LinkSpec
+from cost_models.hardware import DeviceSpec
 
 StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard", "to_partial"]
 COLLECTIVE_KINDS: frozenset[str] = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
@@ -309,3 +310,13 @@ def transition_cost_s(
             )
         cur[step.axis] = step.dst
     return total
+
+
+def overlaps_compute(device: DeviceSpec) -> bool:
+    """Whether collectives on this device run beside compute.
+
+    GPUs: NCCL kernels run on their own stream and SMs while compute kernels continue (the
+    overlap DDP and FSDP rely on). CPU ranks: gloo's ring reduction runs on the same cores the
+    rank computes on, so an asynchronous collective only delays the compute it would hide behind;
+    the CPU model treats every collective as exposed."""
+    return device.name != "CPU"

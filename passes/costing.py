@@ -37,10 +37,13 @@ import torch.fx as fx
 from cost_models.cluster import Cluster
 from cost_models.comm import is_coalescable, plan_transition, transition_cost_s
 from cost_models.compute import is_matmul, roofline_time_s, tensor_bytes
+from cost_models.hardware import DeviceSpec
 from cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part
+from cost_models.profile_db import ProfileDB
 from passes import liveness
 from passes.placement import Spec, local_numel, replicated, storage_factor
-from passes.strategies import StrategyTable, ValueRef, resolve_value, tensor_args
+from passes.profile import local_shard_shape, op_key, optimizer_key
+from passes.strategies import Strategy, StrategyTable, ValueRef, resolve_value, tensor_args
 from passes.trace import TracedProgram, param_node_name
 
 OUTPUT_CONSUMER = "<output>"
@@ -86,6 +89,8 @@ class CostProblem:
     table: StrategyTable
     cluster: Cluster
     node_time_s: dict[str, list[float]] = field(default_factory=dict)
+    node_time_profiled: dict[str, list[bool]] = field(default_factory=dict)
+    """Per strategy: True if its time was measured (profile database), False if analytic."""
     persistent_bytes: dict[str, list[float]] = field(default_factory=dict)
     value_bytes: dict[ValueRef, list[float]] = field(default_factory=dict)
     grad_bytes: dict[str, list[float]] = field(default_factory=dict)
@@ -104,7 +109,50 @@ def _work_divisor(in_specs: Sequence[Spec], out_specs: Sequence[Spec | None], me
     return max((storage_factor(s, mesh_shape) for s in specs), default=1)
 
 
-def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Cluster, *, optimizer: str) -> CostProblem:
+def analytic_time_s(
+    node: fx.Node, strategy: Strategy, kind: str, device: DeviceSpec, mesh_shape: Sequence[int], *, optimizer: str
+) -> float:
+    """Analytic time of ``node`` under ``strategy``: the roofline of the op with its work split as
+    finely as its most finely stored operand (:mod:`cost_models.compute`); for a parameter, its
+    optimizer step (bytes read and written over memory bandwidth); placeholders cost nothing."""
+    val = node.meta.get("val")
+    if kind == "param":
+        local = local_numel(strategy.output_specs[0], val.shape, mesh_shape)
+        return local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
+    if kind not in ("op", "fallback"):
+        return 0.0
+    ins = [a.meta["val"] for a in tensor_args(node)]
+    outs = [v for v in _as_list(val) if isinstance(v, torch.Tensor)]
+    div = _work_divisor(strategy.input_specs, strategy.output_specs, mesh_shape)
+    return roofline_time_s(node.target, ins, outs, device, work_divisor=div)
+
+
+def _profiled_time_s(
+    profile: ProfileDB | None, node: fx.Node, strategy: Strategy, kind: str, mesh_shape: Sequence[int], optimizer: str
+) -> float | None:
+    """Measured time of this (node, strategy) from the profile database, if it has one."""
+    if profile is None:
+        return None
+    if kind == "param":
+        val = node.meta["val"]
+        local = local_shard_shape(tuple(val.shape), strategy.output_specs[0], tuple(mesh_shape))
+        return profile.lookup(optimizer_key(optimizer, local, val.dtype))
+    if kind not in ("op", "fallback"):
+        return None
+    key = op_key(node, strategy, mesh_shape)
+    return None if key is None else profile.lookup(key)
+
+
+def build_cost_problem(
+    traced: TracedProgram,
+    table: StrategyTable,
+    cluster: Cluster,
+    *,
+    optimizer: str,
+    profile: ProfileDB | None = None,
+) -> CostProblem:
+    """Cost every strategy and edge. Op and optimizer times come from ``profile`` where it has
+    the (op, local shape) measured, else from the analytic model (:func:`analytic_time_s`)."""
     gm = traced.graph_module
     mesh_shape = cluster.mesh_shape
     device = cluster.device
@@ -113,20 +161,16 @@ def build_cost_problem(traced: TracedProgram, table: StrategyTable, cluster: Clu
 
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
-        val = node.meta.get("val")
         times: list[float] = []
+        profiled: list[bool] = []
         for s in ns.strategies:
-            t = 0.0
-            if ns.kind == "param":
-                local = local_numel(s.output_specs[0], val.shape, mesh_shape)
-                t = local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
-            elif ns.kind in ("op", "fallback"):
-                ins = [a.meta["val"] for a in tensor_args(node)]
-                outs = [v for v in _as_list(val) if isinstance(v, torch.Tensor)]
-                div = _work_divisor(s.input_specs, s.output_specs, mesh_shape)
-                t = roofline_time_s(node.target, ins, outs, device, work_divisor=div)
+            t = _profiled_time_s(profile, node, s, ns.kind, mesh_shape, optimizer)
+            profiled.append(t is not None)
+            if t is None:
+                t = analytic_time_s(node, s, ns.kind, device, mesh_shape, optimizer=optimizer)
             times.append(t)
         problem.node_time_s[name] = times
+        problem.node_time_profiled[name] = profiled
     _add_memory(problem, traced, table, optimizer)
 
     for name, ns in table.nodes.items():

@@ -55,12 +55,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils import _pytree as pytree
 
-from cost_models.compute import roofline_time_s
 from cost_models.errors import ProfileError
-from cost_models.hardware import DeviceSpec
-from cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, OPTIMIZERS
+from cost_models.memory import OPTIMIZERS
 from cost_models.profile_db import ProfileDB
-from passes.placement import Spec, local_numel, storage_factor
+from passes.placement import Spec
 from passes.runtime import replicated_call
 from passes.strategies import Strategy, StrategyTable, tensor_args
 from passes.trace import TracedProgram
@@ -505,30 +503,3 @@ def profile_program(
     )
     log.info("profiled %s", report)
     return report
-
-
-# --------------------------------------------------------------------------------------------
-# comparison with the analytic model
-
-
-def analytic_time_s(
-    node: fx.Node,
-    strategy: Strategy,
-    kind: KeyKind,
-    device: DeviceSpec,
-    mesh_shape: Sequence[int],
-    *,
-    optimizer: str,
-) -> float:
-    """The analytic estimate the planner uses for this (node, strategy) (as ``passes.costing``):
-    roofline over the global shapes divided by the finest storage split, or the optimizer's
-    bytes over memory bandwidth."""
-    val = node.meta["val"]
-    if kind == "optimizer":
-        local = local_numel(strategy.output_specs[0], val.shape, mesh_shape)
-        return local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
-    ins = [a.meta["val"] for a in tensor_args(node)]
-    outs = [v for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor)]
-    specs: list[Any] = [s for s in (*strategy.input_specs, *strategy.output_specs) if s is not None]
-    divisor = max((storage_factor(s, mesh_shape) for s in specs), default=1)
-    return roofline_time_s(node.target, ins, outs, device, work_divisor=divisor)

@@ -1,0 +1,243 @@
+"""Cost model against the hardware: predicted vs measured step time and peak memory per rank.
+
+    python benchmarks/cost_model_accuracy.py                # calibrate, profile, plan, run, compare
+    python benchmarks/cost_model_accuracy.py --cluster-profile cpu2.yaml   # reuse a calibration
+
+On 2 CPU ranks (gloo, one thread each) it
+
+1. calibrates the collectives (``autoplan calibrate --cluster 2xCPU``) unless a cluster profile
+   is given,
+2. profiles every (op, local shape) of a GPT-2-style model's training step on this CPU
+   (``passes.profile``; cached in the profile database, so a second run skips it),
+3. builds several plans for the same model (pure data parallel, tensor parallel, parameter
+   sharded, mixes, and the solver's own choice), each costed with the profiled times and the
+   calibrated links,
+4. runs each plan for real under ``torchrun`` (``autoplan.measure``: median step time over timed
+   steps, peak live tensor bytes counted by a dispatch mode — not process RSS),
+
+and prints a table and the final line
+``cost_model: time_err_median=X% time_err_max=Y% kendall_tau=Z mem_err_median=W%``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch: the ranks and the profile use one thread
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+VOCAB, BATCH, SEQ = 2048, 8, 128
+MiB = 2**20
+
+PLANS: dict[str, dict[str, str]] = {
+    # every rank computes the whole step (nothing sharded): the slow baseline
+    "replicated": {"input_0": "R", "target_0": "R", "*": "R"},
+    "data-parallel": {"input_0": "S(0)", "target_0": "S(0)", "*": "R"},
+    # Megatron tensor parallelism: column-parallel qkv/fc, row-parallel projections
+    "tensor-parallel": {
+        "input_0": "R",
+        "target_0": "R",
+        "*attn.c_attn.weight": "S(1)",
+        "*attn.c_proj.weight": "S(0)",
+        "*mlp.c_fc.weight": "S(1)",
+        "*mlp.c_proj.weight": "S(0)",
+    },
+    "tensor-parallel-mlp": {
+        "input_0": "R",
+        "target_0": "R",
+        "*mlp.c_fc.weight": "S(1)",
+        "*mlp.c_proj.weight": "S(0)",
+    },
+    # ZeRO-3 style: weights sharded, gathered before use, gradients reduce-scattered
+    "parameter-sharded": {"input_0": "S(0)", "target_0": "S(0)", "*.weight": "S(0)"},
+    "sequence-parallel": {"input_0": "S(1)", "target_0": "S(1)", "*": "R"},
+    "data-parallel+sharded-embeddings": {"input_0": "S(0)", "target_0": "S(0)", "*.wte.weight": "S(0)"},
+    "solver-choice": {},
+}
+
+
+def workload():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return model, ids
+
+
+def lm_loss(out, labels):  # noqa: ANN001, ANN201
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+# --- one rank of one plan (under torchrun) ---------------------------------------------------
+
+
+def worker(plan_path: str, out_path: str, steps: int) -> None:
+    import torch.distributed as dist
+
+    import autoplan
+    from autoplan.measure import measure_training_step
+
+    dist.init_process_group("gloo")
+    try:
+        plan = autoplan.Plan.load(plan_path)
+        model, ids = workload()
+        pm = autoplan.parallelize(
+            model, plan.cluster, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), plan=plan
+        )
+        opt = pm.make_optimizer(lr=1e-3)
+        m = measure_training_step(pm, opt, (ids,), (ids,), warmup=2, steps=steps)
+        result = {"step_time_s": m.step_time_s, "times_s": m.step_times_s, "peak_bytes": m.peak_bytes}
+        Path(f"{out_path}.{dist.get_rank()}").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two rankings (pairs tied in either count as discordant halves)."""
+    concordant = discordant = 0.0
+    for i, j in itertools.combinations(range(len(a)), 2):
+        s = (a[i] - a[j]) * (b[i] - b[j])
+        if s > 0:
+            concordant += 1
+        elif s < 0:
+            discordant += 1
+        else:
+            concordant += 0.5
+            discordant += 0.5
+    pairs = len(a) * (len(a) - 1) / 2
+    return (concordant - discordant) / pairs if pairs else 1.0
+
+
+def calibrate(out: Path) -> None:
+    cmd = [sys.executable, "-m", "autoplan.cli", "calibrate", "--cluster", "2xCPU", "--out", str(out), "--quiet"]
+    print("calibrating collectives:", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def profile(cluster, optimizer: str, db_path: str | None):  # noqa: ANN001, ANN201
+    from autoplan.api import planning_mesh
+    from cost_models.profile_db import ProfileDB
+    from passes.profile import profile_program
+    from passes.strategies import build_strategy_table
+    from passes.trace import trace_training_step
+
+    db = ProfileDB.open_path(db_path) if db_path else ProfileDB.open_for_current_device("cpu")
+    model, ids = workload()
+    traced = trace_training_step(model, (ids,), loss_fn=lm_loss, example_targets=(ids,))
+    with planning_mesh(cluster) as mesh:
+        table = build_strategy_table(traced, mesh)
+        report = profile_program(traced, table, mesh, db, device="cpu", optimizer=optimizer, progress=False)
+    db.save()
+    print(f"profile database {db.path}: {report}", flush=True)
+    return db
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster-profile", help="calibrated cluster file (default: calibrate now)")
+    parser.add_argument("--profile-db", help="profile database (default: this machine's, in the cache)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
+    parser.add_argument("--plans", help="comma-separated subset of: " + ", ".join(PLANS))
+    parser.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker[0], args.worker[1], args.steps)
+        return 0
+
+    import autoplan
+    from cost_models.cluster import Cluster
+
+    optimizer = "adam"
+    with tempfile.TemporaryDirectory(prefix="autoplan-accuracy-") as tmp:
+        tmpdir = Path(tmp)
+        cluster_file = Path(args.cluster_profile) if args.cluster_profile else tmpdir / "cpu2.yaml"
+        if not args.cluster_profile:
+            calibrate(cluster_file)
+        cluster = Cluster.from_file(cluster_file)
+        db = profile(cluster, optimizer, args.profile_db)
+        names = args.plans.split(",") if args.plans else list(PLANS)
+        rows = []
+        for name in names:
+            with torch.device("meta"):
+                model, ids = workload()
+            plan = autoplan.plan(
+                model,
+                cluster,
+                example_inputs=(ids,),
+                loss_fn=lm_loss,
+                example_targets=(ids,),
+                optimizer=optimizer,
+                pins=PLANS[name],
+                profile=db,
+            )
+            plan_path = tmpdir / f"{name}.json"
+            plan.save(plan_path)
+            out = tmpdir / f"{name}.result"
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561",
+                str(Path(__file__).resolve()), "--steps", str(args.steps), "--worker", str(plan_path), str(out),
+            ]  # fmt: skip
+            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+            e = plan.estimate
+            rows.append(
+                {
+                    "plan": name,
+                    "parallelism": " | ".join(plan.parallelism().values()),
+                    "pred_ms": e.step_time_s * 1e3,
+                    "meas_ms": max(r["step_time_s"] for r in ranks) * 1e3,
+                    "pred_mib": e.memory_bytes["total"] / MiB,
+                    "meas_mib": [r["peak_bytes"] / MiB for r in ranks],
+                    "sources": dict(e.compute_sources),
+                }
+            )
+            r = rows[-1]
+            print(f"  {name}: predicted {r['pred_ms']:.1f} ms, measured {r['meas_ms']:.1f} ms", flush=True)
+
+    print()
+    header = f"{'plan':<34} {'predicted ms':>12} {'measured ms':>11} {'err':>7}   {'pred MiB':>8} {'meas MiB (r0/r1)':>17} {'err':>6}"
+    print(header)
+    print("-" * len(header))
+    time_errs, mem_errs = [], []
+    for r in rows:
+        terr = (r["pred_ms"] - r["meas_ms"]) / r["meas_ms"]
+        merrs = [(r["pred_mib"] - m) / m for m in r["meas_mib"]]
+        time_errs.append(abs(terr))
+        mem_errs += [abs(m) for m in merrs]
+        meas = "/".join(f"{m:.1f}" for m in r["meas_mib"])
+        print(
+            f"{r['plan']:<34} {r['pred_ms']:>12.1f} {r['meas_ms']:>11.1f} {terr:>+7.1%}   "
+            f"{r['pred_mib']:>8.1f} {meas:>17} {max(merrs, key=abs):>+6.1%}"
+        )
+    print(f"op times: {rows[0]['sources']} (profiled/analytic op and optimizer timings of the first plan)")
+    tau = kendall_tau([r["pred_ms"] for r in rows], [r["meas_ms"] for r in rows])
+    print(
+        f"cost_model: time_err_median={statistics.median(time_errs):.1%} time_err_max={max(time_errs):.1%} "
+        f"kendall_tau={tau:.2f} mem_err_median={statistics.median(mem_errs):.1%}".replace("%", "%")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
