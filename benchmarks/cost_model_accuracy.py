@@ -43,8 +43,6 @@ VOCAB, BATCH, SEQ = 2048, 8, 128
 MiB = 2**20
 
 PLANS: dict[str, dict[str, str]] = {
-    # every rank computes the whole step (nothing sharded): the slow baseline
-    "replicated": {"input_0": "R", "target_0": "R", "*": "R"},
     "data-parallel": {"input_0": "S(0)", "target_0": "S(0)", "*": "R"},
     # Megatron tensor parallelism: column-parallel qkv/fc, row-parallel projections
     "tensor-parallel": {
@@ -54,6 +52,12 @@ PLANS: dict[str, dict[str, str]] = {
         "*attn.c_proj.weight": "S(0)",
         "*mlp.c_fc.weight": "S(1)",
         "*mlp.c_proj.weight": "S(0)",
+    },
+    "tensor-parallel-attention": {
+        "input_0": "R",
+        "target_0": "R",
+        "*attn.c_attn.weight": "S(1)",
+        "*attn.c_proj.weight": "S(0)",
     },
     "tensor-parallel-mlp": {
         "input_0": "R",
@@ -65,8 +69,11 @@ PLANS: dict[str, dict[str, str]] = {
     "parameter-sharded": {"input_0": "S(0)", "target_0": "S(0)", "*.weight": "S(0)"},
     "sequence-parallel": {"input_0": "S(1)", "target_0": "S(1)", "*": "R"},
     "data-parallel+sharded-embeddings": {"input_0": "S(0)", "target_0": "S(0)", "*.wte.weight": "S(0)"},
-    "solver-choice": {},
+    "data-parallel+sharded-mlp-weights": {"input_0": "S(0)", "target_0": "S(0)", "*mlp.*.weight": "S(0)"},
 }
+"""Pins of each plan; the solver chooses everything else (so each is the best plan of its kind).
+Pins on parameters and inputs do not force the operators: a plan pinned "all replicated" is
+still free to shard activations, which is why there is no separate replicated baseline."""
 
 
 def workload():
@@ -135,27 +142,33 @@ def calibrate(out: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def profile(cluster, optimizer: str, db_path: str | None):  # noqa: ANN001, ANN201
-    from autoplan.api import planning_mesh
-    from cost_models.profile_db import ProfileDB
-    from passes.profile import profile_program
-    from passes.strategies import build_strategy_table
-    from passes.trace import trace_training_step
+def bench_workload():  # noqa: ANN201
+    """The benchmark's model as an ``autoplan.Workload`` (for ``autoplan profile``)."""
+    import autoplan
 
-    db = ProfileDB.open_path(db_path) if db_path else ProfileDB.open_for_current_device("cpu")
     model, ids = workload()
-    traced = trace_training_step(model, (ids,), loss_fn=lm_loss, example_targets=(ids,))
-    with planning_mesh(cluster) as mesh:
-        table = build_strategy_table(traced, mesh)
-        report = profile_program(traced, table, mesh, db, device="cpu", optimizer=optimizer, progress=False)
-    db.save()
-    print(f"profile database {db.path}: {report}", flush=True)
-    return db
+    return autoplan.Workload(
+        model=model, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), optimizer="adam"
+    )
+
+
+def profile(cluster_file: Path, db_path: str | None):  # noqa: ANN201
+    """``autoplan profile`` with 2 concurrent processes (the 2 ranks share this machine)."""
+    from cost_models.profile_db import ProfileDB
+
+    cmd = [sys.executable, "-m", "autoplan.cli", "profile", f"{Path(__file__).resolve()}:bench_workload"]
+    cmd += ["--cluster", str(cluster_file), "--concurrent", "2", "--quiet"]
+    cmd += ["--profile-db", db_path] if db_path else []
+    print("profiling ops:", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return ProfileDB.open_path(db_path) if db_path else ProfileDB.open_for_current_device("cpu")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster-profile", help="calibrated cluster file (default: calibrate now)")
+    parser.add_argument(
+        "--cluster-profile", help="calibrated cluster file (calibrated now and written there if missing)"
+    )
     parser.add_argument("--profile-db", help="profile database (default: this machine's, in the cache)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
     parser.add_argument("--plans", help="comma-separated subset of: " + ", ".join(PLANS))
@@ -172,10 +185,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="autoplan-accuracy-") as tmp:
         tmpdir = Path(tmp)
         cluster_file = Path(args.cluster_profile) if args.cluster_profile else tmpdir / "cpu2.yaml"
-        if not args.cluster_profile:
+        if not cluster_file.exists():
             calibrate(cluster_file)
         cluster = Cluster.from_file(cluster_file)
-        db = profile(cluster, optimizer, args.profile_db)
+        db = profile(cluster_file, args.profile_db)
         names = args.plans.split(",") if args.plans else list(PLANS)
         rows = []
         for name in names:

@@ -1,0 +1,90 @@
+"""Step schedule (overlap), liveness (views share storage, lifetimes) and the solver's sums."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pulp
+import pytest
+import torch
+import torch.fx as fx
+
+from cost_models.memory import optimizer_temp_bytes
+from passes.liveness import analyze, live_at, memory_checkpoints
+from passes.overlap import schedule_step
+from passes.solver import _affine
+from passes.strategies import ValueRef
+
+
+def _chain(n: int) -> fx.GraphModule:
+    g = fx.Graph()
+    x = g.placeholder("p_w")
+    nodes = [x]
+    for i in range(n):
+        nodes.append(g.call_function(torch.neg, (nodes[-1],), name=f"op{i}"))
+    g.output((nodes[-1], nodes[1]))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _redist(producer: str, consumer: str, arg_index: int, bucket: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(producer=ValueRef(producer), consumer=consumer, arg_index=arg_index, bucket=bucket)
+
+
+def test_gradient_reduction_hides_behind_the_rest_of_the_backward_on_gpus() -> None:
+    gm = _chain(4)  # op0 .. op3, 10 ms each; op0's output is the gradient of p_w
+    times = {"op0": 0.010, "op1": 0.010, "op2": 0.010, "op3": 0.010, "p_w": 0.002}
+    grad = _redist("op0", "p_w", -1)  # issued right after op0, needed by the optimizer step
+    # overlap: 25 ms of communication during the 30 ms of op1..op3 -> nothing exposed
+    s = schedule_step(gm, times, [grad], [0.025], param_nodes=["p_w"], device_overlaps=True)
+    assert s.collectives[0].overlappable and s.exposed_comm_s == pytest.approx(0.0)
+    assert s.step_time_s == pytest.approx(0.042)
+    # 45 ms of communication: only the 15 ms beyond the remaining compute is exposed
+    s = schedule_step(gm, times, [grad], [0.045], param_nodes=["p_w"], device_overlaps=True)
+    assert s.collectives[0].exposed_s == pytest.approx(0.015) and s.step_time_s == pytest.approx(0.057)
+    # CPU ranks: gloo reduces on the cores that compute, so all of it is exposed
+    s = schedule_step(gm, times, [grad], [0.025], param_nodes=["p_w"], device_overlaps=False)
+    assert not s.collectives[0].overlappable and s.exposed_comm_s == pytest.approx(0.025)
+
+
+def test_operand_conversions_and_buckets_are_always_exposed() -> None:
+    gm = _chain(3)
+    times = {"op0": 0.010, "op1": 0.010, "op2": 0.010}
+    convs = [_redist("op0", "op1", 0), _redist("op0", "p_w", -1, bucket="grad:P->R")]
+    s = schedule_step(gm, times, convs, [0.004, 0.006], param_nodes=["p_w"], device_overlaps=True)
+    assert [c.exposed_s for c in s.collectives] == pytest.approx([0.004, 0.006])
+    assert s.step_time_s == pytest.approx(0.040)
+
+
+def test_views_share_their_base_storage_and_extend_its_life() -> None:
+    g = fx.Graph()
+    p = g.placeholder("p_w")
+    a = g.call_function(torch.ops.aten.mul.Tensor, (p, p), name="a")  # new storage
+    v = g.call_function(torch.ops.aten.view.default, (a, [4, 4]), name="v")  # a view of a
+    b = g.call_function(torch.ops.aten.neg.default, (p,), name="b")
+    c = g.call_function(torch.ops.aten.add.Tensor, (v, b), name="c")  # reads a through its view
+    g.output((c, b))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    shapes = {"p_w": (16,), "a": (16,), "v": (4, 4), "b": (16,), "c": (4, 4)}
+    for n in gm.graph.nodes:
+        if n.op != "output":
+            n.meta["val"] = torch.empty(shapes[n.name], device="meta")
+    live = analyze(gm, ["p_w"])
+    assert live.storage_of[ValueRef("v")] == ValueRef("a")
+    assert live.last_use[ValueRef("a")] == live.position["c"]  # alive until its view is read
+    assert ValueRef("a") in live_at(live, live.position["b"])
+    assert live.end in memory_checkpoints(live)
+
+
+def test_adam_step_temporaries() -> None:
+    # single-tensor Adam (CPU): sqrt(exp_avg_sq) and its division coexist -> 2 x the largest param;
+    # foreach Adam (CUDA): one sqrt per parameter at once -> all parameters' bytes; SGD: in place
+    assert optimizer_temp_bytes("adam", 100, 1000, "cpu") == 200
+    assert optimizer_temp_bytes("adam", 100, 1000, "cuda") == 1000
+    assert optimizer_temp_bytes("sgd_momentum", 100, 1000, "cuda") == 0
+
+
+def test_repeated_variables_in_a_linear_expression_are_summed() -> None:
+    # a node's compute time and an edge cost linear in the same x must add up (PuLP's
+    # LpAffineExpression(list) keeps only the last coefficient of a repeated variable)
+    x = pulp.LpVariable("x")
+    assert _affine([(x, 1.0), (x, 2.0)])[x] == pytest.approx(3.0)
