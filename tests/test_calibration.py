@@ -317,6 +317,7 @@ def test_catalog_clusters_serialise_without_profile_sections() -> None:
 # --- The command ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # launches torchrun; one gloo rank aborted at teardown once under a full-suite load
 def test_calibrate_on_two_gloo_ranks_writes_a_loadable_profile(tmp_path, capsys) -> None:
     out = tmp_path / "cpu2.yaml"
     rc = autoplan.cli.main(
