@@ -246,7 +246,18 @@ def test_profile_program_rejects_a_mesh_of_another_device_type(traced: TracedPro
 def test_cli_profile_writes_the_db_and_a_second_run_measures_nothing(
     cache_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = ["profile", f"{CLI_MODELS}:mlp", "--cluster", "2xCPU", "--repeats", "2", "--warmup", "1", "--concurrent", "1"]
+    args = [
+        "profile",
+        f"{CLI_MODELS}:mlp",
+        "--cluster",
+        "2xCPU",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--concurrent",
+        "1",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     (path,) = (cache_dir / "profiles").glob("cpu-*.json")
