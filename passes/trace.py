@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -183,10 +184,16 @@ def trace_training_step(
     full_buffer_names = ["model." + n for n in buffer_names]
     num_p, num_b = len(param_names), len(buffer_names)
 
+    # The exported module runs through an Interpreter under preserve_node_meta, so every traced
+    # forward op keeps its ``nn_module_stack`` and every op its autograd ``seq_nr`` (a backward
+    # op has the seq_nr of the forward op it differentiates): :func:`_mark_modules` uses both.
+    exported.forward = lambda *a: fx.Interpreter(exported).run(*a)  # type: ignore[method-assign]
+
     def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         p = dict(zip(full_param_names, flat[:num_p], strict=True))
         b = dict(zip(full_buffer_names, flat[num_p : num_p + num_b], strict=True))
         loss = torch.func.functional_call(exported, {**p, **b}, tuple(flat[num_p + num_b :]))
+        _link_backward_to_forward(loss)
         grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
         return (loss, *grads)
 
@@ -195,7 +202,7 @@ def trace_training_step(
     try:
         # Attention as plain matmul + softmax, so the graph is the same on meta, CPU and CUDA
         # (the fused kernels are device-specific and have no DTensor strategy on CPU).
-        with sdpa_kernel([SDPBackend.MATH]), attention_as_single_op():
+        with sdpa_kernel([SDPBackend.MATH]), attention_as_single_op(), fx_traceback.preserve_node_meta():
             gm = make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
         raise UnsupportedModelError(
@@ -207,6 +214,7 @@ def trace_training_step(
     _canonicalize(gm)
     _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))
     _mark_phases(gm)
+    _mark_modules(gm)
     fingerprint = graph_fingerprint(gm)
     dt = time.perf_counter() - t0
     log.info("traced %d nodes in %.2fs (fingerprint %s)", len(gm.graph.nodes), dt, fingerprint)
@@ -296,6 +304,46 @@ def _name_placeholders(
         node.name = name  # fx de-duplicates if needed
         node.target = node.name
     gm.recompile()
+
+
+def _link_backward_to_forward(loss: torch.Tensor) -> None:
+    """Autograd hooks that stamp each backward op with its forward op's ``seq_nr`` (AOTAutograd's
+    own mechanism; private, so a torch without it only loses the backward ops' module names)."""
+    try:
+        from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return
+    if loss.grad_fn is not None:
+        setup_stacktrace_preservation_hooks([loss.grad_fn])
+
+
+MODULE_KEY = "autoplan.module"
+"""``node.meta[MODULE_KEY]``: FQN of the innermost module whose forward produced the op (for a
+backward op: the module of the forward op it differentiates); ``""`` for top-level code (e.g.
+the loss), absent where autograd gives no link (gradient accumulation of a reused value)."""
+
+
+def _mark_modules(gm: fx.GraphModule) -> None:
+    by_seq: dict[int, str] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        stack = n.meta.get("nn_module_stack")
+        if n.meta.get("autoplan.phase") == "fwd" and stack:
+            path = list(stack.values())[-1][0]
+            path = path.removeprefix("model.") if path != "model" else ""
+            n.meta[MODULE_KEY] = path
+            if (seq := n.meta.get("seq_nr")) is not None:
+                by_seq.setdefault(seq, path)
+        elif n.meta.get("autoplan.phase") == "fwd":
+            n.meta[MODULE_KEY] = ""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.meta.get("autoplan.phase") == "bwd":
+            seq = n.meta.get("seq_nr")
+            if seq is not None and seq in by_seq:
+                n.meta[MODULE_KEY] = by_seq[seq]
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "seq_nr", "original_aten", "from_node"):
+            n.meta.pop(key, None)
 
 
 def _mark_phases(gm: fx.GraphModule) -> None:
