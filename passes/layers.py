@@ -34,7 +34,6 @@ import torch.fx as fx
 from passes.trace import MODULE_KEY, TracedProgram
 
 
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layering:
     """Segments of the joint graph (see the module docstring)."""
@@ -132,7 +131,9 @@ def find_layers(traced: TracedProgram) -> Layering:
             continue
         readers = sorted({seg[u.name] for u in n.users if u.name in seg and u.meta.get("autoplan.phase") == "fwd"})
         if n.name.startswith("p_"):
-            param_segments[n.name] = tuple(readers) or (min((seg[u.name] for u in n.users if u.name in seg), default=0),)
+            param_segments[n.name] = tuple(readers) or (
+                min((seg[u.name] for u in n.users if u.name in seg), default=0),
+            )
         else:
             seg[n.name] = readers[0] if readers else min((seg[u.name] for u in n.users if u.name in seg), default=0)
     return Layering(block_prefix=prefix, num_blocks=num_blocks, segment_of=seg, param_segments=param_segments)

@@ -15,7 +15,11 @@ def test_blocks_found_and_every_op_placed(build, prefix):  # noqa: ANN001
     ids, labels = token_batch()
     traced = trace_training_step(model, (ids,), loss_fn=lm_loss, example_targets=(labels,))
     lay = find_layers(traced)
-    n_blocks = sum(1 for name, _ in model.named_modules() if name.startswith(prefix + ".") and name.count(".") == prefix.count(".") + 1)
+    n_blocks = sum(
+        1
+        for name, _ in model.named_modules()
+        if name.startswith(prefix + ".") and name.count(".") == prefix.count(".") + 1
+    )
     assert lay.block_prefix == prefix
     assert lay.num_blocks == n_blocks >= 2
     gm = traced.graph_module
