@@ -187,7 +187,7 @@ def trace_training_step(
     # The exported module runs through an Interpreter under preserve_node_meta, so every traced
     # forward op keeps its ``nn_module_stack`` and every op its autograd ``seq_nr`` (a backward
     # op has the seq_nr of the forward op it differentiates): :func:`_mark_modules` uses both.
-    exported.forward = lambda *a: fx.Interpreter(exported).run(*a)  # type: ignore[method-assign]
+    exported.forward = lambda *a: fx.Interpreter(exported).run(*a)
 
     def step(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         p = dict(zip(full_param_names, flat[:num_p], strict=True))
