@@ -2,20 +2,24 @@
 
 from cost_models.errors import (
     ClusterSpecError,
+    ConfigError,
     InfeasiblePlanError,
     PlanError,
     PlanFileError,
     PlanMismatchError,
+    ProfileError,
     UnknownDeviceError,
     UnsupportedModelError,
 )
 
 __all__ = [
     "ClusterSpecError",
+    "ConfigError",
     "InfeasiblePlanError",
     "PlanError",
     "PlanFileError",
     "PlanMismatchError",
+    "ProfileError",
     "UnknownDeviceError",
     "UnsupportedModelError",
 ]

@@ -41,3 +41,8 @@ class PlanMismatchError(PlanFileError):
 class ProfileError(PlanError):
     """A profile database is unreadable, of an unknown format, measured on another device or
     software stack, or profiling was asked for on a device this machine does not have."""
+
+
+class ConfigError(PlanError):
+    """A parallel configuration (degrees, micro-batches, schedule, ...) is invalid or does not fit
+    the model, cluster or global batch."""

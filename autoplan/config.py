@@ -1,0 +1,125 @@
+"""A hand-written parallel configuration (what Megatron-style launch scripts set by hand).
+
+``ParallelConfig`` is both what the planner reports as its choice (``plan.config``) and what a
+user passes to :func:`autoplan.estimate` to price their own configuration with the planner's
+cost model. Degrees multiply to the world size: ``dp * tp * pp == cluster.world_size``; tensor
+parallelism stays inside a node. The global batch is split as::
+
+    global_batch_size = dp * microbatch_size * num_microbatches
+
+so ``microbatch_size`` is per data-parallel replica (Megatron's ``--micro-batch-size``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from cost_models.errors import ConfigError
+
+Schedule = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+Recompute = Literal["none", "selective", "full"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+"""Pipeline schedules (``torch.distributed.pipelining``: ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble); ``"none"`` when ``pp == 1``."""
+RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """Degrees and knobs of one training configuration (see the module docstring)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatch_size: int = 1
+    """Samples per micro-batch per data-parallel replica."""
+    num_microbatches: int = 1
+    schedule: Schedule = "1f1b"
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (``interleaved-1f1b`` only)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: ``selective`` keeps matmul outputs and recomputes the cheap
+    ops between them; ``full`` keeps only each block's input and recomputes the block."""
+    zero_stage: int = 0
+    """0: replicated; 1: optimizer state sharded over dp; 2: + gradients; 3: + parameters."""
+    sequence_parallel: bool = True
+    """Allow sharding activations along the sequence inside tensor-parallel groups."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
+        if self.schedule not in ("none", *SCHEDULES):
+            raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"unknown recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
+            raise ConfigError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' (got {self.schedule!r})"
+            )
+        if self.schedule == "interleaved-1f1b" and self.num_microbatches % self.pp:
+            raise ConfigError(
+                f"interleaved-1f1b needs num_microbatches ({self.num_microbatches}) divisible by pp ({self.pp})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.dp * self.microbatch_size * self.num_microbatches
+
+    def check_against(self, *, world_size: int, devices_per_node: int, num_blocks: int, global_batch_size: int) -> None:
+        """Raise :class:`ConfigError` naming the numbers when this config cannot run there."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} but the cluster has {world_size} "
+                "devices: choose degrees whose product is the device count"
+            )
+        if self.tp > devices_per_node or devices_per_node % self.tp:
+            raise ConfigError(
+                f"tp={self.tp} must divide the {devices_per_node} devices of a node (tensor parallelism stays in a node)"
+            )
+        if self.num_stages > max(num_blocks, 1):
+            raise ConfigError(
+                f"pp*virtual_stages = {self.num_stages} stages but the model has {num_blocks} blocks: "
+                f"use at most {max(num_blocks, 1)} stages"
+            )
+        if self.global_batch_size != global_batch_size:
+            raise ConfigError(
+                f"dp*microbatch_size*num_microbatches = {self.dp}*{self.microbatch_size}*{self.num_microbatches} = "
+                f"{self.global_batch_size} but global_batch_size is {global_batch_size}: make them equal"
+            )
+        if self.pp == 1 and self.num_microbatches > 1 and self.schedule not in ("none", "gpipe", "1f1b"):
+            raise ConfigError(f"schedule {self.schedule!r} needs pp > 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        return cls(**data)
+
+    def __str__(self) -> str:
+        parts = [
+            f"dp={self.dp}",
+            f"tp={self.tp}",
+            f"pp={self.pp}",
+            f"mbs={self.microbatch_size}x{self.num_microbatches}",
+        ]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        parts += [f"recompute={self.recompute}", f"zero={self.zero_stage}"]
+        return " ".join(parts)

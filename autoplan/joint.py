@@ -1,0 +1,295 @@
+"""The joint search as a public API: ``autoplan.estimate`` (what-if) and the pipeline planner.
+
+    est = autoplan.estimate(model, "4x8xH100", example_inputs=(ids,), loss_fn=lm_loss,
+                            example_targets=(ids,), global_batch_size=512, precision="bf16",
+                            config=autoplan.ParallelConfig(dp=8, tp=4, pp=1, microbatch_size=2,
+                                                           num_microbatches=32))
+    print(est.summary())
+
+Both the what-if estimate and the planner's search price a configuration with the same function
+(:func:`passes.pipeline_search.evaluate`) over the same per-segment costs: the intra-operator ILP
+solved for one micro-batch on the tensor-parallel group (:mod:`passes.segment_costs`), so the
+planner's choice can be compared number for number with a hand-written configuration.
+
+``example_inputs`` give the per-sample shapes; their batch dimension (dim 0) is resized to each
+micro-batch size the search tries.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autoplan.config import PRECISIONS, ParallelConfig
+from cost_models.cluster import Cluster
+from cost_models.errors import ConfigError
+from cost_models.profile_db import ProfileDB
+from passes.costing import build_cost_problem
+from passes.layers import find_layers
+from passes.pipeline_search import (
+    Candidate,
+    PipelineEstimate,
+    SearchSpace,
+    best_layout,
+    evaluate,
+    search,
+    tp_cluster,
+)
+from passes.segment_costs import SegmentCosts, segment_costs
+from passes.solver import ShardingILP, SolverOptions
+from passes.strategies import build_strategy_table
+from passes.trace import LossFn, param_node_name, trace_training_step
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingEstimate:
+    """Estimated training step of one configuration on a cluster (per device where it says)."""
+
+    config: ParallelConfig
+    step_time_s: float
+    compute_s: float
+    """Busy compute of the slowest pipeline rank (forward, backward, recomputation)."""
+    exposed_comm_s: float
+    """Communication not hidden behind compute: tensor-parallel collectives, exposed gradient
+    synchronisation, pipeline point-to-point."""
+    bubble_s: float
+    """Idle time of the pipeline schedule (0 without pipeline parallelism)."""
+    optimizer_s: float
+    memory_per_device_bytes: tuple[float, ...]
+    """Peak bytes per device of each pipeline rank (devices of one rank are alike)."""
+    memory_parts_bytes: tuple[dict[str, float], ...]
+    """Per pipeline stage: weights, grads, optimizer, activations, transient."""
+    capacity_bytes: float
+    tokens_per_s: float
+    mfu: float
+    """Model FLOPs utilisation: model FLOPs per step / (step time x devices x peak FLOP/s)."""
+    stage_starts: tuple[int, ...]
+    """First segment of each stage (segment 0 = prologue, 1..L = blocks, L+1 = epilogue)."""
+    stage_recompute: tuple[str, ...]
+    feasible: bool
+    precision: str
+    num_blocks: int
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        return max(self.memory_per_device_bytes)
+
+    def summary(self) -> str:
+        gib = 2**30
+        lines = [
+            f"config: {self.config}",
+            f"step time {self.step_time_s * 1e3:.1f} ms = compute {self.compute_s * 1e3:.1f} ms "
+            f"+ exposed comm {self.exposed_comm_s * 1e3:.1f} ms + bubble {self.bubble_s * 1e3:.1f} ms "
+            f"+ optimizer {self.optimizer_s * 1e3:.1f} ms (parts overlap)",
+            f"throughput {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}",
+            f"peak memory per device {self.peak_memory_bytes / gib:.2f} GiB of {self.capacity_bytes / gib:.1f} GiB"
+            + ("" if self.feasible else "  (DOES NOT FIT)"),
+        ]
+        if self.config.pp > 1:
+            lines.append(f"stages start at segments {list(self.stage_starts)}, recompute {list(self.stage_recompute)}")
+        return "\n".join(lines)
+
+
+def to_training_estimate(est: PipelineEstimate, *, precision: str, num_blocks: int) -> TrainingEstimate:
+    c = est.candidate
+    config = ParallelConfig(
+        dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size, num_microbatches=c.num_microbatches,
+        schedule=c.schedule if c.pp > 1 else "1f1b", virtual_stages=c.virtual_stages,  # type: ignore[arg-type]
+        recompute=c.recompute, zero_stage=c.zero_stage,  # type: ignore[arg-type]
+    )  # fmt: skip
+    per_rank = [0.0] * c.pp
+    for st in est.stages:
+        per_rank[st.rank] += st.memory_bytes
+    return TrainingEstimate(
+        config=config,
+        step_time_s=est.step_time_s,
+        compute_s=est.compute_s,
+        exposed_comm_s=est.exposed_comm_s,
+        bubble_s=est.bubble_s,
+        optimizer_s=est.optimizer_s,
+        memory_per_device_bytes=tuple(per_rank),
+        memory_parts_bytes=tuple(dict(st.memory_parts) for st in est.stages),
+        capacity_bytes=est.capacity_bytes,
+        tokens_per_s=est.tokens_per_s,
+        mfu=est.mfu,
+        stage_starts=est.stage_starts,
+        stage_recompute=tuple(st.recompute for st in est.stages),
+        feasible=est.feasible,
+        precision=precision,
+        num_blocks=num_blocks,
+    )
+
+
+def _with_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
+    if t.dim() == 0:
+        raise ConfigError("example inputs need a batch dimension (dim 0) to split into micro-batches")
+    if t.device.type == "meta":
+        return torch.empty((batch, *t.shape[1:]), dtype=t.dtype, device="meta")
+    reps = math.ceil(batch / t.shape[0])
+    return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].contiguous()
+
+
+@dataclass(slots=True)
+class SegmentCostModel:
+    """``(tp, microbatch_size) -> SegmentCosts`` for a model: trace one micro-batch, solve the
+    intra-operator ILP on a tensor-parallel group, sum per segment (memoised)."""
+
+    model: torch.nn.Module
+    example_inputs: Sequence[torch.Tensor]
+    loss_fn: LossFn | None
+    example_targets: Sequence[torch.Tensor]
+    cluster: Cluster
+    optimizer: str = "adam"
+    profile: ProfileDB | None = None
+    time_limit_s: float = 60.0
+    num_blocks: int = 0
+    tokens_per_sample: int = 1
+    trace_s: float = 0.0
+    solve_s: float = 0.0
+    _traces: dict[int, object] = field(default_factory=dict)
+    _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
+
+    def _traced(self, batch: int):  # noqa: ANN202
+        if batch not in self._traces:
+            t0 = time.perf_counter()
+            inputs = tuple(_with_batch(t, batch) for t in self.example_inputs)
+            targets = tuple(_with_batch(t, batch) for t in self.example_targets)
+            traced = trace_training_step(self.model, inputs, loss_fn=self.loss_fn, example_targets=targets)
+            layering = find_layers(traced)
+            self._traces[batch] = (traced, layering)
+            self.num_blocks = layering.num_blocks
+            self.trace_s += time.perf_counter() - t0
+        return self._traces[batch]
+
+    def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
+        key = (tp, microbatch_size)
+        if key not in self._costs:
+            from autoplan.api import planning_mesh
+
+            traced, layering = self._traced(microbatch_size)
+            t0 = time.perf_counter()
+            sub = tp_cluster(self.cluster, tp)
+            with planning_mesh(sub) as mesh:
+                table = build_strategy_table(traced, mesh)
+                problem = build_cost_problem(traced, table, sub, optimizer=self.optimizer, profile=self.profile)
+                # memory is the outer search's constraint (it depends on stages and schedule)
+                problem.capacity_bytes = float("inf")
+                problem.memory_points = []
+                solution = ShardingILP(problem, SolverOptions(time_limit_s=self.time_limit_s)).solve()
+            self._costs[key] = segment_costs(
+                traced.graph_module,
+                layering,
+                problem,
+                solution.choice,
+                param_nodes=[param_node_name(p) for p in traced.param_names],
+            )
+            self.solve_s += time.perf_counter() - t0
+        return self._costs[key]
+
+
+def prepare_for_precision(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    example_targets: Sequence[torch.Tensor],
+    precision: str,
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    dtype = _DTYPES[precision]
+    if not example_inputs:
+        raise ConfigError("example_inputs is empty: pass one example batch (its per-sample shapes are used)")
+    if precision != "fp32" and any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
+        model = copy.deepcopy(model).to(dtype)  # the user's model is left as it is
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return model, tuple(cast(t) for t in example_inputs), tuple(cast(t) for t in example_targets)
+
+
+def _tokens_per_sample(example_inputs: Sequence[torch.Tensor]) -> int:
+    first = example_inputs[0]
+    return int(first.shape[1]) if first.dim() >= 2 and not first.is_floating_point() else 1
+
+
+def estimate(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    config: ParallelConfig,
+    global_batch_size: int,
+    loss_fn: LossFn | None = None,
+    example_targets: Sequence[torch.Tensor] = (),
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    profile: ProfileDB | None = None,
+) -> TrainingEstimate:
+    """Price a hand-written configuration with the planner's cost model (see the module docstring)."""
+    from autoplan.api import _as_cluster
+
+    cluster = _as_cluster(cluster)
+    model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
+    costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
+    seg = costs(config.tp, config.microbatch_size)
+    config.check_against(
+        world_size=cluster.world_size,
+        devices_per_node=cluster.devices_per_node,
+        num_blocks=costs.num_blocks,
+        global_batch_size=global_batch_size,
+    )
+    cand = Candidate(
+        dp=config.dp, tp=config.tp, pp=config.pp, microbatch_size=config.microbatch_size,
+        num_microbatches=config.num_microbatches, schedule=config.schedule if config.pp > 1 else "none",
+        virtual_stages=config.virtual_stages, recompute=config.recompute, zero_stage=config.zero_stage,
+    )  # fmt: skip
+    est = evaluate(cand, seg, cluster, precision=precision, tokens_per_sample=_tokens_per_sample(inputs))
+    return to_training_estimate(est, precision=precision, num_blocks=costs.num_blocks)
+
+
+def search_config(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    global_batch_size: int,
+    loss_fn: LossFn | None = None,
+    example_targets: Sequence[torch.Tensor] = (),
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    profile: ProfileDB | None = None,
+    space: SearchSpace | None = None,
+) -> tuple[TrainingEstimate, list[TrainingEstimate]]:
+    """The planner's joint search: the fastest configuration that fits, and every one it priced."""
+    from autoplan.api import _as_cluster
+
+    cluster = _as_cluster(cluster)
+    if global_batch_size < 1:
+        raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
+    costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
+    costs._traced(1)  # noqa: SLF001 - learn the number of blocks
+    best, every = search(
+        costs,
+        cluster,
+        num_blocks=costs.num_blocks,
+        global_batch_size=global_batch_size,
+        space=space,
+        precision=precision,
+        tokens_per_sample=_tokens_per_sample(inputs),
+    )
+    conv = [to_training_estimate(e, precision=precision, num_blocks=costs.num_blocks) for e in every]
+    return to_training_estimate(best, precision=precision, num_blocks=costs.num_blocks), conv
+
+
+__all__ = ["SegmentCostModel", "TrainingEstimate", "best_layout", "estimate", "search_config"]

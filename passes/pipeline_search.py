@@ -1,0 +1,548 @@
+r"""Pass — pipeline search: stages x schedule x micro-batches x recomputation x ZeRO, with the
+intra-operator ILP inside.
+
+Formulation
+-----------
+The device mesh is ``(pp, dp, tp)`` in Megatron's rank order (tp fastest, pp slowest), so a
+tensor-parallel group is ``tp`` consecutive ranks of one node, a data-parallel group has stride
+``tp`` and pipeline neighbours are ``dp * tp`` ranks apart. A configuration ``c`` fixes the
+degrees, the micro-batch size ``b`` (per data-parallel replica), the number of micro-batches
+``m`` (``B = dp * b * m``), the schedule with ``v`` virtual stages, recomputation and ZeRO stage.
+Stages are contiguous ranges of segments (:mod:`passes.layers`: prologue, blocks, epilogue).
+
+Inside a stage, the per-operator sharding is the ILP of :mod:`passes.solver` solved on the
+tensor-parallel group for one micro-batch of ``b`` samples (data parallelism splits the batch
+evenly and adds only the gradient synchronisation, priced here), and summed per segment by
+:mod:`passes.segment_costs`. For stage ``k`` with segments ``K``::
+
+    F_k = sum_{j in K} fwd_s[j]
+    B_k = sum_{j in K} bwd_s[j] + R_k        R_k = 0 | sum selective_recompute_s | F_k   (recompute)
+    A_k = sum_{j in K} a_j                   a_j = saved_bytes | saved_matmul + input | input
+    S_k = P_k (w + g + o)                    bytes/param of weights, grads, optimizer (precision)
+          / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w)
+    M_k = S_k + inflight_k(schedule, m, v) * A_k + T_k  <=  capacity          (memory)
+
+with ``T_k`` the transient of recomputing one segment (full recompute) and the ZeRO-3 gather
+buffer. The step time is the pipeline makespan of :mod:`cost_models.pipeline` over the
+``(F_k, B_k)`` with point-to-point transfers of ``cut_bytes`` between stages, plus per stage the
+exposed gradient synchronisation (all-reduce over dp, or reduce-scatter + per micro-batch
+all-gathers for ZeRO-3; on devices that overlap communication the part hidden behind the last
+micro-batch's backward is not counted) and the optimizer step::
+
+    T(c) = makespan(F, B, m, schedule, p2p) + max_k (exposed_sync_k + opt_k / dp^[zero>=1])
+
+The outer search enumerates every ``c`` (pp | world, tp | devices per node, b with
+``B % (dp b) == 0``, schedules, v, recompute, ZeRO) and, per ``c``, the stage boundaries that
+minimise the slowest stage (min-max contiguous partition by dynamic programming) next to the
+uniform split; the recomputation may differ per stage (the least that fits). It returns the
+feasible ``c`` with the smallest ``T(c)``. ILP solves are memoised per (tp, b): the search
+calls :func:`SegmentCostFn` once per distinct pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cost_models.cluster import Cluster, LinkSpec
+from cost_models.comm import link_time_s, overlaps_compute
+from cost_models.errors import ConfigError, InfeasiblePlanError
+from cost_models.pipeline import StageTimes, fast_step_time, inflight_microbatches
+from passes.segment_costs import SegmentCost, SegmentCosts
+
+SegmentCostFn = Callable[[int, int], SegmentCosts]
+"""``(tp, microbatch_size) -> SegmentCosts`` of one micro-batch on a tensor-parallel group."""
+
+BYTES_PER_PARAM: dict[str, dict[str, float]] = {
+    # (weights, gradients, optimizer state incl. fp32 master copy) per parameter element; Adam.
+    # ZeRO paper (Rajbhandari et al. 2020) section 3.1: mixed precision = 2 + 2 + 12 bytes.
+    "fp32": {"w": 4.0, "g": 4.0, "o": 8.0},
+    "bf16": {"w": 2.0, "g": 2.0, "o": 12.0},
+    "fp16": {"w": 2.0, "g": 2.0, "o": 12.0},
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One point of the search space (the degrees and knobs; stages chosen by the search)."""
+
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    zero_stage: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageEstimate:
+    segments: tuple[int, int]
+    """``[first, last)`` segment indices of the stage."""
+    rank: int
+    """Pipeline rank holding the stage."""
+    fwd_s: float
+    bwd_s: float
+    recompute: str
+    memory_bytes: float
+    memory_parts: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineEstimate:
+    candidate: Candidate
+    stages: tuple[StageEstimate, ...]
+    step_time_s: float
+    compute_s: float
+    """Busy compute time of the slowest pipeline rank (forward + backward + recompute)."""
+    bubble_s: float
+    p2p_exposed_s: float
+    exposed_comm_s: float
+    """Tensor-parallel collectives inside the stages + exposed gradient sync + p2p."""
+    optimizer_s: float
+    peak_memory_bytes: float
+    """Largest per-device memory over the stages."""
+    capacity_bytes: float
+    flops_per_step: float
+    mfu: float
+    tokens_per_s: float
+    feasible: bool
+    note: str = ""
+
+    @property
+    def stage_starts(self) -> tuple[int, ...]:
+        return tuple(s.segments[0] for s in self.stages)
+
+
+@dataclass(slots=True)
+class SearchSpace:
+    """What the outer search may choose (defaults: everything)."""
+
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    virtual_stages: tuple[int, ...] = (2, 4)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    balanced_stages: bool = True
+    per_stage_recompute: bool = True
+    fixed: dict[str, object] = field(default_factory=dict)
+
+
+# --- topology ---------------------------------------------------------------------------------
+
+
+def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
+    """Link of a group of ``size`` ranks ``stride`` apart: network if it leaves a node."""
+    spans = cluster.num_nodes > 1 and stride * size > cluster.devices_per_node
+    if not spans and "intra" in cluster.links:
+        return cluster.links["intra"]
+    if spans and "inter" in cluster.links:
+        return cluster.links["inter"]
+    d = cluster.device
+    if spans:
+        return LinkSpec(bw_GBps=d.inter_node_bw_GBps, latency_us=d.inter_node_latency_us, spans_nodes=True)
+    return LinkSpec(bw_GBps=d.intra_node_bw_GBps, latency_us=d.intra_node_latency_us, spans_nodes=False)
+
+
+def tp_cluster(cluster: Cluster, tp: int) -> Cluster:
+    """The tensor-parallel group as a one-node cluster (keeps a calibrated intra-node link)."""
+    links = {"intra": cluster.links["intra"]} if "intra" in cluster.links and tp > 1 else {}
+    return Cluster(
+        num_nodes=1, devices_per_node=tp, device=cluster.device, links=links, calibration=cluster.calibration
+    )
+
+
+# --- composing one configuration --------------------------------------------------------------
+
+
+def expand_blocks(costs: SegmentCosts, num_blocks: int) -> SegmentCosts:
+    """Costs of the same model with ``num_blocks`` identical blocks, from a trace with fewer:
+    the last traced block stands for every block (the first one may differ: it reads the
+    prologue's outputs), prologue and epilogue stay."""
+    traced_blocks = len(costs.segments) - 2
+    if traced_blocks == num_blocks:
+        return costs
+    if traced_blocks < 1:
+        raise ConfigError("the model has no repeated blocks to expand")
+    segs = list(costs.segments)
+    block = segs[-2]
+    blocks = (
+        segs[1:-1] + [block] * (num_blocks - traced_blocks) if num_blocks > traced_blocks else segs[1 : 1 + num_blocks]
+    )
+    cuts = list(costs.cut_bytes)
+    mid_cut = cuts[-2] if len(cuts) >= 2 else cuts[0]
+    new_cuts = [cuts[0]] + [mid_cut] * (num_blocks - 1) + [cuts[-1]]
+    return SegmentCosts(segments=(segs[0], *blocks, segs[-1]), cut_bytes=tuple(new_cuts))
+
+
+def _uniform_starts(num_segments: int, num_stages: int) -> tuple[int, ...]:
+    """Megatron's split: blocks divided evenly; the prologue joins the first stage and the
+    epilogue the last."""
+    num_blocks = num_segments - 2
+    per, extra = divmod(num_blocks, num_stages)
+    starts, at = [0], 1
+    for k in range(num_stages - 1):
+        at += per + (1 if k < extra else 0)
+        starts.append(at)
+    return tuple(starts)
+
+
+def _balanced_starts(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
+    """Contiguous split of ``weights`` into ``num_stages`` non-empty parts minimising the largest
+    part (dynamic programming, O(n^2 k)); each stage holds at least one block."""
+    n = len(weights)
+    prefix = [0.0, *itertools.accumulate(weights)]
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    arg = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                # stage k covers [i, j); every stage needs a block: not only prologue or epilogue
+                if (i == 0 and j == 1) or (i == n - 1 and j == n):
+                    continue
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost < best[k][j]:
+                    best[k][j], arg[k][j] = cost, i
+    if best[num_stages][n] == inf:
+        return _uniform_starts(n, num_stages)
+    starts, j = [], n
+    for k in range(num_stages, 0, -1):
+        i = arg[k][j]
+        starts.append(i)
+        j = i
+    return tuple(reversed(starts))
+
+
+def _recompute_parts(seg: SegmentCost, recompute: str) -> tuple[float, float, float]:
+    """(extra backward time, saved bytes per micro-batch, transient bytes) of one segment."""
+    if recompute == "none":
+        return 0.0, seg.saved_bytes, 0.0
+    if recompute == "selective":
+        kept = min(seg.saved_bytes, seg.saved_matmul_bytes + seg.input_bytes)
+        return seg.selective_recompute_s, kept, seg.saved_bytes - kept
+    return seg.fwd_s, min(seg.saved_bytes, seg.input_bytes), seg.saved_bytes
+
+
+def evaluate(
+    cand: Candidate,
+    costs: SegmentCosts,
+    cluster: Cluster,
+    *,
+    stage_starts: Sequence[int] | None = None,
+    stage_recompute: Sequence[str] | None = None,
+    precision: str = "fp32",
+    tokens_per_sample: int = 1,
+) -> PipelineEstimate:
+    """Step time and memory of ``cand`` with ``costs`` of its (tp, microbatch size)."""
+    segs = costs.segments
+    nstages = cand.pp * cand.virtual_stages
+    if nstages > len(segs) - 2 and nstages > 1:
+        raise ConfigError(f"{nstages} pipeline stages but the model has {len(segs) - 2} blocks: use fewer stages")
+    starts = tuple(stage_starts) if stage_starts is not None else _uniform_starts(len(segs), nstages)
+    bounds = [*starts, len(segs)]
+    rec = list(stage_recompute) if stage_recompute is not None else [cand.recompute] * nstages
+    bpp = BYTES_PER_PARAM[precision]
+    dp, m = cand.dp, cand.num_microbatches
+    device = cluster.device
+    overlap = overlaps_compute(device)
+    backend = cluster.backend
+    dp_link = group_link(cluster, stride=cand.tp, size=dp)
+    pp_link = group_link(cluster, stride=cand.tp * dp, size=2)
+
+    stage_times: list[StageTimes] = []
+    stages: list[StageEstimate] = []
+    sync_exposed: list[float] = []
+    opt_s: list[float] = []
+    tp_comm = 0.0
+    for k in range(nstages):
+        part = segs[bounds[k] : bounds[k + 1]]
+        fwd = sum(s.fwd_s for s in part)
+        extra = saved = transient = 0.0
+        for s in part:
+            e, a, t = _recompute_parts(s, rec[k])
+            extra, saved, transient = extra + e, saved + a, max(transient, t)
+        bwd = sum(s.bwd_s for s in part) + extra
+        tp_comm = max(tp_comm, sum(s.fwd_comm_s + s.bwd_comm_s for s in part))
+        numel = sum(s.param_numel for s in part)
+        w, g, o = numel * bpp["w"], numel * bpp["g"], numel * bpp["o"]
+        z = cand.zero_stage
+        o = o / dp if z >= 1 else o
+        g = g / dp if z >= 2 else g
+        gather = 0.0
+        if z >= 3:
+            w = w / dp
+            gather = 2 * max((s.param_numel for s in part), default=0) * bpp["w"]
+        grad_bytes = numel * bpp["g"]
+        if dp > 1:
+            kind = "reduce_scatter" if z >= 2 else "all_reduce"
+            sync = link_time_s(
+                kind, grad_bytes if kind == "all_reduce" else grad_bytes / dp, dp, dp_link, backend=backend
+            )
+            if z >= 3:  # parameters all-gathered before each micro-batch's forward and backward
+                ag = link_time_s("all_gather", numel * bpp["w"] / dp, dp, dp_link, backend=backend)
+                fwd, bwd = fwd + (0.0 if overlap else ag), bwd + (0.0 if overlap else ag)
+                if overlap:
+                    fwd, bwd = max(fwd, ag), max(bwd, ag)
+        else:
+            sync = 0.0
+        last_bwd = sum(s.bwd_s for s in part)
+        sync_exposed.append(max(0.0, sync - last_bwd) if overlap else sync)
+        opt_s.append(sum(s.optimizer_s for s in part) * (precision_opt_factor(precision)) / (dp if z >= 1 else 1))
+        rank = k % cand.pp
+        sched = cand.schedule if cand.pp > 1 else "gpipe"
+        inflight = inflight_microbatches(sched, rank, cand.pp, m, cand.virtual_stages)  # type: ignore[arg-type]
+        if cand.pp == 1:
+            inflight = 1  # gradient accumulation: one micro-batch in flight at a time
+        if cand.virtual_stages > 1:
+            inflight = math.ceil(inflight / cand.virtual_stages)
+        parts = {
+            "weights": w,
+            "grads": g,
+            "optimizer": o,
+            "activations": inflight * saved,
+            "transient": transient + gather,
+        }
+        stage_times.append(StageTimes(fwd_s=fwd, bwd_input_s=bwd * 0.5, bwd_weight_s=bwd * 0.5))
+        stages.append(
+            StageEstimate(
+                segments=(bounds[k], bounds[k + 1]),
+                rank=rank,
+                fwd_s=fwd,
+                bwd_s=bwd,
+                recompute=rec[k],
+                memory_bytes=sum(parts.values()),
+                memory_parts=parts,
+            )
+        )
+    # memory per pipeline rank: the sum of its stages (interleaving puts v stages on a rank)
+    per_rank = [0.0] * cand.pp
+    for st in stages:
+        per_rank[st.rank] += st.memory_bytes
+    p2p = [
+        link_time_s("send_recv", costs.cut_bytes[bounds[k + 1] - 1], 2, pp_link, backend=backend)
+        for k in range(nstages - 1)
+    ]
+    busy = [0.0] * cand.pp
+    for st in stages:
+        busy[st.rank] += m * (st.fwd_s + st.bwd_s)
+    if cand.pp > 1:
+        kw = {"num_ranks": cand.pp, "virtual_stages": cand.virtual_stages}
+        makespan = fast_step_time(stage_times, cand.schedule, m, p2p_s=p2p, **kw)  # type: ignore[arg-type]
+        free_p2p = fast_step_time(stage_times, cand.schedule, m, p2p_s=0.0, **kw)  # type: ignore[arg-type]
+        bubble = max(0.0, free_p2p - max(busy))
+        p2p_exposed = max(0.0, makespan - free_p2p)
+    else:
+        makespan, bubble, p2p_exposed = max(busy), 0.0, 0.0
+    tail = max(se + o for se, o in zip(sync_exposed, opt_s, strict=True))
+    step = makespan + tail
+    flops = sum(s.flops for s in segs) * m * dp
+    peak_flops = device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
+    capacity = float(device.mem_capacity_bytes)
+    peak = max(per_rank)
+    return PipelineEstimate(
+        candidate=cand,
+        stages=tuple(stages),
+        step_time_s=step,
+        compute_s=max(busy),
+        bubble_s=bubble,
+        p2p_exposed_s=p2p_exposed,
+        exposed_comm_s=m * tp_comm + max(sync_exposed) + p2p_exposed,
+        optimizer_s=max(opt_s),
+        peak_memory_bytes=peak,
+        capacity_bytes=capacity,
+        flops_per_step=flops,
+        mfu=flops / (step * peak_flops) if step > 0 else 0.0,
+        tokens_per_s=cand.dp * cand.microbatch_size * m * tokens_per_sample / step if step > 0 else 0.0,
+        feasible=peak <= capacity,
+    )
+
+
+def precision_dtype(precision: str) -> str:
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+
+
+def precision_opt_factor(precision: str) -> float:
+    """Optimizer step bytes relative to fp32 training (mixed precision also writes the bf16 copy)."""
+    return 1.0 if precision == "fp32" else 1.1
+
+
+# --- the outer search -------------------------------------------------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace) -> list[Candidate]:
+    """Every configuration of the search space that divides the cluster and the batch."""
+    world = cluster.world_size
+    out = []
+    for pp in _divisors(world):
+        if pp > max(num_blocks, 1):
+            continue
+        for tp in _divisors(world // pp):
+            if tp > cluster.devices_per_node or cluster.devices_per_node % tp:
+                continue
+            dp = world // (pp * tp)
+            for b in space.microbatch_sizes:
+                if global_batch_size % (dp * b):
+                    continue
+                m = global_batch_size // (dp * b)
+                if pp > 1 and m < pp:
+                    continue  # fewer micro-batches than stages: the pipeline never fills
+                scheds: list[tuple[str, int]] = []
+                if pp == 1:
+                    scheds = [("none", 1)]
+                else:
+                    for sch in space.schedules:
+                        if sch == "interleaved-1f1b":
+                            scheds += [(sch, v) for v in space.virtual_stages if pp * v <= num_blocks and m % pp == 0]
+                        else:
+                            scheds.append((sch, 1))
+                for (sch, v), rec, z in itertools.product(scheds, space.recompute, space.zero_stages):
+                    if dp == 1 and z > 0:
+                        continue  # nothing to shard over
+                    out.append(
+                        Candidate(
+                            dp=dp,
+                            tp=tp,
+                            pp=pp,
+                            microbatch_size=b,
+                            num_microbatches=m,
+                            schedule=sch,
+                            virtual_stages=v,
+                            recompute=rec,
+                            zero_stage=z,
+                        )  # fmt: skip
+                    )
+    return out
+
+
+def best_layout(
+    cand: Candidate,
+    costs: SegmentCosts,
+    cluster: Cluster,
+    *,
+    space: SearchSpace,
+    precision: str,
+    tokens_per_sample: int,
+) -> PipelineEstimate:
+    """The best stage split (uniform, or balanced by the min-max partition) and per-stage
+    recomputation (the least per stage that fits) for ``cand``."""
+    nseg = len(costs.segments)
+    nstages = cand.pp * cand.virtual_stages
+    splits = {_uniform_starts(nseg, nstages)}
+    if space.balanced_stages and nstages > 1:
+        splits.add(_balanced_starts([s.fwd_s + s.bwd_s for s in costs.segments], nstages))
+    best: PipelineEstimate | None = None
+    for starts in sorted(splits):
+        est = evaluate(
+            cand, costs, cluster, stage_starts=starts, precision=precision, tokens_per_sample=tokens_per_sample
+        )
+        if space.per_stage_recompute and cand.recompute != "none" and nstages > 1:
+            # the least recomputation per stage that still fits, cheapest first
+            order = ["none", "selective", "full"]
+            levels = order[: order.index(cand.recompute) + 1]
+            rec = [cand.recompute] * nstages
+            for k in range(nstages):
+                for level in levels:
+                    trial = rec.copy()
+                    trial[k] = level
+                    e2 = evaluate(
+                        cand, costs, cluster, stage_starts=starts, stage_recompute=trial,
+                        precision=precision, tokens_per_sample=tokens_per_sample,
+                    )  # fmt: skip
+                    if e2.feasible:
+                        rec = trial
+                        est = e2
+                        break
+        if best is None or _key(est) < _key(best):
+            best = est
+    assert best is not None
+    return best
+
+
+def _key(e: PipelineEstimate) -> tuple[bool, float]:
+    return (not e.feasible, e.step_time_s if e.feasible else e.peak_memory_bytes)
+
+
+def search(
+    cost_fn: SegmentCostFn,
+    cluster: Cluster,
+    *,
+    num_blocks: int,
+    global_batch_size: int,
+    space: SearchSpace | None = None,
+    precision: str = "fp32",
+    tokens_per_sample: int = 1,
+    expand_to_blocks: int | None = None,
+) -> tuple[PipelineEstimate, list[PipelineEstimate]]:
+    """The fastest feasible configuration, and every evaluated one (best layout each).
+
+    ``cost_fn(tp, b)`` gives the segment costs of one micro-batch of ``b`` samples on a
+    tensor-parallel group of ``tp`` (memoised here). ``expand_to_blocks`` prices a model with
+    that many identical blocks from a trace with fewer (:func:`expand_blocks`)."""
+    space = space or SearchSpace()
+    blocks = expand_to_blocks or num_blocks
+    cache: dict[tuple[int, int], SegmentCosts] = {}
+
+    def costs(tp: int, b: int) -> SegmentCosts:
+        if (tp, b) not in cache:
+            c = cost_fn(tp, b)
+            cache[(tp, b)] = expand_blocks(c, blocks) if expand_to_blocks else c
+        return cache[(tp, b)]
+
+    results = []
+    for cand in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space):
+        if any(getattr(cand, k) != v for k, v in space.fixed.items()):
+            continue
+        results.append(
+            best_layout(
+                cand,
+                costs(cand.tp, cand.microbatch_size),
+                cluster,
+                space=space,
+                precision=precision,
+                tokens_per_sample=tokens_per_sample,
+            )  # fmt: skip
+        )
+    if not results:
+        raise ConfigError(
+            f"no configuration divides the cluster ({cluster.world_size} devices) and the global batch "
+            f"({global_batch_size}): use a global batch divisible by the data-parallel degree"
+        )
+    feasible = [r for r in results if r.feasible]
+    if not feasible:
+        least = min(results, key=lambda r: r.peak_memory_bytes)
+        raise InfeasiblePlanError(
+            f"no configuration fits in {least.capacity_bytes / 2**30:.1f} GiB per device: the least memory-hungry "
+            f"({_describe(least.candidate)}) needs {least.peak_memory_bytes / 2**30:.1f} GiB; use more devices, "
+            "a smaller global batch or a device with more memory"
+        )
+    return min(feasible, key=lambda r: r.step_time_s), results
+
+
+def _describe(c: Candidate) -> str:
+    return (
+        f"dp={c.dp} tp={c.tp} pp={c.pp} mbs={c.microbatch_size}x{c.num_microbatches} {c.schedule}"
+        f"{f'(v={c.virtual_stages})' if c.virtual_stages > 1 else ''} recompute={c.recompute} zero={c.zero_stage}"
+    )
+
+
+__all__ = [
+    "Candidate",
+    "PipelineEstimate",
+    "SearchSpace",
+    "StageEstimate",
+    "best_layout",
+    "candidates",
+    "evaluate",
+    "expand_blocks",
+    "search",
+]
