@@ -60,13 +60,18 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
     p.add_argument("--max-bytes", type=int, help="largest message, bytes (default 16 MiB = 16777216)")
     p.add_argument("--repetitions", type=int, help="timed calls per size; the median is kept (default 7)")
     p.add_argument("--warmup", type=int, help="untimed calls per size (default 3)")
+    p.add_argument(
+        "--compute-gap-s",
+        type=float,
+        help="busy compute before each timed call, seconds, as in a training step (default 0.005 on CPU, 0 on GPU)",
+    )
     p.add_argument("--master-port", type=int, help="torchrun port on 127.0.0.1 (default: a free port)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the final summary line")
     p.add_argument("--samples-out", help=argparse.SUPPRESS)  # launcher <- rank 0 hand-over
     p.set_defaults(func=cmd_calibrate)
 
 
-_SWEEP_OPTIONS: tuple[str, ...] = ("min_bytes", "max_bytes", "repetitions", "warmup")
+_SWEEP_OPTIONS: tuple[str, ...] = ("min_bytes", "max_bytes", "repetitions", "warmup", "compute_gap_s")
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -297,15 +302,39 @@ def measure(mesh: Any, cluster: Cluster, sweep: Sweep) -> list[Sample]:
     ]
 
 
+def _compute_burst(device: torch.device, gap_s: float) -> Callable[[], None]:
+    """A fixed amount of matmul work taking about ``gap_s`` on this rank (sized once, so every
+    rank runs the same work and arrives at the collective with the skew real compute has)."""
+    import torch
+
+    if gap_s <= 0 or device.type == "cuda":
+        return lambda: None
+    a = torch.rand(128, 128)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    per_mm_s = (time.perf_counter() - t0) / 20
+    count = max(1, round(gap_s / max(per_mm_s, 1e-7)))
+
+    def burst() -> None:
+        for _ in range(count):
+            a @ a
+
+    return burst
+
+
 def _time_s(op: Callable[[], None], sweep: Sweep, device: torch.device) -> list[float]:
     import torch
     import torch.distributed as dist
 
+    gap_s = sweep.compute_gap_s if sweep.compute_gap_s is not None else (0.0 if device.type == "cuda" else 0.005)
+    burst = _compute_burst(device, gap_s)
     for _ in range(sweep.warmup):
         op()
     times = []
     for _ in range(sweep.repetitions):
         dist.barrier()
+        burst()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
