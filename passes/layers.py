@@ -116,7 +116,7 @@ def find_layers(traced: TracedProgram) -> Layering:
             continue
         module = n.meta.get(MODULE_KEY)
         s = by_module(module)
-        if s is None and module is not None and module in module_seg:
+        if s is None and module and module in module_seg:  # "" (top-level code) says nothing
             s = module_seg[module].most_common(1)[0][0]
         if s is None:
             ins = [seg[a.name] for a in n.all_input_nodes if a.name in seg]

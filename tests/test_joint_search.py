@@ -1,0 +1,130 @@
+"""Joint search (passes.pipeline_search, autoplan.joint): configuration checks, the what-if
+estimate equals the planner's own pricing, block expansion equals a deeper trace, the planner is
+never worse than the uniform Megatron grid, and memory-driven choices."""
+
+from __future__ import annotations
+
+import pytest
+
+import autoplan
+from autoplan.config import ParallelConfig
+from autoplan.joint import SegmentCostModel, estimate, search_config
+from cost_models.cluster import Cluster
+from cost_models.errors import ConfigError, InfeasiblePlanError
+from passes.pipeline_search import Candidate, SearchSpace, evaluate, expand_blocks, search
+from tests.models import gpt2_tiny, lm_loss, token_batch
+
+CLUSTER = "2x4xA100-80GB"
+
+
+@pytest.fixture(scope="module")
+def costs() -> SegmentCostModel:
+    ids, labels = token_batch()
+    return SegmentCostModel(gpt2_tiny(num_layers=4), (ids,), lm_loss, (labels,), Cluster.preset(CLUSTER))
+
+
+def test_config_errors_name_the_numbers():
+    with pytest.raises(ConfigError, match="positive integer"):
+        ParallelConfig(dp=0)
+    with pytest.raises(ConfigError, match=r"num_microbatches \(6\) divisible by pp \(4\)"):
+        ParallelConfig(pp=4, num_microbatches=6, schedule="interleaved-1f1b", virtual_stages=2)
+    cfg = ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=2, num_microbatches=4)
+    with pytest.raises(ConfigError, match=r"2\*2\*4 = 16 but global_batch_size is 20"):
+        cfg.check_against(world_size=8, devices_per_node=4, num_blocks=4, global_batch_size=20)
+    with pytest.raises(ConfigError, match=r"= 8 but the cluster has 16"):
+        cfg.check_against(world_size=16, devices_per_node=8, num_blocks=4, global_batch_size=16)
+    deep = ParallelConfig(dp=1, tp=1, pp=8, num_microbatches=8)
+    with pytest.raises(ConfigError, match="8 stages but the model has 4 blocks"):
+        deep.check_against(world_size=8, devices_per_node=8, num_blocks=4, global_batch_size=8)
+
+
+def test_estimate_rejects_pipeline_deeper_than_model():
+    ids, labels = token_batch()
+    cfg = ParallelConfig(dp=1, tp=1, pp=8, microbatch_size=1, num_microbatches=8)
+    with pytest.raises(ConfigError, match="8 stages but the model has 2 blocks"):
+        estimate(
+            gpt2_tiny(), CLUSTER, (ids,), loss_fn=lm_loss, example_targets=(labels,), config=cfg, global_batch_size=8
+        )
+
+
+def test_expanded_blocks_equal_a_deeper_trace():
+    """Costs of a 2-block trace expanded to 4 blocks = costs of the 4-block trace (identical blocks),
+    within 0.5% per segment (the two ILPs may break ties between equal-cost layouts differently)."""
+    ids, labels = token_batch()
+    cluster = Cluster.preset(CLUSTER)
+    two = SegmentCostModel(gpt2_tiny(num_layers=2), (ids,), lm_loss, (labels,), cluster)(2, 2)
+    four = SegmentCostModel(gpt2_tiny(num_layers=4), (ids,), lm_loss, (labels,), cluster)(2, 2)
+    grown = expand_blocks(two, 4)
+    assert len(grown.segments) == len(four.segments) == 6
+    for a, b in zip(grown.segments, four.segments, strict=True):
+        assert a.fwd_s == pytest.approx(b.fwd_s, rel=5e-3)
+        assert a.bwd_s == pytest.approx(b.bwd_s, rel=5e-3)
+        assert a.param_numel == b.param_numel
+        assert a.saved_bytes == pytest.approx(b.saved_bytes)
+    assert grown.cut_bytes == pytest.approx(four.cut_bytes)
+
+
+def test_estimate_is_the_planners_own_price(costs):  # noqa: ANN001
+    """autoplan.estimate of the planner's choice gives the planner's step time and memory."""
+    cluster = Cluster.preset(CLUSTER)
+    best, every = search(costs, cluster, num_blocks=4, global_batch_size=32, precision="fp32")
+    c = best.candidate
+    cfg = ParallelConfig(
+        dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size, num_microbatches=c.num_microbatches,
+        schedule=c.schedule if c.pp > 1 else "1f1b", virtual_stages=c.virtual_stages,
+        recompute=c.recompute, zero_stage=c.zero_stage,
+    )  # fmt: skip
+    direct = evaluate(c, costs(c.tp, c.microbatch_size), cluster, stage_starts=best.stage_starts,
+                      stage_recompute=[s.recompute for s in best.stages])  # fmt: skip
+    assert direct.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
+    assert direct.peak_memory_bytes == pytest.approx(best.peak_memory_bytes, rel=1e-12)
+    assert len(every) > 50
+    assert all(best.step_time_s <= e.step_time_s * (1 + 1e-12) for e in every if e.feasible)
+    assert cfg.global_batch_size == 32
+
+
+def test_planner_never_worse_than_uniform_grid(costs):  # noqa: ANN001
+    cluster = Cluster.preset(CLUSTER)
+    grid_space = SearchSpace(balanced_stages=False, per_stage_recompute=False)
+    planner, _ = search(costs, cluster, num_blocks=4, global_batch_size=32)
+    grid, _ = search(costs, cluster, num_blocks=4, global_batch_size=32, space=grid_space)
+    assert planner.step_time_s <= grid.step_time_s * (1 + 1e-12)
+
+
+def test_pipeline_bubble_and_inflight_memory(costs):  # noqa: ANN001
+    """GPipe keeps every micro-batch's activations, 1F1B at most pp: more memory for GPipe, and a
+    bubble of (p-1)/(m+p-1) of the makespan for uniform stages."""
+    cluster = Cluster.preset(CLUSTER)
+    kw = dict(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=8, virtual_stages=1, recompute="none", zero_stage=0)
+    seg = costs(2, 1)
+    gpipe = evaluate(Candidate(schedule="gpipe", **kw), seg, cluster)
+    ofob = evaluate(Candidate(schedule="1f1b", **kw), seg, cluster)
+    act = [s.memory_parts["activations"] for s in gpipe.stages]
+    act_1f1b = [s.memory_parts["activations"] for s in ofob.stages]
+    assert act[0] == pytest.approx(4 * act_1f1b[0])  # m=8 in flight vs p-rank=2 on rank 0
+    assert gpipe.bubble_s > 0 and ofob.bubble_s > 0
+    full = evaluate(Candidate(schedule="1f1b", **{**kw, "recompute": "full"}), seg, cluster)
+    assert full.peak_memory_bytes < ofob.peak_memory_bytes and full.compute_s > ofob.compute_s
+
+
+def test_memory_pressure_picks_sharding_or_recompute():
+    """A device too small for plain data parallelism: the search shards or recomputes; far too
+    small: a clear InfeasiblePlanError naming the memory needed."""
+    ids, labels = token_batch()
+    model = gpt2_tiny(num_layers=4)
+    big, _ = search_config(
+        model, "1x4xA100-80GB", (ids,), loss_fn=lm_loss, example_targets=(labels,), global_batch_size=16
+    )
+    assert big.feasible
+    tiny_cluster = Cluster.from_dict(
+        {"num_nodes": 1, "devices_per_node": 4,
+         "device": {"name": "tiny", "peak_flops": {"float32": 1e12}, "mem_bw_GBps": 100, "mem_capacity_bytes": 2**16,
+                    "intra_node_bw_GBps": 10, "intra_node_latency_us": 5, "inter_node_bw_GBps": 1,
+                    "inter_node_latency_us": 10}}
+    )  # fmt: skip
+    with pytest.raises(InfeasiblePlanError, match="GiB per device"):
+        search_config(model, tiny_cluster, (ids,), loss_fn=lm_loss, example_targets=(labels,), global_batch_size=16)
+
+
+def test_public_api_exports():
+    assert autoplan.ParallelConfig is ParallelConfig and autoplan.estimate is estimate
