@@ -12,7 +12,7 @@ import fnmatch
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,12 +140,16 @@ def plan_traced(
     time_limit_s: float = 120.0,
     solver: str = "auto",
     profile: ProfileDB | None = None,
+    restrict: Callable[[StrategyTable, TracedProgram], None] | None = None,
 ) -> Plan:
     """Plan an already traced training step on ``mesh`` (the cluster's shape); op times come
-    from ``profile`` where it has them (see :func:`open_profile`)."""
+    from ``profile`` where it has them (see :func:`open_profile`). ``restrict`` may remove
+    strategies from the table after the pins (e.g. the data-parallel layout a configuration fixes)."""
     t0 = time.perf_counter()
     table = build_strategy_table(traced, mesh)
     _apply_pins(table, traced, pins or {})
+    if restrict is not None:
+        restrict(table, traced)
     problem = build_cost_problem(traced, table, cluster, optimizer=optimizer, profile=profile)
     solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
@@ -268,8 +272,15 @@ def plan(
     time_limit_s: float = 120.0,
     solver: str = "auto",
     profile: ProfileChoice = "auto",
+    global_batch_size: int | None = None,
+    precision: str = "fp32",
 ) -> Plan:
     """Plan data/tensor/sequence/parameter sharding of one training step of ``model``.
+
+    With ``global_batch_size`` the plan comes from the joint search (:mod:`autoplan.joint`):
+    data/tensor/pipeline degrees, micro-batches, schedule, recomputation and ZeRO stage, with
+    the per-operator ILP inside each stage; ``plan.config`` holds the chosen configuration and
+    ``example_inputs`` only give the per-sample shapes.
 
     ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
     a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
@@ -279,6 +290,14 @@ def plan(
     """
     cluster = _as_cluster(cluster)
     _check_optimizer(optimizer)
+    if global_batch_size is not None:
+        from autoplan.joint import plan_for_batch
+
+        return plan_for_batch(
+            model, cluster, example_inputs=example_inputs, loss_fn=loss_fn, example_targets=example_targets,
+            global_batch_size=global_batch_size, precision=precision, optimizer=optimizer,
+            profile=open_profile(cluster, profile), time_limit_s=time_limit_s, solver=solver,
+        )  # fmt: skip
     traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     db = open_profile(cluster, profile)
     with planning_mesh(cluster) as mesh:

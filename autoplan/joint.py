@@ -18,6 +18,7 @@ micro-batch size the search tries.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoplan.config import PRECISIONS, ParallelConfig
+from autoplan.plan import Estimate, PipelineLayout, Plan
 from cost_models.cluster import Cluster
 from cost_models.errors import ConfigError
 from cost_models.profile_db import ProfileDB
@@ -43,8 +45,8 @@ from passes.pipeline_search import (
 )
 from passes.segment_costs import SegmentCosts, segment_costs
 from passes.solver import ShardingILP, SolverOptions
-from passes.strategies import build_strategy_table
-from passes.trace import LossFn, param_node_name, trace_training_step
+from passes.strategies import StrategyTable, build_strategy_table
+from passes.trace import LossFn, TracedProgram, param_node_name, trace_training_step
 
 log = logging.getLogger(__name__)
 
@@ -293,3 +295,127 @@ def search_config(
 
 
 __all__ = ["SegmentCostModel", "TrainingEstimate", "best_layout", "estimate", "search_config"]
+
+
+# --- plans made with a global batch -------------------------------------------------------------
+
+
+def stage_axes(config: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Shape and names of one stage's mesh: the ``dp`` and ``tp`` axes larger than one (a
+    size-one axis only multiplies the ILP's strategies by layouts that split nothing)."""
+    axes = [(size, name) for size, name in ((config.dp, "dp"), (config.tp, "tp")) if size > 1] or [(1, "dp")]
+    return tuple(a[0] for a in axes), tuple(a[1] for a in axes)
+
+
+def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
+    """The devices of one pipeline stage as a cluster with the mesh of :func:`stage_axes`: whole
+    nodes when the stage spans nodes, else a part of one node."""
+    from cost_models.errors import ClusterSpecError
+
+    shape, names = stage_axes(config)
+    n = config.dp * config.tp
+    dpn = cluster.devices_per_node
+    nodes, per_node = (n // dpn, dpn) if n > dpn and n % dpn == 0 else (1, n)
+    try:
+        return Cluster(num_nodes=nodes, devices_per_node=per_node, device=cluster.device).with_mesh(shape, names)
+    except ClusterSpecError:
+        # a data-parallel group that straddles nodes: plan the placements on one "node" (the
+        # search priced the real links already)
+        return Cluster(num_nodes=1, devices_per_node=n, device=cluster.device, mesh_shape=shape, mesh_axis_names=names)
+
+
+def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: ParallelConfig) -> None:
+    """Data parallelism as the search priced it: inputs and targets split along the batch on the
+    ``dp`` axis; parameters replicated on ``dp`` (ZeRO 0-2) or sharded on it (ZeRO 3, where the
+    shape allows)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from passes.strategies import NodeStrategies
+
+    if config.dp == 1:
+        return
+    dp_axis = 0  # stage_axes puts dp first when it is larger than one
+    for name, ns in list(table.nodes.items()):
+        if ns.kind not in ("param", "input"):
+            continue
+        if name.startswith("p_"):
+            if config.zero_stage >= 3:
+                keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][dp_axis], Shard))
+            else:
+                keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][dp_axis], Replicate))
+        elif name.startswith(("input_", "target_")):
+            keep = tuple(s for s in ns.strategies if s.output_specs[0][dp_axis] == Shard(0))
+        else:
+            continue
+        if keep:
+            table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+
+
+def plan_for_batch(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    *,
+    example_inputs: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor],
+    global_batch_size: int,
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    profile: ProfileDB | None = None,
+    space: SearchSpace | None = None,
+    time_limit_s: float = 120.0,
+    solver: str = "auto",
+) -> Plan:
+    """The joint search, then the placements of one stage's program for the chosen config."""
+    from autoplan.api import plan_traced, planning_mesh  # api re-exports this module's entry point
+
+    t0 = time.perf_counter()
+    best, _ = search_config(
+        model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
+        example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
+    )  # fmt: skip
+    cfg = best.config
+    model_p, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
+    batch = cfg.microbatch_size * cfg.dp
+    traced = trace_training_step(
+        model_p,
+        tuple(_with_batch(t, batch) for t in inputs),
+        loss_fn=loss_fn,
+        example_targets=tuple(_with_batch(t, batch) for t in targets),
+    )
+    layering = find_layers(traced)
+    sub = stage_cluster(cluster, cfg)
+    with planning_mesh(sub) as mesh:
+        stage = plan_traced(
+            traced, sub, mesh=mesh, optimizer=optimizer, time_limit_s=time_limit_s, solver=solver, profile=profile,
+            restrict=lambda table, tr: _restrict_for_config(table, tr, cfg),
+        )  # fmt: skip
+    worst = max(range(len(best.memory_parts_bytes)), key=lambda k: sum(best.memory_parts_bytes[k].values()))
+    parts = dict(best.memory_parts_bytes[worst])
+    estimate = Estimate(
+        step_time_s=best.step_time_s,
+        compute_s=best.compute_s,
+        comm_s=best.exposed_comm_s,
+        memory_bytes={**parts, "total": best.peak_memory_bytes},
+        capacity_bytes=best.capacity_bytes,
+        memory_peak_at=f"stage {worst}",
+        compute_sources=stage.estimate.compute_sources,
+        exposed_comm_s=best.exposed_comm_s,
+        bubble_s=best.bubble_s,
+        mfu=best.mfu,
+        tokens_per_s=best.tokens_per_s,
+        memory_per_device_bytes=best.memory_per_device_bytes,
+    )
+    layout = PipelineLayout(
+        stage_starts=best.stage_starts,
+        stage_recompute=best.stage_recompute,
+        segment_names=tuple(layering.segment_name(k) for k in range(layering.num_segments)),
+        stage_mesh_shape=stage_axes(cfg)[0],
+        stage_axis_names=stage_axes(cfg)[1],
+        global_batch_size=global_batch_size,
+        precision=precision,
+    )
+    solver_info = {**stage.solver, "plan_time_s": round(time.perf_counter() - t0, 3)}
+    return dataclasses.replace(
+        stage, cluster=cluster, estimate=estimate, config=cfg, pipeline=layout, solver=solver_info
+    )

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from autoplan.config import ParallelConfig
 from cost_models.cluster import Cluster
 from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
 from passes.placement import parse_spec, spec_str
@@ -28,6 +29,8 @@ from passes.trace import param_node_name
 PLAN_FORMAT = "autoplan.plan"
 PLAN_VERSION = 1
 GiB = 1024**3
+_ESTIMATE_OPTIONAL = ("bubble_s", "mfu", "tokens_per_s")
+"""Estimate fields written only when set (plans made with a global batch)."""
 _SOLVER_KEYS = ("status", "objective_s", "solve_time_s", "num_variables", "num_constraints")
 
 
@@ -99,6 +102,56 @@ class Estimate:
     analytic roofline (``analytic``)."""
     exposed_comm_s: float | None = None
     """Communication time not hidden behind compute (``None``: no overlap modelled, all exposed)."""
+    bubble_s: float | None = None
+    """Pipeline bubble (plans made with a global batch; ``None`` otherwise)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation (plans made with a global batch)."""
+    tokens_per_s: float | None = None
+    memory_per_device_bytes: tuple[float, ...] = ()
+    """Peak bytes per device of each pipeline rank (plans made with a global batch)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineLayout:
+    """How a plan made for a global batch splits the model and the cluster (``plan.config`` has
+    the degrees). The placements of the plan are those of one stage's program: the joint graph
+    of one micro-batch (``microbatch_size * dp`` samples) on the stage mesh ``(dp, tp)``."""
+
+    stage_starts: tuple[int, ...]
+    """First segment of each stage (``passes.layers``: 0 prologue, 1..L blocks, L+1 epilogue)."""
+    stage_recompute: tuple[str, ...]
+    segment_names: tuple[str, ...]
+    stage_mesh_shape: tuple[int, ...]
+    stage_axis_names: tuple[str, ...]
+    global_batch_size: int
+    precision: str
+
+    def stage_segments(self) -> list[tuple[str, ...]]:
+        bounds = [*self.stage_starts, len(self.segment_names)]
+        return [tuple(self.segment_names[bounds[k] : bounds[k + 1]]) for k in range(len(self.stage_starts))]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage_starts": list(self.stage_starts),
+            "stage_recompute": list(self.stage_recompute),
+            "segment_names": list(self.segment_names),
+            "stage_mesh_shape": list(self.stage_mesh_shape),
+            "stage_axis_names": list(self.stage_axis_names),
+            "global_batch_size": self.global_batch_size,
+            "precision": self.precision,
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> PipelineLayout:
+        return PipelineLayout(
+            stage_starts=tuple(int(x) for x in d["stage_starts"]),
+            stage_recompute=tuple(str(x) for x in d["stage_recompute"]),
+            segment_names=tuple(str(x) for x in d["segment_names"]),
+            stage_mesh_shape=tuple(int(x) for x in d["stage_mesh_shape"]),
+            stage_axis_names=tuple(str(x) for x in d["stage_axis_names"]),
+            global_batch_size=int(d["global_batch_size"]),
+            precision=str(d["precision"]),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +173,9 @@ class Plan:
     estimate: Estimate
     solver: Mapping[str, Any]
     versions: Mapping[str, str] = field(default_factory=dict)
+    config: ParallelConfig | None = None
+    """Degrees and knobs chosen by the joint search (plans made with a global batch)."""
+    pipeline: PipelineLayout | None = None
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -183,6 +239,15 @@ class Plan:
         mem = e.memory_bytes
         lines = [
             f"autoplan plan {self.fingerprint} for {c} ({c.device.name}, {c.world_size} devices)",
+            *(
+                [
+                    f"  configuration: {self.config}",
+                    f"  throughput: {e.tokens_per_s or 0:,.0f} tokens/s, MFU {e.mfu or 0:.1%}, pipeline bubble "
+                    f"{(e.bubble_s or 0) * 1e3:.3f} ms",
+                ]
+                if self.config is not None
+                else []
+            ),
             f"  estimated step: {e.step_time_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f} ms, "
             f"communication {e.comm_s * 1e3:.3f} ms"
             + (f", of which exposed {e.exposed_comm_s * 1e3:.3f} ms)" if e.exposed_comm_s is not None else ")"),
@@ -256,7 +321,11 @@ class Plan:
                 "memory_peak_at": e.memory_peak_at,
                 "compute_sources": dict(e.compute_sources),
                 "exposed_comm_s": e.exposed_comm_s,
+                **{k: getattr(e, k) for k in _ESTIMATE_OPTIONAL if getattr(e, k) is not None},
+                **({"memory_per_device_bytes": list(e.memory_per_device_bytes)} if e.memory_per_device_bytes else {}),
             },
+            **({"config": self.config.to_dict()} if self.config is not None else {}),
+            **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
             "solver": dict(self.solver),
             "fallback_ops": dict(self.fallback_ops),
             "collectives": [c.to_dict() for c in self.collectives],
@@ -295,7 +364,13 @@ class Plan:
                     memory_peak_at=str(est.get("memory_peak_at", "")),
                     compute_sources={k: int(v) for k, v in est.get("compute_sources", {}).items()},
                     exposed_comm_s=None if est.get("exposed_comm_s") is None else float(est["exposed_comm_s"]),
+                    bubble_s=None if est.get("bubble_s") is None else float(est["bubble_s"]),
+                    mfu=None if est.get("mfu") is None else float(est["mfu"]),
+                    tokens_per_s=None if est.get("tokens_per_s") is None else float(est["tokens_per_s"]),
+                    memory_per_device_bytes=tuple(float(x) for x in est.get("memory_per_device_bytes", ())),
                 ),
+                config=ParallelConfig.from_dict(dict(d["config"])) if d.get("config") is not None else None,
+                pipeline=PipelineLayout.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
                 solver=dict(d["solver"]),
                 versions=dict(d.get("versions", {})),
             )

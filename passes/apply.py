@@ -160,8 +160,13 @@ def generate_program(
     axis_names: tuple[str, ...],
     device: torch.device,
     mesh: DeviceMesh | None = None,
+    defer_grad_conversions: bool = False,
 ) -> GeneratedProgram:
-    """Build the per-rank program (see the module docstring)."""
+    """Build the per-rank program (see the module docstring).
+
+    ``defer_grad_conversions=True`` returns every parameter gradient as its producer made it (no
+    conversion, no bucket): the caller runs the gradient :class:`Redistribution` steps itself,
+    e.g. once after accumulating micro-batches (exact: every step is linear)."""
     mesh_ndim = len(axis_names)
     src_gm = traced.graph_module
     redistributions = edge_redistributions(traced, assignment, mesh_ndim)
@@ -175,7 +180,7 @@ def generate_program(
     grad_conversions: dict[fx.Node, list[tuple[int, Redistribution]]] = {}
     for i, (pname, g) in enumerate(zip(traced.param_names, output_node.args[0][1:], strict=True)):
         r = by_edge.get((param_node_name(pname), -1))
-        if r is not None and r.bucket is None:
+        if r is not None and r.bucket is None and not defer_grad_conversions:
             grad_conversions.setdefault(g, []).append((i, r))
     converted_grads: dict[int, fx.Node] = {}
 
@@ -194,7 +199,7 @@ def generate_program(
             buckets: dict[str, list[int]] = {}
             for i, (pname, g) in enumerate(zip(traced.param_names, grads, strict=True)):
                 r = by_edge.get((param_node_name(pname), -1))
-                if r is not None and r.bucket is not None:
+                if r is not None and r.bucket is not None and not defer_grad_conversions:
                     buckets.setdefault(r.bucket, []).append(i)
                 new_grads.append(converted_grads.get(i, env[g]))
             for members in buckets.values():

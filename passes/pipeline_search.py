@@ -279,20 +279,24 @@ def evaluate(
             w = w / dp
             gather = 2 * max((s.param_numel for s in part), default=0) * bpp["w"]
         grad_bytes = numel * bpp["g"]
+        after = 0.0  # communication after the optimizer step (cannot hide behind the backward)
         if dp > 1:
-            kind = "reduce_scatter" if z >= 2 else "all_reduce"
-            sync = link_time_s(
-                kind, grad_bytes if kind == "all_reduce" else grad_bytes / dp, dp, dp_link, backend=backend
-            )
+            # collectives take full-size byte counts (cost_models.comm's ring convention)
+            if z == 0:
+                sync = link_time_s("all_reduce", grad_bytes, dp, dp_link, backend=backend)
+            else:  # gradients reduce-scattered; ZeRO 1-2 all-gather the updated weights after the step
+                sync = link_time_s("reduce_scatter", grad_bytes, dp, dp_link, backend=backend)
+                if z < 3:
+                    after = link_time_s("all_gather", numel * bpp["w"], dp, dp_link, backend=backend)
             if z >= 3:  # parameters all-gathered before each micro-batch's forward and backward
-                ag = link_time_s("all_gather", numel * bpp["w"] / dp, dp, dp_link, backend=backend)
+                ag = link_time_s("all_gather", numel * bpp["w"], dp, dp_link, backend=backend)
                 fwd, bwd = fwd + (0.0 if overlap else ag), bwd + (0.0 if overlap else ag)
                 if overlap:
                     fwd, bwd = max(fwd, ag), max(bwd, ag)
         else:
             sync = 0.0
         last_bwd = sum(s.bwd_s for s in part)
-        sync_exposed.append(max(0.0, sync - last_bwd) if overlap else sync)
+        sync_exposed.append((max(0.0, sync - last_bwd) if overlap else sync) + after)
         opt_s.append(sum(s.optimizer_s for s in part) * (precision_opt_factor(precision)) / (dp if z >= 1 else 1))
         rank = k % cand.pp
         sched = cand.schedule if cand.pp > 1 else "gpipe"

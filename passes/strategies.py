@@ -302,6 +302,13 @@ def _wrap_lists(a: object) -> object:
 # the pass
 
 
+def _strategy_key(s: Strategy) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (
+        tuple("-" if spec is None else spec_str(spec) for spec in s.output_specs),
+        tuple(spec_str(spec) for spec in s.input_specs),
+    )
+
+
 def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTable:
     """Enumerate the strategies of every node (see the module docstring)."""
     mesh_shape = tuple(mesh.shape)
@@ -357,6 +364,9 @@ def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTab
         if enum.has_strategy(node.target) and not _has_tensor_kwargs(node):
             cands = [out_candidates(r) for r in refs]
             strategies = enum.enumerate(node, cands)
+            # canonical order: DTensor's strategy lists can come out in another order once its
+            # caches are warm, and the ILP breaks ties by order (plans must not depend on that)
+            strategies = tuple(sorted(strategies, key=_strategy_key)) if strategies else strategies
         if not strategies:
             table.fallback_ops[node.name] = str(node.target)
             outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in (val if n_out > 1 else [val]))

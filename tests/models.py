@@ -49,12 +49,12 @@ VOCAB = 128
 MAX_POSITIONS = 64
 
 
-def gpt2_tiny(seed: int = 0) -> nn.Module:
-    """HF GPT-2: 2 layers, n_embd 32, 4 heads, vocab 128, 64 positions, no dropout (tied lm_head)."""
+def gpt2_tiny(seed: int = 0, num_layers: int = 2) -> nn.Module:
+    """HF GPT-2: ``num_layers`` layers (2), n_embd 32, 4 heads, vocab 128, 64 positions, no dropout (tied lm_head)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=2,
+        n_layer=num_layers,
         n_embd=32,
         n_head=4,
         vocab_size=VOCAB,
@@ -71,13 +71,13 @@ def gpt2_tiny(seed: int = 0) -> nn.Module:
     return GPT2LMHeadModel(config).eval()
 
 
-def llama_tiny(seed: int = 0) -> nn.Module:
-    """HF Llama with grouped-query attention: 2 layers, hidden 32, MLP 64, 4 query heads sharing
+def llama_tiny(seed: int = 0, num_layers: int = 2) -> nn.Module:
+    """HF Llama with grouped-query attention: ``num_layers`` layers (2), hidden 32, MLP 64, 4 query heads sharing
     2 key/value heads (head_dim 8), vocab 128, 64 positions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=4,

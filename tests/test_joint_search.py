@@ -128,3 +128,19 @@ def test_memory_pressure_picks_sharding_or_recompute():
 
 def test_public_api_exports():
     assert autoplan.ParallelConfig is ParallelConfig and autoplan.estimate is estimate
+
+
+def test_plan_with_global_batch_records_config_and_stages(tmp_path):  # noqa: ANN001
+    ids, labels = token_batch()
+    space_kw = {"global_batch_size": 16}
+    plan = autoplan.plan(gpt2_tiny(num_layers=4), "1x4xCPU", example_inputs=(ids,), loss_fn=lm_loss,
+                         example_targets=(labels,), **space_kw)  # fmt: skip
+    cfg = plan.config
+    assert cfg is not None and cfg.world_size == 4 and cfg.global_batch_size == 16
+    assert plan.pipeline is not None and len(plan.pipeline.stage_starts) == cfg.pp * cfg.virtual_stages
+    assert plan.estimate.mfu is not None and plan.estimate.tokens_per_s > 0
+    assert "configuration: dp=" in plan.summary()
+    plan.save(tmp_path / "p.json")
+    again = autoplan.Plan.load(tmp_path / "p.json")
+    assert again.config == cfg and again.pipeline == plan.pipeline
+    assert again.estimate == plan.estimate

@@ -1,0 +1,454 @@
+"""Pipeline-parallel execution of a plan with ``torch.distributed.pipelining``.
+
+A pipeline plan is: stages as contiguous segment ranges of the :class:`~passes.layers.Layering`
+(``stage_starts``), a per-op sharding of the joint graph traced at the *micro-batch* size on the
+stage sub-mesh (the same for every stage), a schedule and a number of micro-batches.
+:func:`build_pipeline` generates the per-rank program on this rank's stage sub-mesh
+(:func:`passes.apply.generate_program`), cuts it into stage programs
+(:func:`passes.stages.split_stages`) and wraps each stage in a ``PipelineStage`` whose module runs
+the stage's forward program and, in its autograd backward, the stage's backward program.
+PipelineStage sends local tensors between ranks with the same stage-mesh coordinate; each end
+rebuilds the DTensor from the placement the plan gives the value.
+
+The loss: the model inputs *and* the loss targets enter stage 0 and are passed on to the last
+stage, whose forward computes the (per-micro-batch mean) loss; the schedule's ``loss_fn`` returns
+that output unchanged, so its backward seeds 1 and the last stage's backward program starts from
+its own traced seed. Raw parameter gradients are summed over micro-batches, then, once per step,
+converted to the parameter placement (coalesced all-reduces per stage, as planned), divided by
+the number of micro-batches, and summed over the stages holding a copy of a tied parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.experimental import implicit_replication
+
+from cost_models.comm import is_coalescable, plan_transition
+from cost_models.errors import PlanError
+from passes import runtime
+from passes.apply import _STEP_FN, generate_program
+from passes.layers import Layering
+from passes.placement import spec_str
+from passes.stages import StageProgram, ValueInfo, split_stages
+from passes.strategies import Strategy
+from passes.trace import TracedProgram, param_node_name
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+def _local_shape(v: ValueInfo, mesh: DeviceMesh) -> tuple[int, ...]:
+    if v.spec is None:
+        return v.shape
+    shape, _ = compute_local_shape_and_global_offset(v.shape, mesh, list(v.spec))
+    return tuple(shape)
+
+
+def _wrap(local: torch.Tensor, v: ValueInfo, mesh: DeviceMesh) -> torch.Tensor:
+    if v.spec is None:
+        return local
+    return DTensor.from_local(local, mesh, list(v.spec), run_check=False, shape=torch.Size(v.shape), stride=v.stride)
+
+
+def _unwrap(x: torch.Tensor) -> torch.Tensor:
+    """The local tensor, with any pending collective finished: DTensor's redistribute returns
+    functional-collective results that complete lazily, and a tensor handed to the pipeline's
+    asynchronous send (or kept across micro-batches) must hold its final values."""
+    local = x.to_local() if isinstance(x, DTensor) else x
+    if isinstance(local, AsyncCollectiveTensor):
+        local = local.wait()
+    return local.contiguous()
+
+
+class _StageFunction(torch.autograd.Function):
+    """Forward: the stage's forward program; backward: its backward program (local tensors in/out)."""
+
+    @staticmethod
+    def forward(ctx: Any, module: StageModule, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # noqa: ARG004
+        outs, saved = module.run_forward(inputs)
+        ctx.module, ctx.saved_values = module, saved
+        ctx.set_materialize_grads(False)
+        ids = {id(x) for x in inputs}
+        outs = [o.clone() if id(o) in ids else o for o in outs]
+        no_grad = [
+            o for o, g in zip(outs, module.program.output_grads, strict=True) if g is None and not module.is_last
+        ]
+        if no_grad:
+            ctx.mark_non_differentiable(*no_grad)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        grads = ctx.module.run_backward(ctx.saved_values, grad_outputs)
+        ctx.saved_values = None
+        return (None, None, *grads)
+
+
+class StageModule(torch.nn.Module):
+    """One pipeline stage: its parameter copies (DTensors on the stage mesh) and programs."""
+
+    def __init__(
+        self,
+        program: StageProgram,
+        *,
+        model: torch.nn.Module,
+        assignment: Mapping[str, Strategy],
+        mesh: DeviceMesh,
+        num_stages: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.program = program
+        self.mesh = mesh
+        self.is_last = program.index == num_stages - 1
+        named = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        self.param_specs = {n: assignment[param_node_name(n)].output_specs[0] for n in program.param_names}
+        self.params = torch.nn.ParameterList(
+            torch.nn.Parameter(
+                distribute_tensor(named[n].detach().to(device), mesh, list(self.param_specs[n]), src_data_rank=None)
+            )
+            for n in program.param_names
+        )
+        rep = runtime.replicate
+        self._buffers_list = [rep(buffers[n].detach().to(device), mesh) for n in program.buffer_names]
+        self.anchor = torch.ones((), device=device, requires_grad=True)
+        self.grad_acc: dict[str, torch.Tensor] = {}
+        """FQN -> local raw gradient summed over this step's micro-batches."""
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        outs = _StageFunction.apply(self, self.anchor, *inputs)
+        return outs[0] if self.is_last else outs
+
+    def _args(self) -> list[Any]:
+        return [p.detach() for p in self.params] + list(self._buffers_list)
+
+    def run_forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+        prog = self.program
+        if prog.index == 0:  # the micro-batch as given: keep this rank's shard
+            args = [
+                distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None) if v.spec is not None else x
+                for x, v in zip(inputs, prog.inputs, strict=True)
+            ]
+        else:
+            args = [_wrap(x, v, self.mesh) for x, v in zip(inputs, prog.inputs, strict=True)]
+        with torch.no_grad(), implicit_replication():
+            res = prog.forward(*self._args(), *args)
+        n_out = len(prog.outputs)
+        return [_unwrap(o) for o in res[:n_out]], list(res[n_out:])
+
+    def run_backward(self, saved: list[Any], grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        prog = self.program
+        grads = [
+            _wrap(g, v, self.mesh) if g is not None else _zeros(v, self.mesh)
+            for g, v in zip(grad_outputs, prog.output_grads, strict=True)
+            if v is not None
+        ]
+        with torch.no_grad(), implicit_replication():
+            res = prog.backward(*self._args(), *saved, *grads)
+        n_in = sum(1 for v in prog.input_grads if v is not None)
+        it = iter(res[:n_in])
+        in_grads = [_unwrap(next(it)) if v is not None else None for v in prog.input_grads]
+        for (fqn, _), g in zip(prog.param_grads, res[n_in:], strict=True):
+            local = _unwrap(g)
+            acc = self.grad_acc.get(fqn)
+            self.grad_acc[fqn] = local.clone() if acc is None else acc.add_(local)
+        return in_grads
+
+
+def _zeros(v: ValueInfo, mesh: DeviceMesh) -> torch.Tensor:
+    return _wrap(torch.zeros(_local_shape(v, mesh), dtype=v.dtype), v, mesh)
+
+
+class PipelineModel(torch.nn.Module):
+    """A model run as a pipeline of stages (this rank's stages only). :meth:`step` runs one
+    training step (all micro-batches) and leaves each parameter's gradient in ``.grad``."""
+
+    def __init__(
+        self,
+        *,
+        stages: Sequence[StageModule],
+        schedule: Any,
+        mesh: DeviceMesh,
+        stage_mesh: DeviceMesh,
+        num_microbatches: int,
+        tied_groups: Mapping[str, tuple[tuple[int, ...], dist.ProcessGroup | None]],
+        optimizer: str,
+        num_stages: int,
+    ) -> None:
+        super().__init__()
+        self.stage_modules = torch.nn.ModuleList(stages)
+        self._stages: list[StageModule] = list(stages)
+        self.schedule = schedule
+        self.mesh = mesh
+        self.stage_mesh = stage_mesh
+        self.num_microbatches = num_microbatches
+        self._tied_groups = tied_groups
+        self._optimizer = optimizer
+        self.num_stages = num_stages
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # noqa: ARG002
+        for st in self._stages:
+            yield from st.params
+
+    def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
+        params = list(self.parameters())
+        if self._optimizer == "adam":
+            return torch.optim.Adam(params, **kwargs)
+        if self._optimizer == "adamw":
+            return torch.optim.AdamW(params, **kwargs)
+        if self._optimizer == "sgd_momentum":
+            return torch.optim.SGD(params, momentum=kwargs.pop("momentum", 0.9), **kwargs)
+        return torch.optim.SGD(params, **kwargs)
+
+    def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """One training step on the *global* batch (the same on every rank); returns the loss
+        (mean over micro-batches, on every rank)."""
+        batch = inputs[0].shape[0]
+        if batch % self.num_microbatches:
+            raise PlanError(
+                f"global batch {batch} is not divisible by num_microbatches={self.num_microbatches}: "
+                "change the batch or the number of micro-batches"
+            )
+        for st in self._stages:
+            st.grad_acc.clear()
+        losses: list[torch.Tensor] = []
+        args = tuple(inputs) + tuple(targets)
+        dummy_target = torch.zeros(batch)
+        self.schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
+        self._finish_grads()
+        pp_group = self.mesh.get_group("pp")
+        holds_last = any(st.is_last for st in self._stages)
+        loss = torch.stack([x.detach() for x in losses]).mean() if holds_last else torch.zeros(())
+        last_rank = dist.get_global_rank(pp_group, (self.num_stages - 1) % self.mesh.size(0))
+        dist.broadcast(loss, src=last_rank, group=pp_group)
+        return loss
+
+    def _finish_grads(self) -> None:
+        mesh = self.stage_mesh
+        m = self.num_microbatches
+        tied_local: dict[str, torch.Tensor] = {}
+        for st in self._stages:
+            converted: dict[str, Any] = {}  # FQN -> DTensor gradient in the parameter's placement
+            buckets: dict[str, list[tuple[str, Any]]] = {}
+            for fqn, v in st.program.param_grads:
+                local = st.grad_acc.get(fqn)
+                assert local is not None and v.spec is not None, fqn
+                g = _wrap(local, v, mesh)
+                dst = st.param_specs[fqn]
+                steps = plan_transition(v.spec, dst) if v.spec != dst else ()
+                if steps and is_coalescable(steps):
+                    buckets.setdefault(f"{spec_str(v.spec)}->{spec_str(dst)}", []).append((fqn, g))
+                    continue
+                converted[fqn] = _run_steps(g, steps)
+            for members in buckets.values():
+                src = members[0][1].placements
+                group = tuple(g for _, g in members)
+                for axis, placement in enumerate(src):
+                    if isinstance(placement, Partial):
+                        group = runtime.all_reduce_coalesced(group, axis)
+                converted.update({fqn: g for (fqn, _), g in zip(members, group, strict=True)})
+            for fqn, p in zip(st.program.param_names, st.params, strict=True):
+                total: Any = converted.get(fqn)
+                if total is None:
+                    total = DTensor.from_local(
+                        torch.zeros_like(p.to_local()),
+                        mesh,
+                        p.placements,
+                        run_check=False,
+                        shape=p.shape,
+                        stride=p.stride(),
+                    )
+                local = total.to_local() / m
+                if fqn in self._tied_groups:
+                    tied_local[fqn] = tied_local[fqn] + local if fqn in tied_local else local
+                p.grad = DTensor.from_local(
+                    local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                )
+        for fqn in sorted(self._tied_groups):
+            _, tied_group = self._tied_groups[fqn]
+            total = tied_local[fqn].contiguous()
+            if tied_group is not None:
+                dist.all_reduce(total, group=tied_group)
+            for st in self._stages:
+                for name, p in zip(st.program.param_names, st.params, strict=True):
+                    if name == fqn:
+                        p.grad = DTensor.from_local(
+                            total.clone(), mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                        )
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered to a full tensor by FQN (collective: call on all ranks)."""
+        mine: dict[str, torch.Tensor] = {}
+        for st in self._stages:
+            for fqn, p in zip(st.program.param_names, st.params, strict=True):
+                value = p.detach()
+                assert isinstance(value, DTensor)
+                full = value.full_tensor()
+                mine.setdefault(fqn, full)
+        gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        out: dict[str, torch.Tensor] = {}
+        for d in gathered:
+            assert d is not None
+            for k, t in d.items():
+                out.setdefault(k, t)
+        return out
+
+
+def _run_steps(g: torch.Tensor, steps: Sequence[Any]) -> torch.Tensor:
+    for st in steps:
+        kwargs: dict[str, Any] = {"axis": st.axis}
+        if st.kind in ("reduce_scatter", "all_to_all", "shard"):
+            kwargs["dim"] = st.dst.dim
+        g = _STEP_FN[st.kind](g, **kwargs)
+    return g
+
+
+def _check_schedule(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if schedule != "interleaved-1f1b" and virtual_stages != 1:
+        raise PlanError(f"schedule {schedule!r} holds one stage per rank: use virtual_stages=1 or interleaved-1f1b")
+    if schedule == "interleaved-1f1b" and num_microbatches % pp:
+        raise PlanError(
+            f"interleaved-1f1b needs num_microbatches divisible by the pipeline size {pp}, got {num_microbatches}"
+        )
+    if schedule == "1f1b" and num_microbatches < pp:
+        raise PlanError(f"1f1b needs at least as many micro-batches as stages ({pp}), got {num_microbatches}")
+
+
+def build_pipeline(
+    model: torch.nn.Module,
+    traced_mb: TracedProgram,
+    assignment: Mapping[str, Strategy],
+    layering: Layering,
+    *,
+    stage_starts: Sequence[int],
+    mesh: DeviceMesh,
+    axis_names: tuple[str, ...],
+    schedule: ScheduleName,
+    num_microbatches: int,
+    virtual_stages: int = 1,
+    fallback_nodes: frozenset[str] = frozenset(),
+    device: torch.device,
+    optimizer: str = "adam",
+) -> PipelineModel:
+    """Build this rank's stages and the schedule. ``mesh`` has shape ``(pp, *stage_mesh)`` and
+    names ``("pp", *axis_names)``; ``stage_starts[k]`` is the first segment of stage ``k``
+    (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``)."""
+    pp = mesh.size(0)
+    num_stages = len(stage_starts)
+    if num_stages > layering.num_segments:
+        raise PlanError(
+            f"{num_stages} pipeline stages but the model has only {layering.num_segments} segments: "
+            "lower pp or virtual_stages"
+        )
+    if num_stages != pp * virtual_stages:
+        raise PlanError(
+            f"{num_stages} stage starts for pp={pp} x virtual_stages={virtual_stages}: give {pp * virtual_stages}"
+        )
+    _check_schedule(schedule, pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+    stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
+    program = generate_program(
+        traced_mb,
+        assignment,
+        fallback_nodes=fallback_nodes,
+        axis_names=axis_names,
+        device=device,
+        mesh=stage_mesh,
+        defer_grad_conversions=True,
+    )
+    split = split_stages(
+        program.graph_module, traced_mb, layering, assignment, stage_starts=stage_starts, mesh_ndim=len(axis_names)
+    )
+    pp_rank = mesh.get_local_rank("pp")
+    pp_group = mesh.get_group("pp")
+    mine = [s for s in range(num_stages) if s % pp == pp_rank]
+    modules = [
+        StageModule(
+            split.stages[s], model=model, assignment=assignment, mesh=stage_mesh, num_stages=num_stages, device=device
+        )
+        for s in mine
+    ]
+    stages = []
+    for mod in modules:
+        prog = mod.program
+        ins = tuple(
+            torch.zeros(
+                v.shape if prog.index == 0 else _local_shape(v, stage_mesh), dtype=v.dtype, device=device
+            ).requires_grad_(v.requires_grad and prog.index > 0)
+            for v in prog.inputs
+        )
+        outs = tuple(
+            torch.zeros(_local_shape(v, stage_mesh), dtype=v.dtype, device=device).requires_grad_(
+                v.requires_grad or mod.is_last
+            )
+            for v in prog.outputs
+        )
+        out_grads = tuple(
+            None if g is None else torch.zeros(_local_shape(g, stage_mesh), dtype=g.dtype, device=device)
+            for g in prog.output_grads
+        )
+        in_grads = tuple(
+            None if g is None else torch.zeros(_local_shape(g, stage_mesh), dtype=g.dtype, device=device)
+            for g in prog.input_grads
+        )
+        stages.append(
+            PipelineStage(
+                mod,
+                prog.index,
+                num_stages,
+                device,
+                input_args=ins,
+                output_args=outs[0] if mod.is_last else outs,
+                output_grads=None if mod.is_last else out_grads,
+                input_grads=in_grads,
+                group=pp_group,
+            )
+        )
+
+    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
+        return output  # the last stage's output is the micro-batch loss
+
+    kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
+    sched: Any
+    if schedule == "gpipe":
+        sched = ScheduleGPipe(stages[0], num_microbatches, **kw)
+    elif schedule == "1f1b":
+        sched = Schedule1F1B(stages[0], num_microbatches, **kw)
+    else:
+        sched = ScheduleInterleaved1F1B(list[Any](stages), num_microbatches, **kw)
+
+    # tied parameters: one group per stage-mesh coordinate over the pipeline ranks holding a copy
+    tied_groups: dict[str, tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
+    ranks_grid = mesh.mesh.reshape(pp, -1)
+    for fqn in sorted(split.tied_params):
+        pranks = tuple(sorted({s % pp for s in split.tied_params[fqn]}))
+        group = None
+        if len(pranks) > 1:
+            for col in range(ranks_grid.shape[1]):
+                ranks = [int(ranks_grid[r, col]) for r in pranks]
+                g = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    group = g
+        tied_groups[fqn] = (pranks, group)
+    return PipelineModel(
+        stages=modules,
+        schedule=sched,
+        mesh=mesh,
+        stage_mesh=stage_mesh,
+        num_microbatches=num_microbatches,
+        tied_groups=tied_groups,
+        optimizer=optimizer,
+        num_stages=num_stages,
+    )

@@ -1,0 +1,272 @@
+"""Pipeline-parallel plans train like the single-device model (autoplan.pipeline, passes.stages).
+
+Multi-process cases: 4 gloo CPU ranks as a (pp=2) x (stage mesh of 2) mesh, a 4-layer GPT-2 or
+Llama, 3 SGD-with-momentum steps (not Adam: the attention key bias has an analytically zero
+gradient, and Adam turns its summation-order noise into lr-sized updates; see
+tests/test_equivalence.py) on a global batch of 8 split into 4 micro-batches. The per-op sharding is
+planned for one micro-batch on the stage mesh with pins forcing data parallelism ("dp") or
+Megatron tensor parallelism ("tp"). Required on every rank: the loss at every step and every
+parameter after the last step equal the single-device fp32 run
+(``torch.testing.assert_close(rtol=1e-5, atol=1e-6)``).
+
+Single-process cases check the stage split itself: every op in exactly one stage program,
+boundary values, pass-through of values that skip stages, tied-parameter copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from autoplan.api import plan_traced, planning_mesh
+from cost_models.cluster import Cluster
+from passes.apply import generate_program
+from passes.layers import find_layers
+from passes.stages import split_stages
+from passes.trace import trace_training_step
+from tests import models
+from tests.dist_utils import run_ranks
+
+GLOBAL_BATCH = 8
+NUM_MICROBATCHES = 4
+NUM_STEPS = 3
+NUM_LAYERS = 4
+
+GPT2_TP_PINS = {
+    "input_0": "R",
+    "target_0": "R",
+    "*mlp.c_fc.weight": "S(1)",
+    "*mlp.c_proj.weight": "S(0)",
+    "*attn.c_attn.weight": "S(1)",
+    "*attn.c_proj.weight": "S(0)",
+}
+LLAMA_TP_PINS = {
+    "input_0": "R",
+    "target_0": "R",
+    "*.q_proj.weight": "S(0)",
+    "*.k_proj.weight": "S(0)",
+    "*.v_proj.weight": "S(0)",
+    "*.gate_proj.weight": "S(0)",
+    "*.up_proj.weight": "S(0)",
+    "*.o_proj.weight": "S(1)",
+    "*.down_proj.weight": "S(1)",
+}
+DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
+BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {"gpt2": models.gpt2_tiny, "llama": models.llama_tiny}
+PINS: dict[tuple[str, str], Mapping[str, str]] = {
+    ("gpt2", "dp"): DP_PINS,
+    ("llama", "dp"): DP_PINS,
+    ("gpt2", "tp"): GPT2_TP_PINS,
+    ("llama", "tp"): LLAMA_TP_PINS,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipeCase:
+    model: str
+    """``gpt2`` or ``llama``."""
+    layout: str
+    """``dp`` or ``tp`` on the stage mesh."""
+    schedule: str
+    virtual_stages: int = 1
+    pp: int = 2
+    stage_size: int = 2
+
+
+def _stage_starts(num_segments: int, num_stages: int) -> list[int]:
+    """Blocks spread evenly; the prologue joins the first stage, the epilogue the last."""
+    num_blocks = num_segments - 2
+    per = num_blocks // num_stages
+    return [0] + [1 + per * k for k in range(1, num_stages)]
+
+
+def _slow_cluster(n: int) -> Cluster:
+    """The ``nxCPU`` preset with compute 1e5x slower, so a pinned split is not undone by the ILP."""
+    cluster = Cluster.preset(f"{n}xCPU")
+    cpu = cluster.device
+    slow = dataclasses.replace(
+        cpu,
+        peak_flops={k: v / 1e5 for k, v in cpu.peak_flops.items()},
+        mem_bw_GBps=cpu.mem_bw_GBps / 1e5,
+        sources=(*cpu.sources, "tests: compute 1e5x slower"),
+    )
+    return dataclasses.replace(cluster, device=slow)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return models.token_batch(batch=GLOBAL_BATCH, seed=step + 1)
+
+
+def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase) -> dict[str, object]:
+    from autoplan.pipeline import build_pipeline
+
+    model = BUILDERS[case.model](num_layers=NUM_LAYERS)
+    reference = copy.deepcopy(model)
+    ids, labels = _batch(0)
+    mb = GLOBAL_BATCH // NUM_MICROBATCHES
+    traced = trace_training_step(model, (ids[:mb],), loss_fn=models.lm_loss, example_targets=(labels[:mb],))
+    layering = find_layers(traced)
+    mesh = init_device_mesh("cpu", (case.pp, case.stage_size), mesh_dim_names=("pp", "x"))
+    cluster = _slow_cluster(case.stage_size)
+    plan = plan_traced(
+        traced, cluster, mesh=mesh["x"], pins=dict(PINS[case.model, case.layout]), optimizer="sgd_momentum"
+    )
+    num_stages = case.pp * case.virtual_stages
+    pm = build_pipeline(
+        model,
+        traced,
+        plan.assignment(),
+        layering,
+        stage_starts=_stage_starts(layering.num_segments, num_stages),
+        mesh=mesh,
+        axis_names=("x",),
+        schedule=case.schedule,  # type: ignore[arg-type]
+        num_microbatches=NUM_MICROBATCHES,
+        virtual_stages=case.virtual_stages,
+        fallback_nodes=frozenset(plan.fallback_ops),
+        device=torch.device("cpu"),
+        optimizer="sgd_momentum",
+    )
+    opt = pm.make_optimizer(lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(NUM_STEPS):
+        ids, labels = _batch(step)
+        losses.append(pm.step((ids,), (labels,)).item())
+        opt.step()
+        opt.zero_grad()
+        ref_loss = models.lm_loss(reference(ids), labels)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    full = pm.full_parameters()
+    ref = {n: p.detach() for n, p in reference.named_parameters()}
+    return {"losses": losses, "ref_losses": ref_losses, "params": full, "ref_params": ref}
+
+
+def run_pipeline_case(case: PipeCase) -> None:
+    results = run_ranks(train_pipeline_and_reference, case.pp * case.stage_size, case, timeout_s=600)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
+        assert set(r["params"]) == set(r["ref_params"])
+        for name, p in r["params"].items():
+            torch.testing.assert_close(
+                p, r["ref_params"][name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
+
+
+# --- multi-process equivalence -------------------------------------------------------------------
+
+
+def test_gpt2_pp2_x_dp2_1f1b_trains_like_single_device():
+    run_pipeline_case(PipeCase(model="gpt2", layout="dp", schedule="1f1b"))
+
+
+def test_llama_pp2_x_tp2_gpipe_trains_like_single_device():
+    run_pipeline_case(PipeCase(model="llama", layout="tp", schedule="gpipe"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "layout", "schedule", "virtual_stages"),
+    [
+        ("gpt2", "dp", "gpipe", 1),
+        ("gpt2", "tp", "gpipe", 1),
+        ("gpt2", "tp", "1f1b", 1),
+        ("llama", "dp", "gpipe", 1),
+        ("llama", "dp", "1f1b", 1),
+        ("llama", "tp", "1f1b", 1),
+        ("gpt2", "dp", "interleaved-1f1b", 2),
+        ("llama", "tp", "interleaved-1f1b", 2),
+    ],
+)
+def test_pipeline_trains_like_single_device(model: str, layout: str, schedule: str, virtual_stages: int) -> None:
+    run_pipeline_case(PipeCase(model=model, layout=layout, schedule=schedule, virtual_stages=virtual_stages))
+
+
+# --- the stage split (one process) -----------------------------------------------------------------
+
+
+def _split(model: str, stage_starts: list[int]):  # noqa: ANN202
+    net = BUILDERS[model](num_layers=NUM_LAYERS)
+    ids, labels = models.token_batch(batch=2)
+    traced = trace_training_step(net, (ids,), loss_fn=models.lm_loss, example_targets=(labels,))
+    layering = find_layers(traced)
+    cluster = Cluster.preset("2xCPU")
+    with planning_mesh(cluster) as mesh:
+        plan = plan_traced(traced, cluster, mesh=mesh, pins=DP_PINS)
+        gen = generate_program(
+            traced,
+            plan.assignment(),
+            fallback_nodes=frozenset(plan.fallback_ops),
+            axis_names=cluster.mesh_axis_names,
+            device=torch.device("cpu"),
+            mesh=mesh,
+            defer_grad_conversions=True,
+        )
+    split = split_stages(gen.graph_module, traced, layering, plan.assignment(), stage_starts=stage_starts, mesh_ndim=1)
+    return traced, gen.graph_module, split
+
+
+def _ops(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_every_op_runs_in_exactly_one_stage_program(model: str) -> None:
+    _, gen, split = _split(model, [0, 3])
+    seen: dict[str, int] = {}
+    for st in split.stages:
+        for gm in (st.forward, st.backward):
+            for name in _ops(gm):
+                if name not in split.stage_of:
+                    continue  # a constant (recomputed where read) or a tied-gradient partial sum
+                assert name not in seen, f"{name} in stage {seen[name]} and {st.index}"
+                assert split.stage_of[name] == st.index
+                seen[name] = st.index
+    missing = {n for n in _ops(gen) if n in split.stage_of} - set(seen)
+    assert not missing, missing
+
+
+def test_boundary_values_and_gradients_pair_up() -> None:
+    _, _, split = _split("gpt2", [0, 3])
+    first, second = split.stages
+    assert [v.name for v in first.outputs] == [v.name for v in second.inputs]
+    assert [v.name for v in first.inputs] == ["input_0", "target_0"]
+    # the residual stream crosses with its gradient; token ids and labels cross without one
+    hidden = [v for v in first.outputs if v.requires_grad]
+    assert len(hidden) == 1 and hidden[0].shape == (2, 16, 32)
+    grads = [g for g in first.output_grads if g is not None]
+    assert len(grads) == 1 and grads[0].shape == hidden[0].shape
+    assert [g.name if g else None for g in second.input_grads] == [g.name if g else None for g in first.output_grads]
+    assert len(second.outputs) == 1 and second.outputs[0].shape == ()  # the loss
+
+
+def test_values_that_skip_stages_are_passed_through() -> None:
+    _, _, split = _split("llama", [0, 2, 3, 4])
+    # rotary cos/sin are made in the prologue and read by every block: each stage passes them on
+    rotary = {v.name for v in split.stages[0].outputs if v.shape == (1, 16, 8)}
+    assert len(rotary) == 2
+    for st in split.stages[1:-1]:
+        assert rotary <= {v.name for v in st.inputs} and rotary <= {v.name for v in st.outputs}
+    assert rotary <= {v.name for v in split.stages[-1].inputs}
+    # the labels travel from stage 0 to the loss in the last stage
+    assert all("target_0" in {v.name for v in st.inputs} for st in split.stages)
+
+
+def test_tied_embedding_gets_a_copy_and_a_partial_gradient_per_stage() -> None:
+    _, _, split = _split("gpt2", [0, 2, 3, 4])
+    assert split.tied_params == {"transformer.wte.weight": (0, 3)}
+    for s in (0, 3):
+        st = split.stages[s]
+        assert "transformer.wte.weight" in st.param_names
+        assert "transformer.wte.weight" in dict(st.param_grads)
+    assert all("transformer.wte.weight" not in st.param_names for st in split.stages[1:3])
