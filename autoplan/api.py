@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autoplan.config import ParallelConfig
 from autoplan.parallel import ParallelModel
+from autoplan.pipeline import PipelineModel
 from autoplan.plan import CollectiveRecord, Estimate, Plan, software_versions
 from cost_models.cluster import Cluster
 from cost_models.comm import overlaps_compute, transition_cost_s
@@ -274,13 +276,15 @@ def plan(
     profile: ProfileChoice = "auto",
     global_batch_size: int | None = None,
     precision: str = "fp32",
+    config: ParallelConfig | None = None,
 ) -> Plan:
     """Plan data/tensor/sequence/parameter sharding of one training step of ``model``.
 
     With ``global_batch_size`` the plan comes from the joint search (:mod:`autoplan.joint`):
     data/tensor/pipeline degrees, micro-batches, schedule, recomputation and ZeRO stage, with
     the per-operator ILP inside each stage; ``plan.config`` holds the chosen configuration and
-    ``example_inputs`` only give the per-sample shapes.
+    ``example_inputs`` only give the per-sample shapes. ``config`` fixes the configuration
+    (degrees, micro-batches, schedule, recomputation, ZeRO); the search then places the stages.
 
     ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
     a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
@@ -296,8 +300,10 @@ def plan(
         return plan_for_batch(
             model, cluster, example_inputs=example_inputs, loss_fn=loss_fn, example_targets=example_targets,
             global_batch_size=global_batch_size, precision=precision, optimizer=optimizer,
-            profile=open_profile(cluster, profile), time_limit_s=time_limit_s, solver=solver,
+            profile=open_profile(cluster, profile), time_limit_s=time_limit_s, solver=solver, config=config,
         )  # fmt: skip
+    if config is not None:
+        raise PlanError("config= needs global_batch_size= (the configuration splits a global batch)")
     traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     db = open_profile(cluster, profile)
     with planning_mesh(cluster) as mesh:
@@ -356,6 +362,56 @@ def _runtime_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _parallelize_pipeline(
+    model: torch.nn.Module,
+    plan: Plan,
+    inputs: tuple[torch.Tensor, ...],
+    targets: tuple[torch.Tensor, ...],
+    loss_fn: LossFn | None,
+    device: torch.device,
+) -> PipelineModel:
+    """A plan made for a global batch: stages of one micro-batch's program, run by a
+    ``torch.distributed.pipelining`` schedule (:mod:`autoplan.pipeline`)."""
+    from autoplan.joint import _with_batch
+    from autoplan.pipeline import build_pipeline
+    from passes.layers import find_layers
+
+    cfg, layout = plan.config, plan.pipeline
+    assert cfg is not None and layout is not None
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
+    if batch != layout.global_batch_size:
+        raise PlanMismatchError(
+            f"the plan is for a global batch of {layout.global_batch_size} but the example inputs have {batch} "
+            f"samples: pass a global batch of {layout.global_batch_size} or re-plan with --global-batch-size {batch}"
+        )
+    mb = cfg.microbatch_size * cfg.dp
+    traced = trace_training_step(
+        model,
+        tuple(_with_batch(t, mb) for t in inputs),
+        loss_fn=loss_fn,
+        example_targets=tuple(_with_batch(t, mb) for t in targets),
+    )
+    plan.check_applies_to(fingerprint=traced.fingerprint, world_size=dist.get_world_size())
+    mesh = init_device_mesh(
+        device.type, (cfg.pp, *layout.stage_mesh_shape), mesh_dim_names=("pp", *layout.stage_axis_names)
+    )
+    return build_pipeline(
+        model,
+        traced,
+        plan.assignment(),
+        find_layers(traced),
+        stage_starts=layout.stage_starts,
+        mesh=mesh,
+        axis_names=layout.stage_axis_names,
+        schedule="gpipe" if cfg.pp == 1 else cfg.schedule,  # type: ignore[arg-type]
+        num_microbatches=cfg.num_microbatches,
+        virtual_stages=cfg.virtual_stages,
+        fallback_nodes=frozenset(plan.fallback_ops),
+        device=device,
+        optimizer=plan.optimizer,
+    )
+
+
 def parallelize(
     model: torch.nn.Module,
     cluster: Cluster | str,
@@ -367,8 +423,12 @@ def parallelize(
     optimizer: str = "adam",
     pins: Pins | None = None,
     profile: ProfileChoice = "auto",
-) -> ParallelModel:
+) -> ParallelModel | PipelineModel:
     """Apply ``plan`` (or plan now) to ``model`` inside a ``torchrun`` job.
+
+    A plan made with a global batch (``plan.config`` set) runs as a pipeline of stages
+    (:class:`~autoplan.pipeline.PipelineModel`, pipeline degree 1 included: micro-batches then
+    accumulate gradients); ``example_inputs`` are then the global batch.
 
     Every rank must build the same model with the same weights. Returns a
     :class:`~autoplan.parallel.ParallelModel` whose parameters are DTensors in the planned
@@ -392,6 +452,8 @@ def parallelize(
     model = model.to(device)
     inputs = tuple(t.to(device) for t in example_inputs)
     targets = tuple(t.to(device) for t in example_targets)
+    if plan is not None and plan.config is not None:
+        return _parallelize_pipeline(model, plan, inputs, targets, loss_fn, device)
     traced = trace_training_step(model, inputs, loss_fn=loss_fn, example_targets=targets)
     mesh = init_device_mesh(device.type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
     if plan is None:

@@ -271,8 +271,10 @@ def search_config(
     optimizer: str = "adam",
     profile: ProfileDB | None = None,
     space: SearchSpace | None = None,
+    config: ParallelConfig | None = None,
 ) -> tuple[TrainingEstimate, list[TrainingEstimate]]:
-    """The planner's joint search: the fastest configuration that fits, and every one it priced."""
+    """The planner's joint search: the fastest configuration that fits, and every one it priced
+    (``config``: only that configuration, its stage boundaries searched)."""
     from autoplan.api import _as_cluster
 
     cluster = _as_cluster(cluster)
@@ -281,6 +283,14 @@ def search_config(
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
     costs._traced(1)  # noqa: SLF001 - learn the number of blocks
+    if config is not None:
+        config.check_against(
+            world_size=cluster.world_size,
+            devices_per_node=cluster.devices_per_node,
+            num_blocks=costs.num_blocks,
+            global_batch_size=global_batch_size,
+        )
+        space = _space_for(config)
     best, every = search(
         costs,
         cluster,
@@ -351,6 +361,21 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
             table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
 
 
+def _space_for(config: ParallelConfig) -> SearchSpace:
+    """A search space holding exactly ``config`` (stage boundaries still searched)."""
+    schedule = config.schedule if config.pp > 1 else "none"
+    return SearchSpace(
+        schedules=(schedule,),
+        virtual_stages=(config.virtual_stages,),
+        recompute=(config.recompute,),
+        zero_stages=(config.zero_stage,),
+        microbatch_sizes=(config.microbatch_size,),
+        per_stage_recompute=False,
+        fixed={"dp": config.dp, "tp": config.tp, "pp": config.pp, "num_microbatches": config.num_microbatches,
+               "schedule": schedule, "virtual_stages": config.virtual_stages},
+    )  # fmt: skip
+
+
 def plan_for_batch(
     model: torch.nn.Module,
     cluster: Cluster,
@@ -365,8 +390,12 @@ def plan_for_batch(
     space: SearchSpace | None = None,
     time_limit_s: float = 120.0,
     solver: str = "auto",
+    config: ParallelConfig | None = None,
 ) -> Plan:
-    """The joint search, then the placements of one stage's program for the chosen config."""
+    """The joint search, then the placements of one stage's program for the chosen config.
+    ``config`` fixes the degrees and knobs (the search then only places the stage boundaries)."""
+    if config is not None:
+        space = _space_for(config)
     from autoplan.api import plan_traced, planning_mesh  # api re-exports this module's entry point
 
     t0 = time.perf_counter()

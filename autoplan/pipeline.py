@@ -286,6 +286,20 @@ class PipelineModel(torch.nn.Module):
                             total.clone(), mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
                         )
 
+    def forward_backward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """Same contract as ``ParallelModel.forward_backward``: one step on the global batch,
+        gradients left in ``.grad``, the loss returned (every rank)."""
+        return self.step(inputs, targets)
+
+    @property
+    def code(self) -> str:
+        """This rank's stage programs as readable Python."""
+        parts = []
+        for st in self._stages:
+            parts.append(f"# --- stage {st.program.index}: forward ---\n{st.program.forward.code}")
+            parts.append(f"# --- stage {st.program.index}: backward ---\n{st.program.backward.code}")
+        return "\n".join(parts)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to a full tensor by FQN (collective: call on all ranks)."""
         mine: dict[str, torch.Tensor] = {}
