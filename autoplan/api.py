@@ -372,7 +372,7 @@ def _parallelize_pipeline(
 ) -> PipelineModel:
     """A plan made for a global batch: stages of one micro-batch's program, run by a
     ``torch.distributed.pipelining`` schedule (:mod:`autoplan.pipeline`)."""
-    from autoplan.joint import _with_batch
+    from autoplan.joint import with_batch
     from autoplan.pipeline import build_pipeline
     from passes.layers import find_layers
 
@@ -387,9 +387,9 @@ def _parallelize_pipeline(
     mb = cfg.microbatch_size * cfg.dp
     traced = trace_training_step(
         model,
-        tuple(_with_batch(t, mb) for t in inputs),
+        tuple(with_batch(t, mb) for t in inputs),
         loss_fn=loss_fn,
-        example_targets=tuple(_with_batch(t, mb) for t in targets),
+        example_targets=tuple(with_batch(t, mb) for t in targets),
     )
     plan.check_applies_to(fingerprint=traced.fingerprint, world_size=dist.get_world_size())
     mesh = init_device_mesh(

@@ -3,6 +3,9 @@
     autoplan plan  my_models.py:build --cluster 4xCPU --out plan.json
     autoplan show  plan.json
     autoplan run   my_models.py:build --plan plan.json --steps 10        # launches torchrun
+    autoplan plan  my_models.py:build --cluster 4x8xH100 --global-batch-size 512 --out plan.json
+    autoplan estimate my_models.py:build --cluster 4x8xH100 --global-batch-size 512 \
+                   --config dp=8,tp=4,pp=1,microbatch_size=2,num_microbatches=32
 
 Bad input (untraceable model, malformed cluster or plan file, plan for another model or world
 size, model that cannot fit) prints one line ``autoplan: error: ...`` and exits with code 2.
@@ -55,6 +58,36 @@ def _pins(items: Sequence[str]) -> dict[str, str]:
     return pins
 
 
+def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported lazily
+    """``--config dp=2,tp=2,pp=2,microbatch_size=1,num_microbatches=8,schedule=1f1b``."""
+    if not text:
+        return None
+    import dataclasses
+
+    from autoplan.config import ParallelConfig
+    from cost_models.errors import ConfigError
+
+    fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
+    values: dict[str, object] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in fields:
+            raise ConfigError(
+                f"--config item {item!r} is malformed: expected KEY=VALUE with KEY one of {', '.join(fields)}"
+            )
+        if key == "sequence_parallel":
+            values[key] = value.lower() in ("1", "true", "yes")
+        elif key in ("schedule", "recompute"):
+            values[key] = value
+        else:
+            try:
+                values[key] = int(value)
+            except ValueError as exc:
+                raise ConfigError(f"--config {key}={value!r}: expected an integer") from exc
+    return ParallelConfig(**values)  # type: ignore[arg-type]
+
+
 def _make_plan(args: argparse.Namespace):  # noqa: ANN202
     from autoplan.api import plan as make_plan
     from autoplan.loader import build_workload
@@ -71,7 +104,35 @@ def _make_plan(args: argparse.Namespace):  # noqa: ANN202
         pins=_pins(args.pin),
         time_limit_s=args.time_limit,
         profile=None if args.no_profile else (args.profile_db or "auto"),
+        global_batch_size=args.global_batch_size,
+        precision=args.precision,
+        config=_config(args.config),
     )
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from autoplan.joint import estimate
+    from autoplan.loader import build_workload
+    from cost_models.errors import ConfigError
+
+    config = _config(args.config)
+    if config is None or args.global_batch_size is None:
+        raise ConfigError("autoplan estimate needs --config KEY=VALUE,... and --global-batch-size N")
+    wl = build_workload(args.target, device="meta", seed=args.seed)
+    est = estimate(
+        wl.model, _cluster(args.cluster, None), wl.example_inputs, config=config,
+        global_batch_size=args.global_batch_size, loss_fn=wl.loss_fn, example_targets=wl.example_targets,
+        precision=args.precision, optimizer=args.optimizer or wl.optimizer,
+    )  # fmt: skip
+    if args.json:
+        import dataclasses
+
+        d = dataclasses.asdict(est)
+        d["config"] = config.to_dict()
+        print(json.dumps(d))
+    else:
+        print(est.summary())
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -115,9 +176,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         # check the plan fits this model before launching any rank (a meta trace is cheap)
         wl = build_workload(args.target, device="meta", seed=args.seed)
-        traced = trace_training_step(
-            wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets
-        )
+        inputs, targets = wl.example_inputs, wl.example_targets
+        if plan.config is not None:  # a plan for a global batch is made for one micro-batch's step
+            from autoplan.joint import with_batch
+
+            assert plan.pipeline is not None
+            batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
+            if batch != plan.pipeline.global_batch_size:
+                raise PlanMismatchError(
+                    f"the plan is for a global batch of {plan.pipeline.global_batch_size} but the workload's batch "
+                    f"has {batch} samples: re-plan with --global-batch-size {batch}"
+                )
+
+            mb = plan.config.microbatch_size * plan.config.dp
+            inputs = tuple(with_batch(t, mb) for t in inputs)
+            targets = tuple(with_batch(t, mb) for t in targets)
+        traced = trace_training_step(wl.model, inputs, loss_fn=wl.loss_fn, example_targets=targets)
         plan.check_applies_to(fingerprint=traced.fingerprint, world_size=plan.world_size)
     else:
         plan = _make_plan(args)
@@ -191,12 +265,29 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--no-profile", action="store_true", help="use analytic op times only")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--quiet", "-q", action="store_true")
+        p.add_argument(
+            "--global-batch-size",
+            type=int,
+            help="plan data/tensor/pipeline degrees, micro-batches, schedule, recomputation and ZeRO for this "
+            "global batch (joint search); the workload's inputs then give per-sample shapes",
+        )
+        p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="training precision")
+        p.add_argument(
+            "--config",
+            metavar="KEY=VALUE,...",
+            help="fix the configuration, e.g. dp=2,tp=2,pp=2,microbatch_size=1,num_microbatches=8,schedule=1f1b",
+        )
 
     p_plan = sub.add_parser("plan", help="plan a model for a cluster and write plan.json")
     add_planning(p_plan, cluster_required=True)
     p_plan.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
     p_plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p_plan.set_defaults(func=cmd_plan)
+
+    p_est = sub.add_parser("estimate", help="price a hand-written configuration with the planner's cost model")
+    add_planning(p_est, cluster_required=True)
+    p_est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p_est.set_defaults(func=cmd_estimate)
 
     p_show = sub.add_parser("show", help="print a plan file for review")
     p_show.add_argument("plan")

@@ -132,7 +132,7 @@ def to_training_estimate(est: PipelineEstimate, *, precision: str, num_blocks: i
     )
 
 
-def _with_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
+def with_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
     if t.dim() == 0:
         raise ConfigError("example inputs need a batch dimension (dim 0) to split into micro-batches")
     if t.device.type == "meta":
@@ -164,8 +164,8 @@ class SegmentCostModel:
     def _traced(self, batch: int):  # noqa: ANN202
         if batch not in self._traces:
             t0 = time.perf_counter()
-            inputs = tuple(_with_batch(t, batch) for t in self.example_inputs)
-            targets = tuple(_with_batch(t, batch) for t in self.example_targets)
+            inputs = tuple(with_batch(t, batch) for t in self.example_inputs)
+            targets = tuple(with_batch(t, batch) for t in self.example_targets)
             traced = trace_training_step(self.model, inputs, loss_fn=self.loss_fn, example_targets=targets)
             layering = find_layers(traced)
             self._traces[batch] = (traced, layering)
@@ -394,23 +394,22 @@ def plan_for_batch(
 ) -> Plan:
     """The joint search, then the placements of one stage's program for the chosen config.
     ``config`` fixes the degrees and knobs (the search then only places the stage boundaries)."""
-    if config is not None:
-        space = _space_for(config)
     from autoplan.api import plan_traced, planning_mesh  # api re-exports this module's entry point
 
     t0 = time.perf_counter()
     best, _ = search_config(
         model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
         example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
+        config=config,
     )  # fmt: skip
     cfg = best.config
     model_p, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     batch = cfg.microbatch_size * cfg.dp
     traced = trace_training_step(
         model_p,
-        tuple(_with_batch(t, batch) for t in inputs),
+        tuple(with_batch(t, batch) for t in inputs),
         loss_fn=loss_fn,
-        example_targets=tuple(_with_batch(t, batch) for t in targets),
+        example_targets=tuple(with_batch(t, batch) for t in targets),
     )
     layering = find_layers(traced)
     sub = stage_cluster(cluster, cfg)

@@ -265,10 +265,21 @@ class Plan:
             f"inputs {mem.get('inputs', 0) / GiB:.3f})",
             f"  solver: {self.solver['status']} in {self.solver['solve_time_s']:.2f} s "
             f"({self.solver['num_variables']} variables, {self.solver['num_constraints']} constraints)",
-            "  mesh axes: "
-            + ", ".join(
-                f"{name}={size}: {kind}"
-                for (name, kind), size in zip(self.parallelism().items(), c.mesh_shape, strict=True)
+            (
+                "  mesh axes: "
+                + ", ".join(
+                    f"{name}={size}: {kind}"
+                    for (name, kind), size in zip(self.parallelism().items(), c.mesh_shape, strict=True)
+                )
+                if self.pipeline is None
+                else "  stages: "
+                + "; ".join(
+                    f"{k}: {segs[0]}..{segs[-1]} (recompute {rc})"
+                    for k, (segs, rc) in enumerate(
+                        zip(self.pipeline.stage_segments(), self.pipeline.stage_recompute, strict=True)
+                    )
+                )
+                + f"; each on a stage mesh {dict(zip(self.pipeline.stage_axis_names, self.pipeline.stage_mesh_shape, strict=True))}"
             ),
             "  inputs: " + ", ".join(spec_str(parse_spec(s)) for s in self.input_specs),
             "  collectives per step: "

@@ -108,7 +108,9 @@ def test_show_prints_the_summary_with_fingerprint_and_parameter_names(mlp_plan_f
         assert name in result.stdout
 
 
-@pytest.mark.parametrize("command", [[], ["plan"], ["show"], ["run"]], ids=["top", "plan", "show", "run"])
+@pytest.mark.parametrize(
+    "command", [[], ["plan"], ["show"], ["run"], ["estimate"]], ids=["top", "plan", "show", "run", "estimate"]
+)
 def test_help_works_for_every_subcommand(command, tmp_path):
     result = run_cli(tmp_path, *command, "--help")
 
@@ -275,3 +277,47 @@ def test_run_trains_two_steps_on_two_ranks_and_compares_with_single_device(tmp_p
     steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
     assert len(steps) == 2, result.stdout
     assert all("single-device" in line for line in steps)
+
+
+# --- joint search: --global-batch-size, --config, `autoplan estimate` ---------------------------------
+
+HF = str(REPO_ROOT / "examples" / "hf_models.py")
+
+
+def test_estimate_prints_the_breakdown_of_a_hand_written_config(tmp_path):
+    r = run_cli(tmp_path, "estimate", f"{HF}:gpt2_tiny", "--cluster", "2x8xH100", "--global-batch-size", "64",
+                "--config", "dp=4,tp=2,pp=2,microbatch_size=2,num_microbatches=8,schedule=1f1b", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    est = json.loads(r.stdout)
+    assert est["config"]["pp"] == 2 and est["step_time_s"] > 0 and est["bubble_s"] > 0
+    assert len(est["memory_per_device_bytes"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("dp=2,pp=2,microbatch_size=3", "dp*microbatch_size*num_microbatches = 2*3*1 = 6 but global_batch_size is 16"),
+        ("dp=1,pp=4,num_microbatches=16", "4 stages but the model has 2 blocks"),
+        ("dp=2,pipeline=2", "--config item 'pipeline=2' is malformed"),
+        ("dp=two", "expected an integer"),
+    ],
+)
+def test_bad_config_is_one_line_exit_2_and_no_file(config, message, tmp_path):  # noqa: ANN001
+    out = tmp_path / "plan.json"
+    r = run_cli(tmp_path, "plan", f"{HF}:gpt2_tiny", "--cluster", "4xCPU", "--global-batch-size", "16",
+                "--config", config, "--out", str(out))  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and message in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_plan_for_a_global_batch_writes_config_and_stages(tmp_path):
+    out = tmp_path / "plan.json"
+    r = run_cli(tmp_path, "plan", f"{HF}:gpt2_tiny", "--cluster", "4xCPU", "--global-batch-size", "16",
+                "--config", "dp=2,pp=2,microbatch_size=2,num_microbatches=4,schedule=1f1b", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = autoplan.Plan.load(out)
+    assert plan.config is not None and plan.config.pp == 2 and plan.pipeline is not None
+    assert "stages: 0: prologue..transformer.h.0" in r.stdout
+    r2 = run_cli(tmp_path, "run", f"{HF}:llama_tiny", "--plan", str(out))
+    assert r2.returncode == 2 and "different model" in r2.stderr
