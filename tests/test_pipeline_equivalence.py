@@ -104,8 +104,11 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return models.token_batch(batch=GLOBAL_BATCH, seed=step + 1)
 
 
-def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase) -> dict[str, object]:
+def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, plan_json: str) -> dict[str, object]:
+    import json
+
     from autoplan.pipeline import build_pipeline
+    from autoplan.plan import Plan
 
     model = BUILDERS[case.model](num_layers=NUM_LAYERS)
     reference = copy.deepcopy(model)
@@ -114,10 +117,7 @@ def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase) -> 
     traced = trace_training_step(model, (ids[:mb],), loss_fn=models.lm_loss, example_targets=(labels[:mb],))
     layering = find_layers(traced)
     mesh = init_device_mesh("cpu", (case.pp, case.stage_size), mesh_dim_names=("pp", "x"))
-    cluster = _slow_cluster(case.stage_size)
-    plan = plan_traced(
-        traced, cluster, mesh=mesh["x"], pins=dict(PINS[case.model, case.layout]), optimizer="sgd_momentum"
-    )
+    plan = Plan.from_dict(json.loads(plan_json))  # one plan for every rank, as `autoplan run` does
     num_stages = case.pp * case.virtual_stages
     pm = build_pipeline(
         model,
@@ -152,8 +152,23 @@ def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase) -> 
     return {"losses": losses, "ref_losses": ref_losses, "params": full, "ref_params": ref}
 
 
+def _plan_json(case: PipeCase) -> str:
+    import json
+
+    model = BUILDERS[case.model](num_layers=NUM_LAYERS)
+    ids, labels = _batch(0)
+    mb = GLOBAL_BATCH // NUM_MICROBATCHES
+    traced = trace_training_step(model, (ids[:mb],), loss_fn=models.lm_loss, example_targets=(labels[:mb],))
+    cluster = _slow_cluster(case.stage_size)
+    with planning_mesh(cluster) as mesh:
+        plan = plan_traced(
+            traced, cluster, mesh=mesh, pins=dict(PINS[case.model, case.layout]), optimizer="sgd_momentum"
+        )
+    return json.dumps(plan.to_dict())
+
+
 def run_pipeline_case(case: PipeCase) -> None:
-    results = run_ranks(train_pipeline_and_reference, case.pp * case.stage_size, case, timeout_s=600)
+    results = run_ranks(train_pipeline_and_reference, case.pp * case.stage_size, case, _plan_json(case), timeout_s=600)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
         assert set(r["params"]) == set(r["ref_params"])
@@ -166,6 +181,7 @@ def run_pipeline_case(case: PipeCase) -> None:
 # --- multi-process equivalence -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the public-path test below runs gpt2 pp2 x dp2 with 1f1b in CI
 def test_gpt2_pp2_x_dp2_1f1b_trains_like_single_device():
     run_pipeline_case(PipeCase(model="gpt2", layout="dp", schedule="1f1b"))
 
