@@ -409,6 +409,7 @@ def _parallelize_pipeline(
         fallback_nodes=frozenset(plan.fallback_ops),
         device=device,
         optimizer=plan.optimizer,
+        stage_recompute=layout.stage_recompute,
     )
 
 

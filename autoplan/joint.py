@@ -361,6 +361,31 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
             table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
 
 
+EXECUTABLE_SPACE = SearchSpace(
+    schedules=("gpipe", "1f1b", "interleaved-1f1b"), recompute=("none", "full"), zero_stages=(0, 3)
+)
+"""What ``autoplan.parallelize`` can run today: plans are searched in this space (the what-if
+:func:`estimate` also prices zero-bubble, selective recomputation and ZeRO 1-2)."""
+
+
+def _check_executable(config: ParallelConfig) -> None:
+    bad = [
+        f"{name}={value!r}"
+        for name, value, allowed in (
+            ("schedule", config.schedule, (*EXECUTABLE_SPACE.schedules, "none")),
+            ("recompute", config.recompute, EXECUTABLE_SPACE.recompute),
+            ("zero_stage", config.zero_stage, EXECUTABLE_SPACE.zero_stages),
+        )
+        if value not in allowed and not (name == "schedule" and config.pp == 1)
+    ]
+    if bad:
+        raise ConfigError(
+            f"{', '.join(bad)} can be estimated (autoplan.estimate) but not run yet: plan with schedule in "
+            f"{EXECUTABLE_SPACE.schedules}, recompute in {EXECUTABLE_SPACE.recompute}, zero_stage in "
+            f"{EXECUTABLE_SPACE.zero_stages}"
+        )
+
+
 def _space_for(config: ParallelConfig) -> SearchSpace:
     """A search space holding exactly ``config`` (stage boundaries still searched)."""
     schedule = config.schedule if config.pp > 1 else "none"
@@ -393,7 +418,12 @@ def plan_for_batch(
     config: ParallelConfig | None = None,
 ) -> Plan:
     """The joint search, then the placements of one stage's program for the chosen config.
-    ``config`` fixes the degrees and knobs (the search then only places the stage boundaries)."""
+    ``config`` fixes the degrees and knobs (the search then only places the stage boundaries).
+    The search covers what the runtime executes (:data:`EXECUTABLE_SPACE`) unless ``space`` says
+    otherwise."""
+    if config is not None:
+        _check_executable(config)
+    space = space or EXECUTABLE_SPACE
     from autoplan.api import plan_traced, planning_mesh  # api re-exports this module's entry point
 
     t0 = time.perf_counter()

@@ -69,13 +69,19 @@ def _unwrap(x: torch.Tensor) -> torch.Tensor:
     return local.contiguous()
 
 
+EXECUTABLE_RECOMPUTE: tuple[str, ...] = ("none", "full")
+"""Recomputation the stage runtime implements (selective is priced by the search only)."""
+
+
 class _StageFunction(torch.autograd.Function):
     """Forward: the stage's forward program; backward: its backward program (local tensors in/out)."""
 
     @staticmethod
     def forward(ctx: Any, module: StageModule, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # noqa: ARG004
         outs, saved = module.run_forward(inputs)
-        ctx.module, ctx.saved_values = module, saved
+        ctx.module = module
+        # full recomputation keeps only the stage's inputs and runs the forward again in backward
+        ctx.saved_values, ctx.saved_inputs = (None, [x.detach() for x in inputs]) if module.recompute else (saved, None)
         ctx.set_materialize_grads(False)
         ids = {id(x) for x in inputs}
         outs = [o.clone() if id(o) in ids else o for o in outs]
@@ -88,8 +94,11 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
-        grads = ctx.module.run_backward(ctx.saved_values, grad_outputs)
-        ctx.saved_values = None
+        saved = ctx.saved_values
+        if saved is None:
+            _, saved = ctx.module.run_forward(ctx.saved_inputs)
+        grads = ctx.module.run_backward(saved, grad_outputs)
+        ctx.saved_values = ctx.saved_inputs = None
         return (None, None, *grads)
 
 
@@ -105,9 +114,12 @@ class StageModule(torch.nn.Module):
         mesh: DeviceMesh,
         num_stages: int,
         device: torch.device,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         self.program = program
+        self.recompute = recompute
+        """Full activation recomputation: keep the inputs, re-run the forward in the backward."""
         self.mesh = mesh
         self.is_last = program.index == num_stages - 1
         named = dict(model.named_parameters())
@@ -356,6 +368,7 @@ def build_pipeline(
     fallback_nodes: frozenset[str] = frozenset(),
     device: torch.device,
     optimizer: str = "adam",
+    stage_recompute: Sequence[str] | None = None,
 ) -> PipelineModel:
     """Build this rank's stages and the schedule. ``mesh`` has shape ``(pp, *stage_mesh)`` and
     names ``("pp", *axis_names)``; ``stage_starts[k]`` is the first segment of stage ``k``
@@ -372,6 +385,13 @@ def build_pipeline(
             f"{num_stages} stage starts for pp={pp} x virtual_stages={virtual_stages}: give {pp * virtual_stages}"
         )
     _check_schedule(schedule, pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+    recompute = list(stage_recompute) if stage_recompute is not None else ["none"] * num_stages
+    unsupported = sorted({r for r in recompute if r not in EXECUTABLE_RECOMPUTE})
+    if len(recompute) != num_stages or unsupported:
+        raise PlanError(
+            f"stage recomputation {recompute} cannot run: give one of {', '.join(EXECUTABLE_RECOMPUTE)} per stage "
+            f"({num_stages} stages)"
+        )
     stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
     program = generate_program(
         traced_mb,
@@ -390,8 +410,14 @@ def build_pipeline(
     mine = [s for s in range(num_stages) if s % pp == pp_rank]
     modules = [
         StageModule(
-            split.stages[s], model=model, assignment=assignment, mesh=stage_mesh, num_stages=num_stages, device=device
-        )
+            split.stages[s],
+            model=model,
+            assignment=assignment,
+            mesh=stage_mesh,
+            num_stages=num_stages,
+            device=device,
+            recompute=recompute[s] == "full",
+        )  # fmt: skip
         for s in mine
     ]
     stages = []

@@ -323,10 +323,16 @@ def _train_public(rank: int, world_size: int, model_name: str, config: object, p
 
 
 @pytest.mark.parametrize(
-    ("model_name", "tp", "dp", "schedule"),
-    [("gpt2", 1, 2, "1f1b"), pytest.param("llama", 2, 1, "gpipe", marks=pytest.mark.slow)],
+    ("model_name", "tp", "dp", "schedule", "zero_stage", "recompute"),
+    [
+        ("gpt2", 1, 2, "1f1b", 0, "none"),
+        pytest.param("llama", 2, 1, "gpipe", 0, "none", marks=pytest.mark.slow),
+        pytest.param("gpt2", 1, 2, "1f1b", 3, "full", marks=pytest.mark.slow),
+    ],
 )
-def test_planned_pipeline_runs_like_single_device(model_name: str, tp: int, dp: int, schedule: str) -> None:
+def test_planned_pipeline_runs_like_single_device(
+    model_name: str, tp: int, dp: int, schedule: str, zero_stage: int, recompute: str
+) -> None:
     """autoplan.plan with a global batch and a fixed pp=2 configuration, applied by
     autoplan.parallelize on 4 ranks, trains like the single-device model."""
     import json
@@ -335,7 +341,8 @@ def test_planned_pipeline_runs_like_single_device(model_name: str, tp: int, dp: 
     from autoplan.config import ParallelConfig
 
     cfg = ParallelConfig(dp=dp, tp=tp, pp=2, microbatch_size=GLOBAL_BATCH // (NUM_MICROBATCHES * dp),
-                         num_microbatches=NUM_MICROBATCHES, schedule=schedule)  # type: ignore[arg-type]  # fmt: skip
+                         num_microbatches=NUM_MICROBATCHES, schedule=schedule, zero_stage=zero_stage,
+                         recompute=recompute)  # type: ignore[arg-type]  # fmt: skip
     ids, labels = _batch(0)
     plan = autoplan.plan(
         BUILDERS[model_name](num_layers=NUM_LAYERS), "1x4xCPU", example_inputs=(ids,), loss_fn=models.lm_loss,
