@@ -32,7 +32,7 @@ from autoplan.plan import Estimate, PipelineLayout, Plan
 from cost_models.cluster import Cluster
 from cost_models.errors import ConfigError
 from cost_models.profile_db import ProfileDB
-from passes.costing import build_cost_problem
+from passes.costing import CostProblem, build_cost_problem
 from passes.layers import find_layers
 from passes.pipeline_search import (
     Candidate,
@@ -187,7 +187,9 @@ class SegmentCostModel:
                 # memory is the outer search's constraint (it depends on stages and schedule)
                 problem.capacity_bytes = float("inf")
                 problem.memory_points = []
-                solution = ShardingILP(problem, SolverOptions(time_limit_s=self.time_limit_s)).solve()
+                solution = ShardingILP(
+                    _memory_tie_break(problem), SolverOptions(time_limit_s=self.time_limit_s)
+                ).solve()
             self._costs[key] = segment_costs(
                 traced.graph_module,
                 layering,
@@ -197,6 +199,25 @@ class SegmentCostModel:
             )
             self.solve_s += time.perf_counter() - t0
         return self._costs[key]
+
+
+TIE_BREAK_S_PER_BYTE = 1e-15
+"""Seconds the ILP is charged per byte a layout keeps (1 GB -> 1 us): among layouts of equal time
+it prefers the one with less memory, so equal problems (a deeper or shallower trace of the same
+blocks) get the same answer; far too small to trade real time for memory."""
+
+
+def _memory_tie_break(problem: CostProblem) -> CostProblem:
+    """A copy of ``problem`` whose node times carry :data:`TIE_BREAK_S_PER_BYTE` per byte of the
+    node's outputs (and, for placeholders, of what they keep for the step)."""
+    times = {name: list(ts) for name, ts in problem.node_time_s.items()}
+    for ref, sizes in problem.value_bytes.items():
+        if ref.node in times:
+            times[ref.node] = [t + TIE_BREAK_S_PER_BYTE * b for t, b in zip(times[ref.node], sizes, strict=True)]
+    for name, sizes in problem.persistent_bytes.items():
+        if name in times:
+            times[name] = [t + TIE_BREAK_S_PER_BYTE * b for t, b in zip(times[name], sizes, strict=True)]
+    return dataclasses.replace(problem, node_time_s=times)
 
 
 def prepare_for_precision(

@@ -20,6 +20,7 @@ import dataclasses
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -134,12 +135,17 @@ def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, pla
         device=torch.device("cpu"),
         optimizer="sgd_momentum",
     )
+    return _train_both(pm, reference)
+
+
+def _train_both(pm: Any, reference: torch.nn.Module) -> dict[str, object]:
+    """NUM_STEPS SGD-with-momentum steps of the pipeline and of the single-device reference."""
     opt = pm.make_optimizer(lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     losses, ref_losses = [], []
     for step in range(NUM_STEPS):
         ids, labels = _batch(step)
-        losses.append(pm.step((ids,), (labels,)).item())
+        losses.append(pm.forward_backward(ids, targets=(labels,)).item())
         opt.step()
         opt.zero_grad()
         ref_loss = models.lm_loss(reference(ids), labels)
@@ -147,9 +153,12 @@ def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, pla
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
-    full = pm.full_parameters()
-    ref = {n: p.detach() for n, p in reference.named_parameters()}
-    return {"losses": losses, "ref_losses": ref_losses, "params": full, "ref_params": ref}
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": pm.full_parameters(),
+        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+    }
 
 
 def _plan_json(case: PipeCase) -> str:
@@ -301,25 +310,7 @@ def _train_public(rank: int, world_size: int, model_name: str, config: object, p
     pm = autoplan.parallelize(
         model, plan.cluster, example_inputs=(ids,), loss_fn=models.lm_loss, example_targets=(labels,), plan=plan
     )
-    opt = pm.make_optimizer(lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    losses, ref_losses = [], []
-    for step in range(NUM_STEPS):
-        ids, labels = _batch(step)
-        losses.append(pm.forward_backward(ids, targets=(labels,)).item())
-        opt.step()
-        opt.zero_grad()
-        ref_loss = models.lm_loss(reference(ids), labels)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": pm.full_parameters(),
-        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
-    }
+    return _train_both(pm, reference)
 
 
 @pytest.mark.parametrize(
