@@ -319,6 +319,7 @@ def _train_public(rank: int, world_size: int, model_name: str, config: object, p
         ("gpt2", 1, 2, "1f1b", 0, "none"),
         pytest.param("llama", 2, 1, "gpipe", 0, "none", marks=pytest.mark.slow),
         pytest.param("gpt2", 1, 2, "1f1b", 3, "full", marks=pytest.mark.slow),
+        pytest.param("gpt2", 2, 2, "1f1b", 0, "none", marks=pytest.mark.slow, id="gpt2-pp2xdp2xtp2-8-ranks"),
     ],
 )
 def test_planned_pipeline_runs_like_single_device(
@@ -335,12 +336,13 @@ def test_planned_pipeline_runs_like_single_device(
                          num_microbatches=NUM_MICROBATCHES, schedule=schedule, zero_stage=zero_stage,
                          recompute=recompute)  # type: ignore[arg-type]  # fmt: skip
     ids, labels = _batch(0)
+    world = 2 * dp * tp
     plan = autoplan.plan(
-        BUILDERS[model_name](num_layers=NUM_LAYERS), "1x4xCPU", example_inputs=(ids,), loss_fn=models.lm_loss,
+        BUILDERS[model_name](num_layers=NUM_LAYERS), f"1x{world}xCPU", example_inputs=(ids,), loss_fn=models.lm_loss,
         example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
     )  # fmt: skip
     assert plan.config == cfg and plan.pipeline is not None and len(plan.pipeline.stage_starts) == 2
-    results = run_ranks(_train_public, 4, model_name, cfg, json.dumps(plan.to_dict()), timeout_s=600)
+    results = run_ranks(_train_public, world, model_name, cfg, json.dumps(plan.to_dict()), timeout_s=900)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
         for name, p in r["params"].items():
