@@ -383,10 +383,10 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
 
 
 EXECUTABLE_SPACE = SearchSpace(
-    schedules=("gpipe", "1f1b", "interleaved-1f1b"), recompute=("none", "full"), zero_stages=(0, 3)
+    schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), recompute=("none", "full"), zero_stages=(0, 3)
 )
 """What ``autoplan.parallelize`` can run today: plans are searched in this space (the what-if
-:func:`estimate` also prices zero-bubble, selective recomputation and ZeRO 1-2)."""
+:func:`estimate` also prices selective recomputation and ZeRO 1-2)."""
 
 
 def _check_executable(config: ParallelConfig) -> None:

@@ -20,14 +20,20 @@ the number of micro-batches, and summed over the stages holding a copy of a tied
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
@@ -38,12 +44,12 @@ from passes import runtime
 from passes.apply import _STEP_FN, generate_program
 from passes.layers import Layering
 from passes.placement import spec_str
-from passes.stages import StageProgram, ValueInfo, split_stages
+from passes.stages import StageProgram, ValueInfo, split_backward, split_stages
 from passes.strategies import Strategy
 from passes.trace import TracedProgram, param_node_name
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 def _local_shape(v: ValueInfo, mesh: DeviceMesh) -> tuple[int, ...]:
@@ -115,11 +121,20 @@ class StageModule(torch.nn.Module):
         num_stages: int,
         device: torch.device,
         recompute: bool = False,
+        split_weight_grads: bool = False,
     ) -> None:
         super().__init__()
         self.program = program
         self.recompute = recompute
         """Full activation recomputation: keep the inputs, re-run the forward in the backward."""
+        self.split = (
+            split_backward(program.backward, sum(1 for v in program.input_grads if v is not None))
+            if split_weight_grads
+            else None
+        )
+        """Zero-bubble schedules: the backward as an input-gradient (B) and a weight-gradient (W) program."""
+        self.pending_w: list[Callable[[], None]] = []
+        """W work of backwards already run, newest last (handed to the schedule by ``dw_builder``)."""
         self.mesh = mesh
         self.is_last = program.index == num_stages - 1
         named = dict(model.named_parameters())
@@ -165,16 +180,32 @@ class StageModule(torch.nn.Module):
             for g, v in zip(grad_outputs, prog.output_grads, strict=True)
             if v is not None
         ]
-        with torch.no_grad(), implicit_replication():
-            res = prog.backward(*self._args(), *saved, *grads)
         n_in = sum(1 for v in prog.input_grads if v is not None)
+        with torch.no_grad(), implicit_replication():
+            if self.split is None:
+                res = prog.backward(*self._args(), *saved, *grads)
+                param_grads = res[n_in:]
+            else:  # B now; W later, when the schedule calls the runner dw_builder hands it
+                res = self.split[0](*self._args(), *saved, *grads)
+                carry = res[n_in:]
+                self.pending_w.append(lambda: self._weight_grads(carry))
+                param_grads = ()
         it = iter(res[:n_in])
         in_grads = [_unwrap(next(it)) if v is not None else None for v in prog.input_grads]
-        for (fqn, _), g in zip(prog.param_grads, res[n_in:], strict=True):
+        if self.split is None:
+            self._accumulate(param_grads)
+        return in_grads
+
+    def _weight_grads(self, carry: Sequence[Any]) -> None:
+        assert self.split is not None
+        with torch.no_grad(), implicit_replication():
+            self._accumulate(self.split[1](*carry))
+
+    def _accumulate(self, param_grads: Sequence[Any]) -> None:
+        for (fqn, _), g in zip(self.program.param_grads, param_grads, strict=True):
             local = _unwrap(g)
             acc = self.grad_acc.get(fqn)
             self.grad_acc[fqn] = local.clone() if acc is None else acc.add_(local)
-        return in_grads
 
 
 def _zeros(v: ValueInfo, mesh: DeviceMesh) -> torch.Tensor:
@@ -340,6 +371,12 @@ def _run_steps(g: torch.Tensor, steps: Sequence[Any]) -> torch.Tensor:
     return g
 
 
+def _dw_builder(mod: StageModule) -> Callable[[], Callable[[], None]]:
+    """``PipelineStage(dw_builder=...)``: called right after each B, it hands the schedule that
+    backward's W work to run when the zero-bubble order says so."""
+    return mod.pending_w.pop
+
+
 def _check_schedule(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
@@ -417,6 +454,7 @@ def build_pipeline(
             num_stages=num_stages,
             device=device,
             recompute=recompute[s] == "full",
+            split_weight_grads=schedule == "zero-bubble",
         )  # fmt: skip
         for s in mine
     ]
@@ -454,6 +492,7 @@ def build_pipeline(
                 output_grads=None if mod.is_last else out_grads,
                 input_grads=in_grads,
                 group=pp_group,
+                dw_builder=_dw_builder(mod) if schedule == "zero-bubble" else None,
             )
         )
 
@@ -466,6 +505,8 @@ def build_pipeline(
         sched = ScheduleGPipe(stages[0], num_microbatches, **kw)
     elif schedule == "1f1b":
         sched = Schedule1F1B(stages[0], num_microbatches, **kw)
+    elif schedule == "zero-bubble":
+        sched = ScheduleInterleavedZeroBubble(list[Any](stages), num_microbatches, **kw)
     else:
         sched = ScheduleInterleaved1F1B(list[Any](stages), num_microbatches, **kw)
 

@@ -564,3 +564,55 @@ def _build_backward(
     gm = fx.GraphModule(root, c.graph, class_name="AutoplanStageBackward")
     gm.recompile()
     return gm, infos
+
+
+def split_backward(gm: fx.GraphModule, num_input_grads: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Split a stage's backward program into its input-gradient part and its weight-gradient part
+    (the B and W of zero-bubble schedules).
+
+    ``gm`` returns ``(*input_grads, *param_grads)`` with ``num_input_grads`` input gradients. The
+    B program holds every op the input gradients depend on and returns ``(*input_grads,
+    *carry)``; the W program takes ``carry`` (the B values and placeholders the remaining ops
+    read) and returns the parameter gradients. Running B then W computes exactly what ``gm``
+    does; each op runs in exactly one of them."""
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    in_outs, w_outs = outs[:num_input_grads], outs[num_input_grads:]
+
+    def ancestors(roots: Sequence[object]) -> set[fx.Node]:
+        seen: set[fx.Node] = set()
+        stack = [r for r in roots if isinstance(r, fx.Node)]
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(n.all_input_nodes)
+        return seen
+
+    need_b = ancestors(in_outs)
+    need_w = {n for n in ancestors(w_outs) if n not in need_b and n.op != "placeholder"}
+    carry = [
+        n
+        for n in graph.nodes
+        if (n in need_b or n.op == "placeholder") and (n in w_outs or any(u in need_w for u in n.users))
+    ]
+
+    b_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder" or (n in need_b and n.op != "output"):
+            env[n] = b_graph.node_copy(n, lambda a: env[a])
+    b_graph.output((*(env[o] if isinstance(o, fx.Node) else o for o in in_outs), *(env[c] for c in carry)))
+
+    w_graph = fx.Graph()
+    wenv: dict[fx.Node, fx.Node] = {}
+    for c in carry:
+        wenv[c] = w_graph.placeholder(f"carry_{c.name}")
+    for n in graph.nodes:
+        if n in need_w:
+            wenv[n] = w_graph.node_copy(n, lambda a: wenv[a])
+    w_graph.output(tuple(wenv[o] if isinstance(o, fx.Node) else o for o in w_outs))
+    b_gm = fx.GraphModule(gm, b_graph, class_name="StageBackwardInput")
+    w_gm = fx.GraphModule(gm, w_graph, class_name="StageBackwardWeight")
+    return b_gm, w_gm

@@ -211,6 +211,8 @@ def test_llama_pp2_x_tp2_gpipe_trains_like_single_device():
         ("llama", "tp", "1f1b", 1),
         ("gpt2", "dp", "interleaved-1f1b", 2),
         ("llama", "tp", "interleaved-1f1b", 2),
+        ("gpt2", "dp", "zero-bubble", 1),
+        ("llama", "tp", "zero-bubble", 1),
     ],
 )
 def test_pipeline_trains_like_single_device(model: str, layout: str, schedule: str, virtual_stages: int) -> None:
@@ -349,3 +351,28 @@ def test_planned_pipeline_runs_like_single_device(
             torch.testing.assert_close(
                 p, r["ref_params"][name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+def test_backward_splits_into_input_and_weight_gradient_programs() -> None:
+    """Zero-bubble's B and W: every backward op in exactly one of them, the input gradients all in
+    B, and B then W computes what the whole backward computes (plain tensors on one process)."""
+    from passes.stages import split_backward
+
+    def step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor):  # noqa: ANN202
+        h = torch.tanh(x @ w1)  # the forward's saved values: x, h, w1, w2
+        gy = g @ w2.t()
+        gh = gy * (1 - h * h)
+        return gh @ w1.t(), x.t() @ gh, h.t() @ g  # (input grad, grad w1, grad w2)
+
+    gm = torch.fx.symbolic_trace(step)
+    b, w = split_backward(gm, num_input_grads=1)
+    ops = set(_ops(gm))
+    b_ops, w_ops = set(_ops(b)), set(_ops(w))
+    assert b_ops | w_ops == ops and not b_ops & w_ops
+    assert "matmul_2" in b_ops and {"matmul_3", "matmul_4"} <= w_ops  # dW matmuls deferred to W
+    args = [torch.randn(4, 3), torch.randn(3, 5), torch.randn(5, 6), torch.randn(4, 6)]
+    full = gm(*args)
+    in_grad, *carry = b(*args)
+    torch.testing.assert_close(in_grad, full[0], rtol=0, atol=0)
+    for got, want in zip(w(*carry), full[1:], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
