@@ -312,7 +312,9 @@ def evaluate(
             "activations": inflight * saved,
             "transient": transient + gather,
         }
-        stage_times.append(StageTimes(fwd_s=fwd, bwd_input_s=bwd * 0.5, bwd_weight_s=bwd * 0.5))
+        # W = the weight-gradient-only ops of the stage (plus recomputation lands in B)
+        w_s = min(bwd, sum(s.bwd_weight_s for s in part))
+        stage_times.append(StageTimes(fwd_s=fwd, bwd_input_s=bwd - w_s, bwd_weight_s=w_s))
         stages.append(
             StageEstimate(
                 segments=(bounds[k], bounds[k + 1]),

@@ -10,6 +10,7 @@ into stages (``passes.pipeline_search``)::
 
     fwd_s[k]   = sum_{v fwd op in k} t[v, s_v] + sum_{e into a fwd op of k} c[e, p_e, q_e]
     bwd_s[k]   = the same over backward ops
+    bwd_weight_s[k] = the part of bwd_s no earlier segment's backward depends on (weight gradients)
     grad_sync_s[k] = sum_{p param of k} c[grad(p) -> p]          (once per step, not per micro-batch)
     saved_bytes[k] = sum_{storage a: born by a fwd op of k, read by a bwd op} b[a, s]
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
@@ -41,6 +42,9 @@ class SegmentCost:
 
     fwd_s: float
     bwd_s: float
+    bwd_weight_s: float
+    """Part of ``bwd_s`` that only weight gradients need (no earlier segment waits for it): the
+    W of zero-bubble schedules."""
     fwd_comm_s: float
     """Part of ``fwd_s`` spent in collectives (tensor/sequence parallel conversions)."""
     bwd_comm_s: float
@@ -101,6 +105,7 @@ def segment_costs(
 
     fwd = [0.0] * nseg
     bwd = [0.0] * nseg
+    bwd_w = [0.0] * nseg
     fwd_comm = [0.0] * nseg
     bwd_comm = [0.0] * nseg
     selective = [0.0] * nseg
@@ -109,6 +114,17 @@ def segment_costs(
     numel = [0] * nseg
     itemsize = [4] * nseg
     flops = [0.0] * nseg
+
+    # backward ops on the input-gradient path: those an earlier segment's backward waits for
+    feeds_earlier: dict[str, bool] = {}
+    for n in reversed(list(gm.graph.nodes)):
+        if phase.get(n.name) != "bwd" or n.name not in seg_of:
+            continue
+        k = seg_of[n.name]
+        feeds_earlier[n.name] = any(
+            phase.get(u.name) == "bwd" and u.name in seg_of and (seg_of[u.name] < k or feeds_earlier.get(u.name, False))
+            for u in n.users
+        )
 
     for name, times in problem.node_time_s.items():
         if name not in choice or name not in seg_of:
@@ -133,6 +149,8 @@ def segment_costs(
                 selective[k] += t
         else:
             bwd[k] += t
+            if not feeds_earlier.get(name, False):
+                bwd_w[k] += t
 
     for e in problem.edges:
         c = _chosen_specs(problem, choice, e)
@@ -148,6 +166,8 @@ def segment_costs(
             else:
                 bwd[k] += c
                 bwd_comm[k] += c
+                if not feeds_earlier.get(e.consumer, False):
+                    bwd_w[k] += c
 
     # activations: storages born in the forward and read by the backward; values crossing cuts
     live = liveness.analyze(gm, list(param_nodes))
@@ -190,6 +210,7 @@ def segment_costs(
             SegmentCost(
                 fwd_s=fwd[k],
                 bwd_s=bwd[k],
+                bwd_weight_s=bwd_w[k],
                 fwd_comm_s=fwd_comm[k],
                 bwd_comm_s=bwd_comm[k],
                 selective_recompute_s=selective[k],
