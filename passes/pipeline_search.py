@@ -20,6 +20,8 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
     A_k = sum_{j in K} a_j                   a_j = saved_bytes | saved_matmul + input | input
     S_k = P_k (w + g + o)                    bytes/param of weights, grads, optimizer (precision)
           / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w)
+    ZeRO-3: F_k, B_k += the parameter all-gather of the stage per micro-batch; where compute and
+          communication overlap, max(F_k, gather) + the gather of one segment (prefetch)
     M_k = S_k + inflight_k(schedule, m, v) * A_k + T_k  <=  capacity          (memory)
 
 with ``T_k`` the transient of recomputing one segment (full recompute) and the ZeRO-3 gather
@@ -290,9 +292,14 @@ def evaluate(
                     after = link_time_s("all_gather", numel * bpp["w"], dp, dp_link, backend=backend)
             if z >= 3:  # parameters all-gathered before each micro-batch's forward and backward
                 ag = link_time_s("all_gather", numel * bpp["w"], dp, dp_link, backend=backend)
-                fwd, bwd = fwd + (0.0 if overlap else ag), bwd + (0.0 if overlap else ag)
                 if overlap:
-                    fwd, bwd = max(fwd, ag), max(bwd, ag)
+                    # prefetching hides a segment's gather behind the previous segment's compute;
+                    # the first segment's gather of each pass has nothing to hide behind
+                    first = max((s.param_numel for s in part), default=0) * bpp["w"]
+                    ag_first = link_time_s("all_gather", first, dp, dp_link, backend=backend)
+                    fwd, bwd = max(fwd, ag) + ag_first, max(bwd, ag) + ag_first
+                else:
+                    fwd, bwd = fwd + ag, bwd + ag
         else:
             sync = 0.0
         last_bwd = sum(s.bwd_s for s in part)
