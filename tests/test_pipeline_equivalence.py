@@ -34,6 +34,7 @@ from passes.stages import split_stages
 from passes.trace import trace_training_step
 from tests import models
 from tests.dist_utils import run_ranks
+from tests.test_equivalence import LLAMA_TP_PINS as LLAMA_MEGATRON_PINS
 
 GLOBAL_BATCH = 8
 NUM_MICROBATCHES = 4
@@ -48,17 +49,7 @@ GPT2_TP_PINS = {
     "*attn.c_attn.weight": "S(1)",
     "*attn.c_proj.weight": "S(0)",
 }
-LLAMA_TP_PINS = {
-    "input_0": "R",
-    "target_0": "R",
-    "*.q_proj.weight": "S(0)",
-    "*.k_proj.weight": "S(0)",
-    "*.v_proj.weight": "S(0)",
-    "*.gate_proj.weight": "S(0)",
-    "*.up_proj.weight": "S(0)",
-    "*.o_proj.weight": "S(1)",
-    "*.down_proj.weight": "S(1)",
-}
+LLAMA_TP_PINS = {"input_0": "R", "target_0": "R"} | LLAMA_MEGATRON_PINS
 DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
 BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {"gpt2": models.gpt2_tiny, "llama": models.llama_tiny}
 PINS: dict[tuple[str, str], Mapping[str, str]] = {
