@@ -119,20 +119,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _target_cluster(spec: str, mesh: str | None) -> Cluster:
     """The cluster to calibrate; a file's old links and calibration are dropped (they are redone)."""
-    from cost_models.calibration import CalibrationError
-    from cost_models.cluster import Cluster
+    from autoplan.cli import _cluster  # the CLI's --cluster/--mesh parsing (cli imports this module)
 
-    mesh_shape = None
-    if mesh:
-        try:
-            mesh_shape = tuple(int(x) for x in mesh.split(","))
-        except ValueError as exc:
-            raise CalibrationError(f"--mesh {mesh!r} is malformed: expected sizes like 2,2") from exc
-    if Path(spec).suffix.lower() in (".yaml", ".yml", ".json") or Path(spec).is_file():
-        loaded = Cluster.from_file(spec, check_versions=False)
-        cluster = dataclasses.replace(loaded, links={}, calibration=None)
-        return cluster.with_mesh(mesh_shape) if mesh_shape else cluster
-    return Cluster.preset(spec, mesh_shape=mesh_shape)
+    cluster: Cluster = _cluster(spec, mesh, recalibrate=True)
+    return cluster
 
 
 def _launched_by_torchrun() -> bool:

@@ -30,7 +30,11 @@ from cost_models.memory import OPTIMIZERS
 EXIT_BAD_INPUT = 2
 
 
-def _cluster(spec: str, mesh: str | None):  # noqa: ANN202 - Cluster, imported lazily
+def _cluster(spec: str, mesh: str | None, *, recalibrate: bool = False):  # noqa: ANN202 - Cluster, lazily
+    """``--cluster`` (preset or file) with ``--mesh``. ``recalibrate``: a file's links and
+    calibration are dropped and its software versions not checked (``autoplan calibrate`` redoes them)."""
+    import dataclasses
+
     from cost_models.cluster import Cluster
     from cost_models.errors import ClusterSpecError
 
@@ -41,7 +45,9 @@ def _cluster(spec: str, mesh: str | None):  # noqa: ANN202 - Cluster, imported l
         except ValueError as exc:
             raise ClusterSpecError(f"--mesh {mesh!r} is malformed: expected sizes like 2,2") from exc
     if Path(spec).suffix.lower() in (".yaml", ".yml", ".json") or Path(spec).is_file():
-        cluster = Cluster.from_file(spec)
+        cluster = Cluster.from_file(spec, check_versions=not recalibrate)
+        if recalibrate:
+            cluster = dataclasses.replace(cluster, links={}, calibration=None)
         return cluster.with_mesh(mesh_shape) if mesh_shape else cluster
     return Cluster.preset(spec, mesh_shape=mesh_shape)
 
