@@ -109,9 +109,6 @@ def to_training_estimate(est: PipelineEstimate, *, precision: str, num_blocks: i
         schedule=c.schedule if c.pp > 1 else "1f1b", virtual_stages=c.virtual_stages,  # type: ignore[arg-type]
         recompute=c.recompute, zero_stage=c.zero_stage,  # type: ignore[arg-type]
     )  # fmt: skip
-    per_rank = [0.0] * c.pp
-    for st in est.stages:
-        per_rank[st.rank] += st.memory_bytes
     return TrainingEstimate(
         config=config,
         step_time_s=est.step_time_s,
@@ -119,7 +116,7 @@ def to_training_estimate(est: PipelineEstimate, *, precision: str, num_blocks: i
         exposed_comm_s=est.exposed_comm_s,
         bubble_s=est.bubble_s,
         optimizer_s=est.optimizer_s,
-        memory_per_device_bytes=tuple(per_rank),
+        memory_per_device_bytes=est.memory_per_rank_bytes,
         memory_parts_bytes=tuple(dict(st.memory_parts) for st in est.stages),
         capacity_bytes=est.capacity_bytes,
         tokens_per_s=est.tokens_per_s,
@@ -245,6 +242,15 @@ def _tokens_per_sample(example_inputs: Sequence[torch.Tensor]) -> int:
     return int(first.shape[1]) if first.dim() >= 2 and not first.is_floating_point() else 1
 
 
+def _check_config(config: ParallelConfig, cluster: Cluster, num_blocks: int, global_batch_size: int) -> None:
+    config.check_against(
+        world_size=cluster.world_size,
+        devices_per_node=cluster.devices_per_node,
+        num_blocks=num_blocks,
+        global_batch_size=global_batch_size,
+    )
+
+
 def estimate(
     model: torch.nn.Module,
     cluster: Cluster | str,
@@ -264,13 +270,9 @@ def estimate(
     cluster = _as_cluster(cluster)
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
+    costs._traced(config.microbatch_size)  # noqa: SLF001 - learn the number of blocks before any ILP
+    _check_config(config, cluster, costs.num_blocks, global_batch_size)
     seg = costs(config.tp, config.microbatch_size)
-    config.check_against(
-        world_size=cluster.world_size,
-        devices_per_node=cluster.devices_per_node,
-        num_blocks=costs.num_blocks,
-        global_batch_size=global_batch_size,
-    )
     cand = Candidate(
         dp=config.dp, tp=config.tp, pp=config.pp, microbatch_size=config.microbatch_size,
         num_microbatches=config.num_microbatches, schedule=config.schedule if config.pp > 1 else "none",
@@ -305,12 +307,7 @@ def search_config(
     costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
     costs._traced(1)  # noqa: SLF001 - learn the number of blocks
     if config is not None:
-        config.check_against(
-            world_size=cluster.world_size,
-            devices_per_node=cluster.devices_per_node,
-            num_blocks=costs.num_blocks,
-            global_batch_size=global_batch_size,
-        )
+        _check_config(config, cluster, costs.num_blocks, global_batch_size)
         space = _space_for(config)
     best, every = search(
         costs,

@@ -398,18 +398,14 @@ class Cluster:
         name = self.mesh_axis_names[self.axis_index(axis)]
         if name in self.links:
             return self.links[name]
-        spans = self.axis_spans_nodes(axis)
-        if spans:
-            return LinkSpec(
-                bw_GBps=self.device.inter_node_bw_GBps,
-                latency_us=self.device.inter_node_latency_us,
-                spans_nodes=True,
-            )
-        return LinkSpec(
-            bw_GBps=self.device.intra_node_bw_GBps,
-            latency_us=self.device.intra_node_latency_us,
-            spans_nodes=False,
-        )
+        return self.catalog_link(spans_nodes=self.axis_spans_nodes(axis))
+
+    def catalog_link(self, *, spans_nodes: bool) -> LinkSpec:
+        """The device's catalog numbers for a network (``spans_nodes``) or intra-node link."""
+        d = self.device
+        if spans_nodes:
+            return LinkSpec(bw_GBps=d.inter_node_bw_GBps, latency_us=d.inter_node_latency_us, spans_nodes=True)
+        return LinkSpec(bw_GBps=d.intra_node_bw_GBps, latency_us=d.intra_node_latency_us, spans_nodes=False)
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_axis_names: Sequence[str] | None = None) -> Cluster:
         """The same cluster with another logical mesh (names derived when not given).

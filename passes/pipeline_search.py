@@ -106,8 +106,10 @@ class PipelineEstimate:
     exposed_comm_s: float
     """Tensor-parallel collectives inside the stages + exposed gradient sync + p2p."""
     optimizer_s: float
+    memory_per_rank_bytes: tuple[float, ...]
+    """Per pipeline rank: the memory of its stages (interleaving puts several on a rank)."""
     peak_memory_bytes: float
-    """Largest per-device memory over the stages."""
+    """Largest per-device memory over the pipeline ranks."""
     capacity_bytes: float
     flops_per_step: float
     mfu: float
@@ -144,10 +146,7 @@ def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
         return cluster.links["intra"]
     if spans and "inter" in cluster.links:
         return cluster.links["inter"]
-    d = cluster.device
-    if spans:
-        return LinkSpec(bw_GBps=d.inter_node_bw_GBps, latency_us=d.inter_node_latency_us, spans_nodes=True)
-    return LinkSpec(bw_GBps=d.intra_node_bw_GBps, latency_us=d.intra_node_latency_us, spans_nodes=False)
+    return cluster.catalog_link(spans_nodes=spans)
 
 
 def tp_cluster(cluster: Cluster, tp: int) -> Cluster:
@@ -367,6 +366,7 @@ def evaluate(
         p2p_exposed_s=p2p_exposed,
         exposed_comm_s=m * tp_comm + max(sync_exposed) + p2p_exposed,
         optimizer_s=max(opt_s),
+        memory_per_rank_bytes=tuple(per_rank),
         peak_memory_bytes=peak,
         capacity_bytes=capacity,
         flops_per_step=flops,
