@@ -372,25 +372,13 @@ def _parallelize_pipeline(
 ) -> PipelineModel:
     """A plan made for a global batch: stages of one micro-batch's program, run by a
     ``torch.distributed.pipelining`` schedule (:mod:`autoplan.pipeline`)."""
-    from autoplan.joint import with_batch
+    from autoplan.joint import trace_for_plan
     from autoplan.pipeline import build_pipeline
     from passes.layers import find_layers
 
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
-    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
-    if batch != layout.global_batch_size:
-        raise PlanMismatchError(
-            f"the plan is for a global batch of {layout.global_batch_size} but the example inputs have {batch} "
-            f"samples: pass a global batch of {layout.global_batch_size} or re-plan with --global-batch-size {batch}"
-        )
-    mb = cfg.microbatch_size * cfg.dp
-    traced = trace_training_step(
-        model,
-        tuple(with_batch(t, mb) for t in inputs),
-        loss_fn=loss_fn,
-        example_targets=tuple(with_batch(t, mb) for t in targets),
-    )
+    traced = trace_for_plan(plan, model, inputs, targets, loss_fn)
     plan.check_applies_to(fingerprint=traced.fingerprint, world_size=dist.get_world_size())
     mesh = init_device_mesh(
         device.type, (cfg.pp, *layout.stage_mesh_shape), mesh_dim_names=("pp", *layout.stage_axis_names)

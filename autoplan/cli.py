@@ -182,22 +182,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
         # check the plan fits this model before launching any rank (a meta trace is cheap)
         wl = build_workload(args.target, device="meta", seed=args.seed)
-        inputs, targets = wl.example_inputs, wl.example_targets
         if plan.config is not None:  # a plan for a global batch is made for one micro-batch's step
-            from autoplan.joint import with_batch
+            from autoplan.joint import trace_for_plan
 
-            assert plan.pipeline is not None
-            batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
-            if batch != plan.pipeline.global_batch_size:
-                raise PlanMismatchError(
-                    f"the plan is for a global batch of {plan.pipeline.global_batch_size} but the workload's batch "
-                    f"has {batch} samples: re-plan with --global-batch-size {batch}"
-                )
-
-            mb = plan.config.microbatch_size * plan.config.dp
-            inputs = tuple(with_batch(t, mb) for t in inputs)
-            targets = tuple(with_batch(t, mb) for t in targets)
-        traced = trace_training_step(wl.model, inputs, loss_fn=wl.loss_fn, example_targets=targets)
+            traced = trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
+        else:
+            traced = trace_training_step(
+                wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets
+            )
         plan.check_applies_to(fingerprint=traced.fingerprint, world_size=plan.world_size)
     else:
         plan = _make_plan(args)

@@ -30,7 +30,7 @@ import torch
 from autoplan.config import PRECISIONS, ParallelConfig
 from autoplan.plan import Estimate, PipelineLayout, Plan
 from cost_models.cluster import Cluster
-from cost_models.errors import ConfigError
+from cost_models.errors import ConfigError, PlanMismatchError
 from cost_models.profile_db import ProfileDB
 from passes.costing import CostProblem, build_cost_problem
 from passes.layers import find_layers
@@ -138,6 +138,42 @@ def with_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].contiguous()
 
 
+def trace_microbatch(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+    batch: int,
+) -> TracedProgram:
+    """The training step of one micro-batch of ``batch`` samples (inputs resized along dim 0)."""
+    return trace_training_step(
+        model,
+        tuple(with_batch(t, batch) for t in inputs),
+        loss_fn=loss_fn,
+        example_targets=tuple(with_batch(t, batch) for t in targets),
+    )
+
+
+def trace_for_plan(
+    plan: Plan,
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+) -> TracedProgram:
+    """The micro-batch step a plan made for a global batch applies to; ``inputs`` must be that
+    global batch (:class:`PlanMismatchError` otherwise)."""
+    cfg, layout = plan.config, plan.pipeline
+    assert cfg is not None and layout is not None
+    batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
+    if batch != layout.global_batch_size:
+        raise PlanMismatchError(
+            f"the plan is for a global batch of {layout.global_batch_size} but the inputs have {batch} samples: "
+            f"pass a global batch of {layout.global_batch_size} or re-plan with --global-batch-size {batch}"
+        )
+    return trace_microbatch(model, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
+
+
 @dataclass(slots=True)
 class SegmentCostModel:
     """``(tp, microbatch_size) -> SegmentCosts`` for a model: trace one micro-batch, solve the
@@ -161,9 +197,7 @@ class SegmentCostModel:
     def _traced(self, batch: int):  # noqa: ANN202
         if batch not in self._traces:
             t0 = time.perf_counter()
-            inputs = tuple(with_batch(t, batch) for t in self.example_inputs)
-            targets = tuple(with_batch(t, batch) for t in self.example_targets)
-            traced = trace_training_step(self.model, inputs, loss_fn=self.loss_fn, example_targets=targets)
+            traced = trace_microbatch(self.model, self.example_inputs, self.example_targets, self.loss_fn, batch)
             layering = find_layers(traced)
             self._traces[batch] = (traced, layering)
             self.num_blocks = layering.num_blocks
@@ -452,13 +486,7 @@ def plan_for_batch(
     )  # fmt: skip
     cfg = best.config
     model_p, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
-    batch = cfg.microbatch_size * cfg.dp
-    traced = trace_training_step(
-        model_p,
-        tuple(with_batch(t, batch) for t in inputs),
-        loss_fn=loss_fn,
-        example_targets=tuple(with_batch(t, batch) for t in targets),
-    )
+    traced = trace_microbatch(model_p, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
     layering = find_layers(traced)
     sub = stage_cluster(cluster, cfg)
     with planning_mesh(sub) as mesh:
