@@ -38,7 +38,6 @@ from passes.pipeline_search import (
     Candidate,
     PipelineEstimate,
     SearchSpace,
-    best_layout,
     evaluate,
     search,
     tp_cluster,
@@ -188,20 +187,15 @@ class SegmentCostModel:
     profile: ProfileDB | None = None
     time_limit_s: float = 60.0
     num_blocks: int = 0
-    tokens_per_sample: int = 1
-    trace_s: float = 0.0
-    solve_s: float = 0.0
     _traces: dict[int, object] = field(default_factory=dict)
     _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
 
     def _traced(self, batch: int):  # noqa: ANN202
         if batch not in self._traces:
-            t0 = time.perf_counter()
             traced = trace_microbatch(self.model, self.example_inputs, self.example_targets, self.loss_fn, batch)
             layering = find_layers(traced)
             self._traces[batch] = (traced, layering)
             self.num_blocks = layering.num_blocks
-            self.trace_s += time.perf_counter() - t0
         return self._traces[batch]
 
     def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
@@ -210,7 +204,6 @@ class SegmentCostModel:
             from autoplan.api import planning_mesh
 
             traced, layering = self._traced(microbatch_size)
-            t0 = time.perf_counter()
             sub = tp_cluster(self.cluster, tp)
             with planning_mesh(sub) as mesh:
                 table = build_strategy_table(traced, mesh)
@@ -228,7 +221,6 @@ class SegmentCostModel:
                 solution.choice,
                 param_nodes=[param_node_name(p) for p in traced.param_names],
             )
-            self.solve_s += time.perf_counter() - t0
         return self._costs[key]
 
 
@@ -356,7 +348,7 @@ def search_config(
     return to_training_estimate(best, precision=precision, num_blocks=costs.num_blocks), conv
 
 
-__all__ = ["SegmentCostModel", "TrainingEstimate", "best_layout", "estimate", "search_config"]
+__all__ = ["SegmentCostModel", "TrainingEstimate", "estimate", "plan_for_batch", "search_config"]
 
 
 # --- plans made with a global batch -------------------------------------------------------------
