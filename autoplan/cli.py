@@ -65,7 +65,8 @@ def _pins(items: Sequence[str]) -> dict[str, str]:
 
 
 def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported lazily
-    """``--config dp=2,tp=2,pp=2,microbatch_size=1,num_microbatches=8,schedule=1f1b``."""
+    """``--config dp=2,tp=2,pp=2,microbatch_size=1,num_microbatches=8,schedule=1f1b``
+    (per-stage degrees as ``stage_dp=1/1/2/4``)."""
     if not text:
         return None
     import dataclasses
@@ -86,6 +87,11 @@ def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported
             values[key] = value.lower() in ("1", "true", "yes")
         elif key in ("schedule", "recompute"):
             values[key] = value
+        elif key == "stage_dp":
+            try:
+                values[key] = tuple(int(v) for v in value.split("/"))
+            except ValueError as exc:
+                raise ConfigError(f"--config stage_dp={value!r}: expected degrees like 1/1/2/4") from exc
         else:
             try:
                 values[key] = int(value)

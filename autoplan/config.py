@@ -48,6 +48,12 @@ class ParallelConfig:
     """0: replicated; 1: optimizer state sharded over dp; 2: + gradients; 3: + parameters."""
     sequence_parallel: bool = True
     """Allow sharding activations along the sequence inside tensor-parallel groups."""
+    stage_dp: tuple[int, ...] | None = None
+    """Heterogeneous sub-meshes: the data-parallel degree of each pipeline stage (one per stage,
+    ``virtual_stages == 1``), so a heavy stage gets more devices. Stage ``k`` holds
+    ``stage_dp[k] * tp`` devices and splits each micro-batch of ``dp * microbatch_size``
+    samples ``stage_dp[k]`` ways; the devices add up to ``tp * sum(stage_dp)``. ``None``: ``dp``
+    on every stage (estimated only, not executed yet)."""
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages"):
@@ -64,6 +70,22 @@ class ParallelConfig:
             raise ConfigError(
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' (got {self.schedule!r})"
             )
+        if self.stage_dp is not None:
+            object.__setattr__(self, "stage_dp", tuple(self.stage_dp))
+            if len(self.stage_dp) != self.pp or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in self.stage_dp
+            ):
+                raise ConfigError(
+                    f"stage_dp must hold one positive degree per pipeline stage (pp={self.pp}), got {self.stage_dp!r}"
+                )
+            if self.virtual_stages > 1:
+                raise ConfigError("stage_dp (per-stage sub-meshes) needs virtual_stages=1")
+            samples = self.dp * self.microbatch_size
+            if any(samples % d for d in self.stage_dp):
+                raise ConfigError(
+                    f"stage_dp {list(self.stage_dp)} must divide the {samples} samples of a micro-batch "
+                    f"(dp*microbatch_size = {self.dp}*{self.microbatch_size})"
+                )
         if self.schedule == "interleaved-1f1b" and self.num_microbatches % self.pp:
             raise ConfigError(
                 f"interleaved-1f1b needs num_microbatches ({self.num_microbatches}) divisible by pp ({self.pp})"
@@ -71,6 +93,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        if self.stage_dp is not None:
+            return self.tp * sum(self.stage_dp)
         return self.dp * self.tp * self.pp
 
     @property
@@ -83,6 +107,11 @@ class ParallelConfig:
 
     def check_against(self, *, world_size: int, devices_per_node: int, num_blocks: int, global_batch_size: int) -> None:
         """Raise :class:`ConfigError` naming the numbers when this config cannot run there."""
+        if self.stage_dp is not None and self.world_size != world_size:
+            raise ConfigError(
+                f"tp*sum(stage_dp) = {self.tp}*{sum(self.stage_dp)} = {self.world_size} but the cluster has "
+                f"{world_size} devices: choose per-stage degrees that add up to {world_size // self.tp}"
+            )
         if self.world_size != world_size:
             raise ConfigError(
                 f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} but the cluster has {world_size} "
@@ -121,5 +150,7 @@ class ParallelConfig:
         ]
         if self.pp > 1:
             parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.virtual_stages > 1 else ""))
+        if self.stage_dp is not None:
+            parts.append(f"stage_dp={list(self.stage_dp)}")
         parts += [f"recompute={self.recompute}", f"zero={self.zero_stage}"]
         return " ".join(parts)

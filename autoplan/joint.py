@@ -106,7 +106,7 @@ def to_training_estimate(est: PipelineEstimate, *, precision: str, num_blocks: i
     config = ParallelConfig(
         dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size, num_microbatches=c.num_microbatches,
         schedule=c.schedule if c.pp > 1 else "1f1b", virtual_stages=c.virtual_stages,  # type: ignore[arg-type]
-        recompute=c.recompute, zero_stage=c.zero_stage,  # type: ignore[arg-type]
+        recompute=c.recompute, zero_stage=c.zero_stage, stage_dp=c.stage_dp,  # type: ignore[arg-type]
     )  # fmt: skip
     return TrainingEstimate(
         config=config,
@@ -303,8 +303,13 @@ def estimate(
         dp=config.dp, tp=config.tp, pp=config.pp, microbatch_size=config.microbatch_size,
         num_microbatches=config.num_microbatches, schedule=config.schedule if config.pp > 1 else "none",
         virtual_stages=config.virtual_stages, recompute=config.recompute, zero_stage=config.zero_stage,
+        stage_dp=config.stage_dp,
     )  # fmt: skip
-    est = evaluate(cand, seg, cluster, precision=precision, tokens_per_sample=_tokens_per_sample(inputs))
+    samples = config.dp * config.microbatch_size
+    stage_costs = [costs(config.tp, samples // d) for d in config.stage_dp] if config.stage_dp else None
+    est = evaluate(
+        cand, seg, cluster, precision=precision, tokens_per_sample=_tokens_per_sample(inputs), stage_costs=stage_costs
+    )
     return to_training_estimate(est, precision=precision, num_blocks=costs.num_blocks)
 
 
@@ -334,6 +339,8 @@ def search_config(
     costs._traced(1)  # noqa: SLF001 - learn the number of blocks
     if config is not None:
         _check_config(config, cluster, costs.num_blocks, global_batch_size)
+        if config.stage_dp is not None:
+            raise ConfigError("a config with stage_dp fixes the stages: price it with autoplan.estimate")
         space = _space_for(config)
     best, every = search(
         costs,
@@ -406,10 +413,14 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
 
 
 EXECUTABLE_SPACE = SearchSpace(
-    schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"), recompute=("none", "full"), zero_stages=(0, 3)
+    schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+    recompute=("none", "full"),
+    zero_stages=(0, 3),
+    hetero_stages=False,
 )
 """What ``autoplan.parallelize`` can run today: plans are searched in this space (the what-if
-:func:`estimate` also prices selective recomputation and ZeRO 1-2)."""
+:func:`estimate` and :func:`search_config` also price selective recomputation, ZeRO 1-2 and
+stages on sub-meshes of different sizes)."""
 
 
 def _check_executable(config: ParallelConfig) -> None:
@@ -422,11 +433,13 @@ def _check_executable(config: ParallelConfig) -> None:
         )
         if value not in allowed and not (name == "schedule" and config.pp == 1)
     ]
+    if config.stage_dp is not None:
+        bad.append(f"stage_dp={list(config.stage_dp)}")
     if bad:
         raise ConfigError(
             f"{', '.join(bad)} can be estimated (autoplan.estimate) but not run yet: plan with schedule in "
             f"{EXECUTABLE_SPACE.schedules}, recompute in {EXECUTABLE_SPACE.recompute}, zero_stage in "
-            f"{EXECUTABLE_SPACE.zero_stages}"
+            f"{EXECUTABLE_SPACE.zero_stages} and without stage_dp"
         )
 
 
@@ -440,6 +453,7 @@ def _space_for(config: ParallelConfig) -> SearchSpace:
         zero_stages=(config.zero_stage,),
         microbatch_sizes=(config.microbatch_size,),
         per_stage_recompute=False,
+        hetero_stages=False,
         fixed={"dp": config.dp, "tp": config.tp, "pp": config.pp, "num_microbatches": config.num_microbatches,
                "schedule": schedule, "virtual_stages": config.virtual_stages},
     )  # fmt: skip

@@ -33,6 +33,14 @@ micro-batch's backward is not counted) and the optimizer step::
 
     T(c) = makespan(F, B, m, schedule, p2p) + max_k (exposed_sync_k + opt_k / dp^[zero>=1])
 
+Heterogeneous sub-meshes (Alpa's stage-to-mesh assignment, restricted to data parallelism):
+stage ``k`` may get ``d_k * tp`` devices with ``sum_k d_k = pp * dp`` and splits each micro-batch
+of ``S = dp * b`` samples ``d_k`` ways (``d_k | S``); its times are those of ``S / d_k`` samples,
+its gradient synchronisation and ZeRO sharding run over ``d_k``, and a cut is sent by ``d_k``
+ranks to ``d_{k+1}`` (the busiest link carries ``1 / min(d_k, d_{k+1})`` of it). Boundaries and
+degrees together minimise the slowest stage (:func:`hetero_split`, a dynamic program over
+stages x segments x devices); the candidate keeps it when the full evaluation is faster.
+
 The outer search enumerates every ``c`` (pp | world, tp | devices per node, b with
 ``B % (dp b) == 0``, schedules, v, recompute, ZeRO) and, per ``c``, the stage boundaries that
 minimise the slowest stage (min-max contiguous partition by dynamic programming) next to the
@@ -43,6 +51,8 @@ calls :func:`SegmentCostFn` once per distinct pair.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -79,6 +89,13 @@ class Candidate:
     virtual_stages: int
     recompute: str
     zero_stage: int
+    stage_dp: tuple[int, ...] | None = None
+    """Heterogeneous sub-meshes: the data-parallel degree of each pipeline stage (``v == 1``);
+    ``None`` is ``dp`` on every stage. Stage ``k`` then holds ``stage_dp[k] * tp`` devices and
+    splits each micro-batch of ``dp * microbatch_size`` samples ``stage_dp[k]`` ways."""
+
+    def dp_of(self, stage: int) -> int:
+        return self.stage_dp[stage] if self.stage_dp is not None else self.dp
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +109,8 @@ class StageEstimate:
     recompute: str
     memory_bytes: float
     memory_parts: dict[str, float]
+    dp: int = 1
+    """Data-parallel degree of the stage's sub-mesh (``stage_dp``; else the candidate's dp)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,6 +152,8 @@ class SearchSpace:
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     balanced_stages: bool = True
     per_stage_recompute: bool = True
+    hetero_stages: bool = True
+    """Also give stages sub-meshes of different sizes (:func:`hetero_layout`)."""
     fixed: dict[str, object] = field(default_factory=dict)
 
 
@@ -239,22 +260,28 @@ def evaluate(
     stage_recompute: Sequence[str] | None = None,
     precision: str = "fp32",
     tokens_per_sample: int = 1,
+    stage_costs: Sequence[SegmentCosts] | None = None,
 ) -> PipelineEstimate:
-    """Step time and memory of ``cand`` with ``costs`` of its (tp, microbatch size)."""
+    """Step time and memory of ``cand`` with ``costs`` of its (tp, microbatch size).
+
+    With heterogeneous sub-meshes (``cand.stage_dp``), ``stage_costs[k]`` are the segment costs
+    of stage ``k``'s per-device micro-batch (``dp * microbatch_size / stage_dp[k]`` samples)."""
     segs = costs.segments
     nstages = cand.pp * cand.virtual_stages
     if nstages > len(segs) - 2 and nstages > 1:
         raise ConfigError(f"{nstages} pipeline stages but the model has {len(segs) - 2} blocks: use fewer stages")
+    if cand.stage_dp is not None and (len(cand.stage_dp) != nstages or stage_costs is None):
+        raise ConfigError(f"stage_dp needs one degree per stage ({nstages}) and the costs of each stage")
     starts = tuple(stage_starts) if stage_starts is not None else _uniform_starts(len(segs), nstages)
     bounds = [*starts, len(segs)]
     rec = list(stage_recompute) if stage_recompute is not None else [cand.recompute] * nstages
     bpp = BYTES_PER_PARAM[precision]
-    dp, m = cand.dp, cand.num_microbatches
+    m = cand.num_microbatches
     device = cluster.device
     overlap = overlaps_compute(device)
     backend = cluster.backend
-    dp_link = group_link(cluster, stride=cand.tp, size=dp)
-    pp_link = group_link(cluster, stride=cand.tp * dp, size=2)
+    # first device of each stage's sub-mesh (Megatron order; stage sub-meshes are contiguous)
+    offsets = list(itertools.accumulate((cand.dp_of(k % cand.pp) * cand.tp for k in range(cand.pp)), initial=0))
 
     stage_times: list[StageTimes] = []
     stages: list[StageEstimate] = []
@@ -262,7 +289,9 @@ def evaluate(
     opt_s: list[float] = []
     tp_comm = 0.0
     for k in range(nstages):
-        part = segs[bounds[k] : bounds[k + 1]]
+        dp = cand.dp_of(k % cand.pp)
+        dp_link = group_link(cluster, stride=cand.tp, size=dp)
+        part = (stage_costs[k].segments if stage_costs is not None else segs)[bounds[k] : bounds[k + 1]]
         fwd = sum(s.fwd_s for s in part)
         extra = saved = transient = 0.0
         for s in part:
@@ -330,16 +359,14 @@ def evaluate(
                 recompute=rec[k],
                 memory_bytes=sum(parts.values()),
                 memory_parts=parts,
+                dp=dp,
             )
         )
     # memory per pipeline rank: the sum of its stages (interleaving puts v stages on a rank)
     per_rank = [0.0] * cand.pp
     for st in stages:
         per_rank[st.rank] += st.memory_bytes
-    p2p = [
-        link_time_s("send_recv", costs.cut_bytes[bounds[k + 1] - 1], 2, pp_link, backend=backend)
-        for k in range(nstages - 1)
-    ]
+    p2p = [_p2p_s(cand, costs, cluster, bounds[k + 1] - 1, k, offsets) for k in range(nstages - 1)]
     busy = [0.0] * cand.pp
     for st in stages:
         busy[st.rank] += m * (st.fwd_s + st.bwd_s)
@@ -353,7 +380,7 @@ def evaluate(
         makespan, bubble, p2p_exposed = max(busy), 0.0, 0.0
     tail = max(se + o for se, o in zip(sync_exposed, opt_s, strict=True))
     step = makespan + tail
-    flops = sum(s.flops for s in segs) * m * dp
+    flops = sum(s.flops for s in segs) * m * cand.dp
     peak_flops = device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
     capacity = float(device.mem_capacity_bytes)
     peak = max(per_rank)
@@ -383,6 +410,22 @@ def precision_dtype(precision: str) -> str:
 def precision_opt_factor(precision: str) -> float:
     """Optimizer step bytes relative to fp32 training (mixed precision also writes the bf16 copy)."""
     return 1.0 if precision == "fp32" else 1.1
+
+
+def _p2p_s(cand: Candidate, costs: SegmentCosts, cluster: Cluster, cut: int, stage: int, offsets: list[int]) -> float:
+    """Send of the activations crossing ``cut`` from ``stage`` to the next one: the micro-batch
+    (``dp`` replicas' worth) goes from the ``d_k`` replicas of one stage to the ``d_k+1`` of
+    the next, so the busiest link carries ``1 / min(d_k, d_k+1)`` of it (uniform: each
+    replica sends its own ``b`` samples). The link is the network when the two stages'
+    devices (``offsets``: first device of each pipeline rank) are not on one node."""
+    a, b = stage % cand.pp, (stage + 1) % cand.pp
+    total = costs.cut_bytes[cut] * cand.dp
+    lo, hi = min(offsets[a], offsets[b]), max(offsets[a + 1], offsets[b + 1]) - 1
+    dpn = cluster.devices_per_node
+    spans = cluster.num_nodes > 1 and lo // dpn != hi // dpn
+    link = cluster.links.get("inter" if spans else "intra") or cluster.catalog_link(spans_nodes=spans)
+    share = total / min(cand.dp_of(a), cand.dp_of(b))
+    return link_time_s("send_recv", share, 2, link, backend=cluster.backend)
 
 
 # --- the outer search -------------------------------------------------------------------------
@@ -481,6 +524,118 @@ def best_layout(
     return best
 
 
+HETERO_MAX_TRANSITIONS = 5_000_000
+"""Largest dynamic program :func:`hetero_split` runs (stages x segments^2 x units x degrees; about
+0.25 s on one core at the bound); beyond it (hundreds of devices and layers) the per-segment
+balancing of the uniform split is already fine-grained."""
+
+
+def hetero_split(
+    weights_for: Callable[[int], Sequence[float]],
+    *,
+    num_segments: int,
+    num_stages: int,
+    units: int,
+    degrees: Sequence[int],
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Stage boundaries and per-stage data-parallel degrees minimising the slowest stage.
+
+    ``weights_for(d)`` is the time of each segment on a stage of degree ``d``; the degrees sum
+    to ``units`` (the cluster's tensor-parallel groups). Dynamic program over (stages, segments
+    covered, units used)::
+
+        best[k][j][u] = min_{i < j, d} max(best[k-1][i][u-d], sum_{i<=s<j} w_d[s])
+
+    Returns ``(stage_starts, stage_dp)`` or ``None`` when the program exceeds
+    :data:`HETERO_MAX_TRANSITIONS` or nothing fits."""
+    n = num_segments
+    if num_stages * n * n * units * len(degrees) > HETERO_MAX_TRANSITIONS or not degrees:
+        return None
+    prefix = {d: [0.0, *itertools.accumulate(weights_for(d))] for d in degrees}
+    # best[k][j]: units used -> (slowest stage, (previous boundary, degree)) over k stages, j segments
+    best: list[list[dict[int, tuple[float, tuple[int, int]]]]] = [
+        [{} for _ in range(n + 1)] for _ in range(num_stages + 1)
+    ]
+    best[0][0][0] = (0.0, (0, 0))
+    for k in range(1, num_stages + 1):
+        for j in range(k, n + 1):
+            here = best[k][j]
+            for i in range(k - 1, j):
+                if (i == 0 and j == 1) or (i == n - 1 and j == n):
+                    continue  # every stage holds a block
+                for u0, (prev, _) in best[k - 1][i].items():
+                    for d in degrees:
+                        u = u0 + d
+                        if u > units:
+                            continue
+                        cost = max(prev, prefix[d][j] - prefix[d][i])
+                        if u not in here or cost < here[u][0]:
+                            here[u] = (cost, (i, d))
+    if units not in best[num_stages][n]:
+        return None
+    starts: list[int] = []
+    dps: list[int] = []
+    j, u = n, units
+    for k in range(num_stages, 0, -1):
+        i, d = best[k][j][u][1]
+        starts.append(i)
+        dps.append(d)
+        j, u = i, u - d
+    return tuple(reversed(starts)), tuple(reversed(dps))
+
+
+def hetero_layout(
+    cand: Candidate,
+    cost_at: Callable[[int], SegmentCosts],
+    cluster: Cluster,
+    *,
+    space: SearchSpace,
+    precision: str,
+    tokens_per_sample: int,
+    memo: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] | None = None,
+) -> PipelineEstimate | None:
+    """``cand`` with sub-meshes of different sizes per stage: a heavy stage gets more
+    data-parallel replicas (and a light one fewer) instead of leaving the pipeline unbalanced.
+
+    ``cost_at(b)`` are the segment costs of ``b`` samples per device on ``cand.tp``. A stage of
+    degree ``d`` splits each micro-batch of ``S = dp * microbatch_size`` samples ``d`` ways, so
+    ``d`` ranges over the divisors of ``S`` whose share is a micro-batch size of the space.
+    ``None`` when no split differs from the uniform one or the program is too large. ``memo``
+    keeps the split per (tp, pp, dp, microbatch size) across the candidates that share them."""
+    if cand.pp < 2 or cand.virtual_stages > 1:
+        return None
+    samples = cand.dp * cand.microbatch_size
+    units = cluster.world_size // cand.tp
+    degrees = [d for d in _divisors(samples) if samples // d in space.microbatch_sizes and d <= units]
+    first = cost_at(cand.microbatch_size)
+    key = (cand.tp, cand.pp, cand.dp, cand.microbatch_size)
+    if memo is not None and key in memo:
+        split = memo[key]
+    else:
+        split = hetero_split(
+            lambda d: [sg.fwd_s + sg.bwd_s for sg in cost_at(samples // d).segments],
+            num_segments=len(first.segments),
+            num_stages=cand.pp,
+            units=units,
+            degrees=degrees,
+        )
+        if memo is not None:
+            memo[key] = split
+    if split is None or all(d == cand.dp for d in split[1]):
+        return None
+    starts, stage_dp = split
+    hetero = dataclasses.replace(cand, stage_dp=stage_dp)
+    return evaluate(
+        hetero,
+        first,
+        cluster,
+        stage_starts=starts,
+        precision=precision,
+        tokens_per_sample=tokens_per_sample,
+        stage_costs=[cost_at(samples // d) for d in stage_dp],
+    )
+
+
 def _key(e: PipelineEstimate) -> tuple[bool, float]:
     return (not e.feasible, e.step_time_s if e.feasible else e.peak_memory_bytes)
 
@@ -512,19 +667,31 @@ def search(
         return cache[(tp, b)]
 
     results = []
+    splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     for cand in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space):
         if any(getattr(cand, k) != v for k, v in space.fixed.items()):
             continue
-        results.append(
-            best_layout(
+        est = best_layout(
+            cand,
+            costs(cand.tp, cand.microbatch_size),
+            cluster,
+            space=space,
+            precision=precision,
+            tokens_per_sample=tokens_per_sample,
+        )
+        if space.hetero_stages:
+            alt = hetero_layout(
                 cand,
-                costs(cand.tp, cand.microbatch_size),
+                functools.partial(costs, cand.tp),
                 cluster,
                 space=space,
                 precision=precision,
                 tokens_per_sample=tokens_per_sample,
+                memo=splits,
             )  # fmt: skip
-        )
+            if alt is not None and _key(alt) < _key(est):
+                est = alt
+        results.append(est)
     if not results:
         raise ConfigError(
             f"no configuration divides the cluster ({cluster.world_size} devices) and the global batch "
@@ -557,5 +724,7 @@ __all__ = [
     "candidates",
     "evaluate",
     "expand_blocks",
+    "hetero_layout",
+    "hetero_split",
     "search",
 ]
