@@ -30,7 +30,7 @@ from cost_models.memory import OPTIMIZERS
 from cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from passes import liveness
 from passes.apply import edge_redistributions, generate_program
-from passes.costing import build_cost_problem
+from passes.costing import CostProblem, build_cost_problem
 from passes.overlap import schedule_step
 from passes.placement import parse_spec, spec_str, spec_strs
 from passes.solver import ShardingILP, SolverOptions
@@ -143,16 +143,20 @@ def plan_traced(
     solver: str = "auto",
     profile: ProfileDB | None = None,
     restrict: Callable[[StrategyTable, TracedProgram], None] | None = None,
+    adjust: Callable[[CostProblem], CostProblem] | None = None,
 ) -> Plan:
     """Plan an already traced training step on ``mesh`` (the cluster's shape); op times come
     from ``profile`` where it has them (see :func:`open_profile`). ``restrict`` may remove
-    strategies from the table after the pins (e.g. the data-parallel layout a configuration fixes)."""
+    strategies from the table after the pins (e.g. the data-parallel layout a configuration fixes);
+    ``adjust`` may rewrite the cost problem before the ILP (e.g. repeated blocks' multiplicity)."""
     t0 = time.perf_counter()
     table = build_strategy_table(traced, mesh)
     _apply_pins(table, traced, pins or {})
     if restrict is not None:
         restrict(table, traced)
     problem = build_cost_problem(traced, table, cluster, optimizer=optimizer, profile=profile)
+    if adjust is not None:
+        problem = adjust(problem)
     solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
 
@@ -277,6 +281,7 @@ def plan(
     global_batch_size: int | None = None,
     precision: str = "fp32",
     config: ParallelConfig | None = None,
+    reduce_repeated: bool = True,
 ) -> Plan:
     """Plan data/tensor/sequence/parameter sharding of one training step of ``model``.
 
@@ -285,6 +290,8 @@ def plan(
     the per-operator ILP inside each stage; ``plan.config`` holds the chosen configuration and
     ``example_inputs`` only give the per-sample shapes. ``config`` fixes the configuration
     (degrees, micro-batches, schedule, recomputation, ZeRO); the search then places the stages.
+    These plans trace two of the model's repeated blocks and solve one for all of them
+    (``reduce_repeated``; :mod:`passes.depth`); ``parallelize`` repeats the placements on every block.
 
     ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
     a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
@@ -301,6 +308,7 @@ def plan(
             model, cluster, example_inputs=example_inputs, loss_fn=loss_fn, example_targets=example_targets,
             global_batch_size=global_batch_size, precision=precision, optimizer=optimizer,
             profile=open_profile(cluster, profile), time_limit_s=time_limit_s, solver=solver, config=config,
+            reduce_repeated=reduce_repeated,
         )  # fmt: skip
     if config is not None:
         raise PlanError("config= needs global_batch_size= (the configuration splits a global batch)")
@@ -378,16 +386,28 @@ def _parallelize_pipeline(
 
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
-    traced = trace_for_plan(plan, model, inputs, targets, loss_fn)
-    plan.check_applies_to(fingerprint=traced.fingerprint, world_size=dist.get_world_size())
+    planned = trace_for_plan(plan, model, inputs, targets, loss_fn)
+    plan.check_applies_to(fingerprint=planned.fingerprint, world_size=dist.get_world_size())
+    traced, assignment = planned, plan.assignment()
+    if layout.reduced:
+        # placements of the program traced with fewer blocks: repeat its last block's
+        # placements on every later block of the full program (passes.expand)
+        from autoplan.joint import trace_microbatch
+        from passes.expand import expand_assignment
+
+        traced = trace_microbatch(model, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
+        assignment = expand_assignment(
+            assignment, (planned, find_layers(planned)), (traced, find_layers(traced)), block_list=layout.block_list
+        )
+    layering = find_layers(traced)
     mesh = init_device_mesh(
         device.type, (cfg.pp, *layout.stage_mesh_shape), mesh_dim_names=("pp", *layout.stage_axis_names)
     )
     return build_pipeline(
         model,
         traced,
-        plan.assignment(),
-        find_layers(traced),
+        assignment,
+        layering,
         stage_starts=layout.stage_starts,
         mesh=mesh,
         axis_names=layout.stage_axis_names,

@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,12 +34,15 @@ from cost_models.cluster import Cluster
 from cost_models.errors import ConfigError, PlanMismatchError
 from cost_models.profile_db import ProfileDB
 from passes.costing import CostProblem, build_cost_problem
+from passes.depth import KEPT_BLOCKS, reduce_depth
+from passes.expand import block_multiplicity, scale_problem
 from passes.layers import find_layers
 from passes.pipeline_search import (
     Candidate,
     PipelineEstimate,
     SearchSpace,
     evaluate,
+    expand_blocks,
     search,
     tp_cluster,
 )
@@ -160,8 +164,9 @@ def trace_for_plan(
     targets: Sequence[torch.Tensor],
     loss_fn: LossFn | None,
 ) -> TracedProgram:
-    """The micro-batch step a plan made for a global batch applies to; ``inputs`` must be that
-    global batch (:class:`PlanMismatchError` otherwise)."""
+    """The micro-batch step a plan made for a global batch applies to (with the plan's number
+    of blocks when it was planned on fewer, :mod:`passes.depth`); ``inputs`` must be that global
+    batch (:class:`PlanMismatchError` otherwise)."""
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
@@ -170,6 +175,8 @@ def trace_for_plan(
             f"the plan is for a global batch of {layout.global_batch_size} but the inputs have {batch} samples: "
             f"pass a global batch of {layout.global_batch_size} or re-plan with --global-batch-size {batch}"
         )
+    if layout.reduced:
+        model = reduce_depth(model, layout.traced_blocks).module
     return trace_microbatch(model, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
 
 
@@ -186,16 +193,26 @@ class SegmentCostModel:
     optimizer: str = "adam"
     profile: ProfileDB | None = None
     time_limit_s: float = 60.0
+    reduce_repeated: bool = True
+    """Trace two blocks and price the rest from the last (passes.depth); False: full depth."""
     num_blocks: int = 0
     _traces: dict[int, object] = field(default_factory=dict)
     _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
 
     def _traced(self, batch: int):  # noqa: ANN202
+        """The step of one micro-batch of ``batch`` samples, traced with the first
+        :data:`~passes.depth.KEPT_BLOCKS` blocks only (:mod:`passes.depth`; costs are expanded to
+        the full depth in :meth:`__call__`)."""
         if batch not in self._traces:
-            traced = trace_microbatch(self.model, self.example_inputs, self.example_targets, self.loss_fn, batch)
+            reduced = reduce_depth(self.model, KEPT_BLOCKS if self.reduce_repeated else sys.maxsize)
+            traced = trace_microbatch(reduced.module, self.example_inputs, self.example_targets, self.loss_fn, batch)
             layering = find_layers(traced)
+            if reduced.reduced and layering.num_blocks != reduced.kept:  # blocks not where the layering sees them
+                reduced = dataclasses.replace(reduced, module=self.model, kept=reduced.num_blocks)
+                traced = trace_microbatch(self.model, self.example_inputs, self.example_targets, self.loss_fn, batch)
+                layering = find_layers(traced)
             self._traces[batch] = (traced, layering)
-            self.num_blocks = layering.num_blocks
+            self.num_blocks = reduced.num_blocks if reduced.reduced else layering.num_blocks
         return self._traces[batch]
 
     def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
@@ -211,16 +228,19 @@ class SegmentCostModel:
                 # memory is the outer search's constraint (it depends on stages and schedule)
                 problem.capacity_bytes = float("inf")
                 problem.memory_points = []
+                # the last traced block stands for all the later ones (passes.expand)
+                mult = block_multiplicity(layering, self.num_blocks)
                 solution = ShardingILP(
-                    _memory_tie_break(problem), SolverOptions(time_limit_s=self.time_limit_s)
+                    scale_problem(_memory_tie_break(problem), mult), SolverOptions(time_limit_s=self.time_limit_s)
                 ).solve()
-            self._costs[key] = segment_costs(
+            costs = segment_costs(
                 traced.graph_module,
                 layering,
                 problem,
                 solution.choice,
                 param_nodes=[param_node_name(p) for p in traced.param_names],
             )
+            self._costs[key] = expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
         return self._costs[key]
 
 
@@ -326,6 +346,7 @@ def search_config(
     profile: ProfileDB | None = None,
     space: SearchSpace | None = None,
     config: ParallelConfig | None = None,
+    reduce_repeated: bool = True,
 ) -> tuple[TrainingEstimate, list[TrainingEstimate]]:
     """The planner's joint search: the fastest configuration that fits, and every one it priced
     (``config``: only that configuration, its stage boundaries searched)."""
@@ -335,7 +356,9 @@ def search_config(
     if global_batch_size < 1:
         raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
-    costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
+    costs = SegmentCostModel(
+        model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile, reduce_repeated=reduce_repeated
+    )
     costs._traced(1)  # noqa: SLF001 - learn the number of blocks
     if config is not None:
         _check_config(config, cluster, costs.num_blocks, global_batch_size)
@@ -474,31 +497,69 @@ def plan_for_batch(
     time_limit_s: float = 120.0,
     solver: str = "auto",
     config: ParallelConfig | None = None,
+    reduce_repeated: bool = True,
 ) -> Plan:
     """The joint search, then the placements of one stage's program for the chosen config.
     ``config`` fixes the degrees and knobs (the search then only places the stage boundaries).
     The search covers what the runtime executes (:data:`EXECUTABLE_SPACE`) unless ``space`` says
-    otherwise."""
+    otherwise. ``reduce_repeated``: plan on two traced blocks standing for all of them
+    (:mod:`passes.depth`, :mod:`passes.expand`); False traces and solves the full depth."""
     if config is not None:
         _check_executable(config)
     space = space or EXECUTABLE_SPACE
+    from autoplan import plan_cache
     from autoplan.api import plan_traced, planning_mesh  # api re-exports this module's entry point
 
     t0 = time.perf_counter()
+    options = {
+        "global_batch_size": global_batch_size, "precision": precision, "optimizer": optimizer, "space": repr(space),
+        "time_limit_s": time_limit_s, "solver": solver, "config": config.to_dict() if config else None,
+        "reduce_repeated": reduce_repeated,
+    }  # fmt: skip
+    key = plan_cache.plan_key(model, example_inputs, example_targets, loss_fn, cluster, options, profile)
+    cached = plan_cache.load(key)
+    if cached is not None:
+        return cached
     best, _ = search_config(
         model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
         example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
-        config=config,
+        config=config, reduce_repeated=reduce_repeated,
     )  # fmt: skip
     cfg = best.config
     model_p, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
-    traced = trace_microbatch(model_p, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
+    # the stage program with the repeated blocks traced once (passes.depth), solved with the
+    # copies' variables shared (passes.expand); memory is the outer search's constraint
+    reduced = reduce_depth(model_p, KEPT_BLOCKS if reduce_repeated else sys.maxsize)
+    traced = trace_microbatch(reduced.module, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
     layering = find_layers(traced)
+    num_blocks = reduced.num_blocks if reduced.reduced else layering.num_blocks
+    if layering.num_blocks != reduced.kept:  # blocks not where the layering sees them: full depth
+        traced = trace_microbatch(model_p, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
+        layering = find_layers(traced)
+        num_blocks = layering.num_blocks
+    mult = block_multiplicity(layering, num_blocks)
+    reduction: dict[str, int] = {}
+
+    def adjust(problem: CostProblem) -> CostProblem:
+        # decision variables (one per node and strategy) and edges, solved vs standing for
+        reduction.update(
+            traced_blocks=layering.num_blocks,
+            num_blocks=num_blocks,
+            nodes=len(problem.node_time_s),
+            nodes_full_depth=sum(mult.get(n, 1) for n in problem.node_time_s),
+            x_variables=sum(len(t) for t in problem.node_time_s.values()),
+            x_variables_full_depth=sum(len(t) * mult.get(n, 1) for n, t in problem.node_time_s.items()),
+            edges=len(problem.edges),
+            edges_full_depth=sum(mult.get(e.consumer, 1) for e in problem.edges),
+        )
+        problem = scale_problem(_memory_tie_break(problem), mult)
+        return dataclasses.replace(problem, capacity_bytes=float("inf"), memory_points=[])
+
     sub = stage_cluster(cluster, cfg)
     with planning_mesh(sub) as mesh:
         stage = plan_traced(
             traced, sub, mesh=mesh, optimizer=optimizer, time_limit_s=time_limit_s, solver=solver, profile=profile,
-            restrict=lambda table, tr: _restrict_for_config(table, tr, cfg),
+            restrict=lambda table, tr: _restrict_for_config(table, tr, cfg), adjust=adjust,
         )  # fmt: skip
     worst = max(range(len(best.memory_parts_bytes)), key=lambda k: sum(best.memory_parts_bytes[k].values()))
     parts = dict(best.memory_parts_bytes[worst])
@@ -519,13 +580,17 @@ def plan_for_batch(
     layout = PipelineLayout(
         stage_starts=best.stage_starts,
         stage_recompute=best.stage_recompute,
-        segment_names=tuple(layering.segment_name(k) for k in range(layering.num_segments)),
+        segment_names=("prologue", *(f"{layering.block_prefix}.{i}" for i in range(num_blocks)), "epilogue"),
         stage_mesh_shape=stage_axes(cfg)[0],
         stage_axis_names=stage_axes(cfg)[1],
         global_batch_size=global_batch_size,
         precision=precision,
+        block_list=layering.block_prefix,
+        traced_blocks=layering.num_blocks,
     )
-    solver_info = {**stage.solver, "plan_time_s": round(time.perf_counter() - t0, 3)}
-    return dataclasses.replace(
+    solver_info = {**stage.solver, "plan_time_s": round(time.perf_counter() - t0, 3), "reduction": reduction}
+    result = dataclasses.replace(
         stage, cluster=cluster, estimate=estimate, config=cfg, pipeline=layout, solver=solver_info
     )
+    plan_cache.store(key, result)
+    return result

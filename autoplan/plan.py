@@ -125,6 +125,15 @@ class PipelineLayout:
     stage_axis_names: tuple[str, ...]
     global_batch_size: int
     precision: str
+    block_list: str = ""
+    """FQN of the model's list of repeated blocks (``passes.depth``)."""
+    traced_blocks: int = 0
+    """Blocks of the program the placements are for: when fewer than the model's, the last
+    one stands for all the others (``passes.expand``); 0 = the full depth."""
+
+    @property
+    def reduced(self) -> bool:
+        return 0 < self.traced_blocks < len(self.segment_names) - 2
 
     def stage_segments(self) -> list[tuple[str, ...]]:
         bounds = [*self.stage_starts, len(self.segment_names)]
@@ -139,6 +148,8 @@ class PipelineLayout:
             "stage_axis_names": list(self.stage_axis_names),
             "global_batch_size": self.global_batch_size,
             "precision": self.precision,
+            "block_list": self.block_list,
+            "traced_blocks": self.traced_blocks,
         }
 
     @staticmethod
@@ -151,6 +162,8 @@ class PipelineLayout:
             stage_axis_names=tuple(str(x) for x in d["stage_axis_names"]),
             global_batch_size=int(d["global_batch_size"]),
             precision=str(d["precision"]),
+            block_list=str(d.get("block_list", "")),
+            traced_blocks=int(d.get("traced_blocks", 0)),
         )
 
 

@@ -104,6 +104,24 @@ def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpressi
     return pulp.LpAffineExpression(list(coeffs.items()))
 
 
+def objective_of(problem: CostProblem, choice: Mapping[str, int]) -> float:
+    """The ILP's objective (seconds) of a given strategy per node: node times plus the edge
+    conversions the chosen endpoints imply (tied edges cost nothing)."""
+    total = sum(problem.node_time_s[n][s] for n, s in choice.items())
+    for e in problem.edges:
+        if e.tied:
+            continue
+        src = choice[e.producer.node]
+        p = next(spec for spec, idx in e.src_groups.items() if src in idx)
+        if e.consumer in choice:
+            dst = choice[e.consumer]
+            q = next(spec for spec, idx in e.dst_groups.items() if dst in idx)
+        else:
+            (q,) = e.dst_groups
+        total += e.cost_s[(p, q)]
+    return total
+
+
 class ShardingILP:
     """Builds and solves the ILP of the module docstring for one :class:`CostProblem`."""
 

@@ -335,6 +335,8 @@ def test_planned_pipeline_runs_like_single_device(
         example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
     )  # fmt: skip
     assert plan.config == cfg and plan.pipeline is not None and len(plan.pipeline.stage_starts) == 2
+    # planned on 2 traced blocks (passes.depth), the later blocks take block 1's placements
+    assert plan.pipeline.traced_blocks == 2 and len(plan.pipeline.segment_names) == NUM_LAYERS + 2
     results = run_ranks(_train_public, world, model_name, cfg, json.dumps(plan.to_dict()), timeout_s=900)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,124 @@
+"""Plan cache: re-planning an unchanged (model, inputs, cluster, options) returns the stored plan.
+
+    <cache>/plans/<key>.json        <cache> = $AUTOPLAN_CACHE_DIR | $XDG_CACHE_HOME/autoplan | ~/.cache/autoplan
+
+The key is a SHA-256 over everything the plan depends on, computed without tracing:
+
+* the model: its module tree (``repr``), every parameter's and buffer's name, shape and dtype,
+  and the bytecode of the ``forward`` of every module class it uses;
+* the example inputs' and targets' shapes and dtypes, the loss function's bytecode;
+* the cluster (``Cluster.to_dict``, calibrated links included), the planning options, the
+  profile database's measured times;
+* autoplan's own source files (a new version never reuses an old plan).
+
+A corrupted or unreadable entry is a miss (and is replaced); entries are written atomically
+(``Plan.save``). Set ``AUTOPLAN_NO_PLAN_CACHE=1`` to disable.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoplan.plan import Plan
+from cost_models.cluster import Cluster
+from cost_models.errors import PlanError
+from cost_models.profile_db import ProfileDB, default_cache_dir
+
+log = logging.getLogger(__name__)
+
+_PACKAGES = ("autoplan", "passes", "cost_models")
+
+
+@functools.cache
+def _source_digest() -> str:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in _PACKAGES:
+        for f in sorted((root / pkg).glob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _code_digest(fn: Callable[..., Any] | None) -> str:
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
+    if code is None:
+        return repr(fn)
+    parts = [code.co_code, repr(code.co_consts).encode(), repr(code.co_names).encode()]
+    return hashlib.sha256(b"".join(parts)).hexdigest()
+
+
+def _tensor_sig(t: torch.Tensor) -> list[Any]:
+    return [list(t.shape), str(t.dtype)]
+
+
+def plan_key(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: Callable[..., Any] | None,
+    cluster: Cluster,
+    options: Mapping[str, Any],
+    profile: ProfileDB | None,
+) -> str:
+    """The cache key (see the module docstring)."""
+    classes = sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+    doc = {
+        "model": repr(model),
+        "params": [[n, *_tensor_sig(p)] for n, p in model.named_parameters()],
+        "buffers": [[n, *_tensor_sig(b)] for n, b in model.named_buffers()],
+        "forward": [[f"{c.__module__}.{c.__qualname__}", _code_digest(c.forward)] for c in classes],
+        "inputs": [_tensor_sig(t) for t in inputs],
+        "targets": [_tensor_sig(t) for t in targets],
+        "loss": _code_digest(loss_fn) if loss_fn is not None else None,
+        "cluster": cluster.to_dict(),
+        "options": dict(options),
+        "profile": sorted((k, profile.lookup(k)) for k in profile) if profile is not None else None,
+        "source": _source_digest(),
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _path(key: str) -> Path:
+    return default_cache_dir() / "plans" / f"{key}.json"
+
+
+def enabled() -> bool:
+    return os.environ.get("AUTOPLAN_NO_PLAN_CACHE", "") in ("", "0")
+
+
+def load(key: str) -> Plan | None:
+    """The cached plan, or ``None`` (missing, unreadable or corrupted: a miss)."""
+    path = _path(key)
+    if not enabled() or not path.exists():
+        return None
+    try:
+        plan = Plan.load(path)
+    except PlanError as exc:
+        log.warning("ignoring plan cache entry %s: %s", path, exc)
+        return None
+    log.info("plan cache hit: %s", path)
+    return plan
+
+
+def store(key: str, plan: Plan) -> None:
+    if not enabled():
+        return
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(path)
+    except OSError as exc:  # a read-only cache never fails planning
+        log.warning("could not write plan cache entry %s: %s", path, exc)
+
+
+__all__ = ["enabled", "load", "plan_key", "store"]

@@ -1,0 +1,196 @@
+"""Planner speed on large models, end to end on this machine.
+
+    python benchmarks/planner_speed.py                 # the three target cases + a reduction check
+    python benchmarks/planner_speed.py --case llama3-8b
+
+Each case runs in its own process (so its peak RSS is its own): build the model on ``meta``,
+``autoplan.plan(..., global_batch_size=, precision="bf16")`` (trace, per-segment ILPs, the joint
+search over dp/tp/pp/micro-batches/schedule/recompute/ZeRO, the stage ILP) and write the plan
+file. Prints per case: layers, nodes and ILP decision variables / edges of the solved program
+against the full-depth program they stand for, trace s, ILP solve s, total s, peak RSS, the
+chosen configuration; then ``planner_speed: worst_ratio_to_target=X`` (largest total / target).
+
+``--check-reduction`` also plans mid-size models with and without the repeated-block reduction
+and prints both step times (the reduction must not be worse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    seq: int
+    cluster: str
+    global_batch: int
+    target_s: float
+    kv_heads: int = 8
+
+
+CASES = [
+    Case("llama3-8b", "llama", 32, 4096, 32, 14336, 128256, 8192, "8x8xH100", 512, 10.0),
+    Case("llama3-70b", "llama", 80, 8192, 64, 28672, 128256, 8192, "128x8xH100", 2048, 60.0),
+    Case("gpt3-175b", "gpt", 96, 12288, 96, 4 * 12288, 50257, 2048, "128x8xA100-80GB", 1536, 60.0),
+]
+MID_CASES = [  # small enough to plan at full depth too
+    Case("llama-1b-16L", "llama", 16, 2048, 16, 8192, 32000, 2048, "2x8xH100", 256, 0.0),
+    Case("gpt-350m-24L", "gpt", 24, 1024, 16, 4096, 50257, 1024, "1x8xA100-80GB", 128, 0.0),
+]
+
+
+def build(case: Case):  # noqa: ANN201 - (model, ids)
+    import torch
+
+    with torch.device("meta"):
+        ids = torch.randint(0, case.vocab, (1, case.seq))
+        if case.family == "llama":
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(
+                num_hidden_layers=case.layers, hidden_size=case.hidden, intermediate_size=case.ffn,
+                num_attention_heads=case.heads, num_key_value_heads=case.kv_heads, vocab_size=case.vocab,
+                max_position_embeddings=case.seq, use_cache=False,
+            )  # fmt: skip
+            return LlamaForCausalLM(cfg), ids
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(
+            n_layer=case.layers, n_embd=case.hidden, n_head=case.heads, n_inner=case.ffn, vocab_size=case.vocab,
+            n_positions=case.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        )  # fmt: skip
+        return GPT2LMHeadModel(cfg), ids
+
+
+def lm_loss(out, labels):  # noqa: ANN001, ANN201
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
+    """One case in this process; returns the row as a dict."""
+    import autoplan
+    import autoplan.joint as joint
+    from passes.solver import ShardingILP
+
+    timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0}
+    real_trace, real_solve = joint.trace_training_step, ShardingILP.solve
+
+    def timed_trace(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        try:
+            return real_trace(*a, **k)
+        finally:
+            timers["trace_s"] += time.perf_counter() - t
+
+    def timed_solve(self):  # noqa: ANN001, ANN202
+        t = time.perf_counter()
+        try:
+            return real_solve(self)
+        finally:
+            timers["solve_s"] += time.perf_counter() - t
+            timers["ilps"] += 1
+
+    joint.trace_training_step = timed_trace  # type: ignore[assignment]
+    ShardingILP.solve = timed_solve  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    model, ids = build(case)
+    plan = autoplan.plan(
+        model, case.cluster, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,),
+        global_batch_size=case.global_batch, precision="bf16", reduce_repeated=reduce_repeated,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as d:
+        plan.save(Path(d) / "plan.json")
+    total = time.perf_counter() - t0
+    red = plan.solver.get("reduction", {})
+    return {
+        "case": case.name,
+        "layers": case.layers,
+        "devices": plan.cluster.world_size,
+        "nodes": red.get("nodes"),
+        "nodes_full": red.get("nodes_full_depth"),
+        "x_vars": red.get("x_variables"),
+        "x_vars_full": red.get("x_variables_full_depth"),
+        "edges": red.get("edges"),
+        "edges_full": red.get("edges_full_depth"),
+        "ilp_vars": plan.solver.get("num_variables"),
+        "ilp_cons": plan.solver.get("num_constraints"),
+        "ilps": timers["ilps"],
+        "trace_s": timers["trace_s"],
+        "solve_s": timers["solve_s"],
+        "total_s": total,
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "config": str(plan.config),
+        "step_s": plan.estimate.step_time_s,
+        "mfu": plan.estimate.mfu,
+        "target_s": case.target_s,
+    }
+
+
+def _in_subprocess(name: str, *, reduce_repeated: bool = True) -> dict:
+    cmd = [sys.executable, __file__, "--case", name, "--json"] + ([] if reduce_repeated else ["--no-reduction"])
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--case", help="run one case in this process")
+    ap.add_argument("--json", action="store_true", help="print the row as JSON (with --case)")
+    ap.add_argument("--no-reduction", action="store_true", help="trace and solve the full depth")
+    ap.add_argument("--check-reduction", action="store_true", help="also compare with/without reduction on mid-size models")
+    args = ap.parse_args()
+    by_name = {c.name: c for c in CASES + MID_CASES}
+    if args.case:
+        row = run_case(by_name[args.case], reduce_repeated=not args.no_reduction)
+        print(json.dumps(row) if args.json else row)
+        return 0
+    rows = [_in_subprocess(c.name) for c in CASES]
+    head = ("case", "layers", "GPUs", "nodes solved/full", "x vars solved/full", "edges solved/full", "ILPs",
+            "trace s", "solve s", "total s", "target s", "peak RSS MiB", "config", "step s", "MFU")  # fmt: skip
+    print(" | ".join(head))
+    for r in rows:
+        print(
+            f"{r['case']} | {r['layers']} | {r['devices']} | {r['nodes']}/{r['nodes_full']} | "
+            f"{r['x_vars']}/{r['x_vars_full']} | {r['edges']}/{r['edges_full']} | {r['ilps']} | {r['trace_s']:.1f} | "
+            f"{r['solve_s']:.1f} | {r['total_s']:.1f} | {r['target_s']:.0f} | {r['rss_mib']:.0f} | {r['config']} | "
+            f"{r['step_s']:.3f} | {r['mfu']:.1%}"
+        )
+    if args.check_reduction:
+        print("\nreduction check: step time with / without the repeated-block reduction")
+        for c in MID_CASES:
+            a, b = _in_subprocess(c.name), _in_subprocess(c.name, reduce_repeated=False)
+            verdict = "same or better" if a["step_s"] <= b["step_s"] * 1.0001 else "WORSE"
+            print(
+                f"{c.name}: reduced {a['step_s']:.4f}s [{a['config']}] in {a['total_s']:.1f}s | full depth "
+                f"{b['step_s']:.4f}s [{b['config']}] in {b['total_s']:.1f}s | {verdict}"
+            )
+    worst = max(r["total_s"] / r["target_s"] for r in rows)
+    peak = max(r["rss_mib"] for r in rows)
+    print(f"planner_speed: worst_ratio_to_target={worst:.2f} peak_rss_MiB={peak:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
