@@ -1,6 +1,15 @@
 """Per-rank entry point of ``autoplan run`` (started by torchrun; not a public API).
 
 torchrun --nproc-per-node=N -m autoplan._worker TARGET --plan plan.json --steps 10 [--compare]
+         [--checkpoint-dir DIR --checkpoint-every N] [--save-final params.pt]
+
+With ``--checkpoint-dir`` the job resumes from the newest complete checkpoint there
+(:mod:`autoplan.checkpoint`) and saves one every ``--checkpoint-every`` steps and after the last.
+
+Fault injection for tests: ``AUTOPLAN_FAULT_AT_STEP=n`` makes rank ``AUTOPLAN_FAULT_RANK``
+(default: the last rank) exit with code 1 right after optimizer step ``n`` (counted from 1,
+before that step's checkpoint), on torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT``
+is 0), so an elastic restart (``torchrun --max-restarts``) must resume from a checkpoint.
 """
 
 from __future__ import annotations
@@ -9,18 +18,73 @@ import argparse
 import copy
 import os
 import sys
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from autoplan import checkpoint
 from autoplan.api import parallelize
 from autoplan.loader import build_workload
 from autoplan.plan import Plan
+from autoplan.workload import Workload
 from cost_models.errors import PlanError
 
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _batch(wl: Workload, step: int) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+    """The inputs and targets of training step ``step`` (counted from 0)."""
+    return (wl.example_inputs, wl.example_targets) if wl.batches is None else wl.batches(step)
+
+
+def _reference_step(
+    reference: torch.nn.Module,
+    ref_opt: torch.optim.Optimizer,
+    wl: Workload,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """One training step of the single-device model (``--compare``); returns its loss."""
+    out = reference(*inputs)
+    ref_loss = wl.loss_fn(out, *targets) if wl.loss_fn is not None else out
+    ref_loss.backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return ref_loss
+
+
+def _inject_fault(step: int, rank: int) -> None:
+    """Test hook (module docstring): exit hard after optimizer step ``AUTOPLAN_FAULT_AT_STEP``."""
+    at = os.environ.get("AUTOPLAN_FAULT_AT_STEP")
+    if at is None or int(at) != step or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if rank == int(os.environ.get("AUTOPLAN_FAULT_RANK", dist.get_world_size() - 1)):
+        print(f"rank {rank}: injected fault after step {step}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _init_process_group(backend: str) -> None:
+    """``init_process_group`` from torchrun's environment. Under ``torchrun --max-restarts`` the
+    ranks of every attempt meet in the agent's store, which outlives the attempts: each attempt
+    gets its own key prefix there, or a restarted rank would read a dead rank's address."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if (
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0"
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):
+        dist.init_process_group(backend)
+        return
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"autoplan/attempt_{attempt}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare", action="store_true")
     p.add_argument("--show-code", action="store_true")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--save-final", metavar="PATH")
     args = p.parse_args(argv)
 
     use_cuda = torch.cuda.is_available()
@@ -38,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    _init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank()
     try:
         plan = Plan.load(args.plan)
@@ -58,21 +125,37 @@ def main(argv: list[str] | None = None) -> int:
         ref_opt = None
         if reference is not None:
             ref_opt = type(opt)(reference.parameters(), **opt.defaults)
-        for step in range(args.steps):
-            inputs, targets = (wl.example_inputs, wl.example_targets) if wl.batches is None else wl.batches(step)
+        start = 0
+        if args.checkpoint_dir is not None:
+            box = [checkpoint.find_latest(args.checkpoint_dir) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)  # every rank resumes from the same one
+            latest = box[0]
+            if latest is not None:
+                if reference is not None and ref_opt is not None:  # catch the single-device model up
+                    for step in range(latest.step):
+                        _reference_step(reference, ref_opt, wl, *_batch(wl, step))
+                start = checkpoint.load(latest, pm, opt)
+                if rank == 0:
+                    print(f"resumed from checkpoint {latest}", flush=True)
+        for step in range(start, args.steps):
+            inputs, targets = _batch(wl, step)
             loss = pm.forward_backward(*inputs, targets=tuple(targets))
             opt.step()
             opt.zero_grad()
             line = f"step {step + 1:>3}  loss {loss.item():.6f}"
             if reference is not None and ref_opt is not None:
-                out = reference(*inputs)
-                ref_loss = wl.loss_fn(out, *targets) if wl.loss_fn is not None else out
-                ref_loss.backward()
-                ref_opt.step()
-                ref_opt.zero_grad()
+                ref_loss = _reference_step(reference, ref_opt, wl, inputs, targets)
                 line += f"  single-device {ref_loss.item():.6f}  rel.diff {_rel(loss.item(), ref_loss.item()):.2e}"
             if rank == 0:
                 print(line, flush=True)
+            _inject_fault(step + 1, rank)
+            done = step + 1
+            if args.checkpoint_dir is not None and (
+                done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
+            ):
+                path = checkpoint.save(args.checkpoint_dir, done, pm, opt, plan=plan)
+                if rank == 0:
+                    print(f"saved checkpoint {path}", flush=True)
         if reference is not None:
             full = pm.full_parameters()
             ref = dict(reference.named_parameters())
@@ -83,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"parameters after {args.steps} steps: max relative error vs single device {worst:.2e}", flush=True
                 )
+        if args.save_final is not None:
+            final = pm.full_parameters()
+            if rank == 0:
+                torch.save({n: t.detach().cpu() for n, t in final.items()}, args.save_final)
     except PlanError as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)

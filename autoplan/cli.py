@@ -177,6 +177,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.plan is None and args.cluster is None:
         raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise PlanError(f"--checkpoint-every {args.checkpoint_every}: give a number of steps >= 1")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise PlanError("--checkpoint-every needs --checkpoint-dir DIR to write the checkpoints into")
+    if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
+        raise PlanError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file: give a directory (made if missing)")
+    if args.max_restarts < 0:
+        raise PlanError(f"--max-restarts {args.max_restarts}: give a number >= 0")
     tmpdir = None
     if args.plan is not None:
         plan = Plan.load(args.plan)
@@ -202,8 +210,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         tmpdir = tempfile.mkdtemp(prefix="autoplan-")
         plan_path = os.path.join(tmpdir, "plan.json")
         plan.save(plan_path)
+    if args.checkpoint_dir is not None:
+        from autoplan.checkpoint import check_compatible, find_latest
+
+        latest = find_latest(args.checkpoint_dir)
+        if latest is not None:  # a checkpoint that cannot be resumed fails here, not in every rank
+            model = build_workload(args.target, device="meta", seed=args.seed).model
+            check_compatible(latest, plan, {n: tuple(p.shape) for n, p in model.named_parameters()})
     if not args.quiet:
         print(plan.summary(), flush=True)
+    restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     cmd = [
         sys.executable,
         "-m",
@@ -216,6 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "127.0.0.1",
         "--master-port",
         str(args.master_port),
+        *restarts,
         "-m",
         "autoplan._worker",
         args.target,
@@ -230,6 +247,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         cmd.append("--compare")
     if args.show_code:
         cmd.append("--show-code")
+    if args.checkpoint_dir is not None:
+        cmd += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
+    if args.checkpoint_every is not None:
+        cmd += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.save_final is not None:
+        cmd += ["--save-final", os.path.abspath(args.save_final)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     if not args.verbose:
@@ -308,6 +331,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_run.add_argument("--show-code", action="store_true", help="print the generated per-rank program")
     p_run.add_argument("--master-port", type=int, default=29533)
+    p_run.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="resume from the newest complete checkpoint in DIR (any plan) and save one after the last step",
+    )
+    p_run.add_argument("--checkpoint-every", type=int, metavar="N", help="also save a checkpoint every N steps")
+    p_run.add_argument(
+        "--max-restarts", type=int, default=0, metavar="K", help="restart all ranks up to K times when one fails"
+    )
+    p_run.add_argument("--save-final", metavar="PATH", help="write the full trained parameters (torch.save) to PATH")
     p_run.set_defaults(func=cmd_run)
     calibrate_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)

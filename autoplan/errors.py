@@ -1,6 +1,7 @@
 """Public error types of autoplan (defined in ``cost_models.errors``, the bottom layer)."""
 
 from cost_models.errors import (
+    CheckpointError,
     ClusterSpecError,
     ConfigError,
     InfeasiblePlanError,
@@ -13,6 +14,7 @@ from cost_models.errors import (
 )
 
 __all__ = [
+    "CheckpointError",
     "ClusterSpecError",
     "ConfigError",
     "InfeasiblePlanError",

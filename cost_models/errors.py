@@ -38,6 +38,10 @@ class PlanMismatchError(PlanFileError):
     """A plan is applied to a different model, input shapes or world size than it was made for."""
 
 
+class CheckpointError(PlanError):
+    """A checkpoint cannot be read or does not fit the model, plan or optimizer it is loaded into."""
+
+
 class ProfileError(PlanError):
     """A profile database is unreadable, of an unknown format, measured on another device or
     software stack, or profiling was asked for on a device this machine does not have."""
