@@ -46,8 +46,16 @@ def reduce_scatter(x: DTensor, axis: int, dim: int) -> DTensor:
 
 
 def all_to_all(x: DTensor, axis: int, dim: int) -> DTensor:
-    """``S(d) -> S(dim)`` on ``axis``."""
-    return _move(x, axis, Shard(dim))
+    """``S(d) -> S(dim)`` on ``axis``. DTensor leaves an uneven split's local shard padded and
+    non-contiguous (e.g. (2, 5) with stride (6, 1)), which a following ``view`` rejects: the
+    result is re-wrapped around a contiguous copy (found by tests/test_fuzz_equivalence.py)."""
+    out = _move(x, axis, Shard(dim))
+    local = out.to_local()
+    if local.is_contiguous():
+        return out
+    return DTensor.from_local(
+        local.contiguous(), out.device_mesh, out.placements, run_check=False, shape=out.shape, stride=out.stride()
+    )
 
 
 def shard(x: DTensor, axis: int, dim: int) -> DTensor:
