@@ -35,7 +35,7 @@ from cost_models.errors import ConfigError, PlanMismatchError
 from cost_models.profile_db import ProfileDB
 from passes.costing import CostProblem, build_cost_problem
 from passes.depth import KEPT_BLOCKS, reduce_depth
-from passes.expand import block_multiplicity, scale_problem
+from passes.expand import block_multiplicity, scale_problem, twins
 from passes.layers import find_layers
 from passes.pipeline_search import (
     Candidate,
@@ -195,9 +195,14 @@ class SegmentCostModel:
     time_limit_s: float = 60.0
     reduce_repeated: bool = True
     """Trace two blocks and price the rest from the last (passes.depth); False: full depth."""
+    extrapolate_batch: bool = True
+    """Price micro-batches of ``b > 2`` samples as ``b`` times one sample when, for this tensor
+    parallel degree, two samples cost twice one within :data:`LINEAR_TOLERANCE` (see
+    :meth:`__call__`); False: trace and solve every micro-batch size."""
     num_blocks: int = 0
     _traces: dict[int, object] = field(default_factory=dict)
     _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
+    _linear: dict[int, bool] = field(default_factory=dict)
 
     def _traced(self, batch: int):  # noqa: ANN202
         """The step of one micro-batch of ``batch`` samples, traced with the first
@@ -216,7 +221,25 @@ class SegmentCostModel:
         return self._traces[batch]
 
     def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
+        """Costs of a micro-batch of ``microbatch_size`` samples on ``tp`` devices.
+
+        Large models run at their roofline already with one sample (thousands of tokens): the
+        costs of ``b`` samples are then ``b`` times those of one (times, activations, cuts and
+        FLOPs; parameters, gradient sync and optimizer unchanged), and efficiency only grows
+        with ``b``, so the scaled times are an upper bound. ``b > 2`` samples are priced as
+        ``b / 2`` times the solved costs of 2 samples, only after checking, per ``tp``, that
+        those are the costs of 1 sample doubled within :data:`LINEAR_TOLERANCE`; otherwise
+        every ``b`` is traced and solved."""
         key = (tp, microbatch_size)
+        if key in self._costs:
+            return self._costs[key]
+        if self.extrapolate_batch and microbatch_size > 2:
+            if tp not in self._linear:
+                one, two = self(tp, 1), self(tp, 2)
+                self._linear[tp] = _scales_linearly(one, two, 2)
+            if self._linear[tp]:
+                self._costs[key] = scale_costs(self(tp, 2), microbatch_size / 2)
+                return self._costs[key]
         if key not in self._costs:
             from autoplan.api import planning_mesh
 
@@ -231,7 +254,8 @@ class SegmentCostModel:
                 # the last traced block stands for all the later ones (passes.expand)
                 mult = block_multiplicity(layering, self.num_blocks)
                 solution = ShardingILP(
-                    scale_problem(_memory_tie_break(problem), mult), SolverOptions(time_limit_s=self.time_limit_s)
+                    scale_problem(_memory_tie_break(problem), mult, twins(traced.graph_module, layering)),
+                    SolverOptions(time_limit_s=self.time_limit_s),
                 ).solve()
             costs = segment_costs(
                 traced.graph_module,
@@ -242,6 +266,44 @@ class SegmentCostModel:
             )
             self._costs[key] = expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
         return self._costs[key]
+
+
+LINEAR_TOLERANCE = 0.02
+"""Largest relative difference between the solved costs of 2 samples and twice those of 1
+sample (step time, saved activations, cut bytes; per segment for segments above 1% of the
+step) for which larger micro-batches are priced by scaling (:meth:`SegmentCostModel.__call__`)."""
+
+
+def scale_costs(costs: SegmentCosts, factor: float) -> SegmentCosts:
+    """``costs`` of one sample as those of ``factor`` samples: per-sample work and activations
+    scale, parameters, gradient synchronisation and the optimizer step do not."""
+    per_sample = ("fwd_s", "bwd_s", "bwd_weight_s", "fwd_comm_s", "bwd_comm_s", "selective_recompute_s",
+                  "saved_bytes", "saved_matmul_bytes", "input_bytes", "flops")  # fmt: skip
+    return SegmentCosts(
+        segments=tuple(
+            dataclasses.replace(s, **{f: getattr(s, f) * factor for f in per_sample}) for s in costs.segments
+        ),
+        cut_bytes=tuple(c * factor for c in costs.cut_bytes),
+    )
+
+
+def _scales_linearly(one: SegmentCosts, many: SegmentCosts, factor: float) -> bool:
+    scaled = scale_costs(one, factor)
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= LINEAR_TOLERANCE * max(abs(b), 1e-30)
+
+    totals = [
+        (sum(s.fwd_s + s.bwd_s for s in c.segments), sum(s.saved_bytes for s in c.segments), sum(c.cut_bytes))
+        for c in (scaled, many)
+    ]
+    step = totals[1][0]
+    per_segment = all(
+        close(a.fwd_s + a.bwd_s, b.fwd_s + b.bwd_s)
+        for a, b in zip(scaled.segments, many.segments, strict=True)
+        if b.fwd_s + b.bwd_s > 0.01 * step
+    )
+    return per_segment and all(close(a, b) for a, b in zip(*totals, strict=True))
 
 
 TIE_BREAK_S_PER_BYTE = 1e-15
@@ -357,8 +419,9 @@ def search_config(
         raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     costs = SegmentCostModel(
-        model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile, reduce_repeated=reduce_repeated
-    )
+        model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile,
+        reduce_repeated=reduce_repeated, extrapolate_batch=reduce_repeated,
+    )  # fmt: skip
     costs._traced(1)  # noqa: SLF001 - learn the number of blocks
     if config is not None:
         _check_config(config, cluster, costs.num_blocks, global_batch_size)
@@ -538,6 +601,7 @@ def plan_for_batch(
         layering = find_layers(traced)
         num_blocks = layering.num_blocks
     mult = block_multiplicity(layering, num_blocks)
+    twin = twins(traced.graph_module, layering)
     reduction: dict[str, int] = {}
 
     def adjust(problem: CostProblem) -> CostProblem:
@@ -552,7 +616,7 @@ def plan_for_batch(
             edges=len(problem.edges),
             edges_full_depth=sum(mult.get(e.consumer, 1) for e in problem.edges),
         )
-        problem = scale_problem(_memory_tie_break(problem), mult)
+        problem = scale_problem(_memory_tie_break(problem), mult, twin)
         return dataclasses.replace(problem, capacity_bytes=float("inf"), memory_points=[])
 
     sub = stage_cluster(cluster, cfg)

@@ -159,7 +159,9 @@ def main() -> int:
     ap.add_argument("--case", help="run one case in this process")
     ap.add_argument("--json", action="store_true", help="print the row as JSON (with --case)")
     ap.add_argument("--no-reduction", action="store_true", help="trace and solve the full depth")
-    ap.add_argument("--check-reduction", action="store_true", help="also compare with/without reduction on mid-size models")
+    ap.add_argument(
+        "--check-reduction", action="store_true", help="also compare with/without reduction on mid-size models"
+    )
     args = ap.parse_args()
     by_name = {c.name: c for c in CASES + MID_CASES}
     if args.case:

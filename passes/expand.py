@@ -14,12 +14,13 @@ Input: the program traced with ``kept`` blocks (:mod:`passes.depth`), its
       t'[v,s] = m(v) t[v,s]        c'[e,p,q] = m(consumer(e)) c[e,p,q]
       k'[v,s] = m(v) k[v,s]        b'[a,s] = m(u(a)) b[a,s]        g'[p,s] = m(p) g[p,s]
 
-  An edge is counted once per copy of its consumer: the edge into block ``i+1`` from block
-  ``i`` is represented by the edge between the two last traced blocks, the edges from the
-  prologue into every block by those into the representative, the edge from the last block
-  into the epilogue once. The objective of a plan that repeats the representative's
-  placements on every copy is then the full model's objective (exact when the copies agree,
-  which :func:`expand_assignment` enforces). Memory points keep their positions: a point after
+  An edge is counted once per copy of its consumer: the edges from the prologue into every
+  block by those into the representative, the edge from the last block into the epilogue
+  once. An edge from block 0 into the representative stands for block 0 -> 1 once and for
+  the ``m - 1`` edges block ``i`` -> ``i+1`` (``i >= 1``) whose producer is itself a copy of
+  the representative: those become a *twin* edge from the representative's own node at the
+  same position (:func:`twins`). The objective of a plan that repeats the representative's
+  placements on every copy is then exactly the full model's objective. Memory points keep their positions: a point after
   the representative's forward counts ``m`` blocks' saved activations, like the full model at
   the end of its forward.
 * :func:`expand_assignment`: the placements of the reduced program applied to the full one:
@@ -53,29 +54,50 @@ def block_multiplicity(layering: Layering, num_blocks: int) -> dict[str, int]:
     return mult
 
 
-def _edge_weight(edge: Edge, mult: Mapping[str, int]) -> int:
-    return mult.get(edge.consumer, 1)
+def twins(gm: fx.GraphModule, layering: Layering) -> dict[str, str]:
+    """Node of block 0 -> the node at the same position of the representative (last traced)
+    block, when the two blocks run the same ops (else ``{}``: edges keep their producer)."""
+    rep = layering.num_blocks
+    if rep < 2:
+        return {}
+    nodes = _segment_nodes(gm, layering)
+    prev, last = nodes.get(rep - 1, []), nodes.get(rep, [])
+    if len(prev) != len(last) or any(_op(a) != _op(b) for a, b in zip(prev, last, strict=False)):
+        return {}
+    return {a.name: b.name for a, b in zip(prev, last, strict=True)}
 
 
-def scale_problem(problem: CostProblem, mult: Mapping[str, int]) -> CostProblem:
-    """``problem`` with every term multiplied by the copies its node or edge stands for."""
+def _scaled(edge: Edge, weight: float) -> Edge:
+    return edge if weight == 1 else dataclasses.replace(edge, cost_s={k: c * weight for k, c in edge.cost_s.items()})
+
+
+def scale_problem(problem: CostProblem, mult: Mapping[str, int], twin: Mapping[str, str] | None = None) -> CostProblem:
+    """``problem`` with every term multiplied by the copies its node or edge stands for
+    (``twin``: :func:`twins`, for the block-to-block edges)."""
     if not mult:
         return problem
+    twin = twin or {}
 
     def m(node: str) -> int:
         return mult.get(node, 1)
 
+    edges: list[Edge] = []
+    for e in problem.edges:
+        w, src = m(e.consumer), e.producer.node
+        if w > 1 and m(src) == 1 and src in twin:
+            edges.append(e)  # block 0 -> block 1, once
+            edges.append(
+                _scaled(dataclasses.replace(e, producer=dataclasses.replace(e.producer, node=twin[src])), w - 1)
+            )
+        else:
+            edges.append(_scaled(e, w))
     return dataclasses.replace(
         problem,
         node_time_s={n: [t * m(n) for t in ts] for n, ts in problem.node_time_s.items()},
         persistent_bytes={n: [b * m(n) for b in bs] for n, bs in problem.persistent_bytes.items()},
         value_bytes={a: [b * m(a.node) for b in bs] for a, bs in problem.value_bytes.items()},
         grad_bytes={p: [b * m(p) for b in bs] for p, bs in problem.grad_bytes.items()},
-        edges=[
-            e if _edge_weight(e, mult) == 1
-            else dataclasses.replace(e, cost_s={k: c * _edge_weight(e, mult) for k, c in e.cost_s.items()})
-            for e in problem.edges
-        ],  # fmt: skip
+        edges=edges,
     )
 
 
@@ -142,4 +164,4 @@ def _op(n: fx.Node) -> tuple[str, str]:
     return str(n.target), shape
 
 
-__all__ = ["block_multiplicity", "expand_assignment", "scale_problem"]
+__all__ = ["block_multiplicity", "expand_assignment", "scale_problem", "twins"]

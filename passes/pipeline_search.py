@@ -45,8 +45,10 @@ The outer search enumerates every ``c`` (pp | world, tp | devices per node, b wi
 ``B % (dp b) == 0``, schedules, v, recompute, ZeRO) and, per ``c``, the stage boundaries that
 minimise the slowest stage (min-max contiguous partition by dynamic programming) next to the
 uniform split; the recomputation may differ per stage (the least that fits). It returns the
-feasible ``c`` with the smallest ``T(c)``. ILP solves are memoised per (tp, b): the search
-calls :func:`SegmentCostFn` once per distinct pair.
+feasible ``c`` with the smallest ``T(c)``, visiting candidates by increasing lower bound
+``m * sum_j (fwd_s[j] + bwd_s[j]) / pp`` and stopping once the bound exceeds the best step
+found. ILP solves are memoised per (tp, b): the search calls :func:`SegmentCostFn` once per
+distinct pair.
 """
 
 from __future__ import annotations
@@ -261,8 +263,11 @@ def evaluate(
     precision: str = "fp32",
     tokens_per_sample: int = 1,
     stage_costs: Sequence[SegmentCosts] | None = None,
+    memory_only: bool = False,
 ) -> PipelineEstimate:
-    """Step time and memory of ``cand`` with ``costs`` of its (tp, microbatch size).
+    """Step time and memory of ``cand`` with ``costs`` of its (tp, microbatch size)
+    (``memory_only``: the memory and feasibility only, the times left at 0 — the search's
+    per-stage recomputation choice needs nothing else).
 
     With heterogeneous sub-meshes (``cand.stage_dp``), ``stage_costs[k]`` are the segment costs
     of stage ``k``'s per-device micro-batch (``dp * microbatch_size / stage_dp[k]`` samples)."""
@@ -366,6 +371,14 @@ def evaluate(
     per_rank = [0.0] * cand.pp
     for st in stages:
         per_rank[st.rank] += st.memory_bytes
+    capacity = float(device.mem_capacity_bytes)
+    if memory_only:
+        return PipelineEstimate(
+            candidate=cand, stages=tuple(stages), step_time_s=0.0, compute_s=0.0, bubble_s=0.0, p2p_exposed_s=0.0,
+            exposed_comm_s=0.0, optimizer_s=0.0, memory_per_rank_bytes=tuple(per_rank),
+            peak_memory_bytes=max(per_rank), capacity_bytes=capacity, flops_per_step=0.0, mfu=0.0,
+            tokens_per_s=0.0, feasible=max(per_rank) <= capacity,
+        )  # fmt: skip
     p2p = [_p2p_s(cand, costs, cluster, bounds[k + 1] - 1, k, offsets) for k in range(nstages - 1)]
     busy = [0.0] * cand.pp
     for st in stages:
@@ -382,7 +395,6 @@ def evaluate(
     step = makespan + tail
     flops = sum(s.flops for s in segs) * m * cand.dp
     peak_flops = device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
-    capacity = float(device.mem_capacity_bytes)
     peak = max(per_rank)
     return PipelineEstimate(
         candidate=cand,
@@ -501,7 +513,7 @@ def best_layout(
         est = evaluate(
             cand, costs, cluster, stage_starts=starts, precision=precision, tokens_per_sample=tokens_per_sample
         )
-        if space.per_stage_recompute and cand.recompute != "none" and nstages > 1:
+        if space.per_stage_recompute and cand.recompute != "none" and nstages > 1 and est.feasible:
             # the least recomputation per stage that still fits, cheapest first
             order = ["none", "selective", "full"]
             levels = order[: order.index(cand.recompute) + 1]
@@ -510,14 +522,18 @@ def best_layout(
                 for level in levels:
                     trial = rec.copy()
                     trial[k] = level
-                    e2 = evaluate(
+                    fits = evaluate(
                         cand, costs, cluster, stage_starts=starts, stage_recompute=trial,
-                        precision=precision, tokens_per_sample=tokens_per_sample,
-                    )  # fmt: skip
-                    if e2.feasible:
+                        precision=precision, tokens_per_sample=tokens_per_sample, memory_only=True,
+                    ).feasible  # fmt: skip
+                    if fits:
                         rec = trial
-                        est = e2
                         break
+            if rec != [cand.recompute] * nstages:
+                est = evaluate(
+                    cand, costs, cluster, stage_starts=starts, stage_recompute=rec,
+                    precision=precision, tokens_per_sample=tokens_per_sample,
+                )  # fmt: skip
         if best is None or _key(est) < _key(best):
             best = est
     assert best is not None
@@ -668,9 +684,17 @@ def search(
 
     results = []
     splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    for cand in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space):
-        if any(getattr(cand, k) != v for k, v in space.fixed.items()):
-            continue
+    todo = [
+        c
+        for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
+        if all(getattr(c, k) == v for k, v in space.fixed.items())
+    ]
+    # best-first: a candidate whose compute alone exceeds the best step found cannot win
+    bounds = [lower_bound_s(c, costs(c.tp, c.microbatch_size)) for c in todo]
+    best_s = float("inf")
+    for bound, cand in sorted(zip(bounds, todo, strict=True), key=lambda bc: bc[0]):
+        if bound > best_s:
+            break
         est = best_layout(
             cand,
             costs(cand.tp, cand.microbatch_size),
@@ -692,6 +716,8 @@ def search(
             if alt is not None and _key(alt) < _key(est):
                 est = alt
         results.append(est)
+        if est.feasible:
+            best_s = min(best_s, est.step_time_s)
     if not results:
         raise ConfigError(
             f"no configuration divides the cluster ({cluster.world_size} devices) and the global batch "
@@ -706,6 +732,14 @@ def search(
             "a smaller global batch or a device with more memory"
         )
     return min(feasible, key=lambda r: r.step_time_s), results
+
+
+def lower_bound_s(cand: Candidate, costs: SegmentCosts) -> float:
+    """A step time no layout of ``cand`` beats: its forward and backward work spread evenly over
+    the pipeline ranks, with no bubble, recomputation, communication or optimizer
+    (:func:`evaluate` adds only non-negative terms to this for uniform stages)."""
+    work = sum(s.fwd_s + s.bwd_s for s in costs.segments)
+    return cand.num_microbatches * work / cand.pp
 
 
 def _describe(c: Candidate) -> str:
@@ -726,5 +760,6 @@ __all__ = [
     "expand_blocks",
     "hetero_layout",
     "hetero_split",
+    "lower_bound_s",
     "search",
 ]

@@ -47,6 +47,7 @@ User pins remove strategies before the model is built. An infeasible model raise
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -70,6 +71,9 @@ class SolverOptions:
     """Solver threads (1 keeps results deterministic)."""
     backend: str = "auto"
     """``"auto"`` (HiGHS if installed, else CBC), ``"highs"`` or ``"cbc"``."""
+    lp_first: bool = True
+    """Solve the LP relaxation first and keep it when every ``x`` is integral (the local
+    polytope is often tight for these problems): no branch and bound at all."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,12 +86,21 @@ class Solution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+    gap: float | None = None
+    """Relative optimality gap of the returned plan (0 when proven optimal; ``None`` when the
+    backend does not report one)."""
+    method: str = "mip"
+    """``"lp"`` when the LP relaxation was already integral, else ``"mip"``."""
 
 
 def _make_solver(options: SolverOptions) -> pulp.LpSolver:
     """HiGHS (via highspy) when installed and allowed, else the CBC binary bundled with PuLP."""
     if options.backend in ("auto", "highs") and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        return pulp.HiGHS(msg=False, timeLimit=options.time_limit_s, threads=options.threads, random_seed=0)
+        # objectives are seconds (a tiny model's step is ~1 ms): HiGHS's default absolute gap of
+        # 1e-6 would stop at a relative gap of ~1e-3 there, so only the relative gap counts
+        return pulp.HiGHS(
+            msg=False, timeLimit=options.time_limit_s, threads=options.threads, random_seed=0, gapRel=1e-4, gapAbs=1e-12
+        )
     if options.backend not in ("auto", "highs", "cbc"):
         raise PlanError(f"unknown solver backend {options.backend!r}: use 'auto', 'highs' or 'cbc'")
     if options.backend == "highs":
@@ -231,17 +244,62 @@ class ShardingILP:
         return persistent + worst
 
     # -- solve ------------------------------------------------------------------------------
+    def _integral(self) -> bool:
+        return all(
+            abs(v.value() - round(v.value())) <= 1e-6 for xs in self.x.values() for v in xs if v.value() is not None
+        )
+
+    def _solve_lp(self) -> bool:
+        """LP relaxation; True (and the values kept) when it is solved to optimality and integral."""
+        binaries = [v for xs in self.x.values() for v in xs]
+        saved = [(v.cat, v.lowBound, v.upBound) for v in binaries]  # PuLP stores binaries as 0/1 integers
+        for v in binaries:
+            v.cat, v.lowBound, v.upBound = pulp.LpContinuous, 0, 1
+        try:
+            status = self.model.solve(_make_solver(self.options))
+            return status == pulp.LpStatusOptimal and self._status_text(status) == "Optimal" and self._integral()
+        finally:
+            for v, (cat, lo, hi) in zip(binaries, saved, strict=True):
+                v.cat, v.lowBound, v.upBound = cat, lo, hi
+
+    def _status_text(self, status: int) -> str:
+        """PuLP's status, except that HiGHS stopped by the time limit says so (PuLP reports
+        "Optimal" for any solution HiGHS returns)."""
+        highs = getattr(self.model, "solverModel", None)
+        if highs is not None and hasattr(highs, "getModelStatus"):
+            name = str(highs.getModelStatus()).rsplit(".", 1)[-1]
+            if name == "kTimeLimit":
+                return "Time limit (best feasible)"
+        return pulp.LpStatus[status]
+
+    def _gap(self) -> float | None:
+        highs = getattr(self.model, "solverModel", None)
+        if highs is None or not hasattr(highs, "getInfo"):
+            return None
+        gap = float(highs.getInfo().mip_gap)
+        return gap if gap == gap and gap < float("inf") else None  # NaN / inf: not reported
+
     def solve(self) -> Solution:
         t0 = time.perf_counter()
-        solver = _make_solver(self.options)
-        status = self.model.solve(solver)
+        method = "lp" if self.options.lp_first and self._solve_lp() else "mip"
+        if method == "lp":
+            status, gap, status_text = pulp.LpStatusOptimal, 0.0, "Optimal"
+        else:
+            left_s = max(1.0, self.options.time_limit_s - (time.perf_counter() - t0))
+            status = self.model.solve(_make_solver(dataclasses.replace(self.options, time_limit_s=left_s)))
+            gap = self._gap()
+            status_text = self._status_text(status)
         dt = time.perf_counter() - t0
-        status_text = pulp.LpStatus[status]
         n_vars, n_cons = self.model.numVariables(), self.model.numConstraints()
-        log.info("ILP %s in %.2fs: %d variables, %d constraints", status_text, dt, n_vars, n_cons)
+        log.info("ILP %s (%s) in %.2fs: %d variables, %d constraints", status_text, method, dt, n_vars, n_cons)
         has_solution = all(any((v.value() or 0) > 0.5 for v in xs) for xs in self.x.values())
-        if status == pulp.LpStatusInfeasible or not has_solution:
+        if status == pulp.LpStatusInfeasible:
             raise self.infeasible_error()
+        if not has_solution:
+            raise InfeasiblePlanError(
+                f"the solver found no plan within its time limit of {self.options.time_limit_s:g} s "
+                f"({n_vars} variables, {n_cons} constraints): raise the time limit (--time-limit)"
+            )
         choice = {name: max(range(len(xs)), key=lambda s: xs[s].value() or 0.0) for name, xs in self.x.items()}
         return Solution(
             choice=choice,
@@ -250,6 +308,8 @@ class ShardingILP:
             solve_time_s=dt,
             num_variables=n_vars,
             num_constraints=n_cons,
+            gap=gap,
+            method=method,
         )
 
     def infeasible_error(self) -> InfeasiblePlanError:

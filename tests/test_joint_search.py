@@ -11,7 +11,7 @@ from autoplan.config import ParallelConfig
 from autoplan.joint import SegmentCostModel, estimate, search_config
 from cost_models.cluster import Cluster
 from cost_models.errors import ConfigError, InfeasiblePlanError
-from passes.pipeline_search import Candidate, SearchSpace, evaluate, expand_blocks, search
+from passes.pipeline_search import Candidate, SearchSpace, evaluate, search
 from tests.models import gpt2_tiny, lm_loss, token_batch
 
 CLUSTER = "2x4xA100-80GB"
@@ -48,14 +48,17 @@ def test_estimate_rejects_pipeline_deeper_than_model():
 
 
 def test_expanded_blocks_equal_a_deeper_trace():
-    """Costs of a 2-block trace expanded to 4 blocks match the 4-block trace: the repeated middle
-    blocks exactly, the whole step's time within 0.5% and its saved activations within 10% (the
-    two ILPs may pick different layouts of equal time next to the prologue and epilogue)."""
+    """The search's costs of a 4-block model from its 2-block trace (passes.depth; the default)
+    match those of the full 4-block trace: the repeated middle blocks exactly, the whole step's
+    time within 0.5% and its saved activations within 10% (the two ILPs may pick different
+    layouts of equal time next to the prologue and epilogue)."""
     ids, labels = token_batch()
     cluster = Cluster.preset(CLUSTER)
-    two = SegmentCostModel(gpt2_tiny(num_layers=2), (ids,), lm_loss, (labels,), cluster)(2, 2)
-    four = SegmentCostModel(gpt2_tiny(num_layers=4), (ids,), lm_loss, (labels,), cluster)(2, 2)
-    grown = expand_blocks(two, 4)
+    model = gpt2_tiny(num_layers=4)
+    reduced = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster)
+    grown = reduced(2, 2)
+    assert reduced._traced(2)[1].num_blocks == 2 and reduced.num_blocks == 4  # noqa: SLF001
+    four = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, reduce_repeated=False)(2, 2)
     assert len(grown.segments) == len(four.segments) == 6
     for a, b in zip(grown.segments[2:-1], four.segments[2:-1], strict=True):
         assert (a.fwd_s, a.bwd_s, a.saved_bytes, a.param_numel) == pytest.approx(
@@ -69,7 +72,9 @@ def test_expanded_blocks_equal_a_deeper_trace():
     for field in ("fwd_s", "bwd_s"):
         assert total(grown, field) == pytest.approx(total(four, field), rel=5e-3)
     assert total(grown, "saved_bytes") == pytest.approx(total(four, "saved_bytes"), rel=0.1)
-    assert grown.cut_bytes == pytest.approx(four.cut_bytes)
+    # cuts between repeated blocks equal; the cut out of the prologue may differ by an
+    # equal-time layout choice (replicated or sequence-sharded embedding output)
+    assert grown.cut_bytes[1:-1] == pytest.approx(four.cut_bytes[1:-1])
 
 
 def test_estimate_is_the_planners_own_price(costs):  # noqa: ANN001
