@@ -143,9 +143,8 @@ def test_estimate_prices_stage_dp_on_a_real_model():
     kw = dict(loss_fn=lm_loss, example_targets=(labels,), global_batch_size=16)
     base = dict(dp=2, pp=4, microbatch_size=2, num_microbatches=4, schedule="1f1b")
     uniform = autoplan.estimate(model, "2x4xA100-80GB", (ids,), config=ParallelConfig(**base), **kw)  # type: ignore[arg-type]
-    same = autoplan.estimate(
-        model, "2x4xA100-80GB", (ids,), config=ParallelConfig(**base, stage_dp=(2, 2, 2, 2)), **kw  # type: ignore[arg-type]
-    )
+    same_cfg = ParallelConfig(**base, stage_dp=(2, 2, 2, 2))  # type: ignore[arg-type]
+    same = autoplan.estimate(model, "2x4xA100-80GB", (ids,), config=same_cfg, **kw)  # type: ignore[arg-type]
     assert same.step_time_s == pytest.approx(uniform.step_time_s, rel=1e-9)
     assert same.memory_per_device_bytes == pytest.approx(uniform.memory_per_device_bytes, rel=1e-9)
     hetero_cfg = ParallelConfig(**base, stage_dp=(1, 1, 2, 4))  # type: ignore[arg-type]
