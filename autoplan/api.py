@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -18,14 +19,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoplan.config import ParallelConfig
+from autoplan.config import PRECISIONS, ParallelConfig
 from autoplan.parallel import ParallelModel
 from autoplan.pipeline import PipelineModel
 from autoplan.plan import CollectiveRecord, Estimate, Plan, software_versions
 from cost_models.cluster import Cluster
 from cost_models.comm import overlaps_compute, transition_cost_s
 from cost_models.compute import tensor_bytes
-from cost_models.errors import PlanError, PlanMismatchError
+from cost_models.errors import ClusterSpecError, ConfigError, PlanError, PlanMismatchError
 from cost_models.memory import OPTIMIZERS
 from cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from passes import liveness
@@ -43,7 +44,14 @@ Pins = Mapping[str, str | Sequence[str]]
 
 
 def _as_cluster(cluster: Cluster | str) -> Cluster:
-    return Cluster.preset(cluster) if isinstance(cluster, str) else cluster
+    if isinstance(cluster, str):
+        return Cluster.preset(cluster)
+    if not isinstance(cluster, Cluster):
+        raise ClusterSpecError(
+            f"cluster must be an autoplan.Cluster or a preset string like '4xCPU' or '2x8xH100', "
+            f"got {type(cluster).__name__} {cluster!r}"
+        )
+    return cluster
 
 
 @contextlib.contextmanager
@@ -81,15 +89,24 @@ def _placeholder_of(traced: TracedProgram, pattern: str) -> list[str]:
 def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None:
     """Restrict pinned placeholders (params by FQN glob, ``input_<i>``, ``target_<i>``) to one spec."""
     ndim = len(table.mesh_shape)
+    example = ",".join(["R"] * ndim)
     for pattern, value in pins.items():
-        texts = [t.strip() for t in value.split(",")] if isinstance(value, str) else list(value)
+        if isinstance(value, str):
+            texts = [t.strip() for t in value.split(",")]
+        elif isinstance(value, Sequence) and all(isinstance(t, str) for t in value):
+            texts = list(value)
+        else:
+            raise PlanError(
+                f"pin {pattern!r}: expected a placement string like {example!r} or a list of placements, got {value!r}"
+            )
         try:
             spec = parse_spec(texts)
         except ValueError as exc:
             raise PlanError(f"pin {pattern!r}: {exc}") from exc
         if len(spec) != ndim:
             raise PlanError(
-                f"pin {pattern!r} gives {len(spec)} placements but the mesh has {ndim} axes {table.mesh_shape}"
+                f"pin {pattern!r} gives {len(spec)} placements but the mesh has {ndim} axes {table.mesh_shape}: "
+                f"give one placement per mesh axis, like {example!r}"
             )
         matched = _placeholder_of(traced, pattern)
         if not matched:
@@ -101,10 +118,19 @@ def _apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None
             ns = table.nodes[node]
             keep = tuple(s for s in ns.strategies if s.output_specs[0] == spec)
             if not keep:
+                shape = tuple(_node_shape(traced, node))
                 raise PlanError(
-                    f"pin {pattern!r}: {spec_str(spec)} is not a valid layout for {node} (shape too small?)"
+                    f"pin {pattern!r}: {spec_str(spec)} is not a valid layout for {node} of shape {shape} on mesh "
+                    f"{table.mesh_shape} (a sharded dim must exist and hold at least one element per device): "
+                    f"pin another dim, 'R', or use a larger size"
                 )
             table.nodes[node] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+
+
+def _node_shape(traced: TracedProgram, name: str) -> Sequence[int]:
+    node = next(n for n in traced.graph_module.graph.nodes if n.name == name)
+    val = node.meta.get("val")
+    return val.shape if isinstance(val, torch.Tensor) else ()
 
 
 ProfileChoice = ProfileDB | str | os.PathLike[str] | None
@@ -244,6 +270,8 @@ def plan_traced(
         ),
         solver={
             "status": solution.status,
+            "method": solution.method,
+            "gap": solution.gap,
             "objective_s": solution.objective_s,
             "solve_time_s": round(solution.solve_time_s, 3),
             "num_variables": solution.num_variables,
@@ -264,6 +292,11 @@ def _value_bytes(node_by_name: Mapping[str, torch.fx.Node], ref: ValueRef) -> in
 def _check_optimizer(optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+
+
+def _check_time_limit(time_limit_s: float) -> None:
+    if isinstance(time_limit_s, bool) or not isinstance(time_limit_s, (int, float)) or not 0 < time_limit_s < math.inf:
+        raise PlanError(f"time_limit_s must be a positive number of seconds, got {time_limit_s!r}: e.g. 120")
 
 
 def plan(
@@ -301,9 +334,16 @@ def plan(
     """
     cluster = _as_cluster(cluster)
     _check_optimizer(optimizer)
+    _check_time_limit(time_limit_s)
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if global_batch_size is not None:
         from autoplan.joint import plan_for_batch
 
+        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+            raise ConfigError(
+                f"global_batch_size must be a positive integer (samples per optimizer step), got {global_batch_size!r}"
+            )
         return plan_for_batch(
             model, cluster, example_inputs=example_inputs, loss_fn=loss_fn, example_targets=example_targets,
             global_batch_size=global_batch_size, precision=precision, optimizer=optimizer,
@@ -311,7 +351,9 @@ def plan(
             reduce_repeated=reduce_repeated,
         )  # fmt: skip
     if config is not None:
-        raise PlanError("config= needs global_batch_size= (the configuration splits a global batch)")
+        raise ConfigError(
+            "config= needs global_batch_size= (the configuration splits a global batch): pass both, or neither"
+        )
     traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     db = open_profile(cluster, profile)
     with planning_mesh(cluster) as mesh:
@@ -443,7 +485,8 @@ def parallelize(
     :class:`~autoplan.parallel.ParallelModel` whose parameters are DTensors in the planned
     placements and whose ``program`` is the generated per-rank step.
     """
-    cluster = _as_cluster(cluster)
+    if cluster is not None or plan is None:  # with a plan, the plan's cluster is used
+        cluster = _as_cluster(cluster)
     if not dist.is_initialized():
         raise PlanMismatchError(
             "parallelize() needs a process group: run under torchrun (autoplan run ...) "

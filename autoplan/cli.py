@@ -23,11 +23,53 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from autoplan import calibrate_cmd, profile_cmd
 from cost_models.memory import OPTIMIZERS
 
 EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's bad-input contract: one line ``autoplan: error: ...``, exit code 2
+    (argparse's default prints the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"autoplan: error: {message}; see `{self.prog} --help`\n")
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
 
 
 def _cluster(spec: str, mesh: str | None, *, recalibrate: bool = False):  # noqa: ANN202 - Cluster, lazily
@@ -103,7 +145,10 @@ def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported
 def _make_plan(args: argparse.Namespace):  # noqa: ANN202
     from autoplan.api import plan as make_plan
     from autoplan.loader import build_workload
+    from cost_models.errors import ConfigError
 
+    if args.config and args.global_batch_size is None:
+        raise ConfigError("--config needs --global-batch-size N (the configuration splits a global batch)")
     cluster = _cluster(args.cluster, args.mesh)
     wl = build_workload(args.target, device="meta", seed=args.seed)
     return make_plan(
@@ -185,6 +230,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise PlanError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file: give a directory (made if missing)")
     if args.max_restarts < 0:
         raise PlanError(f"--max-restarts {args.max_restarts}: give a number >= 0")
+    if args.plan is None and args.nproc is not None:  # check before planning, which may take long
+        cluster = _cluster(args.cluster, args.mesh)
+        if args.nproc != cluster.world_size:
+            raise PlanMismatchError(
+                f"--nproc {args.nproc} does not match the {cluster.world_size} devices of --cluster {args.cluster}: "
+                f"drop --nproc or plan for a cluster of {args.nproc} devices"
+            )
     tmpdir = None
     if args.plan is not None:
         plan = Plan.load(args.plan)
@@ -270,7 +322,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoplan", description="Automatic parallelism planner for PyTorch.")
+    parser = _Parser(prog="autoplan", description="Automatic parallelism planner for PyTorch.")
     parser.add_argument("--verbose", "-v", action="store_true", help="log planner progress")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -282,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--pin", action="append", default=[], metavar="NAME=SPEC", help="fix a placement, e.g. input_0=S(0)"
         )
-        p.add_argument("--time-limit", type=float, default=120.0, help="solver time limit in seconds")
+        p.add_argument("--time-limit", type=_positive_float, default=120.0, help="solver time limit in seconds")
         p.add_argument(
             "--profile-db",
             metavar="PATH",
@@ -294,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--quiet", "-q", action="store_true")
         p.add_argument(
             "--global-batch-size",
-            type=int,
+            type=_positive_int,
             help="plan data/tensor/pipeline degrees, micro-batches, schedule, recomputation and ZeRO for this "
             "global batch (joint search); the workload's inputs then give per-sample shapes",
         )
@@ -324,8 +376,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_run = sub.add_parser("run", help="train with a plan under torchrun (plans first if --plan is not given)")
     add_planning(p_run, cluster_required=False)
     p_run.add_argument("--plan", help="plan file from `autoplan plan`")
-    p_run.add_argument("--steps", type=int, default=10)
-    p_run.add_argument("--nproc", type=int, help="check the plan's world size against this number of ranks")
+    p_run.add_argument("--steps", type=_non_negative_int, default=10, help="training steps (from the start)")
+    p_run.add_argument(
+        "--nproc", type=_positive_int, help="check the plan's (or cluster's) world size against this number of ranks"
+    )
     p_run.add_argument(
         "--compare", action="store_true", help="also train the single-device model and print both losses"
     )
@@ -348,7 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a malformed command line (2, one line printed)
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if not args.verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -28,6 +28,17 @@ RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
+_COUNT_HINTS = {
+    "dp": "use 1 for no data parallelism",
+    "tp": "use 1 for no tensor parallelism",
+    "pp": "use 1 for no pipeline",
+    "microbatch_size": "give the samples per micro-batch per data-parallel replica (>= 1)",
+    "num_microbatches": "use 1 for no gradient accumulation",
+    "virtual_stages": "use 1 unless schedule='interleaved-1f1b'",
+}
+"""Fields that count something, with the fix a message suggests for a value below 1."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """Degrees and knobs of one training configuration (see the module docstring)."""
@@ -56,10 +67,10 @@ class ParallelConfig:
     on every stage (estimated only, not executed yet)."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages"):
+        for name, hint in _COUNT_HINTS.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}")
+                raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}: {hint}")
         if self.schedule not in ("none", *SCHEDULES):
             raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:

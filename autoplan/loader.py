@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +19,15 @@ class TargetError(PlanError):
     """The ``FILE.py:FUNCTION`` target cannot be loaded or does not return a Workload."""
 
 
+def _where_in(exc: BaseException, path: Path) -> str:
+    """``:<line>`` of the innermost frame of ``exc`` inside ``path`` (a syntax error's own line)."""
+    if isinstance(exc, SyntaxError) and exc.lineno is not None:
+        return f":{exc.lineno}"
+    resolved = str(path.resolve())
+    lines = [fr.lineno for fr in traceback.extract_tb(exc.__traceback__) if fr.filename == resolved]
+    return f":{lines[-1]}" if lines else ""
+
+
 def load_build_fn(target: str) -> Callable[[], Workload]:
     if ":" not in target:
         raise TargetError(f"target {target!r} is malformed: expected FILE.py:FUNCTION or package.module:FUNCTION")
@@ -26,23 +36,40 @@ def load_build_fn(target: str) -> Callable[[], Workload]:
         if where.endswith(".py"):
             path = Path(where)
             if not path.is_file():
-                raise TargetError(f"target file {where!r} does not exist")
-            spec = importlib.util.spec_from_file_location(f"autoplan_target_{path.stem}", path)
+                raise TargetError(
+                    f"target file {where!r} does not exist (looked in {str(Path.cwd())!r}): check the path"
+                )
+            spec = importlib.util.spec_from_file_location(f"autoplan_target_{path.stem}", path.resolve())
             assert spec is not None and spec.loader is not None
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             sys.path.insert(0, str(path.parent.resolve()))
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:  # noqa: BLE001 - user code failing at import is reported in one line
+                raise TargetError(
+                    f"cannot import {where!r}: {type(exc).__name__}: {_first_line(exc)} at {where}"
+                    f"{_where_in(exc, path)}: fix the error in that file"
+                ) from exc
         else:
             module = importlib.import_module(where)
     except TargetError:
         raise
     except Exception as exc:  # noqa: BLE001 - user code failing at import is reported in one line
-        raise TargetError(f"cannot import {where!r}: {type(exc).__name__}: {exc}") from exc
+        raise TargetError(
+            f"cannot import {where!r}: {type(exc).__name__}: {_first_line(exc)}: check the module name "
+            "or give a path FILE.py:FUNCTION"
+        ) from exc
     fn = getattr(module, func, None)
     if not callable(fn):
-        raise TargetError(f"{where!r} has no function {func!r}")
+        what = f"no function {func!r}" if fn is None else f"{func!r} = a {type(fn).__name__}, not a function"
+        raise TargetError(f"{where!r} has {what}: define def {func}() -> autoplan.Workload there or name another one")
     return fn
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
 
 
 def build_workload(target: str, *, device: str | torch.device, seed: int = 0) -> Workload:
@@ -55,7 +82,10 @@ def build_workload(target: str, *, device: str | torch.device, seed: int = 0) ->
     except PlanError:
         raise
     except Exception as exc:  # noqa: BLE001
-        raise TargetError(f"{target} failed while building the model: {type(exc).__name__}: {exc}") from exc
+        raise TargetError(
+            f"{target} failed while building the model: {type(exc).__name__}: {_first_line(exc)}: "
+            f"fix the build function (called with no arguments under torch.device({str(device)!r}))"
+        ) from exc
     if not isinstance(wl, Workload):
         raise TargetError(
             f"{target} returned {type(wl).__name__}; it must return autoplan.Workload(model=..., example_inputs=...)"

@@ -398,15 +398,7 @@ class Plan:
                 solver=dict(d["solver"]),
                 versions=dict(d.get("versions", {})),
             )
-            for n in plan.nodes:
-                plan.strategy_of(n)  # validates every spec string
-            for n in plan.param_names:
-                parse_spec(plan.param_specs[n])
-            for spec in plan.input_specs + plan.target_specs:
-                parse_spec(spec)
-            missing = [k for k in _SOLVER_KEYS if k not in plan.solver]
-            if missing:
-                raise KeyError(f"solver.{missing[0]}")
+            _check_plan_values(plan)
         except ClusterSpecError as exc:
             raise PlanFileError(str(exc)) from exc
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -440,9 +432,18 @@ class Plan:
     def load(path: str | os.PathLike[str]) -> Plan:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise PlanFileError(
+                f"plan file {str(path)!r} does not exist: check the path or write it with `autoplan plan ... --out`"
+            ) from None
+        except UnicodeDecodeError as exc:
+            raise PlanFileError(
+                f"plan file {str(path)!r} is not a UTF-8 JSON file ({exc.reason} at byte {exc.start}): "
+                "re-create it with `autoplan plan`"
+            ) from exc
         except OSError as exc:
-            raise PlanFileError(f"cannot read plan file {str(path)!r}: {exc.strerror}") from exc
+            raise PlanFileError(f"cannot read plan file {str(path)!r}: {exc.strerror}: check the path") from exc
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -450,6 +451,42 @@ class Plan:
                 f"plan file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg}); it may be truncated: re-create it with `autoplan plan`"
             ) from exc
         return Plan.from_dict(data, where=f"plan file {str(path)!r}")
+
+
+def _check_plan_values(plan: Plan) -> None:
+    """Every placement parses and has one entry per mesh axis, and the fields ``summary()``
+    formats are there with the right types (raises KeyError/TypeError/ValueError, which
+    :meth:`Plan.from_dict` reports as a malformed file)."""
+    ndim = len(plan.pipeline.stage_mesh_shape) if plan.pipeline is not None else plan.cluster.mesh_ndim
+
+    def check(spec: object, what: str) -> None:
+        if isinstance(spec, str) or not isinstance(spec, (list, tuple)):
+            raise TypeError(f"{what} must be a list of placements, got {spec!r}")
+        parse_spec(spec)
+        if len(spec) != ndim:
+            raise ValueError(f"{what} has {len(spec)} placement(s) for a {ndim}-axis mesh")
+
+    for n, d in plan.nodes.items():
+        for i, spec in enumerate(d["out"]):
+            if spec is not None:
+                check(spec, f"nodes.{n}.out[{i}]")
+        for i, spec in enumerate(d["in"]):
+            check(spec, f"nodes.{n}.in[{i}]")
+    for n in plan.param_names:
+        check(plan.param_specs[n], f"placements.params.{n}")
+    for i, spec in enumerate(plan.input_specs + plan.target_specs):
+        check(spec, f"placements.inputs/targets[{i}]")
+    missing = [k for k in _SOLVER_KEYS if k not in plan.solver]
+    if missing:
+        raise KeyError(f"solver.{missing[0]}")
+    for k in ("solve_time_s", "num_variables", "num_constraints"):
+        if isinstance(plan.solver[k], bool) or not isinstance(plan.solver[k], (int, float)):
+            raise TypeError(f"solver.{k} must be a number, got {plan.solver[k]!r}")
+    if "total" not in plan.estimate.memory_bytes:
+        raise KeyError("estimate.memory_bytes.total")
+    bad_ops = {n: op for n, op in plan.fallback_ops.items() if not isinstance(op, str)}
+    if bad_ops:
+        raise TypeError(f"fallback_ops must map node names to op names, got {bad_ops!r}")
 
 
 def software_versions() -> dict[str, str]:

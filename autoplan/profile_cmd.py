@@ -45,6 +45,8 @@ _OP_WIDTH = 96
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's private subparsers type
     """Register ``autoplan profile`` on the CLI's subparsers."""
+    from autoplan.cli import _non_negative_int, _positive_int
+
     p = subparsers.add_parser("profile", help="time the ops of a workload on this machine's device")
     p.add_argument("target", help="FILE.py:FUNCTION returning autoplan.Workload")
     p.add_argument("--cluster", required=True, help="cluster whose mesh shape sets the shard shapes, e.g. 4xCPU")
@@ -52,13 +54,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's privat
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device to time on (default: cpu)")
     p.add_argument("--profile-db", metavar="PATH", help="database file (default: this machine's file in the cache)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer to time (default: the workload's)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds per op; the median is kept (default: 5)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed calls per op before timing (default: 3)")
+    p.add_argument(
+        "--repeats", type=_positive_int, default=5, help="timed rounds per op; the median is kept (default: 5)"
+    )
+    p.add_argument(
+        "--warmup", type=_non_negative_int, default=3, help="untimed calls per op before timing (default: 3)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, print only the final line")
     p.add_argument(
         "--concurrent",
-        type=int,
+        type=_positive_int,
         help="processes timing the same ops at once, as many as the ranks that will share this machine "
         "(default: the cluster's devices per node, capped at the CPU count, for cpu; 1 for cuda)",
     )

@@ -230,8 +230,9 @@ class Cluster:
     """Where the ``links`` were measured; ``None`` for catalog-only clusters."""
 
     def __post_init__(self) -> None:
-        _check_positive_int(self.num_nodes, "num_nodes")
-        _check_positive_int(self.devices_per_node, "devices_per_node")
+        fix = ": a cluster has at least 1 node of at least 1 device, e.g. '1x8xH100' or '4xCPU'"
+        _check_positive_int(self.num_nodes, "num_nodes", fix)
+        _check_positive_int(self.devices_per_node, "devices_per_node", fix)
         if isinstance(self.device, str):
             object.__setattr__(self, "device", get_device_spec(self.device))
         elif not isinstance(self.device, DeviceSpec):
@@ -478,7 +479,9 @@ class Cluster:
                         if key == "overrides"
                         else ""
                     )
-                    raise ClusterSpecError(f"unknown key {key!r}; known keys: {', '.join(CLUSTER_KEYS)}{hint}")
+                    raise ClusterSpecError(
+                        f"unknown key {key!r}: remove or rename it; known keys: {', '.join(CLUSTER_KEYS)}{hint}"
+                    )
             missing = [key for key in _REQUIRED_KEYS if key not in data]
             if missing:
                 raise ClusterSpecError(f"missing key {', '.join(missing)}; a cluster needs {', '.join(_REQUIRED_KEYS)}")
@@ -717,9 +720,9 @@ def _device_from_value(value: object, *, origin: str) -> DeviceSpec:
     return DeviceSpec.from_dict(value, where="device", origin=origin)
 
 
-def _check_positive_int(value: object, name: str) -> None:
+def _check_positive_int(value: object, name: str, fix: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ClusterSpecError(f"{name} must be a positive integer, got {value!r}")
+        raise ClusterSpecError(f"{name} must be a positive integer, got {value!r}{fix}")
 
 
 def _one_line(exc: BaseException) -> str:

@@ -232,8 +232,19 @@ class ProfileDB:
         where = f"profile database {path}"
         try:
             text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ProfileError(f"cannot read {where}: {exc}; fix its permissions or pass --profile-db") from exc
+        except FileNotFoundError:
+            raise ProfileError(
+                f"{where} does not exist: create it with `autoplan profile ... --profile-db {path}` or check the path"
+            ) from None
+        except UnicodeDecodeError as exc:
+            raise ProfileError(
+                f"{where} is not a UTF-8 JSON file ({exc.reason} at byte {exc.start}): delete it to re-profile "
+                "or pass --profile-db"
+            ) from exc
+        except OSError as exc:
+            raise ProfileError(
+                f"cannot read {where}: {exc.strerror}; fix its permissions or pass --profile-db with another file"
+            ) from exc
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:

@@ -297,8 +297,9 @@ class ShardingILP:
             raise self.infeasible_error()
         if not has_solution:
             raise InfeasiblePlanError(
-                f"the solver found no plan within its time limit of {self.options.time_limit_s:g} s "
-                f"({n_vars} variables, {n_cons} constraints): raise the time limit (--time-limit)"
+                f"the solver stopped after {dt:.1f} s ({status_text}) without a feasible plan ({n_vars} variables, "
+                f"time limit {self.options.time_limit_s:g} s): raise time_limit_s / --time-limit or pin placements "
+                "to shrink the problem"
             )
         choice = {name: max(range(len(xs)), key=lambda s: xs[s].value() or 0.0) for name, xs in self.x.items()}
         return Solution(

@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
 import logging
 import operator
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,24 +92,27 @@ class _LossWrapper(torch.nn.Module):
         out = self.model(*inputs)
         loss = self._loss_fn(out, *targets) if self._loss_fn is not None else out
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            source = "loss_fn returned" if self._loss_fn is not None else "the model returned (no loss_fn given)"
             raise UnsupportedModelError(
-                "the loss must be a scalar tensor: pass loss_fn=(output, *targets) -> scalar, "
-                "or make the model return its loss"
+                f"the loss must be a scalar tensor but {source} {got}: pass loss_fn=(output, *targets) -> scalar "
+                "(e.g. a mean), or make the model return its loss"
             )
         return loss
 
 
-def _user_frame(exc: BaseException) -> str:
-    """The innermost traceback frame outside torch/site-packages: where the user's code failed."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for fr in reversed(frames):
-        if (
-            "site-packages/torch" not in fr.filename
-            and "/autoplan/" not in fr.filename
-            and "/passes/" not in fr.filename
-        ):
-            return f"{fr.filename}:{fr.lineno} ({fr.line})"
-    return frames[-1].filename + f":{frames[-1].lineno}" if frames else "<unknown>"
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_OUR_DIRS = tuple(str(Path(__file__).resolve().parent.parent / d) for d in ("autoplan", "passes", "cost_models"))
+
+
+def _user_frame(exc: BaseException) -> str | None:
+    """The innermost traceback frame of the user's code (outside torch, autoplan and generated
+    code such as ``<string>``), or ``None`` when the failure is entirely inside torch."""
+    for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+        path = str(Path(fr.filename).resolve()) if not fr.filename.startswith("<") else ""
+        if path and not path.startswith(_TORCH_DIR) and not path.startswith(_OUR_DIRS):
+            return f"{fr.filename}:{fr.lineno} ({(fr.line or '').strip()})"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -115,27 +120,68 @@ def _first_line(exc: BaseException) -> str:
     return text[0][:300] if text else type(exc).__name__
 
 
-def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
-    captured = io.StringIO()
+def _is_data_dependent(exc: BaseException) -> bool:
+    """torch.export stopped on Python control flow or a conversion that reads a tensor's value."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """Silence torch's own logging while tracing: on a failure, export and fake tensors log
+    partial graphs and full tracebacks at ERROR level; our one-line error replaces them."""
     torch_logger = logging.getLogger("torch")
     old_level = torch_logger.level
-    torch_logger.setLevel(logging.ERROR)  # export prints partial graphs and hints on failure
+    torch_logger.setLevel(logging.CRITICAL)
     try:
-        with contextlib.redirect_stderr(captured), attention_as_single_op():
+        yield
+    finally:
+        torch_logger.setLevel(old_level)
+
+
+def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+    captured = io.StringIO()  # export also prints hints on failure
+    try:
+        with contextlib.redirect_stderr(captured), _quiet_torch_logs(), attention_as_single_op():
             ep = torch.export.export(wrapper, args, strict=False)
     except UnsupportedModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure becomes one clear message
+        where = _user_frame(exc)
+        at = f" at {where}" if where else ""
+        if _is_data_dependent(exc):
+            fix = (
+                "remove data-dependent Python control flow there (if/while on a tensor value, .item(), .tolist(): "
+                "use torch.where / torch.cond) or pass inputs that avoid it"
+            )
+        else:
+            fix = (
+                "check that loss_fn(model(*example_inputs), *example_targets) runs eagerly on these example "
+                "tensors (shapes, dtypes, number of inputs and targets)"
+            )
         raise UnsupportedModelError(
-            f"torch.export could not trace the model: {type(exc).__name__}: {_first_line(exc)} "
-            f"at {_user_frame(exc)}; remove data-dependent Python control flow there "
-            "(use torch.where / torch.cond) or pass inputs that avoid it"
+            f"torch.export could not trace the model: {type(exc).__name__}: {_first_line(exc)}{at}; {fix}"
         ) from exc
     finally:
-        torch_logger.setLevel(old_level)
         if captured.getvalue():
             log.debug("torch.export said:\n%s", captured.getvalue())
     return ep.module()
+
+
+def _check_callable_with(fn: Callable[..., Any], num_args: int, what: str, fix: str) -> None:
+    """Raise if ``fn`` cannot take ``num_args`` positional arguments (checked on its signature
+    before tracing, so the message names the arguments rather than a frame inside torch)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: let tracing decide
+        return
+    try:
+        sig.bind(*range(num_args))
+    except TypeError as exc:
+        raise UnsupportedModelError(
+            f"{what} cannot be called with {num_args} positional argument(s): {exc}; {fix}"
+        ) from None
 
 
 def _placeholder_name(kind: str, name: str) -> str:
@@ -156,9 +202,19 @@ def trace_training_step(
 ) -> TracedProgram:
     """Trace one training step of ``model`` (see the module docstring for the contract)."""
     t0 = time.perf_counter()
-    if not isinstance(example_inputs, (tuple, list)) or len(example_inputs) == 0:
+    if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(
-            "example_inputs is missing: pass a tuple of example tensors, e.g. example_inputs=(ids,)"
+            f"model must be a torch.nn.Module, got {type(model).__name__}: wrap the function in an nn.Module"
+        )
+    if not isinstance(example_inputs, (tuple, list)) or len(example_inputs) == 0:
+        got = "an empty tuple" if isinstance(example_inputs, (tuple, list)) else type(example_inputs).__name__
+        raise UnsupportedModelError(
+            f"example_inputs is missing (got {got}): pass a tuple of example tensors, e.g. example_inputs=(ids,)"
+        )
+    if not isinstance(example_targets, (tuple, list)):
+        raise UnsupportedModelError(
+            f"example_targets must be a tuple of tensors, got {type(example_targets).__name__}: "
+            "e.g. example_targets=(labels,)"
         )
     inputs, targets = tuple(example_inputs), tuple(example_targets)
     # The same tensor passed twice (e.g. ids as input and target) must stay two graph inputs.
@@ -171,9 +227,20 @@ def trace_training_step(
     for i, t in enumerate(inputs + targets):
         if not isinstance(t, torch.Tensor):
             raise UnsupportedModelError(
-                f"example input/target #{i} is a {type(t).__name__}; autoplan needs tensors "
+                f"example input/target #{i} has type {type(t).__name__}; autoplan needs tensors "
                 "(wrap Python values in torch.tensor or bind them into the model)"
             )
+    _check_callable_with(
+        model.forward, len(inputs), f"{type(model).__name__}.forward", "pass one example tensor per forward argument"
+    )
+    if loss_fn is not None:
+        _check_callable_with(
+            loss_fn,
+            1 + len(targets),
+            f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}",
+            f"it is called as loss_fn(output, *example_targets) with {len(targets)} target(s): "
+            "pass the targets it needs in example_targets",
+        )
     wrapper = _LossWrapper(model, loss_fn, len(inputs))
     exported = _export(wrapper, inputs + targets)
 
@@ -202,11 +269,19 @@ def trace_training_step(
     try:
         # Attention as plain matmul + softmax, so the graph is the same on meta, CPU and CUDA
         # (the fused kernels are device-specific and have no DTensor strategy on CPU).
-        with sdpa_kernel([SDPBackend.MATH]), attention_as_single_op(), fx_traceback.preserve_node_meta():
+        with (
+            _quiet_torch_logs(),
+            sdpa_kernel([SDPBackend.MATH]),
+            attention_as_single_op(),
+            fx_traceback.preserve_node_meta(),
+        ):
             gm = make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
+        where = _user_frame(exc)
         raise UnsupportedModelError(
-            f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)} at {_user_frame(exc)}"
+            f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)}"
+            f"{f' at {where}' if where else ''}; check that loss.backward() runs eagerly on this model "
+            "(custom autograd Functions need a backward)"
         ) from exc
 
     _check_grads(gm, param_names)
