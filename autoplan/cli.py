@@ -194,7 +194,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     plan = _make_plan(args)
-    plan.save(args.out)
+    plan.save(args.out, timings=args.timings)
     if args.json:
         print(json.dumps(plan.to_dict()["estimate"]))
     elif not args.quiet:
@@ -361,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_planning(p_plan, cluster_required=True)
     p_plan.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
     p_plan.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p_plan.add_argument(
+        "--timings",
+        action="store_true",
+        help="also write the solver's wall-clock times (the file then differs per run)",
+    )
     p_plan.set_defaults(func=cmd_plan)
 
     p_est = sub.add_parser("estimate", help="price a hand-written configuration with the planner's cost model")

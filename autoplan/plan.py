@@ -31,7 +31,10 @@ PLAN_VERSION = 1
 GiB = 1024**3
 _ESTIMATE_OPTIONAL = ("bubble_s", "mfu", "tokens_per_s")
 """Estimate fields written only when set (plans made with a global batch)."""
-_SOLVER_KEYS = ("status", "objective_s", "solve_time_s", "num_variables", "num_constraints")
+_SOLVER_KEYS = ("status", "objective_s", "num_variables", "num_constraints")
+WALL_CLOCK_KEYS = ("solve_time_s", "plan_time_s")
+"""Solver fields measured in wall-clock seconds: kept on the in-memory plan, written to the file
+only on request (``save(..., timings=True)``), so two runs give byte-identical plan files."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -276,7 +279,7 @@ class Plan:
             f"(params {mem.get('params', 0) / GiB:.3f}, grads {mem.get('grads', 0) / GiB:.3f}, "
             f"optimizer {mem.get('optimizer', 0) / GiB:.3f}, activations {mem.get('activations', 0) / GiB:.3f}, "
             f"inputs {mem.get('inputs', 0) / GiB:.3f})",
-            f"  solver: {self.solver['status']} in {self.solver['solve_time_s']:.2f} s "
+            f"  solver: {self.solver['status']} "
             f"({self.solver['num_variables']} variables, {self.solver['num_constraints']} constraints)",
             (
                 "  mesh axes: "
@@ -322,7 +325,7 @@ class Plan:
             )
 
     # -- serialisation ----------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, *, timings: bool = False) -> dict[str, Any]:
         e = self.estimate
         return {
             "format": PLAN_FORMAT,
@@ -350,7 +353,7 @@ class Plan:
             },
             **({"config": self.config.to_dict()} if self.config is not None else {}),
             **({"pipeline": self.pipeline.to_dict()} if self.pipeline is not None else {}),
-            "solver": dict(self.solver),
+            "solver": {k: v for k, v in self.solver.items() if timings or k not in WALL_CLOCK_KEYS},
             "fallback_ops": dict(self.fallback_ops),
             "collectives": [c.to_dict() for c in self.collectives],
             "nodes": {n: {"op": d["op"], "out": d["out"], "in": d["in"]} for n, d in self.nodes.items()},
@@ -407,10 +410,11 @@ class Plan:
             ) from exc
         return plan
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the plan as JSON, atomically (a temporary file renamed into place)."""
+    def save(self, path: str | os.PathLike[str], *, timings: bool = False) -> None:
+        """Write the plan as JSON, atomically (a temporary file renamed into place). Without
+        ``timings`` the file holds no wall-clock values: the same inputs give the same bytes."""
         path = Path(path)
-        text = json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+        text = json.dumps(self.to_dict(timings=timings), indent=1, sort_keys=False) + "\n"
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         except OSError as exc:
@@ -479,7 +483,7 @@ def _check_plan_values(plan: Plan) -> None:
     missing = [k for k in _SOLVER_KEYS if k not in plan.solver]
     if missing:
         raise KeyError(f"solver.{missing[0]}")
-    for k in ("solve_time_s", "num_variables", "num_constraints"):
+    for k in ("num_variables", "num_constraints", *(w for w in WALL_CLOCK_KEYS if w in plan.solver)):
         if isinstance(plan.solver[k], bool) or not isinstance(plan.solver[k], (int, float)):
             raise TypeError(f"solver.{k} must be a number, got {plan.solver[k]!r}")
     if "total" not in plan.estimate.memory_bytes:
