@@ -514,26 +514,35 @@ def best_layout(
             cand, costs, cluster, stage_starts=starts, precision=precision, tokens_per_sample=tokens_per_sample
         )
         if space.per_stage_recompute and cand.recompute != "none" and nstages > 1 and est.feasible:
-            # the least recomputation per stage that still fits, cheapest first
+            # the least recomputation per stage that still fits, cheapest first; a stage's memory
+            # depends on its own level only, so each trial changes one rank's total
             order = ["none", "selective", "full"]
             levels = order[: order.index(cand.recompute) + 1]
+            stage_mem = {
+                level: [
+                    st.memory_bytes
+                    for st in evaluate(
+                        cand, costs, cluster, stage_starts=starts, stage_recompute=[level] * nstages,
+                        precision=precision, tokens_per_sample=tokens_per_sample, memory_only=True,
+                    ).stages
+                ]
+                for level in levels
+            }  # fmt: skip
+            per_rank = list(est.memory_per_rank_bytes)
             rec = [cand.recompute] * nstages
             for k in range(nstages):
+                r = k % cand.pp
                 for level in levels:
-                    trial = rec.copy()
-                    trial[k] = level
-                    fits = evaluate(
-                        cand, costs, cluster, stage_starts=starts, stage_recompute=trial,
-                        precision=precision, tokens_per_sample=tokens_per_sample, memory_only=True,
-                    ).feasible  # fmt: skip
-                    if fits:
-                        rec = trial
+                    trial = per_rank[r] - stage_mem[rec[k]][k] + stage_mem[level][k]
+                    if trial <= est.capacity_bytes:
+                        per_rank[r], rec[k] = trial, level
                         break
             if rec != [cand.recompute] * nstages:
-                est = evaluate(
+                mixed = evaluate(
                     cand, costs, cluster, stage_starts=starts, stage_recompute=rec,
                     precision=precision, tokens_per_sample=tokens_per_sample,
                 )  # fmt: skip
+                est = mixed if mixed.feasible else est  # (rounding of the running totals)
         if best is None or _key(est) < _key(best):
             best = est
     assert best is not None
