@@ -196,13 +196,12 @@ class SegmentCostModel:
     reduce_repeated: bool = True
     """Trace two blocks and price the rest from the last (passes.depth); False: full depth."""
     extrapolate_batch: bool = True
-    """Price micro-batches of ``b > 2`` samples as ``b`` times one sample when, for this tensor
-    parallel degree, two samples cost twice one within :data:`LINEAR_TOLERANCE` (see
-    :meth:`__call__`); False: trace and solve every micro-batch size."""
+    """Price large micro-batches by scaling a smaller one once the costs are seen to grow
+    linearly (see :meth:`__call__`); False: trace and solve every micro-batch size."""
     num_blocks: int = 0
     _traces: dict[int, object] = field(default_factory=dict)
     _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
-    _linear: dict[int, bool] = field(default_factory=dict)
+    _linear: dict[tuple[int, int], bool] = field(default_factory=dict)
 
     def _traced(self, batch: int):  # noqa: ANN202
         """The step of one micro-batch of ``batch`` samples, traced with the first
@@ -226,20 +225,22 @@ class SegmentCostModel:
         Large models run at their roofline already with one sample (thousands of tokens): the
         costs of ``b`` samples are then ``b`` times those of one (times, activations, cuts and
         FLOPs; parameters, gradient sync and optimizer unchanged), and efficiency only grows
-        with ``b``, so the scaled times are an upper bound. ``b > 2`` samples are priced as
-        ``b / 2`` times the solved costs of 2 samples, only after checking, per ``tp``, that
-        those are the costs of 1 sample doubled within :data:`LINEAR_TOLERANCE`; otherwise
-        every ``b`` is traced and solved."""
+        with ``b``, so the scaled times are an upper bound. ``b`` samples are priced as
+        ``b / b0`` times the solved costs of ``b0 < b`` samples for the smallest ``b0`` in
+        2, 4, 8, ... whose solved costs are those of ``b0 / 2`` samples doubled within
+        :data:`LINEAR_TOLERANCE` (checked per ``tp``); otherwise ``b`` is traced and solved."""
         key = (tp, microbatch_size)
         if key in self._costs:
             return self._costs[key]
-        if self.extrapolate_batch and microbatch_size > 2:
-            if tp not in self._linear:
-                one, two = self(tp, 1), self(tp, 2)
-                self._linear[tp] = _scales_linearly(one, two, 2)
-            if self._linear[tp]:
-                self._costs[key] = scale_costs(self(tp, 2), microbatch_size / 2)
-                return self._costs[key]
+        if self.extrapolate_batch:
+            base = 2
+            while base < microbatch_size:
+                if (tp, base) not in self._linear:  # both sides solved exactly (bases below failed)
+                    self._linear[(tp, base)] = _scales_linearly(self(tp, base // 2), self(tp, base), 2)
+                if self._linear[(tp, base)]:
+                    self._costs[key] = scale_costs(self(tp, base), microbatch_size / base)
+                    return self._costs[key]
+                base *= 2
         if key not in self._costs:
             from autoplan.api import planning_mesh
 
