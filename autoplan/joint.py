@@ -241,31 +241,30 @@ class SegmentCostModel:
                     self._costs[key] = scale_costs(self(tp, base), microbatch_size / base)
                     return self._costs[key]
                 base *= 2
-        if key not in self._costs:
-            from autoplan.api import planning_mesh
+        from autoplan.api import planning_mesh
 
-            traced, layering = self._traced(microbatch_size)
-            sub = tp_cluster(self.cluster, tp)
-            with planning_mesh(sub) as mesh:
-                table = build_strategy_table(traced, mesh)
-                problem = build_cost_problem(traced, table, sub, optimizer=self.optimizer, profile=self.profile)
-                # memory is the outer search's constraint (it depends on stages and schedule)
-                problem.capacity_bytes = float("inf")
-                problem.memory_points = []
-                # the last traced block stands for all the later ones (passes.expand)
-                mult = block_multiplicity(layering, self.num_blocks)
-                solution = ShardingILP(
-                    scale_problem(_memory_tie_break(problem), mult, twins(traced.graph_module, layering)),
-                    SolverOptions(time_limit_s=self.time_limit_s),
-                ).solve()
-            costs = segment_costs(
-                traced.graph_module,
-                layering,
-                problem,
-                solution.choice,
-                param_nodes=[param_node_name(p) for p in traced.param_names],
-            )
-            self._costs[key] = expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
+        traced, layering = self._traced(microbatch_size)
+        sub = tp_cluster(self.cluster, tp)
+        with planning_mesh(sub) as mesh:
+            table = build_strategy_table(traced, mesh)
+            problem = build_cost_problem(traced, table, sub, optimizer=self.optimizer, profile=self.profile)
+            # memory is the outer search's constraint (it depends on stages and schedule)
+            problem.capacity_bytes = float("inf")
+            problem.memory_points = []
+            # the last traced block stands for all the later ones (passes.expand)
+            mult = block_multiplicity(layering, self.num_blocks)
+            solution = ShardingILP(
+                scale_problem(_memory_tie_break(problem), mult, twins(traced.graph_module, layering)),
+                SolverOptions(time_limit_s=self.time_limit_s),
+            ).solve()
+        costs = segment_costs(
+            traced.graph_module,
+            layering,
+            problem,
+            solution.choice,
+            param_nodes=[param_node_name(p) for p in traced.param_names],
+        )
+        self._costs[key] = expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
         return self._costs[key]
 
 
