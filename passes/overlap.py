@@ -115,7 +115,7 @@ def schedule_step(
         step_time_s=compute_t,
         compute_s=compute_s,
         comm_s=comm_s,
-        exposed_comm_s=compute_t - compute_s,
+        exposed_comm_s=max(0.0, compute_t - compute_s),  # (summation order leaves ~1e-20 s when none)
         collectives=tuple(
             ScheduledCollective(index=i, overlappable=i in issued, exposed_s=exposed.get(i, 0.0))
             for i in range(len(redistributions))
