@@ -175,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
         return 2
+    # every rank past its last collective (and the pipeline's last sends) before the groups go:
+    # a rank tearing gloo down while its peer still communicates aborts the job
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
