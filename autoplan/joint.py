@@ -36,7 +36,7 @@ from cost_models.profile_db import ProfileDB
 from passes.costing import CostProblem, build_cost_problem
 from passes.depth import KEPT_BLOCKS, reduce_depth
 from passes.expand import block_multiplicity, scale_problem, twins
-from passes.layers import find_layers
+from passes.layers import Layering, find_layers
 from passes.pipeline_search import (
     Candidate,
     PipelineEstimate,
@@ -157,6 +157,29 @@ def trace_microbatch(
     )
 
 
+def trace_repeated(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+    batch: int,
+    *,
+    reduce: bool = True,
+) -> tuple[TracedProgram, Layering, int]:
+    """One micro-batch's step traced with the first :data:`~passes.depth.KEPT_BLOCKS` repeated
+    blocks (``reduce``; :mod:`passes.depth`), its layering, and the model's real number of
+    blocks. Falls back to the full depth when the layering does not see the kept blocks."""
+    reduced = reduce_depth(model, KEPT_BLOCKS if reduce else sys.maxsize)
+    traced = trace_microbatch(reduced.module, inputs, targets, loss_fn, batch)
+    layering = find_layers(traced)
+    if reduced.reduced and layering.num_blocks == reduced.kept:
+        return traced, layering, reduced.num_blocks
+    if reduced.reduced:  # blocks not where the layering sees them: full depth
+        traced = trace_microbatch(model, inputs, targets, loss_fn, batch)
+        layering = find_layers(traced)
+    return traced, layering, layering.num_blocks
+
+
 def trace_for_plan(
     plan: Plan,
     model: torch.nn.Module,
@@ -208,15 +231,10 @@ class SegmentCostModel:
         :data:`~passes.depth.KEPT_BLOCKS` blocks only (:mod:`passes.depth`; costs are expanded to
         the full depth in :meth:`__call__`)."""
         if batch not in self._traces:
-            reduced = reduce_depth(self.model, KEPT_BLOCKS if self.reduce_repeated else sys.maxsize)
-            traced = trace_microbatch(reduced.module, self.example_inputs, self.example_targets, self.loss_fn, batch)
-            layering = find_layers(traced)
-            if reduced.reduced and layering.num_blocks != reduced.kept:  # blocks not where the layering sees them
-                reduced = dataclasses.replace(reduced, module=self.model, kept=reduced.num_blocks)
-                traced = trace_microbatch(self.model, self.example_inputs, self.example_targets, self.loss_fn, batch)
-                layering = find_layers(traced)
+            traced, layering, self.num_blocks = trace_repeated(
+                self.model, self.example_inputs, self.example_targets, self.loss_fn, batch, reduce=self.reduce_repeated
+            )
             self._traces[batch] = (traced, layering)
-            self.num_blocks = reduced.num_blocks if reduced.reduced else layering.num_blocks
         return self._traces[batch]
 
     def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
@@ -592,14 +610,9 @@ def plan_for_batch(
     model_p, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     # the stage program with the repeated blocks traced once (passes.depth), solved with the
     # copies' variables shared (passes.expand); memory is the outer search's constraint
-    reduced = reduce_depth(model_p, KEPT_BLOCKS if reduce_repeated else sys.maxsize)
-    traced = trace_microbatch(reduced.module, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
-    layering = find_layers(traced)
-    num_blocks = reduced.num_blocks if reduced.reduced else layering.num_blocks
-    if layering.num_blocks != reduced.kept:  # blocks not where the layering sees them: full depth
-        traced = trace_microbatch(model_p, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
-        layering = find_layers(traced)
-        num_blocks = layering.num_blocks
+    traced, layering, num_blocks = trace_repeated(
+        model_p, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp, reduce=reduce_repeated
+    )
     mult = block_multiplicity(layering, num_blocks)
     twin = twins(traced.graph_module, layering)
     reduction: dict[str, int] = {}
