@@ -14,6 +14,7 @@ size, model that cannot fit) prints one line ``autoplan: error: ...`` and exits 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -180,7 +181,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    plan = _make_plan(args)
+    plan = dataclasses.replace(_make_plan(args), workload=args.target)
     plan.save(args.out, timings=args.timings)
     if args.json:
         print(json.dumps(plan.to_dict()["estimate"]))

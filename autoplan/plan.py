@@ -192,6 +192,9 @@ class Plan:
     config: ParallelConfig | None = None
     """Degrees and knobs chosen by the joint search (plans made with a global batch)."""
     pipeline: PipelineLayout | None = None
+    workload: str = ""
+    """``FILE.py:FUNCTION`` the CLI built the model from (empty for plans made from Python): lets
+    ``autoplan export-onnx`` and ``autoplan explain`` find the model again."""
 
     # -- views ------------------------------------------------------------------------------
     @property
@@ -358,6 +361,7 @@ class Plan:
             "collectives": [c.to_dict() for c in self.collectives],
             "nodes": {n: {"op": d["op"], "out": d["out"], "in": d["in"]} for n, d in self.nodes.items()},
             "versions": dict(self.versions),
+            **({"workload": self.workload} if self.workload else {}),
         }
 
     @staticmethod
@@ -400,6 +404,7 @@ class Plan:
                 pipeline=PipelineLayout.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
                 solver=dict(d["solver"]),
                 versions=dict(d.get("versions", {})),
+                workload=str(d.get("workload", "")),
             )
             _check_plan_values(plan)
         except ClusterSpecError as exc:
