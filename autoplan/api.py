@@ -32,6 +32,7 @@ from cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from passes import liveness
 from passes.apply import edge_redistributions, generate_program
 from passes.costing import CostProblem, build_cost_problem
+from passes.explain import explain_choices
 from passes.overlap import schedule_step
 from passes.placement import parse_spec, spec_str, spec_strs
 from passes.solver import ShardingILP, SolverOptions
@@ -278,6 +279,7 @@ def plan_traced(
             "num_constraints": solution.num_constraints,
             "plan_time_s": round(time.perf_counter() - t0 + traced.trace_time_s, 3),
         },
+        alternatives=explain_choices(problem, solution.choice),
         versions=software_versions(),
     )
     log.info("plan %s: %s", plan.fingerprint, plan.parallelism())

@@ -2,6 +2,11 @@
 
     autoplan plan  my_models.py:build --cluster 4xCPU --out plan.json
     autoplan show  plan.json
+    autoplan explain plan.json --op addmm_3           # the alternatives the solver weighed
+    autoplan diff  old.json new.json
+    autoplan report plan.json -o plan.html            # self-contained HTML review page
+    autoplan export-onnx plan.json -o model.onnx      # the model with the plan as ONNX sharding annotations
+    autoplan bench benchmarks/suite.yaml --baseline benchmarks/suite_baseline.json   # CI: estimate regressions
     autoplan run   my_models.py:build --plan plan.json --steps 10        # launches torchrun
     autoplan plan  my_models.py:build --cluster 4x8xH100 --global-batch-size 512 --out plan.json
     autoplan estimate my_models.py:build --cluster 4x8xH100 --global-batch-size 512 \
@@ -26,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoplan import calibrate_cmd, profile_cmd
+from autoplan import bench, calibrate_cmd, onnx_export, profile_cmd, report
 from cost_models.memory import OPTIMIZERS
 
 EXIT_BAD_INPUT = 2
@@ -198,7 +203,33 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
     else:
-        print(plan.summary())
+        from autoplan.review import show_text
+
+        sys.stdout.write(show_text(plan))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from autoplan.plan import Plan
+    from autoplan.review import explain, explain_text
+
+    ex = explain(Plan.load(args.plan), op=args.op, param=args.param)
+    if args.json:
+        print(json.dumps(ex.to_dict(), indent=1))
+    else:
+        sys.stdout.write(explain_text(ex))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from autoplan.plan import Plan
+    from autoplan.review import diff_plans, diff_text
+
+    d = diff_plans(Plan.load(args.a), Plan.load(args.b))
+    if args.json:
+        print(json.dumps(d, indent=1))
+    else:
+        sys.stdout.write(diff_text(d, limit=args.limit))
     return 0
 
 
@@ -361,10 +392,28 @@ def build_parser() -> argparse.ArgumentParser:
     p_est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p_est.set_defaults(func=cmd_estimate)
 
-    p_show = sub.add_parser("show", help="print a plan file for review")
+    p_show = sub.add_parser(
+        "show", help="print a plan file for review: mesh and stages, time, memory per device, placements, collectives"
+    )
     p_show.add_argument("plan")
     p_show.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p_show.set_defaults(func=cmd_show)
+
+    p_explain = sub.add_parser(
+        "explain", help="the placements the solver considered for one op or parameter, their costs, and why one won"
+    )
+    p_explain.add_argument("plan")
+    p_explain.add_argument("--op", metavar="NAME", help="graph node name (see `autoplan show --json`, key nodes)")
+    p_explain.add_argument("--param", metavar="NAME", help="parameter name, e.g. transformer.h.0.attn.c_attn.weight")
+    p_explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p_explain.set_defaults(func=cmd_explain)
+
+    p_diff = sub.add_parser("diff", help="what changed between two plans, with the estimated effect")
+    p_diff.add_argument("a", help="plan file (before)")
+    p_diff.add_argument("b", help="plan file (after)")
+    p_diff.add_argument("--json", action="store_true", help="print the whole difference as JSON")
+    p_diff.add_argument("--limit", type=_positive_int, default=20, help="changed placements listed (default 20)")
+    p_diff.set_defaults(func=cmd_diff)
 
     p_run = sub.add_parser("run", help="train with a plan under torchrun (plans first if --plan is not given)")
     add_planning(p_run, cluster_required=False)
@@ -391,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.set_defaults(func=cmd_run)
     calibrate_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)
+    report.add_parser(sub)
+    onnx_export.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

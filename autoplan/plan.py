@@ -22,6 +22,7 @@ import torch
 from autoplan.config import ParallelConfig
 from cost_models.cluster import Cluster
 from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
+from passes.explain import NodeExplanation
 from passes.placement import parse_spec, spec_str
 from passes.strategies import Strategy
 from passes.trace import param_node_name
@@ -192,6 +193,9 @@ class Plan:
     config: ParallelConfig | None = None
     """Degrees and knobs chosen by the joint search (plans made with a global batch)."""
     pipeline: PipelineLayout | None = None
+    alternatives: Mapping[str, NodeExplanation] = field(default_factory=dict)
+    """Per node with a choice: the chosen strategy and the next cheapest, each priced with the rest
+    of the plan fixed (:mod:`passes.explain`); read by ``autoplan explain``."""
     workload: str = ""
     """``FILE.py:FUNCTION`` the CLI built the model from (empty for plans made from Python): lets
     ``autoplan export-onnx`` and ``autoplan explain`` find the model again."""
@@ -360,6 +364,7 @@ class Plan:
             "fallback_ops": dict(self.fallback_ops),
             "collectives": [c.to_dict() for c in self.collectives],
             "nodes": {n: {"op": d["op"], "out": d["out"], "in": d["in"]} for n, d in self.nodes.items()},
+            "alternatives": {n: x.to_dict() for n, x in self.alternatives.items()},
             "versions": dict(self.versions),
             **({"workload": self.workload} if self.workload else {}),
         }
@@ -404,6 +409,7 @@ class Plan:
                 pipeline=PipelineLayout.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
                 solver=dict(d["solver"]),
                 versions=dict(d.get("versions", {})),
+                alternatives={str(n): NodeExplanation.from_dict(x) for n, x in d.get("alternatives", {}).items()},
                 workload=str(d.get("workload", "")),
             )
             _check_plan_values(plan)

@@ -87,7 +87,13 @@ class Liveness:
     """Every tensor value -> its (fake) tensor, for shapes and dtypes."""
 
     def births(self) -> dict[Storage, int]:
-        return {s: self.position[s.node] for s in set(self.storage_of.values()) if s.node not in self.placeholders}
+        """Non-placeholder storages -> birth position, in execution order (a fixed order: the ILP's
+        memory constraints list their terms in it, and the solver's tie-breaking depends on that)."""
+        return {s: self.position[s.node] for s in self.storages() if s.node not in self.placeholders}
+
+    def storages(self) -> list[Storage]:
+        """Every storage once, in execution order (then output index)."""
+        return sorted(set(self.storage_of.values()), key=lambda s: (self.position[s.node], s.index))
 
     def ilp_interval(self, storage: Storage) -> tuple[int, int]:
         """Lifetime the ILP uses: from birth to the last graph use. Gradients leave their
@@ -302,7 +308,7 @@ def peak_memory(
         conversions.append(_Interval(pos - 0.5, stop, nbytes, "activations"))
     read_as_is = {live.storage_of[v] for v in live.output_values} - converted_after_production
     intervals: list[_Interval] = []
-    for s in set(live.storage_of.values()):
+    for s in live.storages():
         if s.node in live.placeholders:
             continue
         born = live.position[s.node]

@@ -93,13 +93,28 @@ class Solution:
     """``"lp"`` when the LP relaxation was already integral, else ``"mip"``."""
 
 
-def _make_solver(options: SolverOptions) -> pulp.LpSolver:
-    """HiGHS (via highspy) when installed and allowed, else the CBC binary bundled with PuLP."""
+def _make_solver(options: SolverOptions, *, relaxation: bool = False) -> pulp.LpSolver:
+    """HiGHS (via highspy) when installed and allowed, else the CBC binary bundled with PuLP.
+    ``relaxation``: settings for the LP relaxation (no presolve, see below)."""
     if options.backend in ("auto", "highs") and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
         # objectives are seconds (a tiny model's step is ~1 ms): HiGHS's default absolute gap of
-        # 1e-6 would stop at a relative gap of ~1e-3 there, so only the relative gap counts
+        # 1e-6 would stop at a relative gap of ~1e-3 there, so only the relative gap counts.
+        # Two runs on the same model must return the same optimal vertex (ties are common: a tie
+        # broken differently is a different plan file for the same input). HiGHS's defaults do not
+        # guarantee it: its dual edge weights ("choose") and its presolve made the same LP end at
+        # different vertices run to run (measured on GPT-2 4 layers, 2x2 mesh: 2 vertices in 8
+        # solves). Fixed edge weights, and no presolve for the LP relaxation (which also made it
+        # 2-4x faster there), gave one vertex in every run; the MIP keeps its presolve.
+        extra = {"presolve": "off"} if relaxation else {}
         return pulp.HiGHS(
-            msg=False, timeLimit=options.time_limit_s, threads=options.threads, random_seed=0, gapRel=1e-4, gapAbs=1e-12
+            msg=False,
+            timeLimit=options.time_limit_s,
+            threads=options.threads,
+            random_seed=0,
+            gapRel=1e-4,
+            gapAbs=1e-12,
+            simplex_dual_edge_weight_strategy=2,
+            **extra,
         )
     if options.backend not in ("auto", "highs", "cbc"):
         raise PlanError(f"unknown solver backend {options.backend!r}: use 'auto', 'highs' or 'cbc'")
@@ -256,7 +271,7 @@ class ShardingILP:
         for v in binaries:
             v.cat, v.lowBound, v.upBound = pulp.LpContinuous, 0, 1
         try:
-            status = self.model.solve(_make_solver(self.options))
+            status = self.model.solve(_make_solver(self.options, relaxation=True))
             return status == pulp.LpStatusOptimal and self._status_text(status) == "Optimal" and self._integral()
         finally:
             for v, (cat, lo, hi) in zip(binaries, saved, strict=True):

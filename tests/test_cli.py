@@ -96,20 +96,44 @@ def test_plan_writes_a_plan_file_that_loads_for_two_devices(mlp_plan_file):
     assert not list(mlp_plan_file.parent.glob(".plan.json.*")), "temporary file left behind"
 
 
-def test_show_prints_the_summary_with_fingerprint_and_parameter_names(mlp_plan_file, tmp_path):
+def test_show_prints_the_review_tables_with_fingerprint_and_parameter_names(mlp_plan_file, tmp_path):
+    from autoplan.review import show_text
+
     plan = autoplan.Plan.load(mlp_plan_file)
 
     result = run_cli(tmp_path, "show", str(mlp_plan_file))
 
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == plan.summary()
+    assert result.stdout == show_text(plan)
+    for section in ("Mesh", "Time per step", "Memory per device", "Parameter placements", "Collectives per step"):
+        assert section in result.stdout
     assert plan.fingerprint in result.stdout
     for name in plan.param_names:
         assert name in result.stdout
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["plan"], ["show"], ["run"], ["estimate"]], ids=["top", "plan", "show", "run", "estimate"]
+    "command",
+    [
+        [],
+        *(
+            [c]
+            for c in (
+                "plan",
+                "show",
+                "explain",
+                "diff",
+                "run",
+                "estimate",
+                "report",
+                "export-onnx",
+                "bench",
+                "calibrate",
+                "profile",
+            )
+        ),
+    ],
+    ids=lambda c: c[0] if c else "top",
 )
 def test_help_works_for_every_subcommand(command, tmp_path):
     result = run_cli(tmp_path, *command, "--help")

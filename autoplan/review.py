@@ -1,0 +1,575 @@
+"""Reading plans: ``autoplan show`` (tables), ``explain`` (one op's alternatives) and ``diff``.
+
+Everything here reads a :class:`~autoplan.plan.Plan` and returns text (or a JSON-able dict for
+``--json``); nothing is re-traced or re-solved. The output holds no wall-clock values, so the
+same plan file always prints the same bytes (golden tests rely on it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autoplan.plan import GiB, Plan
+from cost_models.errors import PlanError
+from passes.explain import Alternative, NodeExplanation
+from passes.trace import param_node_name
+
+MiB = 1024**2
+_BLOCK_INDEX = re.compile(r"(?<=\.)(\d+)(?=\.)")
+
+
+# -- tables -----------------------------------------------------------------------------------
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], *, align: str = "") -> list[str]:
+    """Plain-text table: a header, a rule, one line per row. ``align``: one ``l``/``r`` per
+    column (default: first column left, the others right)."""
+    body = [[str(c) for c in r] for r in rows]
+    cols = len(header)
+    align = align or "l" + "r" * (cols - 1)
+    widths = [max([len(header[i]), *(len(r[i]) for r in body)]) for i in range(cols)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align, strict=True)]
+        return "  ".join(out).rstrip()
+
+    return [line(header), "  ".join("-" * w for w in widths), *(line(r) for r in body)]
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+
+def _bytes(n: float) -> str:
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.2f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def _spec(spec: Sequence[str] | None) -> str:
+    return "-" if spec is None else ",".join(spec)
+
+
+# -- show -------------------------------------------------------------------------------------
+def show_text(plan: Plan) -> str:
+    """The plan as review tables: header, mesh and stages, time, memory, placements, collectives."""
+    sections = [
+        _header(plan),
+        _mesh_section(plan),
+        _time_section(plan),
+        _memory_section(plan),
+        _placements_section(plan),
+        _collectives_section(plan),
+    ]
+    return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
+
+
+def _header(plan: Plan) -> list[str]:
+    c, e, s = plan.cluster, plan.estimate, plan.solver
+    lines = [f"plan {plan.fingerprint}  {plan.workload or '(made from Python)'}"]
+    lines.append(f"cluster   {c.num_nodes} node(s) x {c.devices_per_node} {c.device.name} = {c.world_size} devices")
+    if plan.config is not None:
+        lines.append(f"config    {plan.config}")
+    lines.append(f"step      {_ms(e.step_time_s)} ms estimated")
+    if e.tokens_per_s is not None:
+        lines.append(f"          {e.tokens_per_s:,.0f} tokens/s, MFU {(e.mfu or 0):.1%}")
+    gap = s.get("gap")
+    lines.append(
+        f"solver    {s['status']}"
+        + (f" ({s.get('method')})" if s.get("method") else "")
+        + (f", gap {gap:.2e}" if isinstance(gap, float) and gap > 0 else "")
+        + f", {s['num_variables']} variables, {s['num_constraints']} constraints"
+    )
+    src = e.compute_sources
+    lines.append(
+        f"costs     op times {src.get('profiled', 0)} profiled / {src.get('analytic', 0)} analytic; "
+        f"links {'calibrated' if c.calibration is not None else 'catalog numbers'}"
+    )
+    if plan.fallback_ops:
+        lines.append("fallback  replicated (no DTensor rule): " + ", ".join(sorted(set(plan.fallback_ops.values()))))
+    return lines
+
+
+def _stage_axis_use(plan: Plan) -> dict[str, str]:
+    """Like :meth:`Plan.parallelism`, for the stage mesh of a pipeline plan."""
+    assert plan.pipeline is not None
+    out = {}
+    for axis, name in enumerate(plan.pipeline.stage_axis_names):
+        grads = any(
+            c.consumer.startswith("p_") and any(a == axis and k in ("all_reduce", "reduce_scatter") for k, a in c.steps)
+            for c in plan.collectives
+        )
+        sharded = sum(1 for s in plan.param_specs.values() if s[axis] != "R")
+        kinds = (["data"] if grads else []) + (
+            [f"tensor/param-sharded ({sharded}/{len(plan.param_specs)} params)"] if sharded else []
+        )
+        out[name] = " + ".join(kinds) if kinds else "replicated"
+    return out
+
+
+def _mesh_section(plan: Plan) -> list[str]:
+    c = plan.cluster
+    if plan.pipeline is not None:
+        return _stages_section(plan)
+    use = plan.parallelism()
+    rows = []
+    for axis, (name, size) in enumerate(zip(c.mesh_axis_names, c.mesh_shape, strict=True)):
+        link = c.axis_link(axis)
+        rows.append(
+            (
+                axis,
+                name,
+                size,
+                "inter-node" if link.spans_nodes else "intra-node",
+                f"{link.bw_GBps:g}",
+                f"{link.latency_us:g}",
+                use[name],
+            )
+        )
+    return ["Mesh", *table(("axis", "name", "size", "link", "GB/s", "latency us", "use"), rows, align="rlrlrrl")]
+
+
+def _stages_section(plan: Plan) -> list[str]:
+    p = plan.pipeline
+    assert p is not None
+    stage_size = 1
+    for n in p.stage_mesh_shape:
+        stage_size *= n
+    use = _stage_axis_use(plan)
+    rows = [
+        (axis, name, size, use[name])
+        for axis, (name, size) in enumerate(zip(p.stage_axis_names, p.stage_mesh_shape, strict=True))
+    ]
+    lines = [
+        f"Stage mesh (each of the {len(p.stage_starts)} pipeline stages runs on {stage_size} devices)",
+        *table(("axis", "name", "size", "use"), rows, align="rlrl"),
+    ]
+    stage_rows = [
+        (k, _segments_text(segs, p.block_list), f"{k * stage_size}-{(k + 1) * stage_size - 1}", rc)
+        for k, (segs, rc) in enumerate(zip(p.stage_segments(), p.stage_recompute, strict=True))
+    ]
+    lines += ["", "Pipeline stages"]
+    lines += table(("stage", "segments", "devices", "recompute"), stage_rows, align="rlll")
+    if p.reduced:
+        lines.append(
+            f"  (planned on {p.traced_blocks} traced blocks of {len(p.segment_names) - 2}: "
+            f"the last traced block's placements repeat on every later block)"
+        )
+    return lines
+
+
+def _segments_text(segments: Sequence[str], block_list: str) -> str:
+    """``prologue, h.0..h.3`` style: consecutive blocks as one range."""
+    out: list[str] = []
+    blocks = [s for s in segments if s not in ("prologue", "epilogue")]
+    if "prologue" in segments:
+        out.append("prologue")
+    if blocks:
+        first, last = blocks[0], blocks[-1]
+        short = lambda s: s[len(block_list) + 1 :] if block_list and s.startswith(block_list + ".") else s  # noqa: E731
+        out.append(
+            f"{block_list}.{short(first)}" + (f"..{short(last)}" if last != first else "")
+            if block_list
+            else first + (f"..{last}" if last != first else "")
+        )
+    if "epilogue" in segments:
+        out.append("epilogue")
+    return ", ".join(out)
+
+
+def _time_section(plan: Plan) -> list[str]:
+    e = plan.estimate
+    exposed = e.exposed_comm_s if e.exposed_comm_s is not None else e.comm_s
+    parts = [("compute", e.compute_s), ("exposed communication", exposed)]
+    if e.bubble_s is not None:
+        parts.append(("pipeline bubble", e.bubble_s))
+    accounted = sum(t for _, t in parts)
+    other = e.step_time_s - accounted
+    if abs(other) > 1e-9 * max(e.step_time_s, 1e-12) and abs(other) * 1e3 >= 0.0005:
+        parts.append(("other (schedule overlap / rounding)", other))
+    rows = [(name, _ms(t), f"{t / e.step_time_s:.1%}" if e.step_time_s else "-") for name, t in parts]
+    rows.append(("step", _ms(e.step_time_s), "100.0%"))
+    lines = ["Time per step", *table(("part", "ms", "share"), rows)]
+    if e.exposed_comm_s is not None and e.comm_s > exposed:
+        lines.append(f"  ({_ms(e.comm_s - exposed)} ms of communication overlaps compute and is not counted)")
+    return lines
+
+
+_MEMORY_PARTS = ("params", "weights", "grads", "optimizer", "activations", "inputs", "transient", "buffers")
+
+
+def _memory_section(plan: Plan) -> list[str]:
+    e = plan.estimate
+    mem = e.memory_bytes
+    parts = [k for k in _MEMORY_PARTS if k in mem] + sorted(k for k in mem if k not in _MEMORY_PARTS + ("total",))
+    cap = e.capacity_bytes
+    header = ("device", *parts, "peak", "capacity", "headroom")
+    rows: list[tuple[object, ...]] = []
+    if e.memory_per_device_bytes and plan.pipeline is not None:
+        worst = max(range(len(e.memory_per_device_bytes)), key=lambda k: e.memory_per_device_bytes[k])
+        for k, total in enumerate(e.memory_per_device_bytes):
+            cells = [_bytes(mem[p]) if k == worst else "" for p in parts]
+            rows.append((f"stage {k}", *cells, _bytes(total), _bytes(cap), f"{1 - total / cap:.1%}"))
+        note = "  (parts shown for the stage with the peak; every device of a stage holds the same)"
+    else:
+        total = mem["total"]
+        rows.append(("each", *(_bytes(mem[p]) for p in parts), _bytes(total), _bytes(cap), f"{1 - total / cap:.1%}"))
+        note = f"  (peak at {e.memory_peak_at}; every device holds the same)" if e.memory_peak_at else ""
+    return ["Memory per device", *table(header, rows), *([note] if note else [])]
+
+
+def group_by_block(names: Sequence[str], value: Mapping[str, str], *, stands_for: Mapping[str, str] | None = None):
+    """Group ``names`` that differ only in a block index (``h.0.attn`` / ``h.1.attn``) and share
+    ``value``: yields ``(template with {i..j}, value)`` in first-seen order. ``stands_for`` maps
+    a block index to the range it stands for (reduced-depth plans)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        m = _BLOCK_INDEX.search(name)
+        key = (_BLOCK_INDEX.sub("{}", name, count=1) if m else name, value[name])
+        groups.setdefault(key, []).append(m.group(1) if m else "")
+    out = []
+    for (template, val), idx in groups.items():
+        if "{}" not in template:
+            out.append((template, val))
+            continue
+        spans = [stands_for.get(i, i) if stands_for else i for i in idx]
+        label = _index_ranges(spans)
+        out.append((template.replace("{}", label if label.isdigit() else "{" + label + "}"), val))
+    return out
+
+
+def _index_ranges(items: Sequence[str]) -> str:
+    """``['0','1','2','5']`` -> ``0..2,5``; items that are already ranges are kept."""
+    nums: list[int] = []
+    text: list[str] = []
+    for it in items:
+        lo, sep, hi = it.partition("..")
+        if lo.isdigit() and (not sep or hi.isdigit()):
+            nums.extend(range(int(lo), int(hi if sep else lo) + 1))
+        else:
+            text.append(it)
+    nums = sorted(set(nums))
+    spans: list[str] = []
+    i = 0
+    while i < len(nums):
+        j = i
+        while j + 1 < len(nums) and nums[j + 1] == nums[j] + 1:
+            j += 1
+        spans.append(str(nums[i]) if i == j else f"{nums[i]}..{nums[j]}")
+        i = j + 1
+    return ",".join(spans + text)
+
+
+def _stands_for(plan: Plan) -> dict[str, str] | None:
+    p = plan.pipeline
+    if p is None or not p.reduced:
+        return None
+    num_blocks = len(p.segment_names) - 2
+    return {str(p.traced_blocks - 1): f"{p.traced_blocks - 1}..{num_blocks - 1}"}
+
+
+def _placements_section(plan: Plan) -> list[str]:
+    specs = {n: _spec(plan.param_specs[n]) for n in plan.param_names}
+    rows = group_by_block(plan.param_names, specs, stands_for=_stands_for(plan))
+    axes = ",".join(plan.pipeline.stage_axis_names if plan.pipeline else plan.cluster.mesh_axis_names)
+    if plan.pipeline is not None:
+        axes += " of the stage mesh"
+    lines = [f"Parameter placements (one entry per mesh axis: {axes}; repeated blocks grouped)"]
+    lines += table(("parameter", "placement"), rows, align="ll")
+    ins = ", ".join(_spec(s) for s in plan.input_specs) or "-"
+    tgts = ", ".join(_spec(s) for s in plan.target_specs) or "-"
+    lines += ["", f"inputs: {ins}   targets: {tgts}"]
+    counts: dict[str, int] = {}
+    for d in plan.nodes.values():
+        out = d["out"][0] if d["out"] else None
+        key = _spec(out)
+        counts[key] = counts.get(key, 0) + 1
+    hist = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    lines += ["", "Operator outputs by placement", *table(("placement", "ops"), hist, align="lr")]
+    return lines
+
+
+def _collectives_section(plan: Plan) -> list[str]:
+    by_kind: dict[str, list[float]] = {}
+    seen: set[str] = set()
+    for c in plan.collectives:
+        if c.bucket is not None:
+            if c.bucket in seen:
+                continue
+            seen.add(c.bucket)
+        kinds = [k for k, _ in c.steps if k in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")]
+        kind = "+".join(kinds) or "local reshard (no communication)"
+        axes = ",".join(sorted({plan.cluster.mesh_axis_names[a] for k, a in c.steps if k in kinds}))
+        key = f"{kind} [{axes}]" if axes else kind
+        entry = by_kind.setdefault(key, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += c.time_s
+        entry[2] += c.exposed_s if c.exposed_s is not None else c.time_s
+    if not by_kind:
+        return ["Collectives per step: none"]
+    rows = [(k, int(v[0]), _ms(v[1]), _ms(v[2])) for k, v in sorted(by_kind.items())]
+    return ["Collectives per step", *table(("kind [mesh axes]", "count", "ms", "exposed ms"), rows)]
+
+
+# -- explain ----------------------------------------------------------------------------------
+def resolve_node(plan: Plan, *, op: str | None = None, param: str | None = None) -> str:
+    """The plan node an ``--op`` / ``--param`` names (one-line error listing close names otherwise)."""
+    if (op is None) == (param is None):
+        raise PlanError("give exactly one of --op NAME or --param NAME")
+    if param is not None:
+        if param not in plan.param_specs:
+            close = [n for n in plan.param_names if param.split(".")[-1] in n][:5]
+            raise PlanError(
+                f"parameter {param!r} is not in the plan"
+                + (
+                    f": did you mean {', '.join(close)}?"
+                    if close
+                    else f" ({len(plan.param_names)} parameters; see `autoplan show`)"
+                )
+            )
+        return param_node_name(param)
+    assert op is not None
+    if op in plan.nodes or op in plan.alternatives:
+        return op
+    close = sorted(n for n in plan.nodes if n.startswith(op.rstrip("0123456789_")))[:5]
+    raise PlanError(
+        f"op {op!r} is not a node of the plan"
+        + (f": did you mean {', '.join(close)}?" if close else ": see `autoplan show --json` for node names")
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Explanation:
+    node: str
+    op: str
+    chosen: Alternative | None
+    others: tuple[Alternative, ...]
+    num_strategies: int
+    follows: tuple[str, ...] = ()
+    """Chain of producers this node follows (tied view/elementwise ops), nearest first."""
+    gap: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "op": self.op,
+            "num_strategies": self.num_strategies,
+            "follows": list(self.follows),
+            "chosen": None if self.chosen is None else self.chosen.to_dict(),
+            "alternatives": [a.to_dict() for a in self.others],
+            "reason": self.reason(),
+        }
+
+    def reason(self) -> str:
+        """Why the chosen strategy won, from the numbers."""
+        if self.chosen is None:
+            if self.num_strategies <= 1:
+                return "only one placement is possible for this node"
+            return "the plan records no alternatives for this node (made by an older autoplan?)"
+        if not self.others:
+            return "only one placement is possible for this node"
+        blocked = [a for a in self.others if a.over_capacity_bytes is not None and a.over_capacity_bytes > 0]
+        cheaper = [a for a in self.others if a.delta_s < 0]
+        parts = []
+        for a in cheaper:
+            if a in blocked:
+                parts.append(
+                    f"{_alt_spec(a)} would be {-a.delta_s * 1e3:.3f} ms faster but needs "
+                    f"{_bytes(a.over_capacity_bytes or 0)} more than the device has at the memory peak"
+                )
+            else:
+                parts.append(
+                    f"{_alt_spec(a)} would be {-a.delta_s * 1e3:.3f} ms faster with the rest fixed: the solver stopped "
+                    f"within its optimality gap{f' ({self.gap:.1e})' if self.gap else ''}"
+                )
+        fastest = min(self.others, key=lambda a: a.delta_s)
+        if fastest.delta_s >= 0:
+            d_compute = fastest.compute_s - self.chosen.compute_s
+            d_comm = fastest.comm_s - self.chosen.comm_s
+            if fastest.delta_s == 0:
+                parts.append(
+                    f"the next best ({_alt_spec(fastest)}) costs the same; the tie is broken by the solver's "
+                    "deterministic order"
+                )
+            else:
+                parts.append(
+                    f"cheapest given its neighbours' placements: the next best ({_alt_spec(fastest)}) costs "
+                    f"+{fastest.delta_s * 1e3:.3f} ms ({d_compute * 1e3:+.3f} ms compute, {d_comm * 1e3:+.3f} ms "
+                    "communication)"
+                )
+        return "; ".join(parts)
+
+
+def _alt_spec(a: Alternative) -> str:
+    return " | ".join(_spec(s) for s in a.output_specs)
+
+
+def explain(plan: Plan, *, op: str | None = None, param: str | None = None) -> Explanation:
+    """The alternatives recorded for one node (``--op``) or a parameter's placement (``--param``)."""
+    node = resolve_node(plan, op=op, param=param)
+    chain: list[str] = []
+    current = node
+    ex: NodeExplanation | None = plan.alternatives.get(current)
+    while ex is not None and ex.follows and ex.follows not in chain:
+        chain.append(ex.follows)
+        current = ex.follows
+        ex = plan.alternatives.get(current)
+    op_name = plan.nodes[node]["op"] if node in plan.nodes else ("parameter" if node.startswith("p_") else "input")
+    if ex is None or not ex.alternatives:
+        n = plan.alternatives[node].num_strategies if node in plan.alternatives else 1
+        return Explanation(node=node, op=op_name, chosen=None, others=(), num_strategies=n, follows=tuple(chain))
+    return Explanation(
+        node=node,
+        op=op_name,
+        chosen=ex.alternatives[0],
+        others=ex.alternatives[1:],
+        num_strategies=ex.num_strategies,
+        follows=tuple(chain),
+        gap=plan.solver.get("gap") if isinstance(plan.solver.get("gap"), float) else None,
+    )
+
+
+def explain_text(ex: Explanation) -> str:
+    lines = [f"{ex.node} ({ex.op}): {ex.num_strategies} candidate placement(s)"]
+    if ex.follows:
+        lines.append(
+            f"  follows its producer {' -> '.join(ex.follows)} (view / elementwise op: converting before or after it "
+            f"costs the same, so it takes its producer's layout); alternatives of {ex.follows[-1]}:"
+        )
+    if ex.chosen is None:
+        lines.append(f"  {ex.reason()}")
+        return "\n".join(lines) + "\n"
+    rows = []
+    for k, a in enumerate((ex.chosen, *ex.others)):
+        fits = "-" if a.over_capacity_bytes is None else ("yes" if a.over_capacity_bytes <= 0 else "NO")
+        rows.append(
+            (
+                "chosen" if k == 0 else f"#{k}",
+                _alt_spec(a),
+                " ; ".join(_spec(s) for s in a.input_specs),
+                _ms(a.compute_s),
+                _ms(a.comm_s),
+                "-" if k == 0 else f"{a.delta_s * 1e3:+.3f}",
+                fits,
+            )
+        )
+    lines += table(
+        ("", "output", "inputs", "compute ms", "comm ms", "vs chosen ms", "fits memory"), rows, align="lllrrrl"
+    )
+    lines.append("  comm: conversions on the edges into and out of this node, every other node as planned")
+    lines.append(f"why: {ex.reason()}")
+    return "\n".join(lines) + "\n"
+
+
+# -- diff -------------------------------------------------------------------------------------
+def diff_plans(a: Plan, b: Plan) -> dict[str, Any]:
+    """What changed from ``a`` to ``b``: estimate deltas, configuration, placements, collectives."""
+    ea, eb = a.estimate, b.estimate
+
+    def delta(x: float | None, y: float | None) -> dict[str, float | None]:
+        rel = None if x is None or x == 0 or y is None else (y - x) / x
+        return {"a": x, "b": y, "change": rel}
+
+    estimate = {
+        "step_time_s": delta(ea.step_time_s, eb.step_time_s),
+        "compute_s": delta(ea.compute_s, eb.compute_s),
+        "exposed_comm_s": delta(ea.exposed_comm_s, eb.exposed_comm_s),
+        "bubble_s": delta(ea.bubble_s, eb.bubble_s),
+        "peak_memory_bytes": delta(ea.memory_bytes["total"], eb.memory_bytes["total"]),
+        "mfu": delta(ea.mfu, eb.mfu),
+        "tokens_per_s": delta(ea.tokens_per_s, eb.tokens_per_s),
+    }
+    config = {}
+    ca = a.config.to_dict() if a.config else {}
+    cb = b.config.to_dict() if b.config else {}
+    for k in sorted(set(ca) | set(cb)):
+        if ca.get(k) != cb.get(k):
+            config[k] = {"a": ca.get(k), "b": cb.get(k)}
+    params = {
+        n: {"a": _spec(a.param_specs.get(n)), "b": _spec(b.param_specs.get(n))}
+        for n in sorted(set(a.param_specs) | set(b.param_specs))
+        if a.param_specs.get(n) != b.param_specs.get(n)
+    }
+    common = [n for n in a.nodes if n in b.nodes]
+    ops_changed = [n for n in common if a.nodes[n]["out"] != b.nodes[n]["out"] or a.nodes[n]["in"] != b.nodes[n]["in"]]
+    ca_counts, cb_counts = a.collective_counts(), b.collective_counts()
+    collectives = {
+        k: {"a": ca_counts.get(k, 0), "b": cb_counts.get(k, 0)}
+        for k in sorted(set(ca_counts) | set(cb_counts))
+        if ca_counts.get(k, 0) != cb_counts.get(k, 0)
+    }
+    return {
+        "same_model": a.fingerprint == b.fingerprint,
+        "cluster": None if a.cluster == b.cluster else {"a": str(a.cluster), "b": str(b.cluster)},
+        "estimate": estimate,
+        "config": config,
+        "params_changed": params,
+        "ops_changed": {n: {"a": a.nodes[n]["out"], "b": b.nodes[n]["out"]} for n in ops_changed},
+        "ops_only_in_a": sorted(set(a.nodes) - set(b.nodes)),
+        "ops_only_in_b": sorted(set(b.nodes) - set(a.nodes)),
+        "collectives": collectives,
+    }
+
+
+def diff_text(d: Mapping[str, Any], *, limit: int = 20) -> str:
+    lines = []
+    if not d["same_model"]:
+        lines.append("models differ (graph fingerprints differ): placements are compared by node name only")
+    if d["cluster"]:
+        lines.append(f"cluster: {d['cluster']['a']} -> {d['cluster']['b']}")
+    rows = []
+    for key, label, fmt in (
+        ("step_time_s", "step time (ms)", lambda v: _ms(v)),
+        ("compute_s", "compute (ms)", lambda v: _ms(v)),
+        ("exposed_comm_s", "exposed communication (ms)", lambda v: _ms(v)),
+        ("bubble_s", "pipeline bubble (ms)", lambda v: _ms(v)),
+        ("peak_memory_bytes", "peak memory per device", lambda v: "-" if v is None else _bytes(v)),
+        ("mfu", "MFU", lambda v: "-" if v is None else f"{v:.1%}"),
+        ("tokens_per_s", "tokens/s", lambda v: "-" if v is None else f"{v:,.0f}"),
+    ):
+        e = d["estimate"][key]
+        if e["a"] is None and e["b"] is None:
+            continue
+        change = "-" if e["change"] is None else f"{e['change']:+.1%}"
+        rows.append((label, fmt(e["a"]), fmt(e["b"]), change))
+    lines += ["Estimate", *table(("", "a", "b", "change"), rows)]
+    step = d["estimate"]["step_time_s"]["change"]
+    if step is not None:
+        verdict = "faster" if step < 0 else "slower"
+        lines.append(f"  b is {abs(step):.1%} {verdict} than a" if step else "  same estimated step time")
+    if d["config"]:
+        lines += [
+            "",
+            "Configuration",
+            *table(("knob", "a", "b"), [(k, v["a"], v["b"]) for k, v in d["config"].items()], align="lll"),
+        ]
+    if d["params_changed"]:
+        items = list(d["params_changed"].items())
+        lines += ["", f"Parameter placements changed: {len(items)}"]
+        lines += table(("parameter", "a", "b"), [(n, v["a"], v["b"]) for n, v in items[:limit]], align="lll")
+        if len(items) > limit:
+            lines.append(f"  ... and {len(items) - limit} more (--json lists all)")
+    else:
+        lines += ["", "Parameter placements: unchanged"]
+    ops = list(d["ops_changed"].items())
+    lines.append(f"Operator placements changed: {len(ops)}")
+    if ops:
+        lines += table(
+            ("op", "a output", "b output"),
+            [(n, " | ".join(_spec(s) for s in v["a"]), " | ".join(_spec(s) for s in v["b"])) for n, v in ops[:limit]],
+            align="lll",
+        )
+        if len(ops) > limit:
+            lines.append(f"  ... and {len(ops) - limit} more (--json lists all)")
+    if d["ops_only_in_a"] or d["ops_only_in_b"]:
+        lines.append(f"ops only in a: {len(d['ops_only_in_a'])}, only in b: {len(d['ops_only_in_b'])}")
+    if d["collectives"]:
+        lines += [
+            "",
+            "Collectives per step",
+            *table(("kind", "a", "b"), [(k, v["a"], v["b"]) for k, v in d["collectives"].items()]),
+        ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,213 @@
+r"""Pass 4b — explain: what each node's other strategies would have cost, the rest of the plan fixed.
+
+Contract: input a :class:`~passes.costing.CostProblem` and the solver's choice (strategy index per
+node); output, per node with more than one strategy, its alternatives priced against the chosen
+neighbours. Nothing is re-solved and the graph is not touched.
+
+For node :math:`v` with chosen strategy :math:`s^*` and any strategy :math:`s`, the other nodes
+held at their chosen strategies::
+
+    cost(v, s)  = t[v,s] + sum_{e into v} c[e, p_e, q_v(s)] + sum_{e out of v} c[e, p_v(s), q_e]
+    delta(v, s) = cost(v, s) - cost(v, s*)
+
+which is exactly how much the ILP objective would change if ``v`` alone switched (node times and
+the edges touching ``v`` are the only terms of the objective that depend on ``x[v,.]``). At an
+optimum no feasible single switch lowers the objective, so an alternative with ``delta < 0`` is
+*blocked*:
+
+    memory   the switch breaks ``memory_at`` at some checkpoint ``t``:
+             M_t + bytes_t(v, s) - bytes_t(v, s*) > M   (``over_capacity_bytes > 0``)
+    gap      the MIP stopped within its optimality gap (the plan's ``solver.gap``)
+
+A node whose input edge is *tied* (``edge_tied``: a view or elementwise op that follows its
+producer) has no choice of its own: it is recorded as following that producer.
+
+When the problem was scaled for repeated blocks (:mod:`passes.expand`), times are for all the
+copies a node stands for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from passes.costing import OUTPUT_CONSUMER, CostProblem, Edge
+from passes.placement import Spec, spec_strs
+
+KEEP_ALTERNATIVES = 3
+"""Other strategies kept per node (the cheapest by ``delta``), besides the chosen one."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Alternative:
+    """One strategy of a node, priced with every other node at its chosen strategy."""
+
+    output_specs: tuple[tuple[str, ...] | None, ...]
+    input_specs: tuple[tuple[str, ...], ...]
+    compute_s: float
+    """Node time (op, or optimizer step and gradient for a parameter)."""
+    comm_s: float
+    """Conversions on the edges touching the node (into it and out of it)."""
+    delta_s: float
+    """``compute_s + comm_s`` minus the chosen strategy's: the objective's change if only this
+    node switched (0 for the chosen one)."""
+    over_capacity_bytes: float | None
+    """Worst memory checkpoint minus the capacity if this node switched (> 0: does not fit;
+    ``None``: the problem had no memory constraint)."""
+
+    def __str__(self) -> str:
+        out = " | ".join(",".join(s) if s is not None else "-" for s in self.output_specs)
+        return f"{out} ({self.delta_s * 1e3:+.3f} ms)"
+
+    def to_dict(self) -> dict[str, object]:
+        """Specs as one string each (``"S(0),R"``): keeps plan files short."""
+        return {
+            "out": [",".join(s) if s is not None else None for s in self.output_specs],
+            "in": [",".join(s) for s in self.input_specs],
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "delta_s": self.delta_s,
+            "over_capacity_bytes": self.over_capacity_bytes,
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, object]) -> Alternative:
+        outs = d["out"]
+        ins = d["in"]
+        assert isinstance(outs, list) and isinstance(ins, list)
+        return Alternative(
+            output_specs=tuple(tuple(s.split(",")) if s is not None else None for s in outs),
+            input_specs=tuple(tuple(s.split(",")) for s in ins),
+            compute_s=float(d["compute_s"]),  # type: ignore[arg-type]
+            comm_s=float(d["comm_s"]),  # type: ignore[arg-type]
+            delta_s=float(d["delta_s"]),  # type: ignore[arg-type]
+            over_capacity_bytes=None if d.get("over_capacity_bytes") is None else float(d["over_capacity_bytes"]),  # type: ignore[arg-type]
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeExplanation:
+    """The chosen strategy first, then up to :data:`KEEP_ALTERNATIVES` others by ``delta_s``;
+    or, for a node tied to its producer, that producer's name."""
+
+    num_strategies: int
+    alternatives: tuple[Alternative, ...] = ()
+    follows: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        if self.follows:
+            return {"num_strategies": self.num_strategies, "follows": self.follows}
+        return {"num_strategies": self.num_strategies, "alternatives": [a.to_dict() for a in self.alternatives]}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, object]) -> NodeExplanation:
+        alts = d.get("alternatives", [])
+        assert isinstance(alts, list)
+        return NodeExplanation(
+            num_strategies=int(d["num_strategies"]),  # type: ignore[call-overload]
+            alternatives=tuple(Alternative.from_dict(a) for a in alts),
+            follows=str(d.get("follows", "")),
+        )
+
+
+def _spec_of(groups: Mapping[Spec, tuple[int, ...]], strategy: int) -> Spec:
+    return next(spec for spec, idx in groups.items() if strategy in idx)
+
+
+class _MemoryIndex:
+    """Chosen bytes at every memory checkpoint, and which checkpoints each node's storages touch."""
+
+    def __init__(self, problem: CostProblem, choice: Mapping[str, int]) -> None:
+        self.problem = problem
+        self.choice = choice
+        persistent = sum(sizes[choice[n]] for n, sizes in problem.persistent_bytes.items())
+        self.totals: list[float] = []
+        self.touching: dict[str, list[int]] = {}
+        for i, point in enumerate(problem.memory_points):
+            live = sum(problem.value_bytes[a][choice[a.node]] for a in point.storages)
+            grads = sum(problem.grad_bytes[g][choice[g]] for g in point.grads_of)
+            self.totals.append(persistent + live + grads)
+            for node in {a.node for a in point.storages} | set(point.grads_of):
+                self.touching.setdefault(node, []).append(i)
+        self.order = sorted(range(len(self.totals)), key=lambda i: -self.totals[i])
+
+    def over_capacity_bytes(self, node: str, s: int) -> float | None:
+        """Worst checkpoint minus capacity with ``node`` switched to ``s`` (``None``: no checkpoints)."""
+        p, c = self.problem, self.choice[node]
+        if not self.totals:
+            return None
+        d_persistent = p.persistent_bytes[node][s] - p.persistent_bytes[node][c] if node in p.persistent_bytes else 0.0
+        touched = self.touching.get(node, [])
+        worst = next((self.totals[i] for i in self.order if i not in touched), float("-inf")) + d_persistent
+        for i in touched:
+            point = p.memory_points[i]
+            d = d_persistent
+            d += sum(p.value_bytes[a][s] - p.value_bytes[a][c] for a in point.storages if a.node == node)
+            if node in point.grads_of:
+                d += p.grad_bytes[node][s] - p.grad_bytes[node][c]
+            worst = max(worst, self.totals[i] + d)
+        return worst - p.capacity_bytes
+
+
+def explain_choices(
+    problem: CostProblem, choice: Mapping[str, int], *, keep: int = KEEP_ALTERNATIVES
+) -> dict[str, NodeExplanation]:
+    """Per node with more than one strategy: the chosen one and the ``keep`` next cheapest, with the
+    formula of the module docstring (tied followers: the producer they follow)."""
+    into: dict[str, list[Edge]] = {}
+    out_of: dict[str, list[Edge]] = {}
+    follows: dict[str, str] = {}
+    for e in problem.edges:
+        out_of.setdefault(e.producer.node, []).append(e)
+        if e.consumer != OUTPUT_CONSUMER and e.consumer in choice:
+            into.setdefault(e.consumer, []).append(e)
+        if e.tied:
+            follows[e.consumer] = e.producer.node
+    memory = _MemoryIndex(problem, choice)
+
+    def edge_cost(e: Edge, node: str, s: int) -> float:
+        if e.producer.node == node:
+            p = _spec_of(e.src_groups, s)
+            if e.consumer in choice and e.consumer != node:
+                q = _spec_of(e.dst_groups, choice[e.consumer])
+            elif e.consumer == node:
+                q = _spec_of(e.dst_groups, s)
+            else:
+                (q,) = e.dst_groups
+        else:
+            p = _spec_of(e.src_groups, choice[e.producer.node])
+            q = _spec_of(e.dst_groups, s)
+        return e.cost_s[(p, q)]
+
+    result: dict[str, NodeExplanation] = {}
+    for node, times in problem.node_time_s.items():
+        n = len(times)
+        if n < 2:
+            continue
+        if node in follows:
+            result[node] = NodeExplanation(num_strategies=n, follows=follows[node])
+            continue
+        edges = [e for e in into.get(node, []) + out_of.get(node, []) if not e.tied]
+        strategies = problem.table.nodes[node].strategies
+        priced = []
+        for s in range(n):
+            comm = sum(edge_cost(e, node, s) for e in edges)
+            priced.append((s, times[s], comm))
+        chosen = choice[node]
+        base = priced[chosen][1] + priced[chosen][2]
+        others = sorted((q for q in priced if q[0] != chosen), key=lambda q: (q[1] + q[2] - base, q[0]))
+        alts = []
+        for s, t, comm in [priced[chosen], *others[:keep]]:
+            strat = strategies[s]
+            alts.append(
+                Alternative(
+                    output_specs=tuple(tuple(spec_strs(o)) if o is not None else None for o in strat.output_specs),
+                    input_specs=tuple(tuple(spec_strs(i)) for i in strat.input_specs),
+                    compute_s=t,
+                    comm_s=comm,
+                    delta_s=0.0 if s == chosen else t + comm - base,
+                    over_capacity_bytes=memory.over_capacity_bytes(node, s),
+                )
+            )
+        result[node] = NodeExplanation(num_strategies=n, alternatives=tuple(alts))
+    return result

@@ -1,0 +1,342 @@
+"""``autoplan report``: the HTML page of a plan is self-contained, escaped, deterministic, has every
+chart, and renders in headless Chromium without console errors or network requests.
+
+Two plans are made once per module on the meta device: an ILP plan of the ``mlp`` of
+``tests/cli_models.py`` on 2 CPUs, and a global-batch pipeline plan of ``gpt2_4_layers``
+(dp=1, pp=2, 4 micro-batches, 1F1B). Other shapes (schedules, 2000 operators, hostile names) are
+made from them with ``dataclasses.replace``. The browser test needs ``playwright`` (pip) and a
+system Chromium (``apt-get install -y chromium``); it is skipped without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoplan
+from autoplan import report
+from autoplan.config import ParallelConfig
+from autoplan.plan import Plan
+from cost_models.errors import PlanFileError
+from tests import cli_models
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ("summary", "placements", "schedule", "memory", "time")
+HOSTILE = '<script>alert("x")</script>'
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def _plan(build, **kwargs: object) -> Plan:  # noqa: ANN001
+    with torch.device("meta"):
+        wl = build()
+    return autoplan.plan(
+        wl.model,
+        "2xCPU",
+        example_inputs=wl.example_inputs,
+        loss_fn=wl.loss_fn,
+        example_targets=wl.example_targets,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    pipeline = _plan(
+        cli_models.gpt2_4_layers,
+        global_batch_size=8,
+        config=ParallelConfig(dp=1, pp=2, microbatch_size=2, num_microbatches=4),
+    )
+    return {"ilp": _plan(cli_models.mlp), "pipeline": pipeline}
+
+
+def _with_schedule(plan: Plan, schedule: str, *, virtual_stages: int = 1, num_microbatches: int = 4) -> Plan:
+    """The pipeline plan with another schedule (and chunks: one stage per block when v = 2)."""
+    assert plan.config is not None and plan.pipeline is not None
+    config = dataclasses.replace(
+        plan.config, schedule=schedule, virtual_stages=virtual_stages, num_microbatches=num_microbatches
+    )
+    starts = (0, 2, 3, 4) if virtual_stages == 2 else plan.pipeline.stage_starts
+    layout = dataclasses.replace(plan.pipeline, stage_starts=starts, stage_recompute=("none",) * len(starts))
+    return dataclasses.replace(plan, config=config, pipeline=layout)
+
+
+# --- the page ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ilp", "pipeline"])
+def test_page_loads_nothing_from_the_network(plans, kind):  # noqa: ANN001
+    page = report.render_html(plans[kind])
+
+    assert not re.search(r"""(?:src|href|action|xlink:href)\s*=|url\(|@import""", page, re.IGNORECASE)
+    assert "http://" not in page and "https://" not in page
+
+
+@pytest.mark.parametrize("kind", ["ilp", "pipeline"])
+def test_page_has_every_section_and_chart(plans, kind):  # noqa: ANN001
+    page = report.render_html(plans[kind])
+
+    for section in SECTIONS:
+        assert f'id="{section}"' in page
+    for label in ("pipeline schedule" if kind == "pipeline" else "single-device timeline", "memory per device",
+                  "time breakdown"):  # fmt: skip
+        assert f'aria-label="{label}"' in page
+    assert page.count('class="c p') == len(plans[kind].nodes)  # one cell per operator
+
+
+def test_pipeline_page_shows_stages_segments_and_recomputation(plans):  # noqa: ANN001
+    page = report.render_html(plans["pipeline"])
+
+    assert page.count('class="stage"') == 2
+    for segment in ("prologue", "transformer.h.0", "transformer.h.3", "epilogue"):
+        assert f'<span class="seg">{segment}</span>' in page
+    assert "recompute: none" in page
+
+
+def test_strings_from_the_plan_are_escaped(plans):  # noqa: ANN001
+    plan = plans["ilp"]
+    nodes = {(HOSTILE if i == 0 else n): {**d, "op": HOSTILE} for i, (n, d) in enumerate(plan.nodes.items())}
+    hostile = dataclasses.replace(plan, nodes=nodes, workload=HOSTILE, optimizer=HOSTILE)
+
+    page = report.render_html(hostile)
+
+    assert HOSTILE not in page
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;" in page
+    assert page.count("<script>") == 1  # the page's own legend script
+
+
+@pytest.mark.parametrize("kind", ["ilp", "pipeline"])
+def test_two_renders_are_byte_identical(plans, kind):  # noqa: ANN001
+    assert report.render_html(plans[kind]) == report.render_html(plans[kind])
+
+
+def test_report_command_in_another_process_writes_the_same_bytes(plans, tmp_path):  # noqa: ANN001
+    """Through ``add_parser`` as the CLI wires it, with another string-hash seed."""
+    plans["pipeline"].save(tmp_path / "plan.json")
+    script = (
+        "import argparse, sys; from autoplan import report; p = argparse.ArgumentParser(); "
+        "report.add_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script, "report", str(tmp_path / "plan.json"), "-o", str(tmp_path / "plan.html")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"wrote {tmp_path / 'plan.html'}"
+    loaded = Plan.load(tmp_path / "plan.json")
+    assert (tmp_path / "plan.html").read_text(encoding="utf-8") == report.render_html(loaded)
+
+
+def test_report_command_quiet_prints_nothing_and_returns_zero(plans, tmp_path, capsys):  # noqa: ANN001
+    plans["ilp"].save(tmp_path / "plan.json")
+    parser = argparse.ArgumentParser(prog="autoplan")
+    sub = parser.add_subparsers()
+    report.add_parser(sub)
+    args = parser.parse_args(["report", str(tmp_path / "plan.json"), "--out", str(tmp_path / "r.html"), "--quiet"])
+
+    assert args.func(args) == 0
+    assert capsys.readouterr().out == ""
+    assert (tmp_path / "r.html").read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert "loads nothing from the network" in " ".join(sub.choices["report"].format_help().split())
+
+
+def test_write_report_names_the_file_and_the_fix(plans, tmp_path):  # noqa: ANN001
+    target = tmp_path / "missing" / "plan.html"
+
+    with pytest.raises(PlanFileError, match=r"cannot write report .*missing/plan\.html.*create the directory"):
+        report.write_report(plans["ilp"], target)
+
+
+def test_write_report_replaces_the_file_atomically(plans, tmp_path):  # noqa: ANN001
+    (tmp_path / "plan.html").write_text("old")
+
+    report.write_report(plans["ilp"], tmp_path / "plan.html")
+
+    assert (tmp_path / "plan.html").read_text(encoding="utf-8") == report.render_html(plans["ilp"])
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.html"]  # no temporary file left
+
+
+# --- the charts' data --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("schedule", "virtual_stages", "actions_per_microbatch"),
+    [("gpipe", 1, 2), ("1f1b", 1, 2), ("interleaved-1f1b", 2, 2), ("zero-bubble", 1, 3)],
+)
+def test_gantt_draws_every_action_of_the_schedule(plans, schedule, virtual_stages, actions_per_microbatch):  # noqa: ANN001
+    plan = _with_schedule(plans["pipeline"], schedule, virtual_stages=virtual_stages)
+
+    page = report.render_html(plan)
+
+    # pp ranks x v chunks x m micro-batches x (F, B[, W])
+    assert len(re.findall(r"<title>rank \d · stage \d · [FBW] micro-batch", page)) == 2 * virtual_stages * 4 * (
+        actions_per_microbatch
+    )
+    timeline, how = report.pipeline_timeline(plan)
+    assert timeline.bubble_s > 0  # fill and drain are visible
+    assert "stores no per-stage times" in how
+
+
+def test_pipeline_timeline_busiest_rank_matches_the_estimated_compute(plans):  # noqa: ANN001
+    timeline, _ = report.pipeline_timeline(plans["pipeline"])
+
+    assert max(timeline.busy_s) == pytest.approx(plans["pipeline"].estimate.compute_s)
+
+
+def test_memory_has_one_bar_per_pipeline_rank_and_the_peak_parts(plans):  # noqa: ANN001
+    plan = plans["pipeline"]
+    bars = report.memory_bars(plan)
+
+    assert [label for label, _ in bars] == ["rank 0", "rank 1"]
+    totals = [sum(b for _, b in parts) for _, parts in bars]
+    assert totals == pytest.approx(list(plan.estimate.memory_per_device_bytes))
+    assert {p for p, _ in bars[0][1]} >= {"weights", "optimizer", "activations"}
+
+
+def test_ilp_memory_bar_adds_up_to_the_peak(plans):  # noqa: ANN001
+    ((label, parts),) = report.memory_bars(plans["ilp"])
+
+    assert label == "every device"
+    assert sum(b for _, b in parts) == pytest.approx(plans["ilp"].estimate.memory_bytes["total"])
+
+
+def test_time_parts_of_an_ilp_plan_add_up_to_the_step(plans):  # noqa: ANN001
+    e = plans["ilp"].estimate
+    parts = dict(report.time_parts(plans["ilp"]))
+
+    assert parts["compute"] == e.compute_s
+    assert sum(parts.values()) == pytest.approx(e.step_time_s)
+
+
+def test_device_timeline_stalls_compute_for_exactly_the_exposed_communication(plans):  # noqa: ANN001
+    plan = plans["pipeline"]
+    plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, pp=1), pipeline=None)
+    tl = report.device_timeline(plan)
+
+    exposed = sum(b - a for a, b, is_exposed, _ in tl.comm if is_exposed)
+    assert exposed == pytest.approx(plan.estimate.exposed_comm_s)
+    assert sum(b - a for a, b in tl.compute) == pytest.approx(plan.estimate.compute_s)
+
+
+def test_collective_table_counts_a_gradient_bucket_once(plans):  # noqa: ANN001
+    plan = plans["pipeline"]
+    rows = report.collective_rows(plan)
+
+    assert sum(n for _, n, _, _, _ in rows) <= len(plan.collectives)
+    assert sum(t for _, _, t, _, _ in rows) == pytest.approx(sum(c.time_s for c in plan.collectives))
+
+
+def test_nodes_group_by_repeated_block_prefix_when_names_carry_one():
+    names = ["embed", *(f"layers_{i}_{op}" for i in range(3) for op in ("q", "k", "mlp_fc")), "head"]
+
+    groups = report.group_nodes(names, ["aten.mm.default"] * len(names))
+
+    assert groups == [("other", 0, 1), ("layers_0", 1, 4), ("layers_1", 4, 7), ("layers_2", 7, 10), ("other", 10, 11)]
+
+
+def test_nodes_without_block_names_group_into_forward_and_backward():
+    ops = ["aten.mm.default", "aten.gelu.default", "aten.mse_loss_backward.default", "aten.mm.default"]
+
+    groups = report.group_nodes(["mm", "gelu", "mse_loss_backward", "mm_1"], ops)
+
+    assert groups == [("forward", 0, 2), ("backward", 2, 4)]
+
+
+def test_two_thousand_operators_stay_a_compact_page(plans):  # noqa: ANN001
+    node = next(iter(plans["ilp"].nodes.values()))
+    nodes = {f"layers_{i // 100}_op_{i}": node for i in range(2000)}
+
+    page = report.render_html(dataclasses.replace(plans["ilp"], nodes=nodes, collectives=()))
+
+    assert page.count('class="c p') == 2000
+    assert page.count('<div class="group">layers_') == 20
+    assert len(page.encode()) < 1_000_000
+
+
+# --- headless Chromium -------------------------------------------------------------------------
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or "/usr/bin/chromium"
+    return path if os.path.exists(path) else ""
+
+
+@pytest.fixture(scope="module")
+def browser_context(tmp_path_factory):  # noqa: ANN001, ANN201
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("no headless Chromium: pip install playwright and apt-get install chromium")
+    executable = _chromium()
+    if not executable:
+        pytest.skip(
+            "no headless Chromium: apt-get install chromium (binary /usr/bin/chromium) and pip install playwright"
+        )
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path_factory.mktemp("chromium-profile")),  # a fresh user-data dir
+            executable_path=executable,
+            headless=True,
+            args=CHROMIUM_FLAGS,
+            viewport={"width": 1040, "height": 900},
+        )
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+@pytest.mark.parametrize("kind", ["ilp", "pipeline"])
+def test_report_renders_in_headless_chromium(browser_context, plans, kind, tmp_path):  # noqa: ANN001
+    html_path = tmp_path / f"report_{kind}.html"
+    report.write_report(plans[kind], html_path)
+    messages: list[str] = []
+    requests: list[str] = []
+    page = browser_context.new_page()
+    page.on("console", lambda m: messages.append(f"{m.type}: {m.text}") if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda exc: messages.append(f"page error: {exc}"))
+    page.on("request", lambda r: requests.append(r.url))
+    browser_context.route(re.compile(r"^(?!file:|data:|about:)"), lambda route: route.abort())
+
+    page.goto(html_path.as_uri())
+    page.wait_for_load_state("load")
+
+    assert messages == []
+    assert [u for u in requests if not u.startswith("file:")] == []
+    charts = page.locator("svg.chart")
+    assert charts.count() == 3
+    for i in range(charts.count()):
+        box = charts.nth(i).bounding_box()
+        assert box is not None and box["width"] > 300 and box["height"] > 40
+    for section in SECTIONS:
+        assert page.locator(f"#{section}").is_visible()
+    cells = page.locator("#ops .c")
+    assert cells.count() == len(plans[kind].nodes)
+    box = cells.first.bounding_box()
+    assert box is not None and box["width"] > 0 and box["height"] > 0
+    page.locator(".legend [data-p]").first.click()  # the inline script highlights a placement
+    assert page.locator("#ops").get_attribute("data-only") == "0"
+    shot = tmp_path / f"report_{kind}.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 20_000
+    assert messages == []
+    page.close()
