@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autoplan import progress
 from autoplan.config import PRECISIONS, ParallelConfig
 from autoplan.parallel import ParallelModel
 from autoplan.pipeline import PipelineModel
@@ -177,13 +178,16 @@ def plan_traced(
     strategies from the table after the pins (e.g. the data-parallel layout a configuration fixes);
     ``adjust`` may rewrite the cost problem before the ILP (e.g. repeated blocks' multiplicity)."""
     t0 = time.perf_counter()
+    progress.step(f"placement strategies for {len(traced.graph_module.graph.nodes)} nodes")
     table = build_strategy_table(traced, mesh)
     _apply_pins(table, traced, pins or {})
     if restrict is not None:
         restrict(table, traced)
+    progress.step("pricing strategies and conversions")
     problem = build_cost_problem(traced, table, cluster, optimizer=optimizer, profile=profile)
     if adjust is not None:
         problem = adjust(problem)
+    progress.step(f"solving the placement ILP ({sum(len(t) for t in problem.node_time_s.values()):,} choices)")
     solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
 
@@ -356,6 +360,7 @@ def plan(
         raise ConfigError(
             "config= needs global_batch_size= (the configuration splits a global batch): pass both, or neither"
         )
+    progress.step("tracing the model (torch.export)")
     traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
     db = open_profile(cluster, profile)
     with planning_mesh(cluster) as mesh:

@@ -454,10 +454,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if not args.verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from autoplan import progress
     from cost_models.errors import PlanError
 
     try:
-        return args.func(args)
+        # a status line on long steps (tracing, solving) when stderr is a terminal; never with
+        # --quiet or --json, never in logs or pipes
+        with progress.reporting(enabled=not getattr(args, "quiet", False) and not getattr(args, "json", False)):
+            return args.func(args)
     except PlanError as exc:
         print(f"autoplan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

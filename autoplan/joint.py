@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from autoplan import progress
 from autoplan.config import PRECISIONS, ParallelConfig
 from autoplan.plan import Estimate, PipelineLayout, Plan
 from cost_models.cluster import Cluster
@@ -231,6 +232,7 @@ class SegmentCostModel:
         :data:`~passes.depth.KEPT_BLOCKS` blocks only (:mod:`passes.depth`; costs are expanded to
         the full depth in :meth:`__call__`)."""
         if batch not in self._traces:
+            progress.step(f"tracing the model for a micro-batch of {batch} (torch.export)")
             traced, layering, self.num_blocks = trace_repeated(
                 self.model, self.example_inputs, self.example_targets, self.loss_fn, batch, reduce=self.reduce_repeated
             )
@@ -262,6 +264,7 @@ class SegmentCostModel:
         from autoplan.api import planning_mesh
 
         traced, layering = self._traced(microbatch_size)
+        progress.step(f"segment costs: ILP for tp={tp}, micro-batch {microbatch_size} ({len(self._costs) + 1} solved)")
         sub = tp_cluster(self.cluster, tp)
         with planning_mesh(sub) as mesh:
             table = build_strategy_table(traced, mesh)
@@ -446,6 +449,7 @@ def search_config(
         if config.stage_dp is not None:
             raise ConfigError("a config with stage_dp fixes the stages: price it with autoplan.estimate")
         space = _space_for(config)
+    progress.step(f"searching degrees, stages, schedules for {cluster.world_size} devices")
     best, every = search(
         costs,
         cluster,
