@@ -44,7 +44,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from autoplan.config import PRECISIONS
+from autoplan.files import atomic_write
 from cost_models.errors import PlanError, PlanFileError
 
 if TYPE_CHECKING:
@@ -447,19 +447,7 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def write_results(results: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """Write the results atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    text = json.dumps(results, indent=1) + "\n"
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise SuiteError(f"cannot write results file {str(path)!r}: {exc.strerror}") from exc
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(results, indent=1) + "\n", what="results file", error=SuiteError)
 
 
 # -- comparison --------------------------------------------------------------------------------

@@ -64,7 +64,6 @@ import logging
 import math
 import operator
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +74,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
+from autoplan.files import atomic_write
 from autoplan.plan import Plan
 from cost_models.errors import PlanError
 from passes.placement import Spec, parse_spec, spec_strs
@@ -742,20 +742,7 @@ def export_onnx(plan: Plan, traced: TracedProgram, path: str | os.PathLike[str])
     """Build, check and write (atomically) the annotated model; returns it."""
     model = to_onnx(plan, traced)
     check_model(model)
-    path = Path(path)
-    data = model.SerializeToString()
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise PlanError(f"cannot write {str(path)!r}: {exc.strerror}; create the directory first") from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the model is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, model.SerializeToString(), what="ONNX model", public=True)
     return model
 
 

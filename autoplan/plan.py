@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -424,24 +423,10 @@ class Plan:
     def save(self, path: str | os.PathLike[str], *, timings: bool = False) -> None:
         """Write the plan as JSON, atomically (a temporary file renamed into place). Without
         ``timings`` the file holds no wall-clock values: the same inputs give the same bytes."""
-        path = Path(path)
+        from autoplan.files import atomic_write
+
         text = json.dumps(self.to_dict(timings=timings), indent=1, sort_keys=False) + "\n"
-        try:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        except OSError as exc:
-            raise PlanFileError(
-                f"cannot write plan file {str(path)!r}: {exc.strerror}; create the directory {str(path.parent)!r} first"
-            ) from exc
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise PlanFileError(f"cannot write plan file {str(path)!r}: {exc.strerror}") from exc
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, text, what="plan file")
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Plan:

@@ -30,13 +30,11 @@ import html
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from cost_models.errors import PlanFileError
+from autoplan.files import atomic_write
 from cost_models.pipeline import SCHEDULES, PipelineTimeline, ScheduleName, StageTimes, simulate
 
 if TYPE_CHECKING:  # autoplan.plan imports torch: load it when a report is made, not at CLI start
@@ -804,26 +802,7 @@ def render_html(plan: Plan) -> str:
 def write_report(plan: Plan, path: str | os.PathLike[str]) -> None:
     """Write :func:`render_html` of ``plan`` to ``path`` atomically (a temporary file renamed
     into place); raises :class:`PlanFileError` naming the file when it cannot be written."""
-    path = Path(path)
-    text = render_html(plan)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise PlanFileError(
-            f"cannot write report {str(path)!r}: {exc.strerror}; create the directory {str(path.parent)!r} first "
-            "or pass another --out"
-        ) from exc
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a report is meant to be shared
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise PlanFileError(f"cannot write report {str(path)!r}: {exc.strerror}; pass another --out") from exc
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, render_html(plan), what="report", public=True)
 
 
 def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type

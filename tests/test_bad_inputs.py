@@ -513,7 +513,7 @@ def test_solver_stopped_before_any_feasible_plan_raises_infeasible_plan_error(mo
 
     # HiGHS with no time at all stops before it finds any solution, like a big ILP at its time
     # limit; through the public API a tiny time_limit_s cannot do this (the MIP gets >= 1 s)
-    monkeypatch.setattr(solver, "_make_solver", lambda options: pulp.HiGHS(msg=False, timeLimit=0.0))
+    monkeypatch.setattr(solver, "_make_solver", lambda options, **_: pulp.HiGHS(msg=False, timeLimit=0.0))
 
     with pytest.raises(autoplan.InfeasiblePlanError) as info:
         plan_workload(on_meta(cli_models.mlp))
