@@ -7,6 +7,7 @@ same plan file always prints the same bytes (golden tests rely on it).
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -293,6 +294,8 @@ def _placements_section(plan: Plan) -> list[str]:
 
 
 def _collectives_section(plan: Plan) -> list[str]:
+    # a pipeline plan's collectives run on the stage mesh, whose axes its steps number
+    axis_names = plan.pipeline.stage_axis_names if plan.pipeline is not None else plan.cluster.mesh_axis_names
     by_kind: dict[str, list[float]] = {}
     seen: set[str] = set()
     for c in plan.collectives:
@@ -302,7 +305,7 @@ def _collectives_section(plan: Plan) -> list[str]:
             seen.add(c.bucket)
         kinds = [k for k, _ in c.steps if k in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")]
         kind = "+".join(kinds) or "local reshard (no communication)"
-        axes = ",".join(sorted({plan.cluster.mesh_axis_names[a] for k, a in c.steps if k in kinds}))
+        axes = ",".join(sorted({axis_names[a] for k, a in c.steps if k in kinds}))
         key = f"{kind} [{axes}]" if axes else kind
         entry = by_kind.setdefault(key, [0, 0.0, 0.0])
         entry[0] += 1
@@ -321,7 +324,7 @@ def resolve_node(plan: Plan, *, op: str | None = None, param: str | None = None)
         raise PlanError("give exactly one of --op NAME or --param NAME")
     if param is not None:
         if param not in plan.param_specs:
-            close = [n for n in plan.param_names if param.split(".")[-1] in n][:5]
+            close = difflib.get_close_matches(param, plan.param_names, n=5, cutoff=0.6)
             raise PlanError(
                 f"parameter {param!r} is not in the plan"
                 + (
@@ -334,7 +337,7 @@ def resolve_node(plan: Plan, *, op: str | None = None, param: str | None = None)
     assert op is not None
     if op in plan.nodes or op in plan.alternatives:
         return op
-    close = sorted(n for n in plan.nodes if n.startswith(op.rstrip("0123456789_")))[:5]
+    close = difflib.get_close_matches(op, list(plan.alternatives) or list(plan.nodes), n=5, cutoff=0.6)
     raise PlanError(
         f"op {op!r} is not a node of the plan"
         + (f": did you mean {', '.join(close)}?" if close else ": see `autoplan show --json` for node names")
@@ -470,7 +473,8 @@ def diff_plans(a: Plan, b: Plan) -> dict[str, Any]:
     ea, eb = a.estimate, b.estimate
 
     def delta(x: float | None, y: float | None) -> dict[str, float | None]:
-        rel = None if x is None or x == 0 or y is None else (y - x) / x
+        # |x| below a femto-unit is rounding noise of a zero (e.g. 1.7e-18 s exposed): no ratio
+        rel = None if x is None or abs(x) < 1e-15 or y is None else (y - x) / x
         return {"a": x, "b": y, "change": rel}
 
     estimate = {

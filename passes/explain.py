@@ -11,12 +11,19 @@ held at their chosen strategies::
     delta(v, s) = cost(v, s) - cost(v, s*)
 
 which is exactly how much the ILP objective would change if ``v`` alone switched (node times and
-the edges touching ``v`` are the only terms of the objective that depend on ``x[v,.]``). At an
-optimum no feasible single switch lowers the objective, so an alternative with ``delta < 0`` is
-*blocked*:
+the edges touching ``v`` are the only terms of the objective that depend on ``x[v,.]``) -- except
+that ``edge_tied`` makes ``v``'s *followers* (views and elementwise ops reading ``v``, and theirs)
+switch with it: each follower ``f`` takes the cheapest of its strategies accepting the spec
+``p_v(s)``, and its time and untied edges are added to ``cost(v, s)``::
+
+    cost(v, s) += sum_{f follows v}  min_{s_f in S_f(p_v(s))}  cost(f, s_f)
+
+At an optimum no feasible such switch lowers the objective, so an alternative with
+``delta < 0`` is *blocked*:
 
     memory   the switch breaks ``memory_at`` at some checkpoint ``t``:
-             M_t + bytes_t(v, s) - bytes_t(v, s*) > M   (``over_capacity_bytes > 0``)
+             M_t + bytes_t(v, s) - bytes_t(v, s*) > M   (``over_capacity_bytes > 0``; ``v``'s own
+             storages, its followers' bytes left as planned)
     gap      the MIP stopped within its optimality gap (the plan's ``solver.gap``)
 
 A node whose input edge is *tied* (``edge_tied``: a view or elementwise op that follows its
@@ -179,6 +186,28 @@ def explain_choices(
             q = _spec_of(e.dst_groups, s)
         return e.cost_s[(p, q)]
 
+    followers: dict[str, list[Edge]] = {}
+    for e in problem.edges:
+        if e.tied:
+            followers.setdefault(e.producer.node, []).append(e)
+    follower_memo: dict[tuple[str, object], tuple[float, float]] = {}
+
+    def own(node: str, s: int) -> tuple[float, float]:
+        """(compute, comm) of ``node`` at ``s`` plus its followers', each follower at its cheapest
+        strategy taking the spec ``s`` gives it (the edge_tied constraint moves them together)."""
+        t = problem.node_time_s[node][s]
+        comm = sum(edge_cost(e, node, s) for e in into.get(node, []) + out_of.get(node, []) if not e.tied)
+        for e in followers.get(node, []):
+            ft, fc = follower(e, _spec_of(e.src_groups, s))
+            t, comm = t + ft, comm + fc
+        return t, comm
+
+    def follower(e: Edge, spec: Spec) -> tuple[float, float]:
+        key = (e.consumer, spec)
+        if key not in follower_memo:
+            follower_memo[key] = min((own(e.consumer, fs) for fs in e.dst_groups[spec]), key=lambda tc: tc[0] + tc[1])
+        return follower_memo[key]
+
     result: dict[str, NodeExplanation] = {}
     for node, times in problem.node_time_s.items():
         n = len(times)
@@ -187,12 +216,8 @@ def explain_choices(
         if node in follows:
             result[node] = NodeExplanation(num_strategies=n, follows=follows[node])
             continue
-        edges = [e for e in into.get(node, []) + out_of.get(node, []) if not e.tied]
         strategies = problem.table.nodes[node].strategies
-        priced = []
-        for s in range(n):
-            comm = sum(edge_cost(e, node, s) for e in edges)
-            priced.append((s, times[s], comm))
+        priced = [(s, *own(node, s)) for s in range(n)]
         chosen = choice[node]
         base = priced[chosen][1] + priced[chosen][2]
         others = sorted((q for q in priced if q[0] != chosen), key=lambda q: (q[1] + q[2] - base, q[0]))
