@@ -190,7 +190,7 @@ def _time_section(plan: Plan) -> list[str]:
     accounted = sum(t for _, t in parts)
     other = e.step_time_s - accounted
     if abs(other) > 1e-9 * max(e.step_time_s, 1e-12) and abs(other) * 1e3 >= 0.0005:
-        parts.append(("other (schedule overlap / rounding)", other))
+        parts.append(("other (parts overlapping in the schedule)", other))
     rows = [(name, _ms(t), f"{t / e.step_time_s:.1%}" if e.step_time_s else "-") for name, t in parts]
     rows.append(("step", _ms(e.step_time_s), "100.0%"))
     lines = ["Time per step", *table(("part", "ms", "share"), rows)]
