@@ -84,3 +84,18 @@ def gpt2_4_layers() -> autoplan.Workload:
         return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
     return autoplan.Workload(model=GPT2LMHeadModel(cfg), example_inputs=(ids,), loss_fn=loss, example_targets=(ids,))
+
+
+def plan_on_meta(build, cluster: object = "2xCPU", **kwargs: object) -> autoplan.Plan:  # noqa: ANN001
+    """Plan the workload a build function returns, built on ``meta`` (what ``autoplan plan`` does)."""
+    with torch.device("meta"):
+        wl = build()
+    kwargs.setdefault("optimizer", wl.optimizer)
+    return autoplan.plan(
+        wl.model,
+        cluster,  # type: ignore[arg-type]
+        example_inputs=wl.example_inputs,
+        loss_fn=wl.loss_fn,
+        example_targets=wl.example_targets,
+        **kwargs,  # type: ignore[arg-type]
+    )

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import torch
 
 import autoplan
 from tests import cli_models
@@ -17,17 +16,7 @@ from tests import cli_models
 SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "plan.schema.json").read_text())
 
 
-def _plan(build, **kw):  # noqa: ANN001, ANN003, ANN202
-    with torch.device("meta"):
-        wl = build()
-    return autoplan.plan(
-        wl.model,
-        "2xCPU",
-        example_inputs=wl.example_inputs,
-        loss_fn=wl.loss_fn,
-        example_targets=wl.example_targets,
-        **kw,
-    )
+_plan = cli_models.plan_on_meta
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-import autoplan
 from autoplan import report
 from autoplan.config import ParallelConfig
 from autoplan.plan import Plan
@@ -44,17 +42,7 @@ CHROMIUM_FLAGS = [
 ]
 
 
-def _plan(build, **kwargs: object) -> Plan:  # noqa: ANN001
-    with torch.device("meta"):
-        wl = build()
-    return autoplan.plan(
-        wl.model,
-        "2xCPU",
-        example_inputs=wl.example_inputs,
-        loss_fn=wl.loss_fn,
-        example_targets=wl.example_targets,
-        **kwargs,
-    )
+_plan = cli_models.plan_on_meta
 
 
 @pytest.fixture(scope="module")
