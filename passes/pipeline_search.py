@@ -217,7 +217,13 @@ def _uniform_starts(num_segments: int, num_stages: int) -> tuple[int, ...]:
 
 def _balanced_starts(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
     """Contiguous split of ``weights`` into ``num_stages`` non-empty parts minimising the largest
-    part (dynamic programming, O(n^2 k)); each stage holds at least one block."""
+    part (dynamic programming, O(n^2 k)); each stage holds at least one block. Memoised: the
+    search asks for the same (segment times, stages) once per schedule and micro-batch count."""
+    return _balanced_starts_cached(tuple(weights), num_stages)
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced_starts_cached(weights: tuple[float, ...], num_stages: int) -> tuple[int, ...]:
     n = len(weights)
     prefix = [0.0, *itertools.accumulate(weights)]
     inf = float("inf")
