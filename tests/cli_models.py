@@ -86,10 +86,8 @@ def gpt2_4_layers() -> autoplan.Workload:
     return autoplan.Workload(model=GPT2LMHeadModel(cfg), example_inputs=(ids,), loss_fn=loss, example_targets=(ids,))
 
 
-def plan_on_meta(build, cluster: object = "2xCPU", **kwargs: object) -> autoplan.Plan:  # noqa: ANN001
-    """Plan the workload a build function returns, built on ``meta`` (what ``autoplan plan`` does)."""
-    with torch.device("meta"):
-        wl = build()
+def plan_workload(wl: autoplan.Workload, cluster: object = "2xCPU", **kwargs: object) -> autoplan.Plan:
+    """Plan a workload the way ``autoplan plan`` does (its optimizer unless one is given)."""
     kwargs.setdefault("optimizer", wl.optimizer)
     return autoplan.plan(
         wl.model,
@@ -99,3 +97,10 @@ def plan_on_meta(build, cluster: object = "2xCPU", **kwargs: object) -> autoplan
         example_targets=wl.example_targets,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def plan_on_meta(build, cluster: object = "2xCPU", **kwargs: object) -> autoplan.Plan:  # noqa: ANN001
+    """Plan the workload a build function returns, built on ``meta`` (what ``autoplan plan`` does)."""
+    with torch.device("meta"):
+        wl = build()
+    return plan_workload(wl, cluster, **kwargs)

@@ -46,16 +46,7 @@ def on_meta(build: object) -> autoplan.Workload:
         return build()  # type: ignore[operator]
 
 
-def plan_workload(wl: autoplan.Workload, cluster: object = "2xCPU", **kwargs: object) -> autoplan.Plan:
-    kwargs.setdefault("optimizer", wl.optimizer)
-    return autoplan.plan(
-        wl.model,
-        cluster,  # type: ignore[arg-type]
-        example_inputs=wl.example_inputs,
-        loss_fn=wl.loss_fn,
-        example_targets=wl.example_targets,
-        **kwargs,  # type: ignore[arg-type]
-    )
+plan_workload = cli_models.plan_workload
 
 
 def one_line(info: pytest.ExceptionInfo[BaseException], *fragments: str) -> str:
