@@ -51,8 +51,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from autoplan.config import PRECISIONS
-from autoplan.files import atomic_write
 from cost_models.errors import PlanError, PlanFileError
+from cost_models.files import atomic_write
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan

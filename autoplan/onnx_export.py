@@ -74,9 +74,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
-from autoplan.files import atomic_write
 from autoplan.plan import Plan
 from cost_models.errors import PlanError
+from cost_models.files import atomic_write
 from passes.placement import Spec, parse_spec, spec_strs
 from passes.strategies import tensor_args
 from passes.trace import TracedProgram, param_node_name

@@ -235,12 +235,18 @@ class Plan:
                     counts[kind] = counts.get(kind, 0) + 1
         return dict(sorted(counts.items()))
 
+    @property
+    def placement_axis_names(self) -> tuple[str, ...]:
+        """Names of the mesh axes the placements and collective steps index: the stage mesh's
+        (``dp``, ``tp``) for pipeline plans, the cluster's otherwise."""
+        return self.pipeline.stage_axis_names if self.pipeline is not None else self.cluster.mesh_axis_names
+
     def parallelism(self) -> dict[str, str]:
-        """Per mesh axis, what the plan does along it: ``data`` (the batch is split, so gradients
-        are reduced over the axis), ``tensor/param-sharded`` (parameters are split), both, or
-        ``replicated``."""
+        """Per mesh axis (:attr:`placement_axis_names`), what the plan does along it: ``data``
+        (the batch is split, so gradients are reduced over the axis), ``tensor/param-sharded``
+        (parameters are split), both, or ``replicated``."""
         out = {}
-        for axis, name in enumerate(self.cluster.mesh_axis_names):
+        for axis, name in enumerate(self.placement_axis_names):
             grads_reduced = any(
                 c.consumer.startswith("p_")
                 and any(a == axis and k in ("all_reduce", "reduce_scatter") for k, a in c.steps)
@@ -423,7 +429,7 @@ class Plan:
     def save(self, path: str | os.PathLike[str], *, timings: bool = False) -> None:
         """Write the plan as JSON, atomically (a temporary file renamed into place). Without
         ``timings`` the file holds no wall-clock values: the same inputs give the same bytes."""
-        from autoplan.files import atomic_write
+        from cost_models.files import atomic_write
 
         text = json.dumps(self.to_dict(timings=timings), indent=1, sort_keys=False) + "\n"
         atomic_write(path, text, what="plan file")

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from autoplan.files import atomic_write
+from cost_models.files import atomic_write
 from cost_models.pipeline import SCHEDULES, PipelineTimeline, ScheduleName, StageTimes, simulate
 
 if TYPE_CHECKING:  # autoplan.plan imports torch: load it when a report is made, not at CLI start
@@ -358,7 +358,7 @@ def _placement_section(plan: Plan) -> tuple[str, str]:
             f'<div class="group">{_e(label)} · nodes {start}–{stop - 1} ({stop - start})</div>'
             f'<div class="cells">{"".join(cells)}</div>'
         )
-    mesh = plan.pipeline.stage_axis_names if plan.pipeline is not None else plan.cluster.mesh_axis_names
+    mesh = plan.placement_axis_names
     body = (
         f"{_stage_view(plan)}<h3>Operators ({len(names)})</h3>{legend}"
         f'<div id="ops" data-only="">{"".join(groups)}</div>'
@@ -704,7 +704,7 @@ def time_parts(plan: Plan) -> list[tuple[str, float]]:
 def collective_rows(plan: Plan) -> list[tuple[str, int, float, float, int]]:
     """Per kind of redistribution (its steps and mesh axes): count (a bucket once), total and
     exposed seconds, and how many are overlappable; largest total first."""
-    axes = plan.pipeline.stage_axis_names if plan.pipeline is not None else plan.cluster.mesh_axis_names
+    axes = plan.placement_axis_names
     rows: dict[str, list[float]] = {}
     seen_buckets: set[tuple[str, str]] = set()
     for c in plan.collectives:

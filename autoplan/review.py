@@ -94,23 +94,6 @@ def _header(plan: Plan) -> list[str]:
     return lines
 
 
-def _stage_axis_use(plan: Plan) -> dict[str, str]:
-    """Like :meth:`Plan.parallelism`, for the stage mesh of a pipeline plan."""
-    assert plan.pipeline is not None
-    out = {}
-    for axis, name in enumerate(plan.pipeline.stage_axis_names):
-        grads = any(
-            c.consumer.startswith("p_") and any(a == axis and k in ("all_reduce", "reduce_scatter") for k, a in c.steps)
-            for c in plan.collectives
-        )
-        sharded = sum(1 for s in plan.param_specs.values() if s[axis] != "R")
-        kinds = (["data"] if grads else []) + (
-            [f"tensor/param-sharded ({sharded}/{len(plan.param_specs)} params)"] if sharded else []
-        )
-        out[name] = " + ".join(kinds) if kinds else "replicated"
-    return out
-
-
 def _mesh_section(plan: Plan) -> list[str]:
     c = plan.cluster
     if plan.pipeline is not None:
@@ -139,7 +122,7 @@ def _stages_section(plan: Plan) -> list[str]:
     stage_size = 1
     for n in p.stage_mesh_shape:
         stage_size *= n
-    use = _stage_axis_use(plan)
+    use = plan.parallelism()
     rows = [
         (axis, name, size, use[name])
         for axis, (name, size) in enumerate(zip(p.stage_axis_names, p.stage_mesh_shape, strict=True))
@@ -275,7 +258,7 @@ def _stands_for(plan: Plan) -> dict[str, str] | None:
 def _placements_section(plan: Plan) -> list[str]:
     specs = {n: _spec(plan.param_specs[n]) for n in plan.param_names}
     rows = group_by_block(plan.param_names, specs, stands_for=_stands_for(plan))
-    axes = ",".join(plan.pipeline.stage_axis_names if plan.pipeline else plan.cluster.mesh_axis_names)
+    axes = ",".join(plan.placement_axis_names)
     if plan.pipeline is not None:
         axes += " of the stage mesh"
     lines = [f"Parameter placements (one entry per mesh axis: {axes}; repeated blocks grouped)"]
@@ -294,8 +277,7 @@ def _placements_section(plan: Plan) -> list[str]:
 
 
 def _collectives_section(plan: Plan) -> list[str]:
-    # a pipeline plan's collectives run on the stage mesh, whose axes its steps number
-    axis_names = plan.pipeline.stage_axis_names if plan.pipeline is not None else plan.cluster.mesh_axis_names
+    axis_names = plan.placement_axis_names  # a pipeline plan's collectives run on the stage mesh
     by_kind: dict[str, list[float]] = {}
     seen: set[str] = set()
     for c in plan.collectives:

@@ -32,7 +32,6 @@ import json
 import math
 import os
 import statistics
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +42,7 @@ import yaml
 from cost_models.cluster import COMM_KINDS, Backend, CalibrationInfo, Cluster, CollectiveFit, CommKind, LinkSpec
 from cost_models.comm import collective_terms, effective_collective, link_time_s
 from cost_models.errors import PlanError
+from cost_models.files import atomic_write
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -240,16 +240,7 @@ def write_profile(cluster: Cluster, path: str | os.PathLike[str]) -> Path:
     else:
         header = "# Cluster profile written by `autoplan calibrate`; load it with Cluster.from_file or --cluster.\n"
         text = header + yaml.safe_dump(data, sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, text, what="cluster profile", error=None)
     return path
 
 

@@ -24,7 +24,6 @@ and saving again gives the same bytes. A corrupted file is reported, never silen
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -32,7 +31,6 @@ import logging
 import math
 import os
 import platform
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +39,7 @@ from typing import Any, Literal
 import torch
 
 from cost_models.errors import ProfileError
+from cost_models.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -211,17 +210,7 @@ class ProfileDB:
         """Write the file atomically (temp file in the same folder + ``os.replace``)."""
         text = json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write(self.path, text, what="profile database", error=None)
         log.info("saved %d profiled times to %s", len(self), self.path)
         return self.path
 
