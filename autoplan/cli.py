@@ -68,8 +68,6 @@ _positive_float = _number(float, "a positive number", lambda v: 0 < v < float("i
 def _cluster(spec: str, mesh: str | None, *, recalibrate: bool = False):  # noqa: ANN202 - Cluster, lazily
     """``--cluster`` (preset or file) with ``--mesh``. ``recalibrate``: a file's links and
     calibration are dropped and its software versions not checked (``autoplan calibrate`` redoes them)."""
-    import dataclasses
-
     from cost_models.cluster import Cluster
     from cost_models.errors import ClusterSpecError
 
@@ -104,8 +102,6 @@ def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported
     (per-stage degrees as ``stage_dp=1/1/2/4``)."""
     if not text:
         return None
-    import dataclasses
-
     from autoplan.config import ParallelConfig
     from cost_models.errors import ConfigError
 
@@ -175,8 +171,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         precision=args.precision, optimizer=args.optimizer or wl.optimizer,
     )  # fmt: skip
     if args.json:
-        import dataclasses
-
         d = dataclasses.asdict(est)
         d["config"] = config.to_dict()
         print(json.dumps(d))
