@@ -71,6 +71,18 @@ class Edge:
     Resharding such a value before the op costs exactly what resharding its output costs, so
     the solver loses nothing by moving any conversion to the op's consumers."""
 
+    def src_spec(self, strategy: int) -> Spec:
+        """The producer's output spec when it runs ``strategy``."""
+        return next(spec for spec, idx in self.src_groups.items() if strategy in idx)
+
+    def dst_spec(self, strategy: int | None) -> Spec:
+        """The spec the consumer needs when it runs ``strategy`` (``None``: a consumer outside the
+        ILP, such as the loss output or a parameter's gradient slot, with a single requirement)."""
+        if strategy is None:
+            (q,) = self.dst_groups
+            return q
+        return next(spec for spec, idx in self.dst_groups.items() if strategy in idx)
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryPoint:

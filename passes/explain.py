@@ -117,10 +117,6 @@ class NodeExplanation:
         )
 
 
-def _spec_of(groups: Mapping[Spec, tuple[int, ...]], strategy: int) -> Spec:
-    return next(spec for spec, idx in groups.items() if strategy in idx)
-
-
 class _MemoryIndex:
     """Chosen bytes at every memory checkpoint, and which checkpoints each node's storages touch."""
 
@@ -163,33 +159,23 @@ def explain_choices(
     formula of the module docstring (tied followers: the producer they follow)."""
     into: dict[str, list[Edge]] = {}
     out_of: dict[str, list[Edge]] = {}
-    follows: dict[str, str] = {}
+    follows: dict[str, str] = {}  # tied consumer -> the producer it follows
+    followers: dict[str, list[Edge]] = {}  # producer -> its tied edges
     for e in problem.edges:
         out_of.setdefault(e.producer.node, []).append(e)
         if e.consumer != OUTPUT_CONSUMER and e.consumer in choice:
             into.setdefault(e.consumer, []).append(e)
         if e.tied:
             follows[e.consumer] = e.producer.node
+            followers.setdefault(e.producer.node, []).append(e)
     memory = _MemoryIndex(problem, choice)
 
     def edge_cost(e: Edge, node: str, s: int) -> float:
-        if e.producer.node == node:
-            p = _spec_of(e.src_groups, s)
-            if e.consumer in choice and e.consumer != node:
-                q = _spec_of(e.dst_groups, choice[e.consumer])
-            elif e.consumer == node:
-                q = _spec_of(e.dst_groups, s)
-            else:
-                (q,) = e.dst_groups
-        else:
-            p = _spec_of(e.src_groups, choice[e.producer.node])
-            q = _spec_of(e.dst_groups, s)
-        return e.cost_s[(p, q)]
+        """Conversion on ``e`` with ``node`` at ``s`` and the other end as chosen."""
+        src = s if e.producer.node == node else choice[e.producer.node]
+        dst = s if e.consumer == node else choice.get(e.consumer)
+        return e.cost_s[(e.src_spec(src), e.dst_spec(dst))]
 
-    followers: dict[str, list[Edge]] = {}
-    for e in problem.edges:
-        if e.tied:
-            followers.setdefault(e.producer.node, []).append(e)
     follower_memo: dict[tuple[str, object], tuple[float, float]] = {}
 
     def own(node: str, s: int) -> tuple[float, float]:
@@ -198,7 +184,7 @@ def explain_choices(
         t = problem.node_time_s[node][s]
         comm = sum(edge_cost(e, node, s) for e in into.get(node, []) + out_of.get(node, []) if not e.tied)
         for e in followers.get(node, []):
-            ft, fc = follower(e, _spec_of(e.src_groups, s))
+            ft, fc = follower(e, e.src_spec(s))
             t, comm = t + ft, comm + fc
         return t, comm
 

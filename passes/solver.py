@@ -137,16 +137,8 @@ def objective_of(problem: CostProblem, choice: Mapping[str, int]) -> float:
     conversions the chosen endpoints imply (tied edges cost nothing)."""
     total = sum(problem.node_time_s[n][s] for n, s in choice.items())
     for e in problem.edges:
-        if e.tied:
-            continue
-        src = choice[e.producer.node]
-        p = next(spec for spec, idx in e.src_groups.items() if src in idx)
-        if e.consumer in choice:
-            dst = choice[e.consumer]
-            q = next(spec for spec, idx in e.dst_groups.items() if dst in idx)
-        else:
-            (q,) = e.dst_groups
-        total += e.cost_s[(p, q)]
+        if not e.tied:
+            total += e.cost_s[(e.src_spec(choice[e.producer.node]), e.dst_spec(choice.get(e.consumer)))]
     return total
 
 
