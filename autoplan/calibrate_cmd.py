@@ -9,7 +9,8 @@ builds the cluster's ``DeviceMesh`` and, for every mesh axis, kind and message s
 ``Sweep``, times the ``passes.runtime`` call the generated program makes on a DTensor (so
 DTensor's Python overhead is part of the fitted latency; send/recv uses
 ``torch.distributed.batch_isend_irecv`` on the axis group). Each timing is the slowest rank's,
-after warm-up calls and a barrier, and a sample is the median of the repetitions. The launcher
+after warm-up calls and a barrier, and a sample is the mean of the repetitions (a step pays the
+expected time, waits for a late rank included, not the typical one). The launcher
 then fits the samples (``cost_models.calibration``), prints measured and fitted times, and
 writes the profile atomically.
 
@@ -28,7 +29,6 @@ import json
 import logging
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,7 +58,7 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
     p.add_argument("--out", "-o", default="cluster.yaml", help="profile to write (.yaml/.yml/.json)")
     p.add_argument("--min-bytes", type=int, help="smallest message, bytes (default 4096)")
     p.add_argument("--max-bytes", type=int, help="largest message, bytes (default 16 MiB = 16777216)")
-    p.add_argument("--repetitions", type=int, help="timed calls per size; the median is kept (default 7)")
+    p.add_argument("--repetitions", type=int, help="timed calls per size; their mean is kept (default 15)")
     p.add_argument("--warmup", type=int, help="untimed calls per size (default 3)")
     p.add_argument(
         "--compute-gap-s",
@@ -265,11 +265,11 @@ def measure(mesh: Any, cluster: Cluster, sweep: Sweep) -> list[Sample]:
     """Time every (axis, kind, size) of ``sweep`` on ``mesh`` (collective: every rank calls it).
 
     Returns the same samples on every rank: per repetition the slowest rank's time, then the
-    median over repetitions."""
+    mean over repetitions."""
     import torch
     import torch.distributed as dist
 
-    from cost_models.calibration import Sample
+    from cost_models.calibration import Sample, sample_time_s
 
     device = torch.device("cuda", torch.cuda.current_device()) if cluster.backend == "nccl" else torch.device("cpu")
     points: list[tuple[str, CommKind, int, int]] = []
@@ -285,10 +285,10 @@ def measure(mesh: Any, cluster: Cluster, sweep: Sweep) -> list[Sample]:
                 points.append((name, kind, size, payload))
     times = torch.tensor(rows, dtype=torch.float64, device=device)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    medians = [statistics.median(row) for row in times.cpu().tolist()]
+    means = [sample_time_s(row) for row in times.cpu().tolist()]
     return [
         Sample(axis=name, kind=kind, num_ranks=size, nbytes=payload, time_s=t)
-        for (name, kind, size, payload), t in zip(points, medians, strict=True)
+        for (name, kind, size, payload), t in zip(points, means, strict=True)
     ]
 
 

@@ -110,7 +110,7 @@ def worker(plan_path: str, out_path: str, steps: int) -> None:
             model, plan.cluster, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), plan=plan
         )
         opt = pm.make_optimizer(lr=1e-3)
-        m = measure_training_step(pm, opt, (ids,), (ids,), warmup=2, steps=steps)
+        m = measure_training_step(pm, opt, (ids,), (ids,), warmup=3, steps=steps)
         result = {"step_time_s": m.step_time_s, "times_s": m.step_times_s, "peak_bytes": m.peak_bytes}
         Path(f"{out_path}.{dist.get_rank()}").write_text(json.dumps(result))
     finally:
@@ -170,7 +170,7 @@ def main() -> int:
         "--cluster-profile", help="calibrated cluster file (calibrated now and written there if missing)"
     )
     parser.add_argument("--profile-db", help="profile database (default: this machine's, in the cache)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per plan")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per plan (after 3 warm-up steps)")
     parser.add_argument("--plans", help="comma-separated subset of: " + ", ".join(PLANS))
     parser.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()

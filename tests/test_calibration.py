@@ -23,6 +23,7 @@ from cost_models.calibration import (
     Sweep,
     build_profile,
     fit_samples,
+    sample_time_s,
     write_profile,
 )
 from cost_models.cluster import COMM_KINDS, Cluster, CollectiveFit, LinkSpec, current_device_model
@@ -33,6 +34,14 @@ R, P, S0 = Replicate(), Partial("sum"), Shard(0)
 MiB = 1024**2
 
 # --- Formulas -------------------------------------------------------------------------------------
+
+
+def test_a_sample_is_the_mean_of_its_repetitions_late_rank_waits_included() -> None:
+    # A step pays every collective's expected time: one wait of 10 ms for a late rank among
+    # four 1 ms calls costs (4 * 1 + 10) / 5 = 2.8 ms on average, where the median says 1 ms.
+    assert sample_time_s([1e-3, 1e-3, 10e-3, 1e-3, 1e-3]) == pytest.approx(2.8e-3)
+    with pytest.raises(CalibrationError, match="at least one timed repetition"):
+        sample_time_s([])
 
 
 def test_ring_all_reduce_is_reduce_scatter_plus_all_gather() -> None:
