@@ -21,9 +21,11 @@ import copy
 import dataclasses
 import logging
 import math
+import multiprocessing
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -222,6 +224,8 @@ class SegmentCostModel:
     extrapolate_batch: bool = True
     """Price large micro-batches by scaling a smaller one once the costs are seen to grow
     linearly (see :meth:`__call__`); False: trace and solve every micro-batch size."""
+    workers: int | None = None
+    """Processes :meth:`prefetch` solves in (``None``: :func:`default_workers`; 1: this one)."""
     num_blocks: int = 0
     _traces: dict[int, object] = field(default_factory=dict)
     _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
@@ -238,6 +242,41 @@ class SegmentCostModel:
             )
             self._traces[batch] = (traced, layering)
         return self._traces[batch]
+
+    def prefetch(self, keys: Iterable[tuple[int, int]]) -> None:
+        """Solve the costs of every ``(tp, microbatch_size)`` in ``keys`` now, one tensor-parallel
+        degree per worker process, so the search's later calls are cache hits.
+
+        Each degree's micro-batch sizes form one chain (:meth:`__call__` decides from the solved
+        smaller sizes whether a larger one is scaled or solved); chains share nothing but the
+        traces, so they run in forked workers, the largest degree (the longest chain) first, and
+        the results are exactly those of calling :meth:`__call__` here, in any order. The traces
+        every chain needs (1 and 2 samples) are made here before forking. Runs in this process
+        when there is one worker, one chain, no ``fork`` start method (Windows), or a
+        process group (inside a job)."""
+        todo = sorted({k for k in keys if k not in self._costs})
+        chains: dict[int, list[int]] = {}
+        for tp, b in todo:
+            chains.setdefault(tp, []).append(b)
+        workers = min(self.workers or default_workers(), len(chains))
+        # a forked copy of a process in a job would share its process group: solve here
+        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods() or torch.distributed.is_initialized():
+            for tp, b in todo:
+                self(tp, b)
+            return
+        for b in (1, 2):
+            if any(b in sizes or (self.extrapolate_batch and max(sizes) > b) for sizes in chains.values()):
+                self._traced(b)
+        global _FORKED_MODEL  # noqa: PLW0603 - what a forked worker inherits (never pickled)
+        _FORKED_MODEL = self
+        try:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                order = sorted(chains.items(), key=lambda kv: (-kv[0], -max(kv[1])))
+                for costs, linear in pool.imap_unordered(_solve_chain, order, chunksize=1):
+                    self._costs.update(costs)
+                    self._linear.update(linear)
+        finally:
+            _FORKED_MODEL = None
 
     def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
         """Costs of a micro-batch of ``microbatch_size`` samples on ``tp`` devices.
@@ -287,6 +326,40 @@ class SegmentCostModel:
         )
         self._costs[key] = expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
         return self._costs[key]
+
+
+def default_workers() -> int:
+    """Worker processes for :meth:`SegmentCostModel.prefetch`: ``AUTOPLAN_WORKERS`` if set (1:
+    solve everything in the planning process), else the CPU cores this process may run on."""
+    env = os.environ.get("AUTOPLAN_WORKERS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ConfigError(f"AUTOPLAN_WORKERS={env!r} must be a positive integer (processes), e.g. 4")
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_FORKED_MODEL: SegmentCostModel | None = None
+"""The cost model a :meth:`SegmentCostModel.prefetch` worker inherits through ``fork``."""
+
+
+def _solve_chain(
+    chain: tuple[int, list[int]],
+) -> tuple[dict[tuple[int, int], SegmentCosts], dict[tuple[int, int], bool]]:
+    """In a forked worker: the costs of one tensor-parallel degree's micro-batch sizes."""
+    model = _FORKED_MODEL
+    assert model is not None, "prefetch workers are forked from SegmentCostModel.prefetch"
+    tp, sizes = chain
+    # the parent's OpenMP threads are not in this process: an op that forks work to them would
+    # wait forever (tracing a model on the CPU runs its ops); one thread runs them inline
+    torch.set_num_threads(1)
+    with progress.reporting(enabled=False):
+        for b in sorted(sizes):
+            model(tp, b)
+    return (
+        {k: v for k, v in model._costs.items() if k[0] == tp},  # noqa: SLF001 - its own cache
+        {k: v for k, v in model._linear.items() if k[0] == tp},  # noqa: SLF001
+    )
 
 
 LINEAR_TOLERANCE = 0.02

@@ -704,6 +704,9 @@ def search(
         for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
         if all(getattr(c, k) == v for k, v in space.fixed.items())
     ]
+    prefetch = getattr(cost_fn, "prefetch", None)
+    if prefetch is not None:  # a cost model that solves many (tp, b) at once (in parallel)
+        prefetch({(c.tp, c.microbatch_size) for c in todo})
     # best-first: a candidate whose compute alone exceeds the best step found cannot win
     bounds = [lower_bound_s(c, costs(c.tp, c.microbatch_size)) for c in todo]
     best_s = float("inf")

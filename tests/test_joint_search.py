@@ -157,3 +157,32 @@ def test_plan_with_global_batch_records_config_and_stages(tmp_path):  # noqa: AN
     again = autoplan.Plan.load(tmp_path / "p.json")
     assert again.config == cfg and again.pipeline == plan.pipeline
     assert again.estimate == plan.estimate
+
+
+def test_parallel_prefetch_gives_the_costs_of_solving_one_by_one():
+    """SegmentCostModel.prefetch solves each tensor-parallel degree's micro-batch sizes in a
+    forked worker; the costs (and which sizes were scaled rather than solved) are exactly those
+    of the same calls made one by one in this process."""
+    ids, labels = token_batch()
+    model, cluster = gpt2_tiny(num_layers=4), Cluster.preset(CLUSTER)
+    keys = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (4, 2)]
+    parallel = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=2)
+    parallel.prefetch(keys)
+    assert set(keys) <= set(parallel._costs)  # noqa: SLF001 - filled by the workers
+    serial = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=1)
+    for tp, b in keys:
+        assert parallel(tp, b) == serial(tp, b), (tp, b)
+    assert parallel._linear == serial._linear  # noqa: SLF001
+    assert parallel._costs == serial._costs  # noqa: SLF001
+
+
+def test_workers_come_from_the_environment(monkeypatch):
+    from autoplan.joint import default_workers
+
+    monkeypatch.setenv("AUTOPLAN_WORKERS", "3")
+    assert default_workers() == 3
+    monkeypatch.setenv("AUTOPLAN_WORKERS", "0")
+    with pytest.raises(ConfigError, match="AUTOPLAN_WORKERS='0' must be a positive integer"):
+        default_workers()
+    monkeypatch.delenv("AUTOPLAN_WORKERS")
+    assert default_workers() >= 1
