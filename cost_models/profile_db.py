@@ -5,10 +5,10 @@ strings of :func:`passes.profile.op_key` and :func:`passes.profile.optimizer_key
 only valid on the device and software it was measured with, so every file carries a
 :class:`DeviceKey` header, and the default file name is a short hash of that header::
 
-    <cache>/profiles/<kind>-<sha256(header)[:12]>.json
+    <cache>/profiles/<kind>-v<VERSION>-<sha256(header)[:12]>.json
     <cache> = $AUTOPLAN_CACHE_DIR | $XDG_CACHE_HOME/autoplan | ~/.cache/autoplan
 
-    {"format": "autoplan-profile-db", "version": 1,
+    {"format": "autoplan-profile-db", "version": 2,
      "device": {"kind": "cpu", "name": "AMD EPYC", "torch_version": "2.13.0", "cuda_version": null,
                 "num_threads": 2},
      "time_s": {"aten.mm.default(f32[512,128], f32[128,384])": 4.1e-05, ...}}
@@ -44,8 +44,11 @@ from cost_models.files import atomic_write
 log = logging.getLogger(__name__)
 
 FORMAT = "autoplan-profile-db"
-VERSION = 1
-"""Schema version of the file; bump when keys or the layout change meaning."""
+VERSION = 2
+"""Schema version of the file; bump when keys or the layout change meaning. Version 2: op times
+are taken with inputs spilled from the cache (``passes.profile.COLD_FOOTPRINT_BYTES``); version 1
+timed them warm. The default file name carries the version, so a file of an older version is
+left where it is and a new one is started."""
 
 DeviceKind = Literal["cpu", "cuda"]
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda")
@@ -147,11 +150,11 @@ class DeviceKey:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
     def file_name(self) -> str:
-        return f"{self.kind}-{self.digest()}.json"
+        return f"{self.kind}-v{VERSION}-{self.digest()}.json"
 
 
 def default_db_path(device: DeviceKey, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """``<cache>/profiles/<kind>-<hash>.json`` for ``device``."""
+    """``<cache>/profiles/<kind>-v<version>-<hash>.json`` for ``device``."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return root / "profiles" / device.file_name()
 

@@ -21,7 +21,7 @@ from autoplan.api import planning_mesh
 from autoplan.cli import main
 from cost_models.cluster import Cluster
 from cost_models.errors import PlanError, ProfileError
-from cost_models.profile_db import DeviceKey, ProfileDB, default_cache_dir, default_db_path
+from cost_models.profile_db import VERSION, DeviceKey, ProfileDB, default_cache_dir, default_db_path
 from passes.profile import local_shard_shape, op_key, optimizer_key, profile_program
 from passes.strategies import Strategy, StrategyTable, build_strategy_table
 from passes.trace import TracedProgram, trace_training_step
@@ -71,7 +71,7 @@ def _other_device() -> DeviceKey:
 def test_cache_dir_follows_autoplan_cache_dir(cache_dir: Path) -> None:
     key = DeviceKey.current("cpu")
     assert default_cache_dir() == cache_dir
-    assert default_db_path(key) == cache_dir / "profiles" / f"cpu-{key.digest()}.json"
+    assert default_db_path(key) == cache_dir / "profiles" / f"cpu-v{VERSION}-{key.digest()}.json"
 
 
 def test_db_round_trip_keeps_entries_and_resaves_byte_identical(tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def test_db_round_trip_keeps_entries_and_resaves_byte_identical(tmp_path: Path) 
     loaded.save()
     assert path.read_bytes() == first
     data = json.loads(first)
-    assert data["format"] == "autoplan-profile-db" and data["version"] == 1
+    assert data["format"] == "autoplan-profile-db" and data["version"] == VERSION == 2
     assert data["device"]["num_threads"] == torch.get_num_threads()
 
 
@@ -231,6 +231,28 @@ def test_a_profiled_mm_time_is_positive_and_finite(traced: TracedProgram, planne
     time_s = db.lookup(key)
     assert time_s is not None and 0 < time_s < 1 and math.isfinite(time_s)
     assert any(e.key.startswith("optim.sgd(") for e in report.entries)
+
+
+def test_timed_calls_cycle_through_input_copies_beyond_the_cache(
+    traced: TracedProgram, planned: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A step reads an op's inputs from memory (they were written long before); a loop over one
+    # set of inputs reads them from the cache. The mm's two f32 inputs are 8*8*4 + 8*32*4 =
+    # 1280 bytes on a rank: with a 4 KiB footprint, ceil(4096 / 1280) = 4 copies, used in turn.
+    from passes import profile as prof
+
+    table, mesh = planned
+    mm, strategy = _node(traced, "mm"), _strategy(table, "mm", "R<-(R,R)")
+    monkeypatch.setattr(prof, "COLD_FOOTPRINT_BYTES", 4096)
+    call = prof._op_call(mm, strategy, "op", mesh, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outs = [call().to_local() for _ in range(5)]
+    assert all(not torch.equal(outs[0], o) for o in outs[1:4])  # other random inputs
+    assert torch.equal(outs[0], outs[4])  # the first copy again
+    monkeypatch.setattr(prof, "COLD_FOOTPRINT_BYTES", 1024)  # inputs alone exceed it: one copy
+    call = prof._op_call(mm, strategy, "op", mesh, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(call().to_local(), call().to_local())
 
 
 def test_profile_program_rejects_a_mesh_of_another_device_type(traced: TracedProgram, planned: tuple) -> None:
