@@ -60,7 +60,7 @@ from torch.utils import _pytree as pytree
 from cost_models.errors import ProfileError
 from cost_models.memory import OPTIMIZERS
 from cost_models.profile_db import ProfileDB
-from passes.placement import Spec
+from passes.placement import Spec, local_numel
 from passes.runtime import replicated_call
 from passes.strategies import Strategy, StrategyTable, tensor_args
 from passes.trace import TracedProgram
@@ -321,7 +321,7 @@ def _op_call(
     assert tmpl is not None
     first = _op_call_once(node, strategy, kind, mesh, gen, tmpl)
     local_bytes = sum(
-        math.prod(local_shard_shape(a.shape, s, tuple(mesh.shape))) * a.dtype.itemsize
+        local_numel(s, a.shape, tuple(mesh.shape)) * a.dtype.itemsize
         for a, s in zip(tmpl.args, strategy.input_specs, strict=True)
     )
     copies = min(MAX_INPUT_COPIES, max(1, math.ceil(COLD_FOOTPRINT_BYTES / max(local_bytes, 1))))

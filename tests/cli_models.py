@@ -104,3 +104,14 @@ def plan_on_meta(build, cluster: object = "2xCPU", **kwargs: object) -> autoplan
     with torch.device("meta"):
         wl = build()
     return plan_workload(wl, cluster, **kwargs)
+
+
+def ilp_and_pipeline_plans() -> dict[str, autoplan.Plan]:
+    """Two small plans of every kind a plan file holds: ``"ilp"`` (the MLP on 2 CPU ranks) and
+    ``"pipeline"`` (GPT-2, 4 layers, 2 stages, 4 micro-batches of 2)."""
+    pipeline = plan_on_meta(
+        gpt2_4_layers,
+        global_batch_size=8,
+        config=autoplan.ParallelConfig(dp=1, pp=2, microbatch_size=2, num_microbatches=4),
+    )
+    return {"ilp": plan_on_meta(mlp), "pipeline": pipeline}

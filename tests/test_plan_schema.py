@@ -10,23 +10,15 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-import autoplan
 from tests import cli_models
 
 SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "plan.schema.json").read_text())
 
 
-_plan = cli_models.plan_on_meta
-
-
 @pytest.fixture(scope="module")
 def plans() -> dict[str, dict]:
-    pipeline = _plan(
-        cli_models.gpt2_4_layers,
-        global_batch_size=8,
-        config=autoplan.ParallelConfig(dp=1, pp=2, microbatch_size=2, num_microbatches=4),
-    )
-    return {"ilp": _plan(cli_models.mlp).to_dict(timings=True), "pipeline": pipeline.to_dict()}
+    made = cli_models.ilp_and_pipeline_plans()
+    return {"ilp": made["ilp"].to_dict(timings=True), "pipeline": made["pipeline"].to_dict()}
 
 
 def test_schema_is_valid_json_schema():

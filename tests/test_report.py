@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from autoplan import report
-from autoplan.config import ParallelConfig
 from autoplan.plan import Plan
 from cost_models.errors import PlanFileError
 from tests import cli_models
@@ -42,17 +41,9 @@ CHROMIUM_FLAGS = [
 ]
 
 
-_plan = cli_models.plan_on_meta
-
-
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
-    pipeline = _plan(
-        cli_models.gpt2_4_layers,
-        global_batch_size=8,
-        config=ParallelConfig(dp=1, pp=2, microbatch_size=2, num_microbatches=4),
-    )
-    return {"ilp": _plan(cli_models.mlp), "pipeline": pipeline}
+    return cli_models.ilp_and_pipeline_plans()
 
 
 def _with_schedule(plan: Plan, schedule: str, *, virtual_stages: int = 1, num_microbatches: int = 4) -> Plan:
