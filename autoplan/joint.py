@@ -49,6 +49,7 @@ from passes.pipeline_search import (
     search,
     tp_cluster,
 )
+from passes.rebatch import MIN_BASE_BATCH, rebatch
 from passes.segment_costs import SegmentCosts, segment_costs
 from passes.solver import ShardingILP, SolverOptions
 from passes.strategies import StrategyTable, build_strategy_table
@@ -227,21 +228,44 @@ class SegmentCostModel:
     workers: int | None = None
     """Processes :meth:`prefetch` solves in (``None``: :func:`default_workers`; 1: this one)."""
     num_blocks: int = 0
-    _traces: dict[int, object] = field(default_factory=dict)
+    _traces: dict[int, tuple[TracedProgram, Layering]] = field(default_factory=dict)
+    _exported: set[int] = field(default_factory=set)
+    """Micro-batch sizes in ``_traces`` that were traced (the others were derived from them)."""
     _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
     _linear: dict[tuple[int, int], bool] = field(default_factory=dict)
 
-    def _traced(self, batch: int):  # noqa: ANN202
+    def _traced(self, batch: int) -> tuple[TracedProgram, Layering]:
         """The step of one micro-batch of ``batch`` samples, traced with the first
         :data:`~passes.depth.KEPT_BLOCKS` blocks only (:mod:`passes.depth`; costs are expanded to
-        the full depth in :meth:`__call__`)."""
+        the full depth in :meth:`__call__`); derived from two traced smaller sizes when it can be
+        (:mod:`passes.rebatch`: the same graph, without another ``torch.export``)."""
         if batch not in self._traces:
+            derived = self._derived(batch)
+            if derived is not None:
+                self._traces[batch] = derived
+                return derived
             progress.step(f"tracing the model for a micro-batch of {batch} (torch.export)")
             traced, layering, self.num_blocks = trace_repeated(
                 self.model, self.example_inputs, self.example_targets, self.loss_fn, batch, reduce=self.reduce_repeated
             )
             self._traces[batch] = (traced, layering)
+            self._exported.add(batch)
         return self._traces[batch]
+
+    def _derived(self, batch: int) -> tuple[TracedProgram, Layering] | None:
+        """The step of ``batch`` samples derived from the two largest exported sizes below it
+        (:mod:`passes.rebatch`, exact or ``None``), with its layering."""
+        bases = sorted(b for b in self._exported if MIN_BASE_BATCH <= b < batch)[-2:]
+        if len(bases) < 2:
+            return None
+        (first, _), (second, layering2) = self._traces[bases[0]], self._traces[bases[1]]
+        traced = rebatch(first, second, bases[0], bases[1], batch)
+        if traced is None:
+            return None
+        layering = find_layers(traced)
+        if layering.num_blocks != layering2.num_blocks:
+            return None
+        return traced, layering
 
     def prefetch(self, keys: Iterable[tuple[int, int]]) -> None:
         """Solve the costs of every ``(tp, microbatch_size)`` in ``keys`` now, one tensor-parallel

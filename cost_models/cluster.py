@@ -44,6 +44,7 @@ Every malformed description raises ``ClusterSpecError`` with a one-line message.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -403,10 +404,7 @@ class Cluster:
 
     def catalog_link(self, *, spans_nodes: bool) -> LinkSpec:
         """The device's catalog numbers for a network (``spans_nodes``) or intra-node link."""
-        d = self.device
-        if spans_nodes:
-            return LinkSpec(bw_GBps=d.inter_node_bw_GBps, latency_us=d.inter_node_latency_us, spans_nodes=True)
-        return LinkSpec(bw_GBps=d.intra_node_bw_GBps, latency_us=d.intra_node_latency_us, spans_nodes=False)
+        return _catalog_link(self.device, spans_nodes)
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_axis_names: Sequence[str] | None = None) -> Cluster:
         """The same cluster with another logical mesh (names derived when not given).
@@ -577,6 +575,13 @@ class Cluster:
 
 
 # --- Calibration environment -------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _catalog_link(device: DeviceSpec, spans_nodes: bool) -> LinkSpec:
+    if spans_nodes:
+        return LinkSpec(bw_GBps=device.inter_node_bw_GBps, latency_us=device.inter_node_latency_us, spans_nodes=True)
+    return LinkSpec(bw_GBps=device.intra_node_bw_GBps, latency_us=device.intra_node_latency_us, spans_nodes=False)
 
 
 def _public_version(version: str) -> str:

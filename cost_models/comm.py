@@ -42,6 +42,7 @@ afterwards.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ def effective_collective(kind: str, nbytes: float, num_ranks: int, *, backend: B
     return kind, nbytes
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def link_time_s(
     kind: str,
     nbytes: float,
@@ -164,7 +166,8 @@ def link_time_s(
 
     A kind with calibrated parameters on the link is priced with them in the ring convention it
     was fitted in; otherwise the link's generic numbers and ``algorithm`` apply (default: "auto"
-    on NCCL, "ring" on gloo). ``include_latency=False`` gives the bandwidth term only."""
+    on NCCL, "ring" on gloo). ``include_latency=False`` gives the bandwidth term only.
+    Memoised: the pipeline search prices the same few messages for thousands of candidates."""
     params = link.params(kind)
     run_kind, run_bytes = effective_collective(kind, nbytes, num_ranks, backend=backend)
     if kind in link.collectives:

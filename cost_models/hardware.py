@@ -57,10 +57,11 @@ _V = TypeVar("_V")
 class _ReadOnlyMapping(Mapping[_K, _V]):
     """An immutable, hashable, picklable ``dict`` copy, so a frozen ``DeviceSpec`` stays frozen."""
 
-    __slots__ = ("_data",)
+    __slots__ = ("_data", "_hash")
 
     def __init__(self, data: Mapping[_K, _V]) -> None:
         self._data = dict(data)
+        self._hash: int | None = None
 
     def __getitem__(self, key: _K) -> _V:
         return self._data[key]
@@ -71,8 +72,10 @@ class _ReadOnlyMapping(Mapping[_K, _V]):
     def __len__(self) -> int:
         return len(self._data)
 
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._data.items())))
+    def __hash__(self) -> int:  # immutable: hashed once (clusters key the planner's caches)
+        if self._hash is None:
+            self._hash = hash(tuple(sorted(self._data.items())))
+        return self._hash
 
     def __repr__(self) -> str:
         return repr(self._data)

@@ -27,7 +27,6 @@ Output: a :class:`CostProblem`, the plain data the ILP is built from:
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -133,10 +132,24 @@ def analytic_time_s(
         return local * OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer] / (device.mem_bw_GBps * 1e9)
     if kind not in ("op", "fallback"):
         return 0.0
+    return _op_times_s(node, [strategy], device, mesh_shape)[0]
+
+
+def _op_times_s(
+    node: fx.Node, strategies: Sequence[Strategy], device: DeviceSpec, mesh_shape: Sequence[int]
+) -> list[float]:
+    """:func:`analytic_time_s` of an op under each of ``strategies``: its operands are read once
+    and its roofline computed once per distinct work divisor."""
     ins = [a.meta["val"] for a in tensor_args(node)]
-    outs = [v for v in _as_list(val) if isinstance(v, torch.Tensor)]
-    div = _work_divisor(strategy.input_specs, strategy.output_specs, mesh_shape)
-    return roofline_time_s(node.target, ins, outs, device, work_divisor=div)
+    outs = [v for v in _as_list(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    by_divisor: dict[int, float] = {}
+    times = []
+    for s in strategies:
+        div = _work_divisor(s.input_specs, s.output_specs, mesh_shape)
+        if div not in by_divisor:
+            by_divisor[div] = roofline_time_s(node.target, ins, outs, device, work_divisor=div)
+        times.append(by_divisor[div])
+    return times
 
 
 def _profiled_time_s(
@@ -173,17 +186,24 @@ def build_cost_problem(
 
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
-        times: list[float] = []
-        profiled: list[bool] = []
-        for s in ns.strategies:
-            t = _profiled_time_s(profile, node, s, ns.kind, mesh_shape, optimizer)
-            profiled.append(t is not None)
-            if t is None:
-                t = analytic_time_s(node, s, ns.kind, device, mesh_shape, optimizer=optimizer)
-            times.append(t)
+        measured = [_profiled_time_s(profile, node, s, ns.kind, mesh_shape, optimizer) for s in ns.strategies]
+        profiled = [t is not None for t in measured]
+        if all(profiled):
+            times = [t for t in measured if t is not None]
+        elif ns.kind in ("op", "fallback"):
+            times = [
+                m if m is not None else a
+                for m, a in zip(measured, _op_times_s(node, ns.strategies, device, mesh_shape), strict=True)
+            ]
+        else:
+            times = [
+                m if m is not None else analytic_time_s(node, s, ns.kind, device, mesh_shape, optimizer=optimizer)
+                for m, s in zip(measured, ns.strategies, strict=True)
+            ]
         problem.node_time_s[name] = times
         problem.node_time_profiled[name] = profiled
     _add_memory(problem, traced, table, optimizer)
+    transition = _TransitionCosts(cluster)
 
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
@@ -191,7 +211,7 @@ def build_cost_problem(
             dst_groups: dict[Spec, list[int]] = {}
             for si, s in enumerate(ns.strategies):
                 dst_groups.setdefault(s.input_specs[i], []).append(si)
-            edge = _edge(table, ref, name, i, dst_groups, tensor_bytes(a.meta["val"]), cluster)
+            edge = _edge(table, ref, name, i, dst_groups, tensor_bytes(a.meta["val"]), transition)
             if _is_follower(node, ns.kind) and set(edge.src_groups) <= set(edge.dst_groups):
                 edge = dataclasses.replace(edge, tied=True)
             problem.edges.append(edge)
@@ -200,7 +220,7 @@ def build_cost_problem(
     loss, *grads = out.args[0]
     rep = replicated(len(mesh_shape))
     problem.edges.append(
-        _edge(table, resolve_value(loss), OUTPUT_CONSUMER, -1, {rep: [0]}, tensor_bytes(loss.meta["val"]), cluster)
+        _edge(table, resolve_value(loss), OUTPUT_CONSUMER, -1, {rep: [0]}, tensor_bytes(loss.meta["val"]), transition)
     )
     for pname, g in zip(traced.param_names, grads, strict=True):
         pnode = param_node_name(pname)
@@ -209,7 +229,7 @@ def build_cost_problem(
         for si, s in enumerate(ps.strategies):
             groups.setdefault(s.output_specs[0], []).append(si)
         problem.edges.append(
-            _edge(table, resolve_value(g), pnode, -1, groups, tensor_bytes(g.meta["val"]), cluster, gradient=True)
+            _edge(table, resolve_value(g), pnode, -1, groups, tensor_bytes(g.meta["val"]), transition, gradient=True)
         )
     return problem
 
@@ -225,10 +245,21 @@ def _is_follower(node: fx.Node, kind: str) -> bool:
     return targs[0].meta["val"].numel() == val.numel()
 
 
-@functools.lru_cache(maxsize=65536)
-def _transition_cost(p: Spec, q: Spec, full_bytes: int, cluster: Cluster, gradient: bool) -> float:
-    latency = not (gradient and is_coalescable(plan_transition(p, q)))
-    return transition_cost_s(p, q, full_bytes, cluster, include_latency=latency)
+@dataclass(slots=True)
+class _TransitionCosts:
+    """Memoised transition times on one cluster (a model repeats the same few (spec, spec,
+    bytes) triples on thousands of edges)."""
+
+    cluster: Cluster
+    _memo: dict[tuple[Spec, Spec, int, bool], float] = field(default_factory=dict)
+
+    def __call__(self, p: Spec, q: Spec, full_bytes: int, gradient: bool) -> float:
+        key = (p, q, full_bytes, gradient)
+        cost = self._memo.get(key)
+        if cost is None:
+            latency = not (gradient and is_coalescable(plan_transition(p, q)))
+            cost = self._memo[key] = transition_cost_s(p, q, full_bytes, self.cluster, include_latency=latency)
+        return cost
 
 
 def _edge(
@@ -238,7 +269,7 @@ def _edge(
     arg_index: int,
     dst_groups: dict[Spec, list[int]],
     full_bytes: int,
-    cluster: Cluster,
+    transition: _TransitionCosts,
     *,
     gradient: bool = False,
 ) -> Edge:
@@ -247,7 +278,7 @@ def _edge(
         spec = s.output_specs[ref.index]
         assert spec is not None, (ref, consumer)
         src_groups.setdefault(spec, []).append(si)
-    cost = {(p, q): _transition_cost(p, q, full_bytes, cluster, gradient) for p in src_groups for q in dst_groups}
+    cost = {(p, q): transition(p, q, full_bytes, gradient) for p in src_groups for q in dst_groups}
     return Edge(
         producer=ref,
         consumer=consumer,

@@ -145,6 +145,19 @@ def _tensor_meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(t.shape, t.stride(), t.dtype)
 
 
+def _output_meta(node: fx.Node) -> TensorMeta | Sequence[TensorMeta | None] | None:
+    """The global output metadata of ``node`` as DTensor's sharding propagation computes it
+    (``_propagate_tensor_meta_non_cached`` runs the op on fake inputs), read from the trace's
+    ``val`` instead: the trace already ran the op on these shapes."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return _tensor_meta(val)
+    if isinstance(val, (tuple, list)):
+        metas = [_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in val]
+        return tuple(metas) if isinstance(val, tuple) else metas
+    return None
+
+
 def _single(spec: Spec, mesh: DeviceMesh, t: torch.Tensor) -> DTensorSpec:
     return DTensorSpec(mesh, spec, tensor_meta=_tensor_meta(t))
 
@@ -211,13 +224,7 @@ class _Enumerator:
         assert isinstance(op, torch._ops.OpOverload), op
         prop, mesh = self.prop, self.mesh
         single_dim = prop.op_single_dim_strategy_funcs.get(op)
-        it_spec = iter(candidates)
         it_strat = iter(candidates)
-
-        def to_spec(a: object) -> object:
-            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
-                return _single(next(it_spec)[0], mesh, a.meta["val"])
-            return a.meta["val"] if isinstance(a, fx.Node) else a
 
         def to_strategy(a: object) -> object:
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
@@ -232,17 +239,14 @@ class _Enumerator:
                 return OpStrategy([OpSpec(_single(c, mesh, t)) for c in cands])
             return a.meta["val"] if isinstance(a, fx.Node) else a
 
-        args_spec = pytree.tree_map(to_spec, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
         args_strat = pytree.tree_map(to_strategy, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
         args_strat = tuple(_wrap_lists(a) for a in args_strat)
         schema_info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
-        spec_schema = OpSchema(op, tuple(args_spec), dict(node.kwargs), schema_info=schema_info)
-        out_meta = prop._propagate_tensor_meta_non_cached(spec_schema)
         strat_schema = OpSchema(op, args_strat, dict(node.kwargs), schema_info=schema_info)
         if single_dim is not None:
             from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
 
-            fn = _expand_single_dim_strategy_to_mesh(mesh, strat_schema, single_dim, out_meta)
+            fn = _expand_single_dim_strategy_to_mesh(mesh, strat_schema, single_dim, _output_meta(node))
             result = fn(op, strat_schema.args_meta, strat_schema.kwargs_meta)
         elif op in prop.op_strategy_funcs:
             result = prop.op_strategy_funcs[op](strat_schema)

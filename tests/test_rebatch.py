@@ -1,0 +1,89 @@
+"""passes.rebatch: the step of a larger micro-batch derived from two traces is the step tracing
+gives (same graph, same shapes and strides), and the planner's costs do not change with it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from autoplan import joint
+from autoplan.joint import SegmentCostModel
+from cost_models.cluster import Cluster
+from passes.rebatch import rebatch
+from passes.trace import TracedProgram, trace_training_step
+from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
+
+
+def _trace(model: torch.nn.Module, batch: int) -> TracedProgram:
+    ids, labels = token_batch(batch=batch, seq=8)
+    return trace_training_step(model, (ids,), loss_fn=lm_loss, example_targets=(labels,))
+
+
+def _vals(node: torch.fx.Node) -> list[Any]:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+@pytest.mark.parametrize("build", [gpt2_tiny, llama_tiny], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("batch", [3, 8])
+def test_derived_step_is_the_traced_step(build, batch) -> None:  # noqa: ANN001
+    model = build()
+    derived = rebatch(_trace(model, 2), _trace(model, 4), 2, 4, batch)
+    traced = _trace(model, batch)
+    assert derived is not None
+    # ops, names, wiring, every argument, shapes and dtypes
+    assert derived.fingerprint == traced.fingerprint
+    for d, t in zip(derived.graph_module.graph.nodes, traced.graph_module.graph.nodes, strict=True):
+        for dv, tv in zip(_vals(d), _vals(t), strict=True):
+            if isinstance(tv, torch.Tensor):
+                assert (dv.shape, dv.stride(), dv.dtype) == (tv.shape, tv.stride(), tv.dtype), d.name
+        for key in ("autoplan.phase", "autoplan.module"):
+            assert d.meta.get(key) == t.meta.get(key), (d.name, key)
+    assert (derived.param_names, derived.num_inputs, derived.num_targets) == (
+        traced.param_names,
+        traced.num_inputs,
+        traced.num_targets,
+    )
+    # the derived module runs: same loss as the traced one on the same weights and batch
+    ids, labels = token_batch(batch=batch, seq=8)
+    args = [*(p.detach() for p in model.parameters()), *model.buffers(), ids, labels]
+    assert torch.equal(derived.graph_module(*args)[0], traced.graph_module(*args)[0])
+
+
+def test_different_programs_are_not_derived() -> None:
+    gpt2, llama = gpt2_tiny(), llama_tiny()
+    assert rebatch(_trace(gpt2, 2), _trace(llama, 4), 2, 4, 8) is None
+    with pytest.raises(ValueError, match="b1"):
+        rebatch(_trace(gpt2, 1), _trace(gpt2, 2), 1, 2, 4)  # a batch of one traces another graph
+
+
+def test_a_size_the_ops_reject_is_not_derived() -> None:
+    model = gpt2_tiny()
+    two, four = _trace(model, 2), _trace(model, 4)
+    # a view whose size does not scale with the batch: extrapolated to 8 it no longer fits
+    view = next(n for n in four.graph_module.graph.nodes if n.target is torch.ops.aten.view.default)
+    view.args = (view.args[0], [view.args[1][0] + 1, *view.args[1][1:]])
+    assert rebatch(two, four, 2, 4, 8) is None
+
+
+def test_segment_costs_with_derived_traces_are_those_of_traced_ones(monkeypatch) -> None:  # noqa: ANN001
+    ids, labels = token_batch()
+    model, cluster = gpt2_tiny(num_layers=4), Cluster.preset("1x4xA100-80GB")
+    keys = [(2, 2), (2, 4), (2, 8), (4, 8)]
+    derived = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=1, extrapolate_batch=False)
+    exports: list[int] = []
+    real = joint.trace_microbatch
+
+    def counted(*args: Any, **kwargs: Any) -> TracedProgram:
+        exports.append(args[-1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(joint, "trace_microbatch", counted)
+    got = {k: derived(*k) for k in keys}
+    assert exports == [2, 4]  # 8 samples: derived from 2 and 4
+    monkeypatch.setattr(SegmentCostModel, "_derived", lambda self, batch: None)
+    traced = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=1, extrapolate_batch=False)
+    assert got == {k: traced(*k) for k in keys}
+    assert exports == [2, 4, 2, 4, 8]
