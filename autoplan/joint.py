@@ -275,7 +275,8 @@ class SegmentCostModel:
         smaller sizes whether a larger one is scaled or solved); chains share nothing but the
         traces, so they run in forked workers, the largest degree (the longest chain) first, and
         the results are exactly those of calling :meth:`__call__` here, in any order. The traces
-        every chain needs (1 and 2 samples) are made here before forking. Runs in this process
+        every chain needs (1 and 2 samples, and 4, the base larger sizes are derived from) are
+        made here before forking. Runs in this process
         when there is one worker, one chain, no ``fork`` start method (Windows), or a
         process group (inside a job)."""
         todo = sorted({k for k in keys if k not in self._costs})
@@ -288,7 +289,9 @@ class SegmentCostModel:
             for tp, b in todo:
                 self(tp, b)
             return
-        for b in (1, 2):
+        # 4 samples too: with 2 it is the base larger sizes are derived from (passes.rebatch),
+        # here once instead of in every worker
+        for b in (1, 2, 4):
             if any(b in sizes or (self.extrapolate_batch and max(sizes) > b) for sizes in chains.values()):
                 self._traced(b)
         global _FORKED_MODEL  # noqa: PLW0603 - what a forked worker inherits (never pickled)
@@ -530,6 +533,30 @@ def search_config(
 ) -> tuple[TrainingEstimate, list[TrainingEstimate]]:
     """The planner's joint search: the fastest configuration that fits, and every one it priced
     (``config``: only that configuration, its stage boundaries searched)."""
+    best, every, _ = _search(
+        model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
+        example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
+        config=config, reduce_repeated=reduce_repeated,
+    )  # fmt: skip
+    return best, every
+
+
+def _search(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    global_batch_size: int,
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor],
+    precision: str,
+    optimizer: str,
+    profile: ProfileDB | None,
+    space: SearchSpace | None,
+    config: ParallelConfig | None,
+    reduce_repeated: bool,
+) -> tuple[TrainingEstimate, list[TrainingEstimate], SegmentCostModel]:
+    """:func:`search_config`, and the cost model it priced with (its traces serve the stage ILP)."""
     from autoplan.api import _as_cluster
 
     cluster = _as_cluster(cluster)
@@ -557,7 +584,7 @@ def search_config(
         tokens_per_sample=_tokens_per_sample(inputs),
     )
     conv = [to_training_estimate(e, precision=precision, num_blocks=costs.num_blocks) for e in every]
-    return to_training_estimate(best, precision=precision, num_blocks=costs.num_blocks), conv
+    return to_training_estimate(best, precision=precision, num_blocks=costs.num_blocks), conv, costs
 
 
 __all__ = ["SegmentCostModel", "TrainingEstimate", "estimate", "plan_for_batch", "search_config"]
@@ -702,18 +729,17 @@ def plan_for_batch(
     cached = plan_cache.load(key)
     if cached is not None:
         return cached
-    best, _ = search_config(
+    best, _, costs = _search(
         model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
         example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
         config=config, reduce_repeated=reduce_repeated,
     )  # fmt: skip
     cfg = best.config
-    model_p, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     # the stage program with the repeated blocks traced once (passes.depth), solved with the
-    # copies' variables shared (passes.expand); memory is the outer search's constraint
-    traced, layering, num_blocks = trace_repeated(
-        model_p, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp, reduce=reduce_repeated
-    )
+    # copies' variables shared (passes.expand); memory is the outer search's constraint. The cost
+    # model traces it exactly as trace_repeated would (derived when it can: passes.rebatch)
+    traced, layering = costs._traced(cfg.microbatch_size * cfg.dp)  # noqa: SLF001
+    num_blocks = costs.num_blocks
     mult = block_multiplicity(layering, num_blocks)
     twin = twins(traced.graph_module, layering)
     reduction: dict[str, int] = {}

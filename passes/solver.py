@@ -1,4 +1,4 @@
-r"""Pass 4 — solve: pick one strategy per node with an integer linear program (PuLP + CBC).
+r"""Pass 4 — solve: pick one strategy per node with an integer linear program (HiGHS, or CBC).
 
 Formulation
 -----------
@@ -41,6 +41,11 @@ size-preserving single-input op (view, transpose, unary elementwise) that accept
 producer can give: the op follows its producer (no conversion, no ``y``), which loses nothing
 since converting its input costs the same as converting its output.
 
+Backends: the constraint families fill a :class:`LinearModel` (plain columns and rows); HiGHS
+gets it as arrays through highspy, PuLP's bundled CBC where highspy is not installed. (Building
+the model as PuLP objects and PuLP's conversion to HiGHS took 0.24-0.33 s of a segment-cost ILP
+for Llama-3-8B, 11k variables; the arrays take 0.08-0.13 s, HiGHS's own run 0.05 s of it.)
+
 User pins remove strategies before the model is built. An infeasible model raises
 :class:`~cost_models.errors.InfeasiblePlanError` with the memory needed against the capacity.
 """
@@ -48,10 +53,12 @@ User pins remove strategies before the model is built. An infeasible model raise
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
+import math
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import pulp
 
@@ -82,7 +89,7 @@ class Solution:
     """Node name -> index of the chosen strategy."""
     objective_s: float
     status: str
-    """PuLP status text ("Optimal", "Not Solved" when stopped by the time limit...)."""
+    """"Optimal", "Infeasible", "Time limit (best feasible)" or "Not Solved"."""
     solve_time_s: float
     num_variables: int
     num_constraints: int
@@ -93,43 +100,187 @@ class Solution:
     """``"lp"`` when the LP relaxation was already integral, else ``"mip"``."""
 
 
-def _make_solver(options: SolverOptions, *, relaxation: bool = False) -> pulp.LpSolver:
-    """HiGHS (via highspy) when installed and allowed, else the CBC binary bundled with PuLP.
-    ``relaxation``: settings for the LP relaxation (no presolve, see below)."""
-    if options.backend in ("auto", "highs") and "HiGHS" in pulp.listSolvers(onlyAvailable=True):
-        # objectives are seconds (a tiny model's step is ~1 ms): HiGHS's default absolute gap of
-        # 1e-6 would stop at a relative gap of ~1e-3 there, so only the relative gap counts.
-        # Two runs on the same model must return the same optimal vertex (ties are common: a tie
-        # broken differently is a different plan file for the same input). HiGHS's defaults do not
-        # guarantee it: its dual edge weights ("choose") and its presolve made the same LP end at
-        # different vertices run to run (measured on GPT-2 4 layers, 2x2 mesh: 2 vertices in 8
-        # solves). Fixed edge weights, and no presolve for the LP relaxation (which also made it
-        # 2-4x faster there), gave one vertex in every run; the MIP keeps its presolve.
-        extra = {"presolve": "off"} if relaxation else {}
-        return pulp.HiGHS(
-            msg=False,
-            timeLimit=options.time_limit_s,
-            threads=options.threads,
-            random_seed=0,
-            gapRel=1e-4,
-            gapAbs=1e-12,
-            simplex_dual_edge_weight_strategy=2,
-            **extra,
-        )
+HIGHS_OPTIONS: dict[str, bool | int | float | str] = {
+    "output_flag": False,
+    "random_seed": 0,
+    "mip_rel_gap": 1e-4,
+    "mip_abs_gap": 1e-12,
+    "simplex_dual_edge_weight_strategy": 2,
+}
+"""HiGHS settings. Objectives are seconds (a tiny model's step is ~1 ms): HiGHS's default absolute
+gap of 1e-6 would stop at a relative gap of ~1e-3 there, so only the relative gap counts. Two
+runs on the same model must return the same optimal vertex (ties are common: a tie broken
+differently is a different plan file for the same input). HiGHS's defaults do not guarantee it:
+its dual edge weights ("choose") and its presolve made the same LP end at different vertices run
+to run (measured on GPT-2 4 layers, 2x2 mesh: 2 vertices in 8 solves). Fixed edge weights, and
+no presolve for the LP relaxation (which also made it 2-4x faster there), gave one vertex in
+every run; the MIP keeps its presolve."""
+
+
+def _use_highs(options: SolverOptions) -> bool:
     if options.backend not in ("auto", "highs", "cbc"):
         raise PlanError(f"unknown solver backend {options.backend!r}: use 'auto', 'highs' or 'cbc'")
+    if options.backend == "cbc":
+        return False
+    if importlib.util.find_spec("highspy") is not None:
+        return True
     if options.backend == "highs":
         raise PlanError("solver backend 'highs' requested but highspy is not installed: pip install highspy")
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads)
+    return False
 
 
-def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
-    """Sum of ``coefficient * variable`` with repeated variables added up (``LpAffineExpression``
-    built from a list keeps only the last coefficient of a repeated variable)."""
-    coeffs: dict[pulp.LpVariable, float] = {}
-    for var, c in terms:
-        coeffs[var] = coeffs.get(var, 0.0) + c
-    return pulp.LpAffineExpression(list(coeffs.items()))
+@dataclass(frozen=True, slots=True)
+class _Result:
+    status: str
+    """``"optimal"``, ``"infeasible"``, ``"time_limit"`` (stopped, maybe with a solution) or
+    ``"not_solved"``."""
+    values: list[float] | None
+    """Value of every column (``None`` without a solution)."""
+    gap: float | None = None
+
+
+@dataclass(slots=True)
+class LinearModel:
+    """The ILP as plain columns and rows, in the order the constraint families add them; the
+    backends (:func:`_solve_highs`, :func:`_solve_cbc`) take it as it is."""
+
+    col_names: list[str] = field(default_factory=list)
+    col_binary: list[bool] = field(default_factory=list)
+    """True for ``x`` (0/1), False for ``y`` (continuous, >= 0)."""
+    objective: dict[int, float] = field(default_factory=dict)
+    """Column -> cost (repeated terms summed)."""
+    row_names: list[str] = field(default_factory=list)
+    row_lower: list[float] = field(default_factory=list)
+    row_upper: list[float] = field(default_factory=list)
+    row_terms: list[dict[int, float]] = field(default_factory=list)
+
+    def add_col(self, name: str, *, binary: bool) -> int:
+        self.col_names.append(name)
+        self.col_binary.append(binary)
+        return len(self.col_names) - 1
+
+    def add_row(self, name: str, terms: dict[int, float], lower: float, upper: float) -> None:
+        self.row_names.append(name)
+        self.row_terms.append(terms)
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+
+    @property
+    def num_cols(self) -> int:
+        return len(self.col_names)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_names)
+
+    def objective_value(self, values: Sequence[float]) -> float:
+        total = 0.0
+        for col, cost in self.objective.items():
+            total += values[col] * cost
+        return total
+
+
+def _merge(terms: Iterable[tuple[int, float]]) -> dict[int, float]:
+    """``coefficient * column`` terms with repeated columns added up, in first-seen order."""
+    out: dict[int, float] = {}
+    for col, c in terms:
+        out[col] = out.get(col, 0.0) + c
+    return out
+
+
+def _solve_highs(model: LinearModel, options: SolverOptions, *, relaxation: bool) -> _Result:
+    """HiGHS through highspy, given the arrays directly. Columns are passed sorted by name and
+    rows in order (the model PuLP's HiGHS interface built before: the same vertex on ties);
+    ``relaxation``: every column continuous and no presolve (:data:`HIGHS_OPTIONS`)."""
+    import highspy
+    import numpy as np
+
+    inf = highspy.kHighsInf
+    h = highspy.Highs()
+    for key, setting in HIGHS_OPTIONS.items():
+        h.setOptionValue(key, setting)
+    h.setOptionValue("threads", options.threads)
+    h.setOptionValue("time_limit", float(options.time_limit_s))
+    if relaxation:
+        h.setOptionValue("presolve", "off")
+    order = sorted(range(model.num_cols), key=model.col_names.__getitem__)
+    pos = [0] * model.num_cols
+    for p, col in enumerate(order):
+        pos[col] = p
+    n = model.num_cols
+    cost = np.array([model.objective.get(c, 0.0) for c in order], dtype=np.float64)
+    upper = np.array([1.0 if model.col_binary[c] else inf for c in order], dtype=np.float64)
+    h.addCols(n, cost, np.zeros(n), upper, 0, np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0))
+    starts: list[int] = []
+    index: list[int] = []
+    value: list[float] = []
+    for terms in model.row_terms:
+        starts.append(len(index))
+        for col, c in terms.items():
+            if c != 0:
+                index.append(pos[col])
+                value.append(c)
+    lower = np.array([-inf if lo == -math.inf else lo for lo in model.row_lower], dtype=np.float64)
+    upper_r = np.array([inf if up == math.inf else up for up in model.row_upper], dtype=np.float64)
+    h.addRows(
+        model.num_rows, lower, upper_r, len(index),
+        np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32), np.array(value, dtype=np.float64),
+    )  # fmt: skip
+    if not relaxation:
+        binary = np.array([p for p, c in enumerate(order) if model.col_binary[c]], dtype=np.int32)
+        if len(binary):
+            kinds = np.array([highspy.HighsVarType.kInteger] * len(binary))
+            h.changeColsIntegrality(len(binary), binary, kinds)
+    h.run()
+    status = h.getModelStatus()
+    S = highspy.HighsModelStatus
+    col_value = list(h.getSolution().col_value)
+    values = [col_value[pos[c]] for c in range(n)] if len(col_value) == n else None
+    gap = None
+    if not relaxation:
+        g = float(h.getInfo().mip_gap)
+        gap = g if g == g and g < math.inf else None  # NaN / inf: not reported
+    if status == S.kOptimal:
+        return _Result("optimal", values, gap)
+    if status in (S.kInfeasible, S.kUnboundedOrInfeasible):
+        return _Result("infeasible", None)
+    if status in (S.kTimeLimit, S.kInterrupt, S.kIterationLimit, S.kObjectiveBound, S.kObjectiveTarget):
+        solved = h.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
+        return _Result("time_limit", values if solved else None, gap)
+    return _Result("not_solved", None)
+
+
+def _solve_cbc(model: LinearModel, options: SolverOptions, *, relaxation: bool) -> _Result:
+    """PuLP's bundled CBC, for machines without highspy (``relaxation``: continuous columns)."""
+    lp = pulp.LpProblem("autoplan_sharding", pulp.LpMinimize)
+    # PuLP >= 3.3 attaches variables to the model (constructing them directly is deprecated)
+    new_var = lp.add_variable if hasattr(lp, "add_variable") else pulp.LpVariable
+    cols = []
+    for name, binary in zip(model.col_names, model.col_binary, strict=True):
+        if binary and not relaxation:
+            cols.append(new_var(name, cat=pulp.LpBinary))
+        else:
+            cols.append(new_var(name, lowBound=0, upBound=1 if binary else None))
+    for name, terms, lo, up in zip(model.row_names, model.row_terms, model.row_lower, model.row_upper, strict=True):
+        expr = pulp.LpAffineExpression([(cols[c], v) for c, v in terms.items()])
+        if lo == up:
+            lp += (expr == lo, name)
+        elif lo == -math.inf:
+            lp += (expr <= up, name)
+        else:
+            lp += (expr >= lo, name)
+    lp += pulp.LpAffineExpression([(cols[c], v) for c, v in model.objective.items()])
+    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=options.time_limit_s, threads=options.threads)
+    status = lp.solve(solver)
+    values = [v.value() for v in cols]
+    solved = all(v is not None for v in values)
+    if status == pulp.LpStatusOptimal and lp.sol_status == pulp.LpSolutionOptimal:
+        return _Result("optimal", values if solved else None)
+    if status == pulp.LpStatusInfeasible:
+        return _Result("infeasible", None)
+    if solved and status == pulp.LpStatusOptimal:  # stopped by the time limit with a solution
+        return _Result("time_limit", values)
+    return _Result("not_solved", None)
 
 
 def objective_of(problem: CostProblem, choice: Mapping[str, int]) -> float:
@@ -148,41 +299,37 @@ class ShardingILP:
     def __init__(self, problem: CostProblem, options: SolverOptions | None = None) -> None:
         self.problem = problem
         self.options = options or SolverOptions()
-        self.model = pulp.LpProblem("autoplan_sharding", pulp.LpMinimize)
-        self.x: dict[str, list[pulp.LpVariable]] = {}
-        self._objective: list[tuple[pulp.LpVariable, float]] = []
+        self.model = LinearModel()
+        self.x: dict[str, list[int]] = {}
+        """Node -> the columns of its ``x[v, s]``."""
+        self._objective: list[tuple[int, float]] = []
         self._build()
 
     # -- variables --------------------------------------------------------------------------
     def _build(self) -> None:
         for i, (name, times) in enumerate(self.problem.node_time_s.items()):
-            xs = [self._var(f"x_{i}_{s}", binary=True) for s in range(len(times))]
+            xs = [self.model.add_col(f"x_{i}_{s}", binary=True) for s in range(len(times))]
             self.x[name] = xs
             self._objective += [(v, t) for v, t in zip(xs, times, strict=True)]
         self.add_one_strategy_constraint()
         for k, edge in enumerate(self.problem.edges):
             self.add_edge_constraints(k, edge)
         self.add_memory_at_constraints()
-        self.model += _affine(self._objective)
+        self.model.objective = _merge(self._objective)
 
-    def _var(self, name: str, *, binary: bool) -> pulp.LpVariable:
-        if hasattr(self.model, "add_variable"):  # PuLP >= 3.3 attaches variables to the model
-            if binary:
-                return self.model.add_variable(name, cat=pulp.LpBinary)
-            return self.model.add_variable(name, lowBound=0)
-        if binary:
-            return pulp.LpVariable(name, cat=pulp.LpBinary)
-        return pulp.LpVariable(name, lowBound=0)
+    def _equal(self, name: str, lhs: list[tuple[int, float]], rhs: list[tuple[int, float]], const: float) -> None:
+        """Row ``lhs == rhs + const``."""
+        self.model.add_row(name, _merge([*lhs, *((c, -v) for c, v in rhs)]), const, const)
 
-    def _sum_x(self, node: str, indices: tuple[int, ...]) -> pulp.LpAffineExpression:
+    def _sum_x(self, node: str, indices: tuple[int, ...]) -> list[tuple[int, float]]:
         xs = self.x[node]
-        return pulp.LpAffineExpression([(xs[i], 1.0) for i in indices])
+        return [(xs[i], 1.0) for i in indices]
 
     # -- constraint families ----------------------------------------------------------------
     def add_one_strategy_constraint(self) -> None:
         """one_strategy: sum_s x[v,s] = 1 for every node v."""
         for i, (name, xs) in enumerate(self.x.items()):
-            self.model += (pulp.LpAffineExpression([(v, 1.0) for v in xs]) == 1, f"one_strategy__{i}_{name}")
+            self._equal(f"one_strategy__{i}_{name}", [(v, 1.0) for v in xs], [], 1.0)
 
     def add_edge_constraints(self, k: int, edge: Edge) -> None:
         """edge_source / edge_target: y[e,p,q] is the joint choice of producer spec p and consumer spec q.
@@ -208,13 +355,13 @@ class ShardingILP:
             (q,) = Q
             self._objective += [(self.x[u][s], edge.cost_s[(p, q)]) for p in P for s in edge.src_groups[p]]
             return
-        y = {(i, j): self._var(f"y_{k}_{i}_{j}", binary=False) for i in range(len(P)) for j in range(len(Q))}
+        y = {(i, j): self.model.add_col(f"y_{k}_{i}_{j}", binary=False) for i in range(len(P)) for j in range(len(Q))}
         for i, p in enumerate(P):
-            lhs = pulp.LpAffineExpression([(y[i, j], 1.0) for j in range(len(Q))])
-            self.model += (lhs == self._sum_x(u, edge.src_groups[p]), f"edge_source__{k}_{i}")
+            lhs = [(y[i, j], 1.0) for j in range(len(Q))]
+            self._equal(f"edge_source__{k}_{i}", lhs, self._sum_x(u, edge.src_groups[p]), 0.0)
         for j, q in enumerate(Q):
-            lhs = pulp.LpAffineExpression([(y[i, j], 1.0) for i in range(len(P))])
-            self.model += (lhs == self._sum_x(v, edge.dst_groups[q]), f"edge_target__{k}_{j}")
+            lhs = [(y[i, j], 1.0) for i in range(len(P))]
+            self._equal(f"edge_target__{k}_{j}", lhs, self._sum_x(v, edge.dst_groups[q]), 0.0)
         self._objective += [(y[i, j], edge.cost_s[(p, q)]) for i, p in enumerate(P) for j, q in enumerate(Q)]
 
     def add_edge_tied_constraint(self, k: int, edge: Edge) -> None:
@@ -222,7 +369,7 @@ class ShardingILP:
         u, v = edge.producer.node, edge.consumer
         for j, (q, consumer_strats) in enumerate(edge.dst_groups.items()):
             rhs = self._sum_x(u, edge.src_groups.get(q, ()))
-            self.model += (self._sum_x(v, consumer_strats) == rhs, f"edge_tied__{k}_{j}")
+            self._equal(f"edge_tied__{k}_{j}", self._sum_x(v, consumer_strats), rhs, 0.0)
 
     def add_memory_at_constraints(self) -> None:
         """memory_at: persistent + live storages + produced gradients <= M at every checkpoint t."""
@@ -236,8 +383,9 @@ class ShardingILP:
                 terms += [(xv, b) for xv, b in zip(self.x[a.node], p.value_bytes[a], strict=True) if b > 0]
             for param in point.grads_of:
                 terms += [(xv, b) for xv, b in zip(self.x[param], p.grad_bytes[param], strict=True)]
-            # a parameter's x carries its persistent bytes and its gradient: _affine sums them
-            self.model += (_affine(terms) <= p.capacity_bytes, f"memory_at__{point.position}_{point.node}")
+            # a parameter's x carries its persistent bytes and its gradient: _merge sums them
+            name = f"memory_at__{point.position}_{point.node}"
+            self.model.add_row(name, _merge(terms), -math.inf, p.capacity_bytes)
 
     def min_bytes_needed(self) -> float:
         """Lower bound of the peak: every term at its smallest, at the worst checkpoint."""
@@ -251,67 +399,52 @@ class ShardingILP:
         return persistent + worst
 
     # -- solve ------------------------------------------------------------------------------
-    def _integral(self) -> bool:
-        return all(
-            abs(v.value() - round(v.value())) <= 1e-6 for xs in self.x.values() for v in xs if v.value() is not None
-        )
+    def _run(self, options: SolverOptions, *, relaxation: bool) -> _Result:
+        backend = _solve_highs if _use_highs(options) else _solve_cbc
+        return backend(self.model, options, relaxation=relaxation)
 
-    def _solve_lp(self) -> bool:
-        """LP relaxation; True (and the values kept) when it is solved to optimality and integral."""
-        binaries = [v for xs in self.x.values() for v in xs]
-        saved = [(v.cat, v.lowBound, v.upBound) for v in binaries]  # PuLP stores binaries as 0/1 integers
-        for v in binaries:
-            v.cat, v.lowBound, v.upBound = pulp.LpContinuous, 0, 1
-        try:
-            status = self.model.solve(_make_solver(self.options, relaxation=True))
-            return status == pulp.LpStatusOptimal and self._status_text(status) == "Optimal" and self._integral()
-        finally:
-            for v, (cat, lo, hi) in zip(binaries, saved, strict=True):
-                v.cat, v.lowBound, v.upBound = cat, lo, hi
+    def _integral(self, values: Sequence[float]) -> bool:
+        return all(abs(values[c] - round(values[c])) <= 1e-6 for xs in self.x.values() for c in xs)
 
-    def _status_text(self, status: int) -> str:
-        """PuLP's status, except that HiGHS stopped by the time limit says so (PuLP reports
-        "Optimal" for any solution HiGHS returns)."""
-        highs = getattr(self.model, "solverModel", None)
-        if highs is not None and hasattr(highs, "getModelStatus"):
-            name = str(highs.getModelStatus()).rsplit(".", 1)[-1]
-            if name == "kTimeLimit":
-                return "Time limit (best feasible)"
-        return pulp.LpStatus[status]
-
-    def _gap(self) -> float | None:
-        highs = getattr(self.model, "solverModel", None)
-        if highs is None or not hasattr(highs, "getInfo"):
-            return None
-        gap = float(highs.getInfo().mip_gap)
-        return gap if gap == gap and gap < float("inf") else None  # NaN / inf: not reported
+    def _solve_lp(self) -> _Result | None:
+        """LP relaxation; its result when it is solved to optimality and integral, else None."""
+        result = self._run(self.options, relaxation=True)
+        if result.status == "optimal" and result.values is not None and self._integral(result.values):
+            return result
+        return None
 
     def solve(self) -> Solution:
         t0 = time.perf_counter()
-        method = "lp" if self.options.lp_first and self._solve_lp() else "mip"
-        if method == "lp":
-            status, gap, status_text = pulp.LpStatusOptimal, 0.0, "Optimal"
-        else:
+        result = self._solve_lp() if self.options.lp_first else None
+        method = "lp" if result is not None else "mip"
+        if result is None:
             left_s = max(1.0, self.options.time_limit_s - (time.perf_counter() - t0))
-            status = self.model.solve(_make_solver(dataclasses.replace(self.options, time_limit_s=left_s)))
-            gap = self._gap()
-            status_text = self._status_text(status)
+            result = self._run(dataclasses.replace(self.options, time_limit_s=left_s), relaxation=False)
+            gap = result.gap
+        else:
+            gap = 0.0
+        status_text = {
+            "optimal": "Optimal",
+            "infeasible": "Infeasible",
+            "time_limit": "Time limit (best feasible)",
+            "not_solved": "Not Solved",
+        }[result.status]
         dt = time.perf_counter() - t0
-        n_vars, n_cons = self.model.numVariables(), self.model.numConstraints()
+        n_vars, n_cons = self.model.num_cols, self.model.num_rows
         log.info("ILP %s (%s) in %.2fs: %d variables, %d constraints", status_text, method, dt, n_vars, n_cons)
-        has_solution = all(any((v.value() or 0) > 0.5 for v in xs) for xs in self.x.values())
-        if status == pulp.LpStatusInfeasible:
+        if result.status == "infeasible":
             raise self.infeasible_error()
-        if not has_solution:
+        values = result.values
+        if values is None or not all(any(values[c] > 0.5 for c in xs) for xs in self.x.values()):
             raise InfeasiblePlanError(
                 f"the solver stopped after {dt:.1f} s ({status_text}) without a feasible plan ({n_vars} variables, "
                 f"time limit {self.options.time_limit_s:g} s): raise time_limit_s / --time-limit or pin placements "
                 "to shrink the problem"
             )
-        choice = {name: max(range(len(xs)), key=lambda s: xs[s].value() or 0.0) for name, xs in self.x.items()}
+        choice = {name: max(range(len(xs)), key=lambda s: values[xs[s]]) for name, xs in self.x.items()}
         return Solution(
             choice=choice,
-            objective_s=float(pulp.value(self.model.objective) or 0.0),
+            objective_s=self.model.objective_value(values),
             status=status_text,
             solve_time_s=dt,
             num_variables=n_vars,

@@ -498,13 +498,18 @@ def test_model_that_cannot_fit_names_the_memory_needed_and_the_fixes(global_batc
 
 
 def test_solver_stopped_before_any_feasible_plan_raises_infeasible_plan_error(monkeypatch):
-    import pulp
+    import dataclasses
 
     from passes import solver
 
     # HiGHS with no time at all stops before it finds any solution, like a big ILP at its time
     # limit; through the public API a tiny time_limit_s cannot do this (the MIP gets >= 1 s)
-    monkeypatch.setattr(solver, "_make_solver", lambda options, **_: pulp.HiGHS(msg=False, timeLimit=0.0))
+    real = solver._solve_highs  # noqa: SLF001
+
+    def no_time(model, options, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        return real(model, dataclasses.replace(options, time_limit_s=0.0), **kwargs)
+
+    monkeypatch.setattr(solver, "_solve_highs", no_time)
 
     with pytest.raises(autoplan.InfeasiblePlanError) as info:
         plan_workload(on_meta(cli_models.mlp))
