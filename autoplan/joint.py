@@ -23,6 +23,7 @@ import logging
 import math
 import multiprocessing
 import os
+import queue
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -268,42 +269,69 @@ class SegmentCostModel:
         return traced, layering
 
     def prefetch(self, keys: Iterable[tuple[int, int]]) -> None:
-        """Solve the costs of every ``(tp, microbatch_size)`` in ``keys`` now, one tensor-parallel
-        degree per worker process, so the search's later calls are cache hits.
+        """Solve the costs of every ``(tp, microbatch_size)`` in ``keys`` now, in forked worker
+        processes, so the search's later calls are cache hits.
 
-        Each degree's micro-batch sizes form one chain (:meth:`__call__` decides from the solved
-        smaller sizes whether a larger one is scaled or solved); chains share nothing but the
-        traces, so they run in forked workers, the largest degree (the longest chain) first, and
-        the results are exactly those of calling :meth:`__call__` here, in any order. The traces
-        every chain needs (1 and 2 samples, and 4, the base larger sizes are derived from) are
-        made here before forking. Runs in this process
-        when there is one worker, one chain, no ``fork`` start method (Windows), or a
-        process group (inside a job)."""
+        The ILPs are independent; only *which* sizes need one depends on earlier results
+        (:meth:`__call__` scales a size instead once the smaller ones grow linearly). This
+        process keeps that decision (:meth:`_missing`): it hands out every ILP known to be
+        needed, the largest degree first, at most one per worker, and decides again as results
+        come in. The results are exactly those of calling :meth:`__call__` here, in any order.
+        The traces every worker needs (1, 2 and 4 samples: 2 and 4 are the bases larger sizes are
+        derived from, :mod:`passes.rebatch`) are made here before forking. Runs in this process
+        when there is one worker, no ``fork`` start method (Windows), or a process group (inside
+        a job)."""
         todo = sorted({k for k in keys if k not in self._costs})
-        chains: dict[int, list[int]] = {}
-        for tp, b in todo:
-            chains.setdefault(tp, []).append(b)
-        workers = min(self.workers or default_workers(), len(chains))
+        workers = self.workers or default_workers()
         # a forked copy of a process in a job would share its process group: solve here
         if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods() or torch.distributed.is_initialized():
             for tp, b in todo:
                 self(tp, b)
             return
-        # 4 samples too: with 2 it is the base larger sizes are derived from (passes.rebatch),
-        # here once instead of in every worker
         for b in (1, 2, 4):
-            if any(b in sizes or (self.extrapolate_batch and max(sizes) > b) for sizes in chains.values()):
+            if any(b == size or (self.extrapolate_batch and size > b) for _, size in todo):
                 self._traced(b)
         global _FORKED_MODEL  # noqa: PLW0603 - what a forked worker inherits (never pickled)
         _FORKED_MODEL = self
+        done: queue.SimpleQueue[object] = queue.SimpleQueue()
+        running: set[tuple[int, int]] = set()
         try:
             with multiprocessing.get_context("fork").Pool(workers) as pool:
-                order = sorted(chains.items(), key=lambda kv: (-kv[0], -max(kv[1])))
-                for costs, linear in pool.imap_unordered(_solve_chain, order, chunksize=1):
-                    self._costs.update(costs)
-                    self._linear.update(linear)
+                while True:
+                    ready = {(tp, size) for tp, b in todo for size in self._missing(tp, b)} - running
+                    for key in sorted(ready, key=lambda k: (-k[0], k[1]))[: workers - len(running)]:
+                        pool.apply_async(_solve_pair, (key,), callback=done.put, error_callback=done.put)
+                        running.add(key)
+                    if not running:
+                        break
+                    result = done.get()
+                    if isinstance(result, BaseException):
+                        raise result
+                    solved: tuple[tuple[int, int], SegmentCosts] = result  # type: ignore[assignment]
+                    running.discard(solved[0])
+                    self._costs[solved[0]] = solved[1]
         finally:
             _FORKED_MODEL = None
+        for tp, b in todo:  # every ILP is solved: the scaled sizes and linearity decisions
+            self(tp, b)
+
+    def _missing(self, tp: int, microbatch_size: int) -> set[int]:
+        """The micro-batch sizes :meth:`__call__` would still solve an ILP for to answer
+        ``(tp, microbatch_size)``, as far as the sizes solved so far decide (empty: answerable)."""
+        if (tp, microbatch_size) in self._costs:
+            return set()
+        if self.extrapolate_batch:
+            base = 2
+            while base < microbatch_size:
+                if (tp, base) not in self._linear:
+                    need = self._missing(tp, base // 2) | self._missing(tp, base)
+                    if need:
+                        return need
+                    self._linear[(tp, base)] = _scales_linearly(self(tp, base // 2), self(tp, base), 2)
+                if self._linear[(tp, base)]:
+                    return set()
+                base *= 2
+        return {microbatch_size}
 
     def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
         """Costs of a micro-batch of ``microbatch_size`` samples on ``tp`` devices.
@@ -327,6 +355,12 @@ class SegmentCostModel:
                     self._costs[key] = scale_costs(self(tp, base), microbatch_size / base)
                     return self._costs[key]
                 base *= 2
+        self._costs[key] = self._solve(tp, microbatch_size)
+        return self._costs[key]
+
+    def _solve(self, tp: int, microbatch_size: int) -> SegmentCosts:
+        """The intra-operator ILP of ``microbatch_size`` samples on ``tp`` devices, summed per
+        segment and expanded to the model's depth."""
         from autoplan.api import planning_mesh
 
         traced, layering = self._traced(microbatch_size)
@@ -351,8 +385,7 @@ class SegmentCostModel:
             solution.choice,
             param_nodes=[param_node_name(p) for p in traced.param_names],
         )
-        self._costs[key] = expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
-        return self._costs[key]
+        return expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
 
 
 def default_workers() -> int:
@@ -370,23 +403,15 @@ _FORKED_MODEL: SegmentCostModel | None = None
 """The cost model a :meth:`SegmentCostModel.prefetch` worker inherits through ``fork``."""
 
 
-def _solve_chain(
-    chain: tuple[int, list[int]],
-) -> tuple[dict[tuple[int, int], SegmentCosts], dict[tuple[int, int], bool]]:
-    """In a forked worker: the costs of one tensor-parallel degree's micro-batch sizes."""
+def _solve_pair(key: tuple[int, int]) -> tuple[tuple[int, int], SegmentCosts]:
+    """In a forked worker: the ILP of one ``(tp, microbatch_size)``."""
     model = _FORKED_MODEL
     assert model is not None, "prefetch workers are forked from SegmentCostModel.prefetch"
-    tp, sizes = chain
     # the parent's OpenMP threads are not in this process: an op that forks work to them would
     # wait forever (tracing a model on the CPU runs its ops); one thread runs them inline
     torch.set_num_threads(1)
     with progress.reporting(enabled=False):
-        for b in sorted(sizes):
-            model(tp, b)
-    return (
-        {k: v for k, v in model._costs.items() if k[0] == tp},  # noqa: SLF001 - its own cache
-        {k: v for k, v in model._linear.items() if k[0] == tp},  # noqa: SLF001
-    )
+        return key, model._solve(*key)  # noqa: SLF001 - the worker's copy of the cost model
 
 
 LINEAR_TOLERANCE = 0.02
