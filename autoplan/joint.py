@@ -17,11 +17,13 @@ micro-batch size the search tries.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 import queue
 import sys
@@ -278,7 +280,8 @@ class SegmentCostModel:
         needed, the largest degree first, at most one per worker, and decides again as results
         come in. The results are exactly those of calling :meth:`__call__` here, in any order.
         The traces every worker needs (1, 2 and 4 samples: 2 and 4 are the bases larger sizes are
-        derived from, :mod:`passes.rebatch`) are made here before forking. Runs in this process
+        derived from, :mod:`passes.rebatch`) are made here before forking; while this process
+        traces 2 and 4, a first worker already solves the ILPs of 1 sample. Runs in this process
         when there is one worker, no ``fork`` start method (Windows), or a process group (inside
         a job)."""
         todo = sorted({k for k in keys if k not in self._costs})
@@ -288,20 +291,36 @@ class SegmentCostModel:
             for tp, b in todo:
                 self(tp, b)
             return
-        for b in (1, 2, 4):
-            if any(b == size or (self.extrapolate_batch and size > b) for _, size in todo):
-                self._traced(b)
+        bases = [b for b in (1, 2, 4) if any(b == size or (self.extrapolate_batch and size > b) for _, size in todo)]
         global _FORKED_MODEL  # noqa: PLW0603 - what a forked worker inherits (never pickled)
         _FORKED_MODEL = self
         done: queue.SimpleQueue[object] = queue.SimpleQueue()
         running: set[tuple[int, int]] = set()
+        early: set[tuple[int, int]] = set()  # running in the first, one-process pool
+
+        def needed() -> set[tuple[int, int]]:
+            return {(tp, size) for tp, b in todo for size in self._missing(tp, b)} - running
+
+        def start(pool: multiprocessing.pool.Pool, key: tuple[int, int]) -> None:
+            pool.apply_async(_solve_pair, (key,), callback=done.put, error_callback=done.put)
+            running.add(key)
+
+        context = multiprocessing.get_context("fork")
         try:
-            with multiprocessing.get_context("fork").Pool(workers) as pool:
+            with contextlib.ExitStack() as pools:
+                if bases:
+                    self._traced(bases[0])
+                if len(bases) > 1:  # the first size's ILPs run in one worker while this process traces the others
+                    first = pools.enter_context(context.Pool(1))
+                    for key in sorted(k for k in needed() if k[1] in self._traces):
+                        start(first, key)
+                        early.add(key)
+                    for b in bases[1:]:
+                        self._traced(b)
+                pool = pools.enter_context(context.Pool(workers))
                 while True:
-                    ready = {(tp, size) for tp, b in todo for size in self._missing(tp, b)} - running
-                    for key in sorted(ready, key=lambda k: (-k[0], k[1]))[: workers - len(running)]:
-                        pool.apply_async(_solve_pair, (key,), callback=done.put, error_callback=done.put)
-                        running.add(key)
+                    for key in sorted(needed(), key=lambda k: (-k[0], k[1]))[: workers - len(running - early)]:
+                        start(pool, key)
                     if not running:
                         break
                     result = done.get()
@@ -309,6 +328,7 @@ class SegmentCostModel:
                         raise result
                     solved: tuple[tuple[int, int], SegmentCosts] = result  # type: ignore[assignment]
                     running.discard(solved[0])
+                    early.discard(solved[0])
                     self._costs[solved[0]] = solved[1]
         finally:
             _FORKED_MODEL = None
