@@ -240,9 +240,18 @@ class SegmentCostModel:
     def _traced(self, batch: int) -> tuple[TracedProgram, Layering]:
         """The step of one micro-batch of ``batch`` samples, traced with the first
         :data:`~passes.depth.KEPT_BLOCKS` blocks only (:mod:`passes.depth`; costs are expanded to
-        the full depth in :meth:`__call__`); derived from two traced smaller sizes when it can be
-        (:mod:`passes.rebatch`: the same graph, without another ``torch.export``)."""
+        the full depth in :meth:`__call__`); derived from two exported sizes when it can be
+        (:mod:`passes.rebatch`: the same graph, without another ``torch.export``).
+
+        A batch of one is always derived from 2 and 4 samples (exported first if needed): traced
+        on its own it gives a slightly different graph (a ``slice`` where larger batches
+        ``expand``), while the runtime runs the graph of the whole global batch, sharded, on
+        every device; the derived one is that graph at one sample. Traced directly only when it
+        cannot be derived."""
         if batch not in self._traces:
+            if batch < MIN_BASE_BATCH:
+                for base in (MIN_BASE_BATCH, 2 * MIN_BASE_BATCH):
+                    self._traced(base)
             derived = self._derived(batch)
             if derived is not None:
                 self._traces[batch] = derived
@@ -256,9 +265,11 @@ class SegmentCostModel:
         return self._traces[batch]
 
     def _derived(self, batch: int) -> tuple[TracedProgram, Layering] | None:
-        """The step of ``batch`` samples derived from the two largest exported sizes below it
-        (:mod:`passes.rebatch`, exact or ``None``), with its layering."""
-        bases = sorted(b for b in self._exported if MIN_BASE_BATCH <= b < batch)[-2:]
+        """The step of ``batch`` samples derived (:mod:`passes.rebatch`, exact or ``None``) from
+        the two largest exported sizes below it, else the two smallest others, with its layering."""
+        exported = sorted(b for b in self._exported if b >= MIN_BASE_BATCH and b != batch)
+        below = [b for b in exported if b < batch]
+        bases = below[-2:] if len(below) >= 2 else exported[:2]
         if len(bases) < 2:
             return None
         (first, _), (second, layering2) = self._traces[bases[0]], self._traces[bases[1]]
@@ -279,19 +290,26 @@ class SegmentCostModel:
         process keeps that decision (:meth:`_missing`): it hands out every ILP known to be
         needed, the largest degree first, at most one per worker, and decides again as results
         come in. The results are exactly those of calling :meth:`__call__` here, in any order.
-        The traces every worker needs (1, 2 and 4 samples: 2 and 4 are the bases larger sizes are
-        derived from, :mod:`passes.rebatch`) are made here before forking; while this process
-        traces 2 and 4, a first worker already solves the ILPs of 1 sample. Runs in this process
+        The traces every worker needs (2 and 4 samples, the bases the other sizes are derived from,
+        :mod:`passes.rebatch`, and 1 sample) are made here before forking; while this process
+        traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. Runs in this process
         when there is one worker, no ``fork`` start method (Windows), or a process group (inside
         a job)."""
         todo = sorted({k for k in keys if k not in self._costs})
         workers = self.workers or default_workers()
         # a forked copy of a process in a job would share its process group: solve here
-        if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods() or torch.distributed.is_initialized():
+        if (
+            workers <= 1
+            or not todo
+            or "fork" not in multiprocessing.get_all_start_methods()
+            or torch.distributed.is_initialized()
+        ):
             for tp, b in todo:
                 self(tp, b)
             return
-        bases = [b for b in (1, 2, 4) if any(b == size or (self.extrapolate_batch and size > b) for _, size in todo)]
+        sizes = {b for _, b in todo}
+        if self.extrapolate_batch and max(sizes) > MIN_BASE_BATCH:
+            sizes |= {1, MIN_BASE_BATCH}  # the first linearity check (SegmentCostModel._missing)
         global _FORKED_MODEL  # noqa: PLW0603 - what a forked worker inherits (never pickled)
         _FORKED_MODEL = self
         done: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -308,14 +326,15 @@ class SegmentCostModel:
         context = multiprocessing.get_context("fork")
         try:
             with contextlib.ExitStack() as pools:
-                if bases:
-                    self._traced(bases[0])
-                if len(bases) > 1:  # the first size's ILPs run in one worker while this process traces the others
+                self._traced(MIN_BASE_BATCH)  # every other size is derived with it (passes.rebatch)
+                later = [2 * MIN_BASE_BATCH] if sizes - {MIN_BASE_BATCH} else []  # the second base
+                later += [1] if 1 in sizes else []  # derived from the two bases
+                if later:  # the ILPs of 2 samples run in one worker while this process traces the bases
                     first = pools.enter_context(context.Pool(1))
                     for key in sorted(k for k in needed() if k[1] in self._traces):
                         start(first, key)
                         early.add(key)
-                    for b in bases[1:]:
+                    for b in later:
                         self._traced(b)
                 pool = pools.enter_context(context.Pool(workers))
                 while True:
@@ -612,7 +631,7 @@ def _search(
         model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile,
         reduce_repeated=reduce_repeated, extrapolate_batch=reduce_repeated,
     )  # fmt: skip
-    costs._traced(1)  # noqa: SLF001 - learn the number of blocks
+    costs._traced(MIN_BASE_BATCH)  # noqa: SLF001 - learn the number of blocks (and a base, passes.rebatch)
     if config is not None:
         _check_config(config, cluster, costs.num_blocks, global_batch_size)
         if config.stage_dp is not None:

@@ -87,3 +87,17 @@ def test_segment_costs_with_derived_traces_are_those_of_traced_ones(monkeypatch)
     traced = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=1, extrapolate_batch=False)
     assert got == {k: traced(*k) for k in keys}
     assert exports == [2, 4, 2, 4, 8]
+
+
+@pytest.mark.parametrize("build", [gpt2_tiny, llama_tiny], ids=["gpt2", "llama"])
+def test_one_sample_derived_from_larger_batches_computes_the_same_step(build) -> None:  # noqa: ANN001
+    """A batch of one traces to a slightly different graph; the one derived from 2 and 4 samples
+    (what the cost model prices, SegmentCostModel._traced) computes the same loss and gradients."""
+    model = build()
+    derived = rebatch(_trace(model, 2), _trace(model, 4), 2, 4, 1)
+    traced = _trace(model, 1)
+    assert derived is not None
+    ids, labels = token_batch(batch=1, seq=8)
+    args = [*(p.detach() for p in model.parameters()), *model.buffers(), ids, labels]
+    for got, want in zip(derived.graph_module(*args), traced.graph_module(*args), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
