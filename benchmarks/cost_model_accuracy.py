@@ -8,7 +8,8 @@ On 2 CPU ranks (gloo, one thread each) it
 1. calibrates the collectives (``autoplan calibrate --cluster 2xCPU``) unless a cluster profile
    is given,
 2. profiles every (op, local shape) of a GPT-2-style model's training step on this CPU
-   (``passes.profile``; cached in the profile database, so a second run skips it),
+   (``passes.profile``) into a fresh profile database, so that op times and step times are
+   measured under the same load (``--profile-db`` reuses and extends a given one),
 3. builds several plans for the same model (pure data parallel, tensor parallel, parameter
    sharded, mixes, and the solver's own choice), each costed with the profiled times and the
    calibrated links,
@@ -172,7 +173,10 @@ def main() -> int:
     parser.add_argument(
         "--cluster-profile", help="calibrated cluster file (calibrated now and written there if missing)"
     )
-    parser.add_argument("--profile-db", help="profile database (default: this machine's, in the cache)")
+    parser.add_argument(
+        "--profile-db",
+        help="profile database to use and extend (default: a fresh one, profiled now, next to the runs it predicts)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per plan (after 3 warm-up steps)")
     parser.add_argument(
         "--rounds", type=int, default=3, help="runs of every plan, interleaved (its time: the fastest round's median)"
@@ -194,7 +198,9 @@ def main() -> int:
         if not cluster_file.exists():
             calibrate(cluster_file)
         cluster = Cluster.from_file(cluster_file)
-        db = profile(cluster_file, args.profile_db)
+        # op times measured now, not in the cache from another day: this VM's speed drifts by as
+        # much as the error measured (the same plan 193 and 263 ms 20 minutes apart)
+        db = profile(cluster_file, args.profile_db or str(tmpdir / "profile.json"))
         names = args.plans.split(",") if args.plans else list(PLANS)
         plans = {}
         for name in names:
