@@ -28,6 +28,7 @@ per-(tensor-parallel degree, micro-batch) costs need 4-5 sizes (:mod:`autoplan.j
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -102,15 +103,7 @@ def rebatch(first: TracedProgram, second: TracedProgram, b1: int, b2: int, batch
         return None
     dt = time.perf_counter() - t0
     log.info("derived the step of micro-batch %d from %d and %d in %.2fs", batch, b1, b2, dt)
-    return TracedProgram(
-        graph_module=gm,
-        param_names=second.param_names,
-        buffer_names=second.buffer_names,
-        num_inputs=second.num_inputs,
-        num_targets=second.num_targets,
-        fingerprint=graph_fingerprint(gm),
-        trace_time_s=dt,
-    )
+    return dataclasses.replace(second, graph_module=gm, fingerprint=graph_fingerprint(gm), trace_time_s=dt)
 
 
 def _derive_graph(gm1: fx.GraphModule, gm2: fx.GraphModule, b1: int, b2: int, batch: int) -> fx.GraphModule:
