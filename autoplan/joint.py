@@ -800,10 +800,17 @@ def plan_for_batch(
     )  # fmt: skip
     cfg = best.config
     # the stage program with the repeated blocks traced once (passes.depth), solved with the
-    # copies' variables shared (passes.expand); memory is the outer search's constraint. The cost
-    # model traces it exactly as trace_repeated would (derived when it can: passes.rebatch)
-    traced, layering = costs._traced(cfg.microbatch_size * cfg.dp)  # noqa: SLF001
-    num_blocks = costs.num_blocks
+    # copies' variables shared (passes.expand); memory is the outer search's constraint. It must
+    # be the graph parallelize traces (trace_for_plan): from 2 samples on, the cost model's
+    # derived traces are that graph exactly (passes.rebatch); one sample is traced on its own
+    samples = cfg.microbatch_size * cfg.dp
+    if samples >= MIN_BASE_BATCH:
+        traced, layering = costs._traced(samples)  # noqa: SLF001
+        num_blocks = costs.num_blocks
+    else:
+        traced, layering, num_blocks = trace_repeated(
+            costs.model, costs.example_inputs, costs.example_targets, loss_fn, samples, reduce=reduce_repeated
+        )
     mult = block_multiplicity(layering, num_blocks)
     twin = twins(traced.graph_module, layering)
     reduction: dict[str, int] = {}

@@ -101,3 +101,20 @@ def test_one_sample_derived_from_larger_batches_computes_the_same_step(build) ->
     args = [*(p.detach() for p in model.parameters()), *model.buffers(), ids, labels]
     for got, want in zip(derived.graph_module(*args), traced.graph_module(*args), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_one_sample_plan_is_made_on_the_graph_parallelize_traces() -> None:
+    """Costs price one sample with the derived graph, but the stage program of a plan whose
+    data-parallel micro-batch is one sample must be the traced one (parallelize checks the
+    fingerprint)."""
+    import autoplan
+    from autoplan.joint import trace_for_plan
+
+    ids, labels = token_batch(batch=1)
+    model = gpt2_tiny()
+    plan = autoplan.plan(
+        model, Cluster.preset("2xCPU"), example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,),
+        global_batch_size=1,
+    )  # fmt: skip
+    assert plan.config.dp * plan.config.microbatch_size == 1
+    assert plan.fingerprint == trace_for_plan(plan, model, (ids,), (labels,), lm_loss).fingerprint
