@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import logging
 import math
 import multiprocessing
@@ -28,7 +29,7 @@ import os
 import queue
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -281,7 +282,11 @@ class SegmentCostModel:
             return None
         return traced, layering
 
-    def prefetch(self, keys: Iterable[tuple[int, int]]) -> None:
+    def ready(self, tp: int, microbatch_size: int) -> bool:
+        """Whether ``(tp, microbatch_size)`` is answered without solving another ILP."""
+        return not self._missing(tp, microbatch_size)
+
+    def prefetch(self, keys: Iterable[tuple[int, int]], *, while_waiting: Callable[[], bool] | None = None) -> None:
         """Solve the costs of every ``(tp, microbatch_size)`` in ``keys`` now, in forked worker
         processes, so the search's later calls are cache hits.
 
@@ -292,7 +297,13 @@ class SegmentCostModel:
         come in. The results are exactly those of calling :meth:`__call__` here, in any order.
         The traces every worker needs (2 and 4 samples, the bases the other sizes are derived from,
         :mod:`passes.rebatch`, and 1 sample) are made here before forking; while this process
-        traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. Runs in this process
+        traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. While every
+        worker is busy, this process calls ``while_waiting()`` (the search lays out the candidates
+        whose costs are :meth:`ready`) until it returns False, checking for results in between.
+        The objects alive at a fork are frozen out of the garbage collector (``gc.freeze``, as
+        the ``gc`` docs advise before ``fork``): a worker's collections then neither rescan the
+        model and traces nor copy their pages.
+        Runs in this process
         when there is one worker, no ``fork`` start method (Windows), or a process group (inside
         a job)."""
         todo = sorted({k for k in keys if k not in self._costs})
@@ -330,19 +341,27 @@ class SegmentCostModel:
                 later = [2 * MIN_BASE_BATCH] if sizes - {MIN_BASE_BATCH} else []  # the second base
                 later += [1] if 1 in sizes else []  # derived from the two bases
                 if later:  # the ILPs of 2 samples run in one worker while this process traces the bases
+                    gc.freeze()
                     first = pools.enter_context(context.Pool(1))
                     for key in sorted(k for k in needed() if k[1] in self._traces):
                         start(first, key)
                         early.add(key)
                     for b in later:
                         self._traced(b)
+                gc.freeze()
                 pool = pools.enter_context(context.Pool(workers))
                 while True:
-                    for key in sorted(needed(), key=lambda k: (-k[0], k[1]))[: workers - len(running - early)]:
+                    # smallest micro-batch first: its candidates can be laid out while the rest solve
+                    for key in sorted(needed(), key=lambda k: (k[1], -k[0]))[: workers - len(running - early)]:
                         start(pool, key)
                     if not running:
                         break
-                    result = done.get()
+                    try:
+                        result = done.get_nowait()
+                    except queue.Empty:
+                        if while_waiting is not None and while_waiting():
+                            continue
+                        result = done.get()  # nothing to do meanwhile until the next result
                     if isinstance(result, BaseException):
                         raise result
                     solved: tuple[tuple[int, int], SegmentCosts] = result  # type: ignore[assignment]
@@ -351,6 +370,7 @@ class SegmentCostModel:
                     self._costs[solved[0]] = solved[1]
         finally:
             _FORKED_MODEL = None
+            gc.unfreeze()
         for tp, b in todo:  # every ILP is solved: the scaled sizes and linearity decisions
             self(tp, b)
 

@@ -99,12 +99,16 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
     from passes.solver import ShardingILP
 
     timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0, "prefetch_s": 0.0}
-    real_trace, real_solve, real_prefetch = joint.trace_training_step, ShardingILP.solve, joint.SegmentCostModel.prefetch
+    real_trace, real_solve, real_prefetch = (
+        joint.trace_training_step,
+        ShardingILP.solve,
+        joint.SegmentCostModel.prefetch,
+    )
 
-    def timed_prefetch(self, keys):  # noqa: ANN001, ANN202
+    def timed_prefetch(self, keys, **kwargs):  # noqa: ANN001, ANN003, ANN202
         t = time.perf_counter()
         try:
-            return real_prefetch(self, keys)
+            return real_prefetch(self, keys, **kwargs)
         finally:
             timers["prefetch_s"] += time.perf_counter() - t
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -697,25 +698,13 @@ def search(
             cache[(tp, b)] = expand_blocks(c, blocks) if expand_to_blocks else c
         return cache[(tp, b)]
 
-    results = []
     splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-    todo = [
-        c
-        for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
-        if all(getattr(c, k) == v for k, v in space.fixed.items())
-    ]
-    prefetch = getattr(cost_fn, "prefetch", None)
-    if prefetch is not None:  # a cost model that solves many (tp, b) at once (in parallel)
-        prefetch({(c.tp, c.microbatch_size) for c in todo})
-    # best-first: a candidate whose compute alone exceeds the best step found cannot win
-    bounds = [lower_bound_s(c, costs(c.tp, c.microbatch_size)) for c in todo]
-    best_s = float("inf")
-    for bound, cand in sorted(zip(bounds, todo, strict=True), key=lambda bc: bc[0]):
-        if bound > best_s:
-            break
+
+    def layout(cand: Candidate, cost_at: SegmentCostFn) -> PipelineEstimate:
+        """The best layout of ``cand``: :func:`best_layout`, or :func:`hetero_layout` if faster."""
         est = best_layout(
             cand,
-            costs(cand.tp, cand.microbatch_size),
+            cost_at(cand.tp, cand.microbatch_size),
             cluster,
             space=space,
             precision=precision,
@@ -724,7 +713,7 @@ def search(
         if space.hetero_stages:
             alt = hetero_layout(
                 cand,
-                functools.partial(costs, cand.tp),
+                functools.partial(cost_at, cand.tp),
                 cluster,
                 space=space,
                 precision=precision,
@@ -733,6 +722,30 @@ def search(
             )  # fmt: skip
             if alt is not None and _key(alt) < _key(est):
                 est = alt
+        return est
+
+    todo = [
+        c
+        for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
+        if all(getattr(c, k) == v for k, v in space.fixed.items())
+    ]
+    early: dict[int, PipelineEstimate] = {}
+    prefetch = getattr(cost_fn, "prefetch", None)
+    if prefetch is not None:  # a cost model that solves many (tp, b) at once (in parallel)
+        keys = {(c.tp, c.microbatch_size) for c in todo}
+        ready = getattr(cost_fn, "ready", None)
+        if ready is None:
+            prefetch(keys)
+        else:  # lay out the candidates whose costs are in while the others are being solved
+            prefetch(keys, while_waiting=_EarlyLayouts(todo, ready, costs, layout, early))
+    # best-first: a candidate whose compute alone exceeds the best step found cannot win
+    bounds = [lower_bound_s(c, costs(c.tp, c.microbatch_size)) for c in todo]
+    results = []
+    best_s = float("inf")
+    for bound, i in sorted(zip(bounds, range(len(todo)), strict=True), key=lambda bi: bi[0]):
+        if bound > best_s:
+            break
+        est = early.pop(i) if i in early else layout(todo[i], costs)
         results.append(est)
         if est.feasible:
             best_s = min(best_s, est.step_time_s)
@@ -750,6 +763,63 @@ def search(
             "a smaller global batch or a device with more memory"
         )
     return min(feasible, key=lambda r: r.step_time_s), results
+
+
+class _NotReady(Exception):
+    """The costs of this (tp, micro-batch) are still being solved."""
+
+
+class _EarlyLayouts:
+    """:func:`search`'s work while its cost model solves (``prefetch(keys, while_waiting=...)``):
+    each call lays out one candidate whose costs are in, and returns False when there is none.
+
+    A pure speed-up: the layouts go to ``early`` (by index into ``todo``), which :func:`search`'s
+    best-first loop takes instead of computing them, so the search's result and the list of
+    candidates it evaluated are exactly those without it. Candidates are taken by increasing
+    lower bound among the ready ones; one whose bound exceeds a feasible step already laid out
+    is skipped, as the loop will prune it too (every candidate with a smaller bound comes
+    first there, and that step is among them or beaten by one). A candidate that needs
+    costs not yet in (a heterogeneous split over other micro-batch sizes) is left to the loop."""
+
+    def __init__(
+        self,
+        todo: Sequence[Candidate],
+        ready: Callable[[int, int], bool],
+        costs: SegmentCostFn,
+        layout: Callable[[Candidate, SegmentCostFn], PipelineEstimate],
+        early: dict[int, PipelineEstimate],
+    ) -> None:
+        self.todo, self.ready, self.costs, self.layout, self.early = todo, ready, costs, layout, early
+        self.waiting: dict[tuple[int, int], list[int]] = {}
+        for i, c in enumerate(todo):
+            self.waiting.setdefault((c.tp, c.microbatch_size), []).append(i)
+        self.heap: list[tuple[float, int]] = []
+        self.best_s = float("inf")
+
+    def _cost_if_ready(self, tp: int, b: int) -> SegmentCosts:
+        if not self.ready(tp, b):
+            raise _NotReady
+        return self.costs(tp, b)
+
+    def __call__(self) -> bool:
+        for key in [k for k in self.waiting if self.ready(*k)]:
+            costs = self.costs(*key)
+            for i in self.waiting.pop(key):
+                heapq.heappush(self.heap, (lower_bound_s(self.todo[i], costs), i))
+        while self.heap:
+            bound, i = heapq.heappop(self.heap)
+            if bound > self.best_s:
+                self.heap.clear()  # every later one is pruned too
+                break
+            try:
+                est = self.layout(self.todo[i], self._cost_if_ready)
+            except _NotReady:
+                continue
+            self.early[i] = est
+            if est.feasible:
+                self.best_s = min(self.best_s, est.step_time_s)
+            return True
+        return False
 
 
 def lower_bound_s(cand: Candidate, costs: SegmentCosts) -> float:

@@ -118,6 +118,43 @@ def test_search_uses_hetero_stages_only_when_allowed():
     assert even.candidate.stage_dp is None or len(set(even.candidate.stage_dp)) == 1
 
 
+class _ArrivingCosts:
+    """A cost model whose (tp, b) costs come in one at a time, smallest b first, as from
+    ``SegmentCostModel.prefetch``'s workers; between two arrivals the search's ``while_waiting``
+    runs until it has nothing left to do."""
+
+    def __init__(self) -> None:
+        self.arrived: set[tuple[int, int]] = set()
+        self.laid_out_early = 0
+
+    def __call__(self, tp: int, b: int) -> SegmentCosts:
+        return _costs(b) if tp == 1 else _costs(b, (0.1, 2, 2, 2, 2, 2, 2, 8))
+
+    def ready(self, tp: int, b: int) -> bool:
+        return (tp, b) in self.arrived
+
+    def prefetch(self, keys, *, while_waiting=None) -> None:  # noqa: ANN001
+        for key in sorted(keys, key=lambda k: (k[1], -k[0])):
+            self.arrived.add(key)
+            while while_waiting is not None and while_waiting():
+                self.laid_out_early += 1
+
+
+def test_candidates_laid_out_while_costs_arrive_change_nothing():
+    """The search lays out candidates whose costs are in while the others are solved; its best
+    configuration and the list of candidates it evaluated are exactly those of the search that
+    waits for every cost first (pruning included, heterogeneous splits over sizes not in yet
+    left to the main loop)."""
+    space = SearchSpace(schedules=("1f1b", "gpipe"), recompute=("none", "full"), zero_stages=(0, 1),
+                        microbatch_sizes=(1, 2, 4))  # fmt: skip
+    arriving = _ArrivingCosts()
+    best, every = search(arriving, CLUSTER, num_blocks=6, global_batch_size=32, space=space)
+    waited, every_waited = search(arriving.__call__, CLUSTER, num_blocks=6, global_batch_size=32, space=space)
+    assert arriving.laid_out_early > 0
+    assert best == waited
+    assert every == every_waited
+
+
 def test_config_stage_dp_checks_name_the_numbers():
     with pytest.raises(ConfigError, match="one positive degree per pipeline stage"):
         ParallelConfig(dp=2, pp=4, microbatch_size=2, num_microbatches=8, stage_dp=(1, 2))

@@ -167,7 +167,14 @@ def test_parallel_prefetch_gives_the_costs_of_solving_one_by_one():
     model, cluster = gpt2_tiny(num_layers=4), Cluster.preset(CLUSTER)
     keys = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 4), (4, 2)]
     parallel = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=2)
-    parallel.prefetch(keys)
+    waits: list[int] = []  # the search lays out ready candidates here while the workers solve
+
+    def while_waiting() -> bool:
+        waits.append(len(parallel._costs))  # noqa: SLF001
+        return False
+
+    parallel.prefetch(keys, while_waiting=while_waiting)
+    assert waits, "the planning process never had time to do other work"
     assert set(keys) <= set(parallel._costs)  # noqa: SLF001 - filled by the workers
     serial = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=1)
     for tp, b in keys:
