@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+import passes.rebatch as rebatch_pass
 from autoplan import joint
 from autoplan.joint import SegmentCostModel
 from cost_models.cluster import Cluster
@@ -28,7 +29,16 @@ def _vals(node: torch.fx.Node) -> list[Any]:
 
 @pytest.mark.parametrize("build", [gpt2_tiny, llama_tiny], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("batch", [3, 8])
-def test_derived_step_is_the_traced_step(build, batch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kernels", ["meta", "fake"])
+def test_derived_step_is_the_traced_step(build, batch, kernels, monkeypatch) -> None:  # noqa: ANN001
+    """``kernels``: the values come from the ops' meta kernels, or (an op without one) from
+    running the graph on fake tensors."""
+    if kernels == "fake":
+
+        def no_meta_kernel(target: Any, args: Any, kwargs: Any) -> Any:
+            raise NotImplementedError(f"{target} has no meta kernel")
+
+        monkeypatch.setattr(rebatch_pass, "_on_meta", no_meta_kernel)
     model = build()
     derived = rebatch(_trace(model, 2), _trace(model, 4), 2, 4, batch)
     traced = _trace(model, batch)
@@ -39,6 +49,7 @@ def test_derived_step_is_the_traced_step(build, batch) -> None:  # noqa: ANN001
         for dv, tv in zip(_vals(d), _vals(t), strict=True):
             if isinstance(tv, torch.Tensor):
                 assert (dv.shape, dv.stride(), dv.dtype) == (tv.shape, tv.stride(), tv.dtype), d.name
+                assert (type(dv), dv.device) == (type(tv), tv.device), d.name
         for key in ("autoplan.phase", "autoplan.module"):
             assert d.meta.get(key) == t.meta.get(key), (d.name, key)
     assert (derived.param_names, derived.num_inputs, derived.num_targets) == (
