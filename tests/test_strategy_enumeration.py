@@ -14,11 +14,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor._ops import utils as dtensor_op_utils
 
+import passes.strategies as strategies
 from autoplan.api import planning_mesh
 from cost_models.cluster import Cluster
 from passes.placement import replicated
-from passes.strategies import _output_meta, _single, tensor_args
+from passes.strategies import _output_meta, _single, _strategy_key, build_strategy_table, tensor_args
 from passes.trace import trace_training_step
 from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
 
@@ -61,3 +63,23 @@ def test_output_meta_from_the_trace_is_what_dtensor_propagates(build) -> None:  
             assert _same(_output_meta(node), expected), (node.name, node.target, _output_meta(node), expected)
             checked += 1
     assert checked > 100  # forward and backward ops of two blocks, the head and the loss
+
+
+@pytest.mark.parametrize("build", [gpt2_tiny, llama_tiny], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("cluster", ["1x4xA100-80GB", "2x4xA100-80GB"])
+def test_tables_do_not_depend_on_dtensor_redistribution_costs(build, cluster, monkeypatch) -> None:  # noqa: ANN001
+    """The enumeration gives DTensor's rules a redistribution cost of 0 (it prices transitions
+    itself): the strategies found are exactly those found with DTensor's own costs."""
+    ids, labels = token_batch(batch=4, seq=8)
+    traced = trace_training_step(build(), (ids,), loss_fn=lm_loss, example_targets=(labels,))
+
+    def table() -> dict[str, list[object]]:
+        with planning_mesh(Cluster.preset(cluster)) as mesh:
+            built = build_strategy_table(traced, mesh)
+        return {name: [_strategy_key(s) for s in ns.strategies] for name, ns in built.nodes.items()}
+
+    fast = table()
+    monkeypatch.setattr(strategies, "_free_redistribution", dtensor_op_utils.redistribute_cost)
+    with_costs = table()
+    assert sum(len(v) for v in fast.values()) > 2 * len(fast)  # nodes have several strategies
+    assert fast == with_costs
