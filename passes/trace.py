@@ -328,7 +328,7 @@ def _clean_graph(gm: fx.GraphModule) -> None:
             and node.meta.get("val") is not None
         ):
             raise UnsupportedModelError(f"node {node.name} ({node.target}) has no tensor metadata")
-    gm.recompile()
+    # no recompile: _canonicalize replaces the graph (which recompiles)
 
 
 _CANONICAL_TARGETS = {
@@ -363,8 +363,7 @@ def _canonicalize(gm: fx.GraphModule) -> None:
     fresh = fx.Graph()
     out = fresh.graph_copy(gm.graph, {})
     fresh.output(out)
-    gm.graph = fresh
-    gm.recompile()
+    gm.graph = fresh  # recompiles
 
 
 def _name_placeholders(
