@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from autoplan.cli import main
 from cost_models.cluster import Cluster
 from cost_models.errors import PlanError, ProfileError
 from cost_models.profile_db import VERSION, DeviceKey, ProfileDB, default_cache_dir, default_db_path
-from passes.profile import local_shard_shape, op_key, optimizer_key, profile_program
+from passes.profile import _interleaved_times_s, local_shard_shape, op_key, optimizer_key, profile_program
 from passes.strategies import Strategy, StrategyTable, build_strategy_table
 from passes.trace import TracedProgram, trace_training_step
 from tests.models import mlp, mlp_batch, mse_loss
@@ -89,7 +90,7 @@ def test_db_round_trip_keeps_entries_and_resaves_byte_identical(tmp_path: Path) 
     loaded.save()
     assert path.read_bytes() == first
     data = json.loads(first)
-    assert data["format"] == "autoplan-profile-db" and data["version"] == VERSION == 2
+    assert data["format"] == "autoplan-profile-db" and data["version"] == VERSION == 3
     assert data["device"]["num_threads"] == torch.get_num_threads()
 
 
@@ -308,3 +309,24 @@ def test_cli_profile_on_cuda_without_a_gpu_exits_2(capsys: pytest.CaptureFixture
     rc = main(["profile", f"{CLI_MODELS}:mlp", "--cluster", "2xCPU", "--device", "cuda"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "--device cuda needs a CUDA GPU" in err[0]
+
+
+def test_cpu_keys_are_timed_interleaved_in_turn() -> None:
+    """On CPU each round calls every key once, in turn (as a program runs different ops one
+    after the other), each call timed alone; a key's time is its median round."""
+
+    calls: list[str] = []
+
+    def busy(name: str, seconds: float) -> Callable[[], None]:
+        def fn() -> None:
+            calls.append(name)
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                pass
+
+        return fn
+
+    times = _interleaved_times_s([busy("a", 1e-3), busy("b", 3e-3), busy("c", 0.0)], warmup=1, repeats=5)
+    assert calls == ["a", "b", "c"] * 6  # one warm-up round, then 5 timed ones, never twice in a row
+    assert times[0] == pytest.approx(1e-3, rel=0.5) and times[1] == pytest.approx(3e-3, rel=0.5)
+    assert times[2] < 5e-4
