@@ -297,9 +297,9 @@ class SegmentCostModel:
         come in. The results are exactly those of calling :meth:`__call__` here, in any order.
         The traces every worker needs (2 and 4 samples, the bases the other sizes are derived from,
         :mod:`passes.rebatch`, and 1 sample) are made here before forking; while this process
-        traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. While every
-        worker is busy, this process calls ``while_waiting()`` (the search lays out the candidates
-        whose costs are :meth:`ready`) until it returns False, checking for results in between.
+        traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. While it waits
+        for results, this process calls ``while_waiting()`` (the search lays out the candidates
+        whose costs are :meth:`ready`), checking for results between calls, until it returns False.
         The objects alive at a fork are frozen out of the garbage collector (``gc.freeze``, as
         the ``gc`` docs advise before ``fork``): a worker's collections then neither rescan the
         model and traces nor copy their pages.
