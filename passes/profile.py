@@ -86,6 +86,8 @@ INTERLEAVE_KEYS = 64
 Each has one set of inputs; the other keys' calls spill it from the cache between two of its
 calls (64 keys of the benchmark's GPT-2 hold about 80 MB, more than this CPU's 32 MiB last-level
 cache), so the input copies of :data:`COLD_FOOTPRINT_BYTES` are not needed."""
+INTERLEAVE_BYTES = 2**30
+"""At most this many bytes of inputs alive in one interleaved chunk (a larger key is timed alone)."""
 
 KeyKind = Literal["op", "fallback", "optimizer"]
 KeySource = Literal["measured", "cached", "failed"]
@@ -397,6 +399,37 @@ def _optimizer_call(
     return opt.step
 
 
+def _key_bytes(w: _Work, table: StrategyTable) -> int:
+    """Bytes of one key's local inputs (for an optimizer key: parameter, gradient and two states)."""
+    strategy = table.nodes[w.node.name].strategies[w.strategy_index]
+    mesh_shape = tuple(table.mesh_shape)
+    if w.kind == "optimizer":
+        arg = _TensorArg.of(w.node.meta["val"])
+        return 4 * local_numel(strategy.output_specs[0], arg.shape, mesh_shape) * arg.dtype.itemsize
+    tmpl = _template(w.node)
+    if tmpl is None:
+        return 0
+    return sum(
+        local_numel(spec, a.shape, mesh_shape) * a.dtype.itemsize
+        for a, spec in zip(tmpl.args, strategy.input_specs, strict=True)
+    )
+
+
+def _interleave_chunks(todo: Sequence[_Work], table: StrategyTable) -> list[list[_Work]]:
+    """Consecutive keys, at most :data:`INTERLEAVE_KEYS` and :data:`INTERLEAVE_BYTES` of inputs
+    a chunk (a larger key alone)."""
+    chunks: list[list[_Work]] = []
+    held = 0
+    for w in todo:
+        nbytes = _key_bytes(w, table)
+        if not chunks or len(chunks[-1]) >= INTERLEAVE_KEYS or held + nbytes > INTERLEAVE_BYTES:
+            chunks.append([])
+            held = 0
+        chunks[-1].append(w)
+        held += nbytes
+    return chunks
+
+
 def _key_call(
     w: _Work, table: StrategyTable, mesh: DeviceMesh, optimizer: str, gen: torch.Generator, *, interleaved: bool
 ) -> Callable[[], object]:
@@ -534,11 +567,7 @@ def profile_program(
     bar = _Progress(len(todo), progress)
     gen = torch.Generator(device=device).manual_seed(0)
     outcome: dict[str, tuple[KeySource, float | None]] = {}
-    chunks = (
-        [todo[i : i + INTERLEAVE_KEYS] for i in range(0, len(todo), INTERLEAVE_KEYS)]
-        if device == "cpu"
-        else [[w] for w in todo]
-    )
+    chunks = _interleave_chunks(todo, table) if device == "cpu" else [[w] for w in todo]
     done = 0
     try:
         for chunk in chunks:

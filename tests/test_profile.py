@@ -330,3 +330,23 @@ def test_cpu_keys_are_timed_interleaved_in_turn() -> None:
     assert calls == ["a", "b", "c"] * 6  # one warm-up round, then 5 timed ones, never twice in a row
     assert times[0] == pytest.approx(1e-3, rel=0.5) and times[1] == pytest.approx(3e-3, rel=0.5)
     assert times[2] < 5e-4
+
+
+def test_interleaved_chunks_bound_keys_and_input_bytes(traced: TracedProgram, planned, monkeypatch) -> None:  # noqa: ANN001
+    """Keys are timed interleaved in consecutive chunks of at most INTERLEAVE_KEYS keys and
+    INTERLEAVE_BYTES bytes of inputs alive at once (a larger key alone)."""
+    import passes.profile as profile_pass
+
+    table, _ = planned
+    work = profile_pass._distinct_keys(traced, table, "adam")
+    sizes = {w.key: profile_pass._key_bytes(w, table) for w in work}
+    assert len(work) > 8 and min(sizes.values()) > 0
+    budget = sorted(sizes.values())[len(sizes) // 2]  # the median key's inputs
+    monkeypatch.setattr(profile_pass, "INTERLEAVE_BYTES", budget)
+    monkeypatch.setattr(profile_pass, "INTERLEAVE_KEYS", 4)
+    chunks = profile_pass._interleave_chunks(work, table)
+    assert [w for c in chunks for w in c] == work
+    for chunk in chunks:
+        assert 1 <= len(chunk) <= 4
+        assert len(chunk) == 1 or sum(sizes[w.key] for w in chunk) <= budget
+    assert any(len(c) > 1 for c in chunks) and any(sizes[c[0].key] > budget for c in chunks if len(c) == 1)
