@@ -293,8 +293,8 @@ class SegmentCostModel:
         The ILPs are independent; only *which* sizes need one depends on earlier results
         (:meth:`__call__` scales a size instead once the smaller ones grow linearly). This
         process keeps that decision (:meth:`_missing`): it hands out every ILP known to be
-        needed, the largest degree first, at most one per worker, and decides again as results
-        come in. The results are exactly those of calling :meth:`__call__` here, in any order.
+        needed, the smallest micro-batch first (its candidates can be laid out while the rest
+        solve), at most one per worker, and decides again as results come in. The results are exactly those of calling :meth:`__call__` here, in any order.
         The traces every worker needs (2 and 4 samples, the bases the other sizes are derived from,
         :mod:`passes.rebatch`, and 1 sample) are made here before forking; while this process
         traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. While it waits
@@ -375,19 +375,22 @@ class SegmentCostModel:
             self(tp, b)
 
     def _missing(self, tp: int, microbatch_size: int) -> set[int]:
-        """The micro-batch sizes :meth:`__call__` would still solve an ILP for to answer
-        ``(tp, microbatch_size)``, as far as the sizes solved so far decide (empty: answerable)."""
-        if (tp, microbatch_size) in self._costs:
+        """The micro-batch sizes whose ILPs :meth:`__call__` still needs to answer
+        ``(tp, microbatch_size)``, as far as the sizes solved so far decide; empty once it is
+        answered (a size that scales linearly is scaled and stored here, see :meth:`__call__`)."""
+        key = (tp, microbatch_size)
+        if key in self._costs:
             return set()
         if self.extrapolate_batch:
             base = 2
             while base < microbatch_size:
-                if (tp, base) not in self._linear:
+                if (tp, base) not in self._linear:  # both sides solved exactly (bases below failed)
                     need = self._missing(tp, base // 2) | self._missing(tp, base)
                     if need:
                         return need
                     self._linear[(tp, base)] = _scales_linearly(self(tp, base // 2), self(tp, base), 2)
                 if self._linear[(tp, base)]:
+                    self._costs[key] = scale_costs(self(tp, base), microbatch_size / base)
                     return set()
                 base *= 2
         return {microbatch_size}
@@ -401,20 +404,12 @@ class SegmentCostModel:
         with ``b``, so the scaled times are an upper bound. ``b`` samples are priced as
         ``b / b0`` times the solved costs of ``b0 < b`` samples for the smallest ``b0`` in
         2, 4, 8, ... whose solved costs are those of ``b0 / 2`` samples doubled within
-        :data:`LINEAR_TOLERANCE` (checked per ``tp``); otherwise ``b`` is traced and solved."""
+        :data:`LINEAR_TOLERANCE` (checked per ``tp``); otherwise ``b`` is traced and solved.
+        The ILPs :meth:`_missing` names are solved here, smallest first, until it has none left."""
         key = (tp, microbatch_size)
-        if key in self._costs:
-            return self._costs[key]
-        if self.extrapolate_batch:
-            base = 2
-            while base < microbatch_size:
-                if (tp, base) not in self._linear:  # both sides solved exactly (bases below failed)
-                    self._linear[(tp, base)] = _scales_linearly(self(tp, base // 2), self(tp, base), 2)
-                if self._linear[(tp, base)]:
-                    self._costs[key] = scale_costs(self(tp, base), microbatch_size / base)
-                    return self._costs[key]
-                base *= 2
-        self._costs[key] = self._solve(tp, microbatch_size)
+        while key not in self._costs:
+            for size in sorted(self._missing(tp, microbatch_size)):
+                self._costs[(tp, size)] = self._solve(tp, size)
         return self._costs[key]
 
     def _solve(self, tp: int, microbatch_size: int) -> SegmentCosts:
