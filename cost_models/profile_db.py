@@ -48,8 +48,9 @@ VERSION = 3
 """Schema version of the file; bump when keys or the layout change meaning. Version 3: CPU op
 times are taken interleaved, in program order (``passes.profile.INTERLEAVE_KEYS``); version 2
 timed each key in a tight loop with inputs spilled from the cache
-(``passes.profile.COLD_FOOTPRINT_BYTES``); version 1 timed them warm. The default file name carries the version, so a file of an older version is
-left where it is and a new one is started."""
+(``passes.profile.COLD_FOOTPRINT_BYTES``); version 1 timed them warm. The default file name
+carries the version, so a file of an older version is left where it is and a new one is
+started."""
 
 DeviceKind = Literal["cpu", "cuda"]
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda")

@@ -32,9 +32,9 @@ microseconds: it dominates small ops on CPU).
 *In program order on CPU.* A CPU runs the program's ops one after the other on the same core:
 each op finds the caches as the previous, different ops left them (its inputs and the
 interpreter's and DTensor's own data partly evicted), not as a second call of itself would.
-So on CPU the keys are timed *interleaved*: in chunks of :data:`INTERLEAVE_KEYS` keys, every
-key is called once per round, in turn, each call timed on its own; a key's time is its median
-over ``repeats`` rounds (after ``warmup`` rounds). Measured on the GPT-2 model of
+So on CPU the keys are timed *interleaved*: in chunks of :data:`INTERLEAVE_KEYS` keys (and at
+most :data:`INTERLEAVE_BYTES` of inputs), every key is called once per round, in turn, each
+call timed on its own; a key's time is its median over ``repeats`` rounds (after ``warmup`` rounds). Measured on the GPT-2 model of
 ``benchmarks/cost_model_accuracy.py``: the same 283 keys sum to 17% more than timed in a tight
 loop (matmuls +7%, elementwise ops +50-80%, views and DTensor dispatch several times), which is
 the step time the planner under-predicted. On CUDA the host queues kernels ahead of the device,
@@ -329,6 +329,14 @@ where they were written long before, instead of from the cache a tight loop keep
 MAX_INPUT_COPIES = 16
 
 
+def _input_bytes(tmpl: _Template, strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
+    """Bytes of an op's local (sharded) tensor inputs under ``strategy``."""
+    return sum(
+        local_numel(spec, a.shape, mesh_shape) * a.dtype.itemsize
+        for a, spec in zip(tmpl.args, strategy.input_specs, strict=True)
+    )
+
+
 def _op_call(
     node: fx.Node, strategy: Strategy, kind: KeyKind, mesh: DeviceMesh, gen: torch.Generator, *, copies: bool = True
 ) -> Callable[[], object]:
@@ -341,10 +349,7 @@ def _op_call(
     first = _op_call_once(node, strategy, kind, mesh, gen, tmpl)
     if not copies:
         return first
-    local_bytes = sum(
-        local_numel(s, a.shape, tuple(mesh.shape)) * a.dtype.itemsize
-        for a, s in zip(tmpl.args, strategy.input_specs, strict=True)
-    )
+    local_bytes = _input_bytes(tmpl, strategy, tuple(mesh.shape))
     sets = min(MAX_INPUT_COPIES, max(1, math.ceil(COLD_FOOTPRINT_BYTES / max(local_bytes, 1))))
     if sets == 1:
         return first
@@ -407,12 +412,7 @@ def _key_bytes(w: _Work, table: StrategyTable) -> int:
         arg = _TensorArg.of(w.node.meta["val"])
         return 4 * local_numel(strategy.output_specs[0], arg.shape, mesh_shape) * arg.dtype.itemsize
     tmpl = _template(w.node)
-    if tmpl is None:
-        return 0
-    return sum(
-        local_numel(spec, a.shape, mesh_shape) * a.dtype.itemsize
-        for a, spec in zip(tmpl.args, strategy.input_specs, strict=True)
-    )
+    return 0 if tmpl is None else _input_bytes(tmpl, strategy, mesh_shape)
 
 
 def _interleave_chunks(todo: Sequence[_Work], table: StrategyTable) -> list[list[_Work]]:
@@ -572,7 +572,7 @@ def profile_program(
     try:
         for chunk in chunks:
             with torch.no_grad(), implicit_replication():
-                calls = {}
+                calls: dict[str, Callable[[], object]] = {}
                 for w in chunk:
                     try:
                         fn = _key_call(w, table, mesh, optimizer, gen, interleaved=device == "cpu")
@@ -585,10 +585,11 @@ def profile_program(
                     times = _interleaved_times_s(list(calls.values()), warmup=warmup, repeats=repeats)
                 else:
                     times = [_median_time_s(fn, device=device, warmup=warmup, repeats=repeats) for fn in calls.values()]
-                del calls
-            for w, t in zip([w for w in chunk if w.key not in outcome], times, strict=True):
-                db.record(w.key, t)
-                outcome[w.key] = ("measured", t)
+                keys = list(calls)
+                del calls  # the inputs of this chunk
+            for key, t in zip(keys, times, strict=True):
+                db.record(key, t)
+                outcome[key] = ("measured", t)
             done += len(chunk)
             bar.update(done)
     finally:
