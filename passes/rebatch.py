@@ -23,8 +23,9 @@ kernel): an extrapolated size that does not fit its op fails there and also retu
 the gradients must keep their parameters' shapes and the loss must stay a scalar.
 
 Why: tracing (export + the joint graph) costs about a second per micro-batch size on a
-two-block Llama; the derivation costs one pass of shape functions over the graph (0.05 s). The planner's
-per-(tensor-parallel degree, micro-batch) costs need 4-5 sizes (:mod:`autoplan.joint`).
+two-block Llama; the derivation costs one pass of shape functions over the graph (0.08 s on
+Llama-3-8B's). The planner's per-(tensor-parallel degree, micro-batch) costs need 4-5 sizes
+(:mod:`autoplan.joint`).
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def _propagate(gm: fx.GraphModule, gm1: fx.GraphModule, gm2: fx.GraphModule, b1:
     again, with the whole graph, on fake tensors (:class:`_OnFake`), which decides."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # constants (get_attr) are real tensors
     try:
-        vals = _run(gm, gm1, gm2, b1, b2, batch, _on_meta)
+        vals = _run(gm, gm1, gm2, b1, b2, batch, _OnMeta())
     except _NotDerivable:
         raise
     except Exception as exc:  # noqa: BLE001 - no meta kernel, or sizes the op rejects
@@ -178,22 +179,34 @@ def _trace_device(gm: fx.GraphModule) -> torch.device:
     return torch.device("meta")
 
 
-_Runner = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+class _OnMeta:
+    """Runs ops through their meta kernels; factory ops and constants are moved to ``meta``."""
 
+    def empty(self, shape: list[int], stride: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(shape, stride, dtype=like.dtype, device="meta")
 
-def _on_meta(target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Runs an op's meta kernel; a factory op (``arange``, ``full``) is moved to ``meta``."""
-    if "device" in kwargs:
-        kwargs = {**kwargs, "device": torch.device("meta")}
-    out = target(*args, **kwargs)
-    return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) and not v.is_meta else v, out)
+    def constant(self, val: Any) -> Any:
+        return val.to("meta") if isinstance(val, torch.Tensor) else val
+
+    def __call__(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("meta")}
+        out = target(*args, **kwargs)
+        return pytree.tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) and not v.is_meta else v, out)
 
 
 class _OnFake:
-    """Runs an op under a fake-tensor mode; an op that rejects the sizes is not derivable."""
+    """Runs ops under a fake-tensor mode; an op that rejects the sizes is not derivable."""
 
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode
+
+    def empty(self, shape: list[int], stride: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        with self.mode:
+            return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
+
+    def constant(self, val: Any) -> Any:
+        return val  # real tensors: allowed as non-fake inputs
 
     def __call__(self, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
@@ -204,11 +217,9 @@ class _OnFake:
 
 
 def _run(
-    gm: fx.GraphModule, gm1: fx.GraphModule, gm2: fx.GraphModule, b1: int, b2: int, batch: int, run: _Runner
+    gm: fx.GraphModule, gm1: fx.GraphModule, gm2: fx.GraphModule, b1: int, b2: int, batch: int, run: _OnMeta | _OnFake
 ) -> dict[fx.Node, Any]:
-    """Every node's value at ``batch``: placeholders resized, then each op run by ``run`` on meta
-    tensors (:func:`_on_meta`) or fake ones (:class:`_OnFake`)."""
-    on_meta = run is _on_meta
+    """Every node's value at ``batch``: placeholders resized, then each op run by ``run``."""
     vals1 = {n.name: n.meta.get("val") for n in gm1.graph.nodes}
     env: dict[fx.Node, Any] = {}  # what the ops run on
     vals: dict[fx.Node, Any] = {}  # what the nodes record
@@ -216,16 +227,10 @@ def _run(
         if node.op == "placeholder":
             old = gm2.graph.find_nodes(op="placeholder", target=node.target)[0].meta["val"]
             shape, stride = _placeholder_shape(vals1[node.name], old, b1, b2, batch)
-            if on_meta:
-                val = torch.empty_strided(shape, stride, dtype=old.dtype, device="meta")
-            else:
-                with run.mode:  # type: ignore[attr-defined]
-                    val = torch.empty_strided(shape, stride, dtype=old.dtype, device=old.device)
-            env[node] = vals[node] = val
+            env[node] = vals[node] = run.empty(shape, stride, old)
         elif node.op == "get_attr":
-            val = getattr(gm, str(node.target))
-            vals[node] = val
-            env[node] = val.to("meta") if on_meta and isinstance(val, torch.Tensor) else val
+            vals[node] = getattr(gm, str(node.target))
+            env[node] = run.constant(vals[node])
         elif node.op == "call_function":
             args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
             env[node] = vals[node] = run(node.target, args, kwargs)

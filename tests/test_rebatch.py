@@ -35,10 +35,10 @@ def test_derived_step_is_the_traced_step(build, batch, kernels, monkeypatch) -> 
     running the graph on fake tensors."""
     if kernels == "fake":
 
-        def no_meta_kernel(target: Any, args: Any, kwargs: Any) -> Any:
+        def no_meta_kernel(self: Any, target: Any, args: Any, kwargs: Any) -> Any:
             raise NotImplementedError(f"{target} has no meta kernel")
 
-        monkeypatch.setattr(rebatch_pass, "_on_meta", no_meta_kernel)
+        monkeypatch.setattr(rebatch_pass._OnMeta, "__call__", no_meta_kernel)
     model = build()
     derived = rebatch(_trace(model, 2), _trace(model, 4), 2, 4, batch)
     traced = _trace(model, batch)
