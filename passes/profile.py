@@ -439,19 +439,42 @@ def _key_call(
     return _op_call(w.node, strategy, w.kind, mesh, gen, copies=not interleaved)
 
 
-def _interleaved_times_s(fns: Sequence[Callable[[], object]], *, warmup: int, repeats: int) -> list[float]:
+def _interleaved_times_s(fns: Sequence[Callable[[], object]], *, warmup: int, repeats: int) -> list[float | None]:
     """Per function: the median over ``repeats`` rounds of one call timed alone, every round
-    calling each function once, in turn (CPU; see the module docstring)."""
-    for _ in range(warmup):
-        for fn in fns:
+    calling each function once, in turn (CPU; see the module docstring). A function that raises
+    is not called again and gets ``None``."""
+    failed: set[int] = set()
+
+    def call(i: int, fn: Callable[[], object]) -> float | None:
+        if i in failed:
+            return None
+        t0 = time.perf_counter()
+        try:
             fn()
+        except Exception as exc:  # noqa: BLE001 - that key is left to the analytic model
+            log.debug("profiled call failed after its first run: %s: %s", type(exc).__name__, exc)
+            failed.add(i)
+            return None
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        for i, fn in enumerate(fns):
+            call(i, fn)
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, times in zip(fns, samples, strict=True):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in samples]
+        for i, fn in enumerate(fns):
+            t = call(i, fn)
+            if t is not None:
+                samples[i].append(t)
+    return [None if i in failed else statistics.median(t) for i, t in enumerate(samples)]
+
+
+def _median_or_none(fn: Callable[[], object], *, device: str, warmup: int, repeats: int) -> float | None:
+    try:
+        return _median_time_s(fn, device=device, warmup=warmup, repeats=repeats)
+    except Exception as exc:  # noqa: BLE001 - that key is left to the analytic model
+        log.debug("profiled call failed after its first run: %s: %s", type(exc).__name__, exc)
+        return None
 
 
 def _median_time_s(fn: Callable[[], object], *, device: str, warmup: int, repeats: int) -> float:
@@ -584,10 +607,15 @@ def profile_program(
                 if device == "cpu":
                     times = _interleaved_times_s(list(calls.values()), warmup=warmup, repeats=repeats)
                 else:
-                    times = [_median_time_s(fn, device=device, warmup=warmup, repeats=repeats) for fn in calls.values()]
+                    times = [
+                        _median_or_none(fn, device=device, warmup=warmup, repeats=repeats) for fn in calls.values()
+                    ]
                 keys = list(calls)
                 del calls  # the inputs of this chunk
             for key, t in zip(keys, times, strict=True):
+                if t is None:
+                    outcome[key] = ("failed", None)
+                    continue
                 db.record(key, t)
                 outcome[key] = ("measured", t)
             done += len(chunk)

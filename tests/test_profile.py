@@ -350,3 +350,21 @@ def test_interleaved_chunks_bound_keys_and_input_bytes(traced: TracedProgram, pl
         assert 1 <= len(chunk) <= 4
         assert len(chunk) == 1 or sum(sizes[w.key] for w in chunk) <= budget
     assert any(len(c) > 1 for c in chunks) and any(sizes[c[0].key] > budget for c in chunks if len(c) == 1)
+
+
+def test_a_key_that_raises_while_timed_fails_alone() -> None:
+    """A call that runs once and raises in a later round fails its key only (left to the
+    analytic model); the other keys are still timed, and it is not called again."""
+    calls = {"ok": 0, "flaky": 0}
+
+    def ok() -> None:
+        calls["ok"] += 1
+
+    def flaky() -> None:
+        calls["flaky"] += 1
+        if calls["flaky"] == 3:
+            raise RuntimeError("out of memory")
+
+    times = _interleaved_times_s([ok, flaky], warmup=1, repeats=5)
+    assert times[0] is not None and times[0] >= 0 and times[1] is None
+    assert calls == {"ok": 6, "flaky": 3}
