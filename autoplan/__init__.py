@@ -8,24 +8,66 @@ pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=...
 
 __version__ = "0.1.0"
 
-from autoplan.api import parallelize, plan  # noqa: E402
-from autoplan.config import ParallelConfig  # noqa: E402
-from autoplan.errors import (  # noqa: E402
-    ClusterSpecError,
-    ConfigError,
-    InfeasiblePlanError,
-    PlanError,
-    PlanFileError,
-    PlanMismatchError,
-    UnknownDeviceError,
-    UnsupportedModelError,
-)
-from autoplan.joint import TrainingEstimate, estimate  # noqa: E402
-from autoplan.parallel import ParallelModel  # noqa: E402
-from autoplan.plan import Plan  # noqa: E402
-from autoplan.workload import Workload  # noqa: E402
-from cost_models.cluster import Cluster  # noqa: E402
-from cost_models.hardware import DeviceSpec  # noqa: E402
+from typing import TYPE_CHECKING, Any
+
+# Public names, imported on first use (PEP 562): ``autoplan --help`` and the review commands must
+# not pay for importing torch.
+_EXPORTS = {
+    "parallelize": "autoplan.api",
+    "plan": "autoplan.api",
+    "ParallelConfig": "autoplan.config",
+    "ClusterSpecError": "autoplan.errors",
+    "ConfigError": "autoplan.errors",
+    "InfeasiblePlanError": "autoplan.errors",
+    "PlanError": "autoplan.errors",
+    "PlanFileError": "autoplan.errors",
+    "PlanMismatchError": "autoplan.errors",
+    "UnknownDeviceError": "autoplan.errors",
+    "UnsupportedModelError": "autoplan.errors",
+    "TrainingEstimate": "autoplan.joint",
+    "estimate": "autoplan.joint",
+    "ParallelModel": "autoplan.parallel",
+    "Plan": "autoplan.plan",
+    "Workload": "autoplan.workload",
+    "Cluster": "cost_models.cluster",
+    "DeviceSpec": "cost_models.hardware",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from autoplan.api import parallelize, plan
+    from autoplan.config import ParallelConfig
+    from autoplan.errors import (
+        ClusterSpecError,
+        ConfigError,
+        InfeasiblePlanError,
+        PlanError,
+        PlanFileError,
+        PlanMismatchError,
+        UnknownDeviceError,
+        UnsupportedModelError,
+    )
+    from autoplan.joint import TrainingEstimate, estimate
+    from autoplan.parallel import ParallelModel
+    from autoplan.plan import Plan
+    from autoplan.workload import Workload
+    from cost_models.cluster import Cluster
+    from cost_models.hardware import DeviceSpec
 
 __all__ = [
     "Cluster",

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from autoplan import checkpoint
+from autoplan import checkpoint, console
 from autoplan.api import parallelize
 from autoplan.loader import build_workload
 from autoplan.plan import Plan
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             plan=plan,
         )
         if rank == 0 and args.show_code:
-            print(pm.code)
+            print(pm.code, file=console.stdout())
         opt = pm.make_optimizer(lr=wl.lr)
         ref_opt = None
         if reference is not None:
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                         _reference_step(reference, ref_opt, wl, *_batch(wl, step))
                 start = checkpoint.load(latest, pm, opt)
                 if rank == 0:
-                    print(f"resumed from checkpoint {latest}", flush=True)
+                    print(f"resumed from checkpoint {latest}", file=console.stdout(), flush=True)
         for step in range(start, args.steps):
             inputs, targets = _batch(wl, step)
             loss = pm.forward_backward(*inputs, targets=tuple(targets))
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref_loss = _reference_step(reference, ref_opt, wl, inputs, targets)
                 line += f"  single-device {ref_loss.item():.6f}  rel.diff {_rel(loss.item(), ref_loss.item()):.2e}"
             if rank == 0:
-                print(line, flush=True)
+                print(line, file=console.stdout(), flush=True)
             _inject_fault(step + 1, rank)
             done = step + 1
             if args.checkpoint_dir is not None and (
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 path = checkpoint.save(args.checkpoint_dir, done, pm, opt, plan=plan)
                 if rank == 0:
-                    print(f"saved checkpoint {path}", flush=True)
+                    print(f"saved checkpoint {path}", file=console.stdout(), flush=True)
         if reference is not None:
             full = pm.full_parameters()
             ref = dict(reference.named_parameters())
@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if rank == 0:
                 print(
-                    f"parameters after {args.steps} steps: max relative error vs single device {worst:.2e}", flush=True
+                    f"parameters after {args.steps} steps: max relative error vs single device {worst:.2e}",
+                    file=console.stdout(),
+                    flush=True,
                 )
         if args.save_final is not None:
             final = pm.full_parameters()
@@ -183,4 +185,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with console.owned_stdout():  # a library's prints go to stderr, the loss lines to stdout
+        code = main()
+    sys.exit(code)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from autoplan import console
 from autoplan.config import PRECISIONS
 from cost_models.errors import PlanError, PlanFileError
 from cost_models.files import atomic_write
@@ -644,13 +645,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise SuiteError(
             f"--out {args.out!r}: directory {str(Path(args.out).parent)!r} does not exist: create it first"
         )
-    human = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the results
+    human = sys.stderr if args.json else console.stdout()  # with --json, stdout holds only the results
     progress = sys.stderr if sys.stderr.isatty() and not args.quiet else None
     results = run_suite(cases, suite_name=Path(args.suite).name, progress=progress)
     if args.out:
         write_results(results, args.out)
     if args.json:
-        print(json.dumps(results, indent=1))
+        print(json.dumps(results, indent=1), file=console.stdout())
     if not args.quiet:
         print(format_table(results), file=human)
         if args.out:

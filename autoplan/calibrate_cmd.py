@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autoplan import console
+
 if TYPE_CHECKING:  # torch and the cost models load when the command runs, not when the CLI starts
     import torch
 
@@ -176,8 +178,12 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not args.quiet:
-        print(f"calibrating {cluster} on {cluster.world_size} {cluster.backend} ranks ...", flush=True)
-    return subprocess.call(cmd, env=env)
+        print(
+            f"calibrating {cluster} on {cluster.world_size} {cluster.backend} ranks ...",
+            file=console.stdout(),
+            flush=True,
+        )
+    return subprocess.call(cmd, env=env, stdout=console.subprocess_stdout())
 
 
 def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, out: Path, quiet: bool) -> None:
@@ -187,13 +193,14 @@ def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, o
     profile = build_profile(cluster, samples, device_model=device_model)
     write_profile(profile, out)
     if not quiet:
-        print(format_table(profile, samples))
-        print(f"wrote {out}")
+        print(format_table(profile, samples), file=console.stdout())
+        print(f"wrote {out}", file=console.stdout())
     assert profile.calibration is not None
     axes = ",".join(f"{name}({profile.mesh_shape[i]})" for i, name in enumerate(profile.mesh_axis_names))
     print(
         f"calibrate: axes={axes} fit_err_median={profile.calibration.fit_err_median:.1%} "
-        f"samples={len(samples)} out={out}"
+        f"samples={len(samples)} out={out}",
+        file=console.stdout(),
     )
 
 

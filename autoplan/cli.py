@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoplan import bench, calibrate_cmd, onnx_export, profile_cmd, report
+from autoplan import bench, calibrate_cmd, console, profile_cmd, report
 from cost_models.memory import OPTIMIZERS
 
 EXIT_BAD_INPUT = 2
@@ -173,9 +173,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.json:
         d = dataclasses.asdict(est)
         d["config"] = config.to_dict()
-        print(json.dumps(d))
+        print(json.dumps(d), file=console.stdout())
     else:
-        print(est.summary())
+        print(est.summary(), file=console.stdout())
     return 0
 
 
@@ -183,10 +183,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = dataclasses.replace(_make_plan(args), workload=args.target)
     plan.save(args.out, timings=args.timings)
     if args.json:
-        print(json.dumps(plan.to_dict()["estimate"]))
+        print(json.dumps(plan.to_dict()["estimate"]), file=console.stdout())
     elif not args.quiet:
-        print(plan.summary())
-        print(f"wrote {args.out}")
+        print(plan.summary(), file=console.stdout())
+        print(f"wrote {args.out}", file=console.stdout())
     return 0
 
 
@@ -195,11 +195,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=1))
+        print(json.dumps(plan.to_dict(), indent=1), file=console.stdout())
     else:
         from autoplan.review import show_text
 
-        sys.stdout.write(show_text(plan))
+        console.stdout().write(show_text(plan))
     return 0
 
 
@@ -209,9 +209,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
     ex = explain(Plan.load(args.plan), op=args.op, param=args.param)
     if args.json:
-        print(json.dumps(ex.to_dict(), indent=1))
+        print(json.dumps(ex.to_dict(), indent=1), file=console.stdout())
     else:
-        sys.stdout.write(explain_text(ex))
+        console.stdout().write(explain_text(ex))
     return 0
 
 
@@ -221,9 +221,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     d = diff_plans(Plan.load(args.a), Plan.load(args.b))
     if args.json:
-        print(json.dumps(d, indent=1))
+        print(json.dumps(d, indent=1), file=console.stdout())
     else:
-        sys.stdout.write(diff_text(d, limit=args.limit))
+        console.stdout().write(diff_text(d, limit=args.limit))
     return 0
 
 
@@ -283,7 +283,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             model = build_workload(args.target, device="meta", seed=args.seed).model
             check_compatible(latest, plan, {n: tuple(p.shape) for n, p in model.named_parameters()})
     if not args.quiet:
-        print(plan.summary(), flush=True)
+        print(plan.summary(), file=console.stdout(), flush=True)
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     cmd = [
         sys.executable,
@@ -327,11 +327,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        rc = subprocess.call(cmd, env=env)
+        rc = subprocess.call(cmd, env=env, stdout=console.subprocess_stdout())
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
     return EXIT_BAD_INPUT if rc == EXIT_BAD_INPUT else rc
+
+
+def _cmd_export_onnx(args: argparse.Namespace) -> int:
+    from autoplan.onnx_export import cmd_export_onnx  # imports torch: not for `autoplan --help`
+
+    return cmd_export_onnx(args)
+
+
+def _add_export_onnx_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
+    """Register ``autoplan export-onnx`` (``autoplan/onnx_export.py``)."""
+    p = subparsers.add_parser(
+        "export-onnx", help="write the traced model as ONNX with the plan as multi-device sharding annotations"
+    )
+    p.add_argument("plan", help="plan file from `autoplan plan`")
+    p.add_argument("--out", "-o", required=True, help="ONNX file to write")
+    p.add_argument(
+        "--model", metavar="FILE.py:FUNCTION", help="the model the plan is for (default: the plan's workload)"
+    )
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
+    p.set_defaults(func=_cmd_export_onnx)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -435,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_cmd.add_parser(sub)
     profile_cmd.add_parser(sub)
     report.add_parser(sub)
-    onnx_export.add_parser(sub)
+    _add_export_onnx_parser(sub)
     bench.add_parser(sub)
     return parser
 
@@ -454,7 +475,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # a status line on long steps (tracing, solving) when stderr is a terminal; never with
         # --quiet or --json, never in logs or pipes
-        with progress.reporting(enabled=not getattr(args, "quiet", False) and not getattr(args, "json", False)):
+        # stdout is ours alone: what a library prints (highspy's C++ banner, a print in a
+        # dependency) goes to stderr, our output to console.stdout()
+        with (
+            console.owned_stdout(),
+            progress.reporting(enabled=not getattr(args, "quiet", False) and not getattr(args, "json", False)),
+        ):
             return args.func(args)
     except PlanError as exc:
         print(f"autoplan: error: {exc}", file=sys.stderr)

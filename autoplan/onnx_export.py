@@ -74,6 +74,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
+from autoplan import console
 from autoplan.plan import Plan
 from cost_models.errors import PlanError
 from cost_models.files import atomic_write
@@ -763,21 +764,6 @@ def trace_plan_model(plan: Plan, target: str, *, seed: int = 0) -> TracedProgram
 # --- command line -------------------------------------------------------------------------------------
 
 
-def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
-    """Register ``autoplan export-onnx`` on the CLI's subparsers."""
-    p = subparsers.add_parser(
-        "export-onnx", help="write the traced model as ONNX with the plan as multi-device sharding annotations"
-    )
-    p.add_argument("plan", help="plan file from `autoplan plan`")
-    p.add_argument("--out", "-o", required=True, help="ONNX file to write")
-    p.add_argument(
-        "--model", metavar="FILE.py:FUNCTION", help="the model the plan is for (default: the plan's workload)"
-    )
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
-    p.set_defaults(func=cmd_export_onnx)
-
-
 def cmd_export_onnx(args: argparse.Namespace) -> int:
     _onnx()  # fail on a missing onnx before tracing
     plan = Plan.load(args.plan)
@@ -788,5 +774,8 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     if not args.quiet:
         num_annotated = sum(1 for n in model.graph.node if n.device_configurations)
         size = Path(args.out).stat().st_size
-        print(f"wrote {args.out} ({len(model.graph.node)} nodes, {num_annotated} annotated, {size:,} bytes)")
+        print(
+            f"wrote {args.out} ({len(model.graph.node)} nodes, {num_annotated} annotated, {size:,} bytes)",
+            file=console.stdout(),
+        )
     return 0

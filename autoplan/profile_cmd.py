@@ -27,6 +27,7 @@ import os
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from autoplan import console
 from cost_models.memory import OPTIMIZERS
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     median = f"{statistics.median(matmul_errs):.1f}%" if matmul_errs else "n/a"
     if not args.quiet:
         _print_summary(args, db, report, rows, cluster)
-    print(f"profile: keys={report.num_keys} matmul_analytic_err_median={median}")
+    print(f"profile: keys={report.num_keys} matmul_analytic_err_median={median}", file=console.stdout())
     return 0
 
 
@@ -177,8 +178,14 @@ def _profile_concurrently(args: argparse.Namespace, num_procs: int) -> int:
     target.save()
     last = outputs[0].strip().splitlines()[-1] if outputs[0].strip() else ""
     if not args.quiet:
-        print(f"profiled with {num_procs} concurrent processes: {measured} new keys in {target.path}")
-    print(last.replace("profile:", f"profile: concurrent={num_procs}", 1) if last else f"profile: keys={len(target)}")
+        print(
+            f"profiled with {num_procs} concurrent processes: {measured} new keys in {target.path}",
+            file=console.stdout(),
+        )
+    print(
+        last.replace("profile:", f"profile: concurrent={num_procs}", 1) if last else f"profile: keys={len(target)}",
+        file=console.stdout(),
+    )
     return 0
 
 
@@ -225,18 +232,25 @@ def _comparison(
 def _print_summary(
     args: argparse.Namespace, db: ProfileDB, report: ProfileReport, rows: list[Row], cluster: Cluster
 ) -> None:
-    print(f"profile database: {db.path}")
-    print(f"measured on: {db.device}; shard shapes for {cluster}")
+    print(f"profile database: {db.path}", file=console.stdout())
+    print(f"measured on: {db.device}; shard shapes for {cluster}", file=console.stdout())
     print(
         f"keys: {report.num_keys} ({report.num_measured} measured, {report.num_cached} cached, "
-        f"{report.num_failed} failed) in {report.wall_s:.1f}s; the database holds {len(db)} times"
+        f"{report.num_failed} failed) in {report.wall_s:.1f}s; the database holds {len(db)} times",
+        file=console.stdout(),
     )
     if (cluster.device.name == "CPU") != (args.device == "cpu"):
-        print(f"note: analytic estimates are for the cluster's {cluster.device.name}, ops ran on {args.device}")
+        print(
+            f"note: analytic estimates are for the cluster's {cluster.device.name}, ops ran on {args.device}",
+            file=console.stdout(),
+        )
     if not rows:
         return
-    print(f"slowest keys, profiled vs analytic roofline on {cluster.device.name} (err = analytic/profiled - 1):")
-    print(f"  {'profiled_us':>11} {'analytic_us':>11} {'err':>7}  op")
+    print(
+        f"slowest keys, profiled vs analytic roofline on {cluster.device.name} (err = analytic/profiled - 1):",
+        file=console.stdout(),
+    )
+    print(f"  {'profiled_us':>11} {'analytic_us':>11} {'err':>7}  op", file=console.stdout())
     for profiled_s, analytic_s, err, key in rows[:_TOP]:
         text = key if len(key) <= _OP_WIDTH else key[: _OP_WIDTH - 3] + "..."
-        print(f"  {profiled_s * 1e6:11.1f} {analytic_s * 1e6:11.1f} {err:+6.0f}%  {text}")
+        print(f"  {profiled_s * 1e6:11.1f} {analytic_s * 1e6:11.1f} {err:+6.0f}%  {text}", file=console.stdout())

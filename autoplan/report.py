@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from autoplan import console
 from cost_models.files import atomic_write
 from cost_models.pipeline import SCHEDULES, PipelineTimeline, ScheduleName, StageTimes, simulate
 
@@ -826,5 +827,5 @@ def cmd_report(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     write_report(plan, args.out)
     if not args.quiet:
-        print(f"wrote {args.out}")
+        print(f"wrote {args.out}", file=console.stdout())
     return 0

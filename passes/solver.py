@@ -52,12 +52,15 @@ User pins remove strategies before the model is built. An infeasible model raise
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
 import math
+import os
+import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import pulp
@@ -188,6 +191,28 @@ def _merge(terms: Iterable[tuple[int, float]]) -> dict[int, float]:
     return out
 
 
+@contextlib.contextmanager
+def _native_stdout_discarded() -> Iterator[None]:
+    """Point file descriptor 1 at ``/dev/null`` while a ``Highs`` object is constructed: highspy >=
+    1.12 prints its banner to the process's stdout from C++ there, before ``output_flag`` can be
+    set, and stdout belongs to the caller (``autoplan plan --json`` writes JSON there). The
+    solve itself prints nothing (``output_flag`` off, :data:`HIGHS_OPTIONS`)."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no fd 1 (embedded interpreters): nothing to guard
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _solve_highs(model: LinearModel, options: SolverOptions, *, relaxation: bool) -> _Result:
     """HiGHS through highspy, given the arrays directly. Columns are passed sorted by name and
     rows in order (the model PuLP's HiGHS interface built before: the same vertex on ties);
@@ -196,7 +221,8 @@ def _solve_highs(model: LinearModel, options: SolverOptions, *, relaxation: bool
     import numpy as np
 
     inf = highspy.kHighsInf
-    h = highspy.Highs()
+    with _native_stdout_discarded():
+        h = highspy.Highs()
     for key, setting in HIGHS_OPTIONS.items():
         h.setOptionValue(key, setting)
     h.setOptionValue("threads", options.threads)

@@ -7,7 +7,6 @@ pins so that specs are sharded along both axes, and a pipeline plan of ``gpt2_4_
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from pathlib import Path
@@ -64,21 +63,9 @@ def exported(mlp_plan, gpt_plan, tmp_path_factory) -> dict[str, tuple[autoplan.P
 
 @pytest.fixture()
 def cli_main(monkeypatch):
-    """``autoplan.cli.main``, with ``export-onnx`` registered if cli.py does not do it yet."""
+    """``autoplan.cli.main`` (``export-onnx`` is registered by cli.py)."""
     from autoplan import cli
 
-    def subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
-        return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-
-    if "export-onnx" not in subparsers(cli.build_parser()).choices:
-        original = cli.build_parser
-
-        def build() -> argparse.ArgumentParser:
-            parser = original()
-            onnx_export.add_parser(subparsers(parser))
-            return parser
-
-        monkeypatch.setattr(cli, "build_parser", build)
     return cli.main
 
 
