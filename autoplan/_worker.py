@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import os
 import sys
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from autoplan.loader import build_workload
 from autoplan.plan import Plan
 from autoplan.workload import Workload
 from cost_models.errors import PlanError
+from cost_models.files import atomic_write
 
 
 def _rel(a: float, b: float) -> float:
@@ -127,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
             ref_opt = type(opt)(reference.parameters(), **opt.defaults)
         start = 0
         if args.checkpoint_dir is not None:
-            box = [checkpoint.find_latest(args.checkpoint_dir) if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)  # every rank resumes from the same one
-            latest = box[0]
-            if latest is not None:
+            # the newest checkpoint that loads, the same on every rank (a damaged one is skipped, named)
+            resumed = checkpoint.resume(args.checkpoint_dir, pm, opt)
+            if resumed is not None:
+                latest, start = resumed
                 if reference is not None and ref_opt is not None:  # catch the single-device model up
+                    rng = torch.get_rng_state()  # the checkpoint's
                     for step in range(latest.step):
                         _reference_step(reference, ref_opt, wl, *_batch(wl, step))
-                start = checkpoint.load(latest, pm, opt)
+                    torch.set_rng_state(rng)
                 if rank == 0:
                     print(f"resumed from checkpoint {latest}", file=console.stdout(), flush=True)
         for step in range(start, args.steps):
@@ -170,8 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if args.save_final is not None:
             final = pm.full_parameters()
-            if rank == 0:
-                torch.save({n: t.detach().cpu() for n, t in final.items()}, args.save_final)
+            if rank == 0:  # written whole or not at all (an existing file stays until the new one is complete)
+                buffer = io.BytesIO()
+                torch.save({n: t.detach().cpu() for n, t in final.items()}, buffer)
+                atomic_write(args.save_final, buffer.getvalue(), what="trained parameters", public=True)
     except PlanError as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)

@@ -5,12 +5,22 @@ Layout of a checkpoint root ``DIR`` (``autoplan run --checkpoint-dir DIR``)::
     DIR/step_4/            complete: written by every rank, then renamed by rank 0
         .metadata          torch.distributed.checkpoint (DCP) index
         __0_0.distcp ...   each rank's shards
-        COMPLETE           JSON: step, optimizer, world size and mesh it was saved under
+        COMPLETE           JSON: step, optimizer, world size and mesh it was saved under, and
+                           the size and CRC-32 of every file above
     DIR/step_6.tmp/        being written (or abandoned by a killed rank): never loaded
 
 Saving is collective: every rank writes its own shards into ``step_<n>.tmp`` with ``dcp.save``;
-after a barrier rank 0 writes ``COMPLETE`` and renames the directory to ``step_<n>``, so a
-checkpoint that some rank did not finish never carries the final name.
+after a barrier the ranks checksum the files (each a share of them), rank 0 writes ``COMPLETE``
+and renames the directory to ``step_<n>``, so a checkpoint that some rank did not finish never
+carries the final name.
+
+A complete checkpoint whose files were damaged later (a truncated shard or index, bytes
+overwritten on disk) is skipped with a warning naming it, and the run resumes from the previous
+complete one (:func:`find_latest` checks the index and file sizes in one process before any rank
+starts; :func:`resume` checks the CRC-32s, a share per rank, and falls back on any load failure);
+with no usable checkpoint left it is a :class:`CheckpointError`. The index (``.metadata``, a
+pickle) is read by :class:`_IndexUnpickler`, which resolves only the classes a DCP index is made
+of: a crafted index that would run code when unpickled is refused as corrupted.
 
 The state dict is keyed by the *original model's* parameter FQNs, not by the parallelized
 module's attribute names, so it does not depend on the plan::
@@ -29,9 +39,11 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import shutil
 import warnings
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +52,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from autoplan.parallel import ParallelModel
 from autoplan.pipeline import PipelineModel, StageModule
 from autoplan.plan import Plan
-from cost_models.errors import CheckpointError
+from cost_models.errors import CheckpointError, CorruptCheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +77,9 @@ class Checkpoint:
     path: Path
     step: int
     optimizer: str
+    files: tuple[tuple[str, int, int], ...] = ()
+    """``(name, bytes, crc32)`` of every file the save wrote (empty in a checkpoint saved before
+    autoplan recorded them)."""
 
     def __str__(self) -> str:
         return f"{self.path} (step {self.step})"
@@ -82,25 +98,27 @@ def _read_marker(path: Path) -> Checkpoint:
             raise CheckpointError(
                 f"checkpoint {path} has format version {data['version']}, this autoplan reads {FORMAT_VERSION}"
             )
-        return Checkpoint(path=path, step=int(data["step"]), optimizer=str(data["optimizer"]))
+        files = tuple(
+            (str(name), int(entry["bytes"]), int(entry["crc32"])) for name, entry in data.get("files", {}).items()
+        )
+        return Checkpoint(path=path, step=int(data["step"]), optimizer=str(data["optimizer"]), files=files)
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker)") from exc
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"checkpoint {path} has an unreadable {COMPLETE_MARKER} marker: {exc}") from exc
 
 
-def find_latest(root: str | Path) -> Checkpoint | None:
-    """The newest complete checkpoint under ``root`` (None if there is none). Directories
-    without a valid ``COMPLETE`` marker (a save interrupted by a killed rank) are skipped
-    with a warning."""
-    root = Path(root)
+def _complete(root: Path) -> list[Checkpoint]:
+    """The complete checkpoints under ``root``, newest first. Directories without a valid
+    ``COMPLETE`` marker (a save interrupted by a killed rank) are skipped with a warning."""
     if not root.is_dir():
-        return None
+        return []
     candidates = []
     for entry in root.iterdir():
         m = _STEP_DIR.match(entry.name)
         if m and entry.is_dir():
             candidates.append((int(m.group(1)), entry))
+    complete = []
     for step, path in sorted(candidates, reverse=True):
         try:
             ckpt = _read_marker(path)
@@ -110,18 +128,187 @@ def find_latest(root: str | Path) -> Checkpoint | None:
         if ckpt.step != step:
             logger.warning("checkpoint %s has a marker for step %d: skipping it", path, ckpt.step)
             continue
+        complete.append(ckpt)
+    return complete
+
+
+def find_latest(root: str | Path) -> Checkpoint | None:
+    """The newest complete checkpoint under ``root`` whose index reads and whose files have the
+    sizes the save wrote (None if there is no complete checkpoint). One that is damaged is
+    skipped with a warning naming it; if every complete one is damaged: CheckpointError (naming
+    the newest, without the warnings)."""
+    damaged: list[CorruptCheckpointError] = []
+    for ckpt in _complete(Path(root)):
+        try:
+            _check_files(ckpt, _read_metadata(ckpt))
+        except CorruptCheckpointError as exc:
+            damaged.append(exc)
+            continue
+        for skipped in damaged:
+            logger.warning("%s: skipping it", skipped)
         return ckpt
+    if damaged:
+        raise _none_usable(Path(root), damaged)
     return None
+
+
+def _none_usable(root: Path, damaged: list[CorruptCheckpointError]) -> CheckpointError:
+    return CheckpointError(
+        f"no usable checkpoint in {root}: {damaged[0]}"
+        f"{f' (and {len(damaged) - 1} older damaged one(s))' if len(damaged) > 1 else ''}: "
+        "restore the files, delete the damaged step_* directories to start from scratch, or use another --checkpoint-dir"
+    )
+
+
+def _corrupt(ckpt: Checkpoint, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint {ckpt.path} is corrupted ({what})")
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index (``.metadata``) resolving only the classes one is made of (the
+    ``torch.distributed.checkpoint`` metadata dataclasses, ``torch.Size``, dtypes and layouts,
+    paths): any other global, such as a ``__reduce__`` naming ``os.system``, is refused before
+    anything is called."""
+
+    _ALLOWED = {
+        "torch.distributed.checkpoint.metadata": frozenset(
+            {
+                "Metadata",
+                "MetadataIndex",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            }
+        ),
+        "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+        "torch.serialization": frozenset({"_get_layout"}),  # a layout by name
+        "torch": frozenset({"Size"}),
+        "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}),
+        "collections": frozenset({"OrderedDict"}),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in self._ALLOWED.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(f"it names {module[:80]}.{name[:80]}, which no checkpoint index holds")
+        return super().find_class(module, name)
+
+
+def _read_index(directory: Path) -> Metadata:
+    """The DCP index of ``directory``, read by :class:`_IndexUnpickler` (raises on a damaged
+    or foreign file)."""
+    with open(directory / ".metadata", "rb") as f:
+        metadata = _IndexUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not a checkpoint index")
+    return metadata
+
+
+class _IndexReader(dcp.FileSystemReader):
+    """DCP's file reader with the index read by :class:`_IndexUnpickler` (DCP's own unpickles it
+    with the full unpickler)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = _read_index(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        assert metadata.storage_meta is not None
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _read_metadata(ckpt: Checkpoint) -> Metadata:
     try:
-        return dcp.FileSystemReader(str(ckpt.path)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any unreadable index is reported with the directory
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} is corrupted ({type(exc).__name__}: {exc}): "
-            "delete the directory to resume from an older checkpoint"
-        ) from exc
+        return _read_index(ckpt.path)
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle raises anything; report the directory
+        raise _corrupt(ckpt, f"index .metadata: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from exc
+
+
+def _check_files(ckpt: Checkpoint, metadata: Metadata) -> None:
+    """Every file of ``ckpt`` has the size the save wrote, and every shard the index names ends
+    inside its file (one ``stat`` per file: a truncated shard or index fails here)."""
+    sizes: dict[str, int] = {}
+
+    def size_of(name: str) -> int:
+        if name not in sizes:
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise _corrupt(ckpt, f"its index names a file outside the directory, {name[:80]!r}")
+            try:
+                sizes[name] = (ckpt.path / name).stat().st_size
+            except OSError as exc:
+                raise _corrupt(ckpt, f"{name} cannot be read: {exc.strerror}") from exc
+        return sizes[name]
+
+    for name, size, _crc in ckpt.files:
+        if size_of(name) != size:
+            raise _corrupt(ckpt, f"{name} has {size_of(name)} bytes, the save wrote {size}")
+    try:
+        extents = [(str(info.relative_path), int(info.offset) + int(info.length), key.fqn)
+                   for key, info in dict(metadata.storage_data).items()]  # fmt: skip
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise _corrupt(ckpt, f"index .metadata has malformed storage entries: {exc}") from exc
+    for name, end, fqn in extents:
+        if size_of(name) < end:
+            raise _corrupt(ckpt, f"{name} has {size_of(name)} bytes, the index reads {fqn} up to byte {end}")
+
+
+def _digest(path: Path) -> tuple[int, int]:
+    """``(bytes, CRC-32)`` of the file at ``path``."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def _check_checksums(ckpt: Checkpoint, rank: int, world_size: int) -> None:
+    """The files ``rank`` checks (every ``world_size``-th one) have the CRC-32 the save recorded."""
+    for name, size, crc in ckpt.files[rank::world_size]:
+        try:
+            got = _digest(ckpt.path / name)
+        except OSError as exc:
+            raise _corrupt(ckpt, f"{name} cannot be read: {exc.strerror}") from exc
+        if got != (size, crc):
+            raise _corrupt(ckpt, f"{name} does not match the CRC-32 recorded when it was saved")
+
+
+def _checksum_files(directory: Path) -> dict[str, dict[str, int]]:
+    """Name -> ``{"bytes", "crc32"}`` of every file in ``directory`` (collective: each rank
+    reads a share of the files)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    names = sorted(p.name for p in directory.iterdir() if p.is_file())
+    mine = {name: _digest(directory / name) for name in names[rank::world_size]}
+    gathered: list[dict[str, tuple[int, int]] | None] = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    merged = {name: value for part in gathered if part is not None for name, value in part.items()}
+    return {name: {"bytes": size, "crc32": crc} for name, (size, crc) in sorted(merged.items())}
+
+
+def _verified_index(ckpt: Checkpoint) -> Metadata:
+    """``ckpt``'s index after every rank checked its files (collective; sizes, then a share of
+    the CRC-32s per rank). Raises CorruptCheckpointError on every rank if any rank found damage,
+    so that all of them fall back together."""
+    metadata: Metadata | None = None
+    problem: str | None = None
+    try:
+        metadata = _read_metadata(ckpt)
+        _check_files(ckpt, metadata)
+        _check_checksums(ckpt, dist.get_rank(), dist.get_world_size())
+    except CorruptCheckpointError as exc:
+        problem = str(exc)
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p is not None]
+    if found:
+        raise CorruptCheckpointError(found[0])
+    assert metadata is not None
+    return metadata
 
 
 def check_compatible(ckpt: Checkpoint, plan: Plan, param_shapes: Mapping[str, tuple[int, ...]]) -> None:
@@ -247,6 +434,7 @@ def save(
     sd = _state_dict(_owned(model), optimizer, _rank0_rng_state(), step)
     dcp.save(sd, checkpoint_id=str(tmp))
     dist.barrier()
+    files = _checksum_files(tmp)
     if rank == 0:
         marker = {
             "version": FORMAT_VERSION,
@@ -255,6 +443,7 @@ def save(
             "world_size": plan.world_size,
             "mesh_shape": list(plan.cluster.mesh_shape),
             "plan_fingerprint": plan.fingerprint,
+            "files": files,
         }
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         shutil.rmtree(final, ignore_errors=True)
@@ -263,10 +452,37 @@ def save(
     return final
 
 
+def resume(
+    root: str | Path, model: ParallelizedModel, optimizer: torch.optim.Optimizer
+) -> tuple[Checkpoint, int] | None:
+    """Load the newest complete checkpoint under ``root`` that loads (collective): a damaged one
+    is skipped with a warning naming it and the previous complete one is tried. Returns it and
+    its number of finished steps; None if ``root`` holds no complete checkpoint; CheckpointError
+    if every complete one is damaged."""
+    box = [_complete(Path(root)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)  # every rank tries the same ones, in the same order
+    complete = box[0]
+    assert complete is not None
+    damaged: list[CorruptCheckpointError] = []
+    for ckpt in complete:
+        try:
+            step = load(ckpt, model, optimizer)
+        except CorruptCheckpointError as exc:
+            damaged.append(exc)
+            continue
+        for skipped in damaged if dist.get_rank() == 0 else []:
+            logger.warning("%s: skipping it", skipped)
+        return ckpt, step
+    if damaged:
+        raise _none_usable(Path(root), damaged)
+    return None
+
+
 def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Optimizer) -> int:
     """Restore parameters, optimizer state and the RNG from ``ckpt`` in place (collective),
-    resharding to this model's placements. Returns the number of finished steps."""
-    metadata = _read_metadata(ckpt)
+    resharding to this model's placements. Returns the number of finished steps. Damaged files
+    raise CorruptCheckpointError on every rank."""
+    metadata = _verified_index(ckpt)
     _materialize_optimizer_state(optimizer)
     params: dict[str, torch.nn.Parameter] = {}
     for fqn, _stage, p in _parameter_copies(model):
@@ -280,13 +496,7 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
             )
         if key.startswith(("model.", "optim.")):
             _check_shape(ckpt, key, meta, tuple(value.shape))
-    try:
-        dcp.load(sd, checkpoint_id=str(ckpt.path))
-    except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's failure; report the directory
-        raise CheckpointError(
-            f"checkpoint {ckpt.path} cannot be loaded ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}): "
-            "delete the directory to resume from an older checkpoint"
-        ) from exc
+    _load_state_dict(ckpt, sd, no_dist=False)
     # other local copies of a tied parameter (and their optimizer state) get the loaded values
     for fqn, _stage, p in _parameter_copies(model):
         src = params[fqn]
@@ -298,6 +508,17 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
                 _copy_into(value, optimizer.state[src][key])
     torch.set_rng_state(sd["train.rng"])
     return int(sd["train.step"])
+
+
+def _load_state_dict(ckpt: Checkpoint, sd: dict[str, Any], *, no_dist: bool) -> None:
+    """``dcp.load`` with the index read by :class:`_IndexReader`; any failure is a
+    CorruptCheckpointError (DCP raises ``CheckpointException``, a ``BaseException``, when a rank
+    fails, on every rank)."""
+    try:
+        dcp.load(sd, storage_reader=_IndexReader(ckpt.path), no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - report the directory, not DCP's traceback
+        first = (str(exc).splitlines() or [""])[0]
+        raise _corrupt(ckpt, f"loading failed: {type(exc).__name__}: {first}") from exc
 
 
 @torch.no_grad()
@@ -314,11 +535,13 @@ def read_full_parameters(path: str | Path) -> dict[str, torch.Tensor]:
     process group needed): for inspection, export or tests."""
     ckpt = _read_marker(Path(path))
     metadata = _read_metadata(ckpt)
+    _check_files(ckpt, metadata)
+    _check_checksums(ckpt, 0, 1)
     sd: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             sd[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(sd, checkpoint_id=str(ckpt.path), no_dist=True)
+        _load_state_dict(ckpt, sd, no_dist=True)
     return {key.removeprefix("model."): t for key, t in sd.items()}

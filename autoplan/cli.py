@@ -35,6 +35,8 @@ from autoplan import bench, calibrate_cmd, console, profile_cmd, report
 from cost_models.memory import OPTIMIZERS
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,12 +51,13 @@ def _number(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool])
     """An argparse ``type=`` that converts with ``convert`` and accepts values where ``ok``."""
 
     def parse(text: str) -> Any:
+        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
         try:
             value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {what}, got {shown!r}") from None
         if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {what}, got {shown}")
         return value
 
     return parse
@@ -63,6 +66,9 @@ def _number(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool])
 _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 _non_negative_int = _number(int, "an integer >= 0", lambda v: v >= 0)
 _positive_float = _number(float, "a positive number", lambda v: 0 < v < float("inf"))
+_seed = _number(int, "an integer seed in 0..2**63-1", lambda v: 0 <= v < 2**63)
+_port = _number(int, "a TCP port in 1..65535", lambda v: 1 <= v <= 65535)
+DEFAULT_MASTER_PORT = 29533
 
 
 def _cluster(spec: str, mesh: str | None, *, recalibrate: bool = False):  # noqa: ANN202 - Cluster, lazily
@@ -227,6 +233,91 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(option: str, path: Path, *, is_dir: bool) -> None:
+    """Refuse (PlanError) an output ``path`` the ranks could not write, before anything runs:
+    ``is_dir``, a directory made if missing (its nearest existing ancestor must take a new
+    entry); else a file whose directory exists. Writability is probed with a temporary file
+    (permission bits do not stop root; a read-only filesystem stops everyone); nothing is left."""
+    from cost_models.errors import PlanError
+
+    shown = str(path)[:200]
+    try:
+        _probe_writable(option, shown, path, is_dir=is_dir)
+    except PlanError:
+        raise
+    except (OSError, ValueError) as exc:  # a name the OS refuses (too long, a NUL byte)
+        raise PlanError(f"{option} {shown} cannot be used: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def _probe_writable(option: str, shown: str, path: Path, *, is_dir: bool) -> None:
+    from cost_models.errors import PlanError
+
+    if not is_dir and path.is_dir():
+        raise PlanError(f"{option} {shown} is a directory: give a file name for the trained parameters")
+    existing = path if is_dir else path.parent
+    if not is_dir and not existing.exists():
+        raise PlanError(f"{option} {shown}: directory {str(existing)[:200]} does not exist: create it first")
+    while is_dir and not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # the directory is made if missing: its ancestor must be writable
+    if not existing.is_dir():
+        raise PlanError(f"{option} {shown}: {str(existing)[:200]} is not a directory: give a path in a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".autoplan-write-check-")
+    except OSError as exc:
+        raise PlanError(
+            f"{option} {shown} cannot be written ({str(existing)[:200]}: {exc.strerror}): give a writable location"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _master_port(requested: int | None) -> int:
+    """The torchrun port: ``requested`` if free (PlanError naming it if not), else
+    :data:`DEFAULT_MASTER_PORT` if free, else one the OS picks."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store binds it
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+            return True
+
+    if requested is not None:
+        if not free(requested):
+            from cost_models.errors import PlanError
+
+            raise PlanError(
+                f"--master-port {requested} is in use (another run or program listens on it): "
+                "give a free port, or drop --master-port to pick one"
+            )
+        return requested
+    if free(DEFAULT_MASTER_PORT):
+        return DEFAULT_MASTER_PORT
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _call_torchrun(cmd: list[str], **kwargs: Any) -> int:
+    """Run torchrun and return its exit code. Interrupted (Ctrl-C, SIGTERM), this process
+    asks torchrun to stop its ranks (SIGTERM) and waits for it, rather than leaving them running."""
+    import signal
+
+    with subprocess.Popen(cmd, **kwargs) as proc:
+        try:
+            return proc.wait()
+        except BaseException:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.loader import build_workload
     from autoplan.plan import Plan
@@ -243,6 +334,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise PlanError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file: give a directory (made if missing)")
     if args.max_restarts < 0:
         raise PlanError(f"--max-restarts {args.max_restarts}: give a number >= 0")
+    # where the ranks write, and their port, are checked before any planning or training
+    if args.checkpoint_dir is not None:
+        _check_writable("--checkpoint-dir", Path(args.checkpoint_dir), is_dir=True)
+    if args.save_final is not None:
+        _check_writable("--save-final", Path(args.save_final), is_dir=False)
+    master_port = _master_port(args.master_port)
+    if args.plan is None and args.global_batch_size is not None:  # the ranks train on the workload's batch
+        inputs = build_workload(args.target, device="meta", seed=args.seed).example_inputs
+        batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
+        if batch != args.global_batch_size:
+            raise PlanMismatchError(
+                f"--global-batch-size {args.global_batch_size} does not match the {batch} samples of the workload's "
+                f"inputs, which `autoplan run` trains on: give --global-batch-size {batch} or change the workload"
+            )
     if args.plan is None and args.nproc is not None:  # check before planning, which may take long
         cluster = _cluster(args.cluster, args.mesh)
         if args.nproc != cluster.world_size:
@@ -296,7 +401,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(args.master_port),
+        str(master_port),
         *restarts,
         "-m",
         "autoplan._worker",
@@ -327,7 +432,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        rc = subprocess.call(cmd, env=env, stdout=console.subprocess_stdout())
+        rc = _call_torchrun(cmd, env=env, stdout=console.subprocess_stdout())
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
@@ -376,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
             "is made of this machine's device",
         )
         p.add_argument("--no-profile", action="store_true", help="use analytic op times only")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=_seed, default=0, help="random seed of the model's weights (0..2**63-1)")
         p.add_argument("--quiet", "-q", action="store_true")
         p.add_argument(
             "--global-batch-size",
@@ -441,7 +546,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare", action="store_true", help="also train the single-device model and print both losses"
     )
     p_run.add_argument("--show-code", action="store_true", help="print the generated per-rank program")
-    p_run.add_argument("--master-port", type=int, default=29533)
+    p_run.add_argument(
+        "--master-port",
+        type=_port,
+        help=f"torchrun port on 127.0.0.1, refused if in use (default: {DEFAULT_MASTER_PORT}, or a free port if that is taken)",
+    )
     p_run.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
@@ -472,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from autoplan import progress
     from cost_models.errors import PlanError
 
+    previous_sigterm = _raise_on_sigterm()
     try:
         # a status line on long steps (tracing, solving) when stderr is a terminal; never with
         # --quiet or --json, never in logs or pipes
@@ -485,6 +595,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as exc:
         print(f"autoplan: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (worker processes were stopped on the way out)
+        print("autoplan: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except _Terminated:
+        print("autoplan: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+    finally:
+        if previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_sigterm)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread (like ``KeyboardInterrupt`` for SIGINT) so that
+    ``finally`` blocks and ``with`` exits run: worker pools are stopped, temporary files removed."""
+
+
+def _raise_on_sigterm() -> Any:
+    """Make SIGTERM raise :class:`_Terminated`; returns the previous handler (None when this is
+    not the main thread, where handlers cannot be set)."""
+    import signal
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
 
 
 if __name__ == "__main__":

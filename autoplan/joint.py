@@ -27,6 +27,7 @@ import multiprocessing
 import multiprocessing.pool
 import os
 import queue
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -342,14 +343,14 @@ class SegmentCostModel:
                 later += [1] if 1 in sizes else []  # derived from the two bases
                 if later:  # the ILPs of 2 samples run in one worker while this process traces the bases
                     gc.freeze()
-                    first = pools.enter_context(context.Pool(1))
+                    first = pools.enter_context(context.Pool(1, initializer=_quiet_on_signals))
                     for key in sorted(k for k in needed() if k[1] in self._traces):
                         start(first, key)
                         early.add(key)
                     for b in later:
                         self._traced(b)
                 gc.freeze()
-                pool = pools.enter_context(context.Pool(workers))
+                pool = pools.enter_context(context.Pool(workers, initializer=_quiet_on_signals))
                 while True:
                     # smallest micro-batch first: its candidates can be laid out while the rest solve
                     for key in sorted(needed(), key=lambda k: (k[1], -k[0]))[: workers - len(running - early)]:
@@ -455,6 +456,25 @@ def default_workers() -> int:
 
 _FORKED_MODEL: SegmentCostModel | None = None
 """The cost model a :meth:`SegmentCostModel.prefetch` worker inherits through ``fork``."""
+
+
+def _quiet_on_signals() -> None:
+    """In a forked worker: only the planning process stops it. The worker leaves the job's
+    process group, so a Ctrl-C (SIGINT) or a SIGTERM sent to the whole job reaches the planning
+    process alone, which stops the pool (``Pool.terminate``, SIGTERM to each worker: a worker
+    killed by the group signal itself could die holding the pool's queue lock, and the pool
+    would then wait for it forever). SIGTERM kills the worker without a traceback (the
+    inherited Python handlers would print one per worker); SIGINT is ignored; on Linux the
+    worker also dies with the planning process (``PR_SET_PDEATHSIG``), so none is left behind."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # out of the foreground group, it may still write to the terminal
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _solve_pair(key: tuple[int, int]) -> tuple[tuple[int, int], SegmentCosts]:

@@ -28,6 +28,13 @@ def _where_in(exc: BaseException, path: Path) -> str:
     return f":{lines[-1]}" if lines else ""
 
 
+def target_file(target: str) -> str | None:
+    """The ``FILE.py`` of a ``FILE.py:FUNCTION`` target (``None`` for ``package.module:FUNCTION``):
+    an input of the command, which its ``--out`` must not overwrite."""
+    where = target.rsplit(":", 1)[0]
+    return where if ":" in target and where.endswith(".py") else None
+
+
 def load_build_fn(target: str) -> Callable[[], Workload]:
     if ":" not in target:
         raise TargetError(f"target {target!r} is malformed: expected FILE.py:FUNCTION or package.module:FUNCTION")
@@ -46,25 +53,32 @@ def load_build_fn(target: str) -> Callable[[], Workload]:
             sys.path.insert(0, str(path.parent.resolve()))
             try:
                 spec.loader.exec_module(module)
-            except Exception as exc:  # noqa: BLE001 - user code failing at import is reported in one line
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported in one line
                 raise TargetError(
-                    f"cannot import {where!r}: {type(exc).__name__}: {_first_line(exc)} at {where}"
+                    f"cannot import {where!r}: {_describe(exc)} at {where}"
                     f"{_where_in(exc, path)}: fix the error in that file"
                 ) from exc
         else:
             module = importlib.import_module(where)
     except TargetError:
         raise
-    except Exception as exc:  # noqa: BLE001 - user code failing at import is reported in one line
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - reported in one line
         raise TargetError(
-            f"cannot import {where!r}: {type(exc).__name__}: {_first_line(exc)}: check the module name "
-            "or give a path FILE.py:FUNCTION"
+            f"cannot import {where!r}: {_describe(exc)}: check the module name or give a path FILE.py:FUNCTION"
         ) from exc
     fn = getattr(module, func, None)
     if not callable(fn):
         what = f"no function {func!r}" if fn is None else f"{func!r} = a {type(fn).__name__}, not a function"
         raise TargetError(f"{where!r} has {what}: define def {func}() -> autoplan.Workload there or name another one")
     return fn
+
+
+def _describe(exc: BaseException) -> str:
+    """What user code raised, on one line; ``sys.exit()`` (``SystemExit``, even with code 0) and
+    ``KeyboardInterrupt`` from a build function are failures too, never a successful exit."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({repr(exc.code)[:80] if exc.code is not None else ''}) (SystemExit)"
+    return f"{type(exc).__name__}: {_first_line(exc)}" if str(exc).strip() else type(exc).__name__
 
 
 def _first_line(exc: BaseException) -> str:
@@ -81,9 +95,9 @@ def build_workload(target: str, *, device: str | torch.device, seed: int = 0) ->
             wl = fn()
     except PlanError:
         raise
-    except Exception as exc:  # noqa: BLE001
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - sys.exit(0) is not a model
         raise TargetError(
-            f"{target} failed while building the model: {type(exc).__name__}: {_first_line(exc)}: "
+            f"{target} failed while building the model: {_describe(exc)}: "
             f"fix the build function (called with no arguments under torch.device({str(device)!r}))"
         ) from exc
     if not isinstance(wl, Workload):

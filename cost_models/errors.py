@@ -42,6 +42,11 @@ class CheckpointError(PlanError):
     """A checkpoint cannot be read or does not fit the model, plan or optimizer it is loaded into."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A complete checkpoint's files are damaged (truncated, overwritten, unreadable index): a
+    resume falls back to the previous complete checkpoint."""
+
+
 class ProfileError(PlanError):
     """A profile database is unreadable, of an unknown format, measured on another device or
     software stack, or profiling was asked for on a device this machine does not have."""

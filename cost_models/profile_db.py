@@ -57,6 +57,11 @@ DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda")
 
 _FIX = "re-run `autoplan profile` on this machine or pass --profile-db with another file"
 
+MAX_OP_TIME_S = 3600.0
+"""Longest time one operator of one training step may take in a database (an hour: any real
+measurement is far below). A larger entry (``1e300``) is a damaged or hand-edited file; priced,
+it would make every plan look infeasible to the solver."""
+
 
 def default_cache_dir() -> Path:
     """``$AUTOPLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/autoplan``, else ``~/.cache/autoplan``."""
@@ -164,10 +169,17 @@ def default_db_path(device: DeviceKey, cache_dir: str | os.PathLike[str] | None 
 def _check_time(key: object, time_s: object, *, where: str) -> float:
     if not isinstance(key, str) or not key:
         raise ProfileError(f"{where} has an entry with a non-string key {key!r}: delete the file and re-profile")
-    if isinstance(time_s, bool) or not isinstance(time_s, (int, float)) or not math.isfinite(time_s) or time_s < 0:
+    if isinstance(time_s, bool) or not isinstance(time_s, (int, float)):
         raise ProfileError(
-            f"{where} has an invalid time {time_s!r} for {key!r} (expected finite seconds >= 0): "
+            f"{where} has an invalid time {str(time_s)[:40]!r} for {key[:200]!r} (expected seconds, a number): "
             "delete the file and re-profile"
+        )
+    huge_int = isinstance(time_s, int) and time_s.bit_length() > 53  # math.isfinite would overflow
+    if huge_int or not (math.isfinite(time_s) and 0 <= time_s <= MAX_OP_TIME_S):
+        shown = f"an integer of {time_s.bit_length()} bits" if isinstance(time_s, int) and huge_int else f"{time_s:g} s"
+        raise ProfileError(
+            f"{where} has an absurd time, {shown}, for {key[:200]!r} (expected finite seconds in "
+            f"0..{MAX_OP_TIME_S:g}): delete the file and re-profile"
         )
     return float(time_s)
 
@@ -244,6 +256,10 @@ class ProfileDB:
         except json.JSONDecodeError as exc:
             raise ProfileError(
                 f"{where} is not valid JSON ({exc.msg} at line {exc.lineno}): delete it to re-profile or pass --profile-db"
+            ) from exc
+        except ValueError as exc:  # an integer of more than 4300 digits
+            raise ProfileError(
+                f"{where} is not valid JSON ({str(exc)[:120]}): delete it to re-profile or pass --profile-db"
             ) from exc
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__

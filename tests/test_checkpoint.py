@@ -16,15 +16,20 @@ with its parameters:
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 
 import autoplan
 from autoplan import ParallelConfig, checkpoint
+from autoplan.errors import CheckpointError, CorruptCheckpointError
 from autoplan.loader import build_workload
 from tests.dist_utils import free_port
 from tests.test_cli import assert_bad_input, run_cli, target
@@ -151,10 +156,10 @@ def test_checkpoint_of_a_data_parallel_plan_resumes_under_another_plan(new_plan,
         assert torch.equal(saved[name], value), name
 
 
-def test_corrupted_complete_checkpoint_is_one_error_line_naming_the_directory(uninterrupted, plans, tmp_path):
+def test_only_checkpoint_corrupted_is_one_error_line_naming_the_directory(uninterrupted, plans, tmp_path):
     ckpt_dir, _ = uninterrupted
     broken = tmp_path / "ckpt"
-    shutil.copytree(ckpt_dir, broken)
+    shutil.copytree(ckpt_dir / "step_6", broken / "step_6")
     metadata = broken / "step_6" / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:100])  # truncated after the marker was written
 
@@ -163,8 +168,31 @@ def test_corrupted_complete_checkpoint_is_one_error_line_naming_the_directory(un
         "--master-port", str(free_port()), "-q",
     )  # fmt: skip
 
-    assert_bad_input(result, str(broken / "step_6"), "corrupted", "delete the directory")
+    assert_bad_input(result, "no usable checkpoint", str(broken / "step_6"), "corrupted", "delete the damaged")
     assert result.stdout == ""  # no rank was started
+
+
+def test_damaged_newest_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, plans, tmp_path):
+    """step_6 has a truncated index (found before launch), step_4 a shard with overwritten bytes
+    (its size is right: the ranks find it by its CRC-32, each checking a share of the files):
+    both are named and skipped, the run resumes from step_2 and ends as the uninterrupted run."""
+    ckpt_dir, _ = uninterrupted
+    broken = tmp_path / "ckpt"
+    shutil.copytree(ckpt_dir, broken)
+    _truncate(broken / "step_6" / ".metadata")
+    _overwrite_middle(broken / "step_4" / "__1_0.distcp")
+
+    final, output, wall_s = train(tmp_path, plans["data-parallel"], broken, 4)
+    print(f"resume past two damaged checkpoints, 2 steps: {wall_s:.1f} s")
+
+    assert f"checkpoint {broken / 'step_6'} is corrupted (index .metadata" in output
+    assert f"checkpoint {broken / 'step_4'} is corrupted (__1_0.distcp does not match the CRC-32" in output
+    assert "Traceback" not in output
+    assert f"resumed from checkpoint {broken / 'step_2'} (step 2)" in output
+    assert [line.split()[1] for line in step_lines(output)] == ["3", "4"]
+    expected = checkpoint.read_full_parameters(ckpt_dir / "step_4")
+    for name, value in expected.items():
+        assert torch.equal(final[name], value), name
 
 
 def test_resuming_with_another_optimizer_names_both(uninterrupted, tmp_path):
@@ -183,6 +211,8 @@ def test_find_latest_picks_the_newest_directory_with_a_valid_marker(tmp_path):
         (tmp_path / name).mkdir()
         if marker is not None:
             (tmp_path / name / checkpoint.COMPLETE_MARKER).write_text(json.dumps(marker))
+            empty_index = Metadata(state_dict_metadata={}, storage_data={})
+            (tmp_path / name / ".metadata").write_bytes(pickle.dumps(empty_index))
 
     ok = {"version": checkpoint.FORMAT_VERSION, "optimizer": "adam"}
     write("step_2", ok | {"step": 2})
@@ -196,3 +226,121 @@ def test_find_latest_picks_the_newest_directory_with_a_valid_marker(tmp_path):
 
     assert latest is not None and latest.path == tmp_path / "step_10" and latest.step == 10
     assert checkpoint.find_latest(tmp_path / "missing") is None
+
+
+# --- damaged checkpoints and crafted indexes (in this process, one gloo rank: no torchrun) ---------
+
+
+@pytest.fixture(scope="module")
+def one_rank_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """``mlp`` with Adam on a one-rank gloo group in this process, checkpointed after steps 1
+    and 2: ``(checkpoint dir, parallel model, optimizer, {step: parameters after it})``. The
+    group lives for the module (the damaged-checkpoint tests resume into this model)."""
+    from autoplan.api import parallelize
+    from autoplan.api import plan as make_plan_for
+
+    root = tmp_path_factory.mktemp("one_rank") / "ckpt"
+    wl = build_workload(target("mlp"), device="cpu")
+    plan = make_plan_for(
+        wl.model, "1xCPU", example_inputs=wl.example_inputs, loss_fn=wl.loss_fn,
+        example_targets=wl.example_targets, optimizer="adam", profile=None,
+    )  # fmt: skip
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        pm = parallelize(
+            wl.model, plan.cluster, example_inputs=wl.example_inputs, loss_fn=wl.loss_fn,
+            example_targets=wl.example_targets, plan=plan,
+        )  # fmt: skip
+        opt = pm.make_optimizer(lr=1e-2)
+        params = {}
+        for step in (1, 2):
+            pm.forward_backward(*wl.example_inputs, targets=tuple(wl.example_targets))
+            opt.step()
+            opt.zero_grad()
+            checkpoint.save(root, step, pm, opt, plan=plan)
+            params[step] = {n: t.clone() for n, t in pm.full_parameters().items()}
+        yield root, pm, opt, params
+    finally:
+        dist.destroy_process_group()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _overwrite_middle(path: Path) -> None:
+    """Flip bytes in the middle of the file, keeping its size (tensor data: DCP loads it silently)."""
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 16):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "shard truncated": ("__0_0.distcp", _truncate),
+    "index truncated": (".metadata", _truncate),
+    "shard bytes overwritten": ("__0_0.distcp", _overwrite_middle),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_newest_checkpoint_resumes_from_the_previous_one_naming_it(
+    damage, one_rank_checkpoints, tmp_path, caplog
+):
+    root, pm, opt, params = one_rank_checkpoints
+    shutil.copytree(root, tmp_path / "ckpt")
+    name, spoil = DAMAGE[damage]
+    spoil(tmp_path / "ckpt" / "step_2" / name)
+
+    with caplog.at_level("WARNING", logger="autoplan.checkpoint"):
+        resumed = checkpoint.resume(tmp_path / "ckpt", pm, opt)
+
+    assert resumed is not None
+    ckpt, step = resumed
+    assert ckpt.path == tmp_path / "ckpt" / "step_1" and step == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"{tmp_path / 'ckpt' / 'step_2'} is corrupted" in warnings[0], warnings
+    assert name in warnings[0] and warnings[0].endswith("skipping it")
+    for fqn, value in pm.full_parameters().items():  # the parameters of step 1, not step 2
+        assert torch.equal(value, params[1][fqn]), fqn
+    if damage != "shard bytes overwritten":  # a size check finds it before any rank starts
+        assert checkpoint.find_latest(tmp_path / "ckpt").path == tmp_path / "ckpt" / "step_1"
+
+
+def test_every_checkpoint_damaged_is_one_checkpoint_error(one_rank_checkpoints, tmp_path):
+    root, pm, opt, _ = one_rank_checkpoints
+    shutil.copytree(root, tmp_path / "ckpt")
+    _overwrite_middle(tmp_path / "ckpt" / "step_2" / "__0_0.distcp")
+    _truncate(tmp_path / "ckpt" / "step_1" / "__0_0.distcp")
+
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .*ckpt: checkpoint .*step_2 is corrupted"):
+        checkpoint.resume(tmp_path / "ckpt", pm, opt)
+    _truncate(tmp_path / "ckpt" / "step_2" / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"step_2 is corrupted .*\(and 1 older damaged one"):
+        checkpoint.find_latest(tmp_path / "ckpt")
+
+
+class _Marker:
+    """Unpickled by a full unpickler, creates the file ``path`` (what a crafted index could run)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_crafted_index_is_refused_without_running_it(one_rank_checkpoints, tmp_path):
+    root, _, _, _ = one_rank_checkpoints
+    shutil.copytree(root, tmp_path / "ckpt")
+    ran = tmp_path / "index-code-ran"
+    (tmp_path / "ckpt" / "step_2" / ".metadata").write_bytes(pickle.dumps(_Marker(ran)))
+
+    latest = checkpoint.find_latest(tmp_path / "ckpt")  # skips step_2 and resumes from step_1
+    with pytest.raises(CorruptCheckpointError, match=r"step_2 is corrupted .*names posix\.system"):
+        checkpoint.read_full_parameters(tmp_path / "ckpt" / "step_2")
+
+    assert latest is not None and latest.path == tmp_path / "ckpt" / "step_1"
+    assert not ran.exists()
+    pickle.loads(pickle.dumps(_Marker(ran)))  # the same bytes under the full unpickler do run
+    assert ran.exists()
