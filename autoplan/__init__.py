@@ -8,6 +8,8 @@ pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=...
 
 __version__ = "0.1.0"
 
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 # Public names, imported on first use (PEP 562): ``autoplan --help`` and the review commands must
@@ -47,6 +49,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
+
+
+class _Package(types.ModuleType):
+    """Keeps a public name what ``_EXPORTS`` says: importing the submodule ``autoplan.plan``
+    (``from autoplan.plan import Plan``, as the review commands do) makes the import system set the
+    package attribute ``plan`` to that module, which would hide the function ``autoplan.plan``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:

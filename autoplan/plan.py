@@ -14,17 +14,16 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from autoplan.config import ParallelConfig
 from cost_models.cluster import Cluster
 from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
 from passes.explain import NodeExplanation
-from passes.placement import parse_spec, spec_str
-from passes.strategies import Strategy
-from passes.trace import param_node_name
+from passes.plan_text import param_node_name, spec_text
+
+if TYPE_CHECKING:  # loading, checking and printing a plan needs no torch (`autoplan show` starts fast)
+    from passes.strategies import Strategy
 
 PLAN_FORMAT = "autoplan.plan"
 PLAN_VERSION = 1
@@ -205,6 +204,9 @@ class Plan:
         return self.cluster.world_size
 
     def strategy_of(self, node: str) -> Strategy:
+        from passes.placement import parse_spec
+        from passes.strategies import Strategy
+
         d = self.nodes[node]
         outs = tuple(parse_spec(s) if s is not None else None for s in d["out"])
         ins = tuple(parse_spec(s) for s in d["in"])
@@ -212,6 +214,9 @@ class Plan:
 
     def assignment(self) -> dict[str, Strategy]:
         """node name -> chosen strategy, placeholders included (buffers and constants are ``R``)."""
+        from passes.placement import parse_spec
+        from passes.strategies import Strategy
+
         out = {name: self.strategy_of(name) for name in self.nodes}
         for name in self.param_names:
             out[param_node_name(name)] = Strategy((parse_spec(self.param_specs[name]),), ())
@@ -309,7 +314,7 @@ class Plan:
                 )
                 + f"; each on a stage mesh {dict(zip(self.pipeline.stage_axis_names, self.pipeline.stage_mesh_shape, strict=True))}"
             ),
-            "  inputs: " + ", ".join(spec_str(parse_spec(s)) for s in self.input_specs),
+            "  inputs: " + ", ".join(spec_text(s) for s in self.input_specs),
             "  collectives per step: "
             + (", ".join(f"{k} x{v}" for k, v in self.collective_counts().items()) or "none"),
         ]
@@ -320,7 +325,7 @@ class Plan:
         lines.append("  parameters:")
         width = max((len(n) for n in self.param_names), default=10)
         for name in self.param_names:
-            lines.append(f"    {name:<{width}}  {spec_str(parse_spec(self.param_specs[name]))}")
+            lines.append(f"    {name:<{width}}  {spec_text(self.param_specs[name])}")
         return "\n".join(lines)
 
     # -- checks -----------------------------------------------------------------------------
@@ -468,7 +473,7 @@ def _check_plan_values(plan: Plan) -> None:
     def check(spec: object, what: str) -> None:
         if isinstance(spec, str) or not isinstance(spec, (list, tuple)):
             raise TypeError(f"{what} must be a list of placements, got {spec!r}")
-        parse_spec(spec)
+        spec_text(spec)  # every placement parses
         if len(spec) != ndim:
             raise ValueError(f"{what} has {len(spec)} placement(s) for a {ndim}-axis mesh")
 
@@ -496,6 +501,8 @@ def _check_plan_values(plan: Plan) -> None:
 
 
 def software_versions() -> dict[str, str]:
+    import torch
+
     from autoplan import __version__
 
     return {"autoplan": __version__, "torch": torch.__version__}

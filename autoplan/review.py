@@ -16,7 +16,7 @@ from typing import Any
 from autoplan.plan import GiB, Plan
 from cost_models.errors import PlanError
 from passes.explain import Alternative, NodeExplanation
-from passes.trace import param_node_name
+from passes.plan_text import param_node_name
 
 MiB = 1024**2
 _BLOCK_INDEX = re.compile(r"(?<=\.)(\d+)(?=\.)")

@@ -54,13 +54,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
-import yaml
+from typing import TYPE_CHECKING, Any, Literal
 
 from cost_models.errors import ClusterSpecError
 from cost_models.hardware import DeviceSpec, _ReadOnlyMapping, get_device_spec
+
+if TYPE_CHECKING:  # clusters are read from plan files by the review commands, without torch or yaml
+    import yaml
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,13 @@ _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([a-z][a-z0-9_.-]*)$", re.IGNORECASE
 CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 COMM_KINDS: tuple[CommKind, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 """Communication kinds priced by ``cost_models.comm`` and measured by ``autoplan calibrate``."""
+StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard", "to_partial"]
+"""Kinds of the single-axis steps of a placement transition (``cost_models.comm.plan_transition``;
+plan files list them per collective)."""
+COLLECTIVE_KINDS: frozenset[str] = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+"""Step kinds of a placement transition that communicate."""
+LOCAL_KINDS: frozenset[str] = frozenset({"shard", "to_partial"})
+"""Step kinds of a placement transition that are local (cost nothing on the network)."""
 
 Backend = Literal["gloo", "nccl"]
 _LINK_KEYS: tuple[str, ...] = ("bw_GBps", "latency_us", "collectives")
@@ -530,6 +537,8 @@ class Cluster:
                     f"{where} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix the syntax"
                 ) from exc
         else:
+            import yaml
+
             try:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as exc:
@@ -593,6 +602,8 @@ def current_device_model(backend: Backend) -> str | None:
     """The hardware this process would calibrate with ``backend``: the CUDA device name for
     NCCL (``None`` without a GPU), the CPU model name for gloo."""
     if backend == "nccl":
+        import torch
+
         return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
@@ -611,6 +622,8 @@ def check_calibration_matches(info: CalibrationInfo) -> None:
     profile loaded on a machine without a GPU is accepted (planning from a login node); a GPU
     profile on another GPU model, or a CPU profile on another CPU model, is not.
     """
+    import torch
+
     here = _public_version(torch.__version__)
     if _public_version(info.torch_version) != here:
         raise ClusterSpecError(

@@ -50,14 +50,18 @@ from typing import Literal
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from cost_models.cluster import COMM_KINDS, Backend, Cluster, CommKind, LinkSpec
+from cost_models.cluster import (
+    COLLECTIVE_KINDS,
+    COMM_KINDS,
+    LOCAL_KINDS,
+    Backend,
+    Cluster,
+    CommKind,
+    LinkSpec,
+    StepKind,
+)
 from cost_models.hardware import DeviceSpec
 
-StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard", "to_partial"]
-COLLECTIVE_KINDS: frozenset[str] = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
-"""Step kinds of a placement transition that communicate."""
-LOCAL_KINDS: frozenset[str] = frozenset({"shard", "to_partial"})
-"""Step kinds of a placement transition that are local (cost nothing on the network)."""
 Algorithm = Literal["ring", "tree", "auto"]
 
 __all__ = [
@@ -65,6 +69,8 @@ __all__ = [
     "COMM_KINDS",
     "Algorithm",
     "CommKind",
+    "LOCAL_KINDS",
+    "StepKind",
     "TransitionStep",
     "collective_terms",
     "collective_time_s",

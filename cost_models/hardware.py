@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from cost_models.errors import ClusterSpecError, UnknownDeviceError
+
+if TYPE_CHECKING:  # device specs are read from plan files by the review commands, without torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -267,8 +268,8 @@ def _positive_float(value: object, what: str) -> float:
 
 
 def _dtype_key(dtype: torch.dtype | str) -> str:
-    if isinstance(dtype, torch.dtype):
-        return str(dtype).removeprefix("torch.")
+    """``torch.bfloat16``, ``"torch.bfloat16"``, ``"bf16"`` -> ``"bfloat16"`` (a ``torch.dtype``'s text
+    is ``torch.<name>``, lower case, and no alias is such a name)."""
     key = str(dtype).strip().lower().removeprefix("torch.")
     return _DTYPE_ALIASES.get(key, key)
 

@@ -37,9 +37,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from passes.costing import OUTPUT_CONSUMER, CostProblem, Edge
-from passes.placement import Spec, spec_strs
+if TYPE_CHECKING:  # the records below are read from plan files by the review commands, without torch
+    from passes.costing import CostProblem, Edge
+    from passes.placement import Spec
 
 KEEP_ALTERNATIVES = 3
 """Other strategies kept per node (the cheapest by ``delta``), besides the chosen one."""
@@ -157,6 +159,9 @@ def explain_choices(
 ) -> dict[str, NodeExplanation]:
     """Per node with more than one strategy: the chosen one and the ``keep`` next cheapest, with the
     formula of the module docstring (tied followers: the producer they follow)."""
+    from passes.costing import OUTPUT_CONSUMER
+    from passes.placement import spec_strs
+
     into: dict[str, list[Edge]] = {}
     out_of: dict[str, list[Edge]] = {}
     follows: dict[str, str] = {}  # tied consumer -> the producer it follows

@@ -11,15 +11,14 @@ source of truth at run time.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from passes.plan_text import parse_placement_text
+
 Spec = tuple[Placement, ...]
 """One placement per mesh axis."""
-
-_SHARD_RE = re.compile(r"^S\((\d+)\)$")
 
 
 def placement_str(p: Placement) -> str:
@@ -36,17 +35,14 @@ def placement_str(p: Placement) -> str:
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of :func:`placement_str`."""
-    if text == "R":
+    """Inverse of :func:`placement_str` (the syntax is :func:`passes.plan_text.parse_placement_text`'s)."""
+    kind, dim = parse_placement_text(text)
+    if kind == "S":
+        assert dim is not None
+        return Shard(dim)
+    if kind == "R":
         return Replicate()
-    if text == "P":
-        return Partial("sum")
-    if text == "P(avg)":
-        return Partial("avg")
-    m = _SHARD_RE.match(text)
-    if m:
-        return Shard(int(m.group(1)))
-    raise ValueError(f"placement {text!r} is malformed: expected 'R', 'P', 'P(avg)' or 'S(<dim>)'")
+    return Partial("sum" if kind == "P" else "avg")
 
 
 def spec_strs(spec: Sequence[Placement]) -> list[str]:

@@ -46,6 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cost_models.errors import UnsupportedModelError
 from passes.attention import attention_as_single_op
+from passes.plan_text import param_node_name, placeholder_name
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +183,6 @@ def _check_callable_with(fn: Callable[..., Any], num_args: int, what: str, fix: 
         raise UnsupportedModelError(
             f"{what} cannot be called with {num_args} positional argument(s): {exc}; {fix}"
         ) from None
-
-
-def _placeholder_name(kind: str, name: str) -> str:
-    return f"{kind}_{name.replace('.', '_')}"
-
-
-def param_node_name(fqn: str) -> str:
-    """Placeholder name of the parameter ``fqn`` in the traced step (``p_<fqn with _>``)."""
-    return _placeholder_name("p", fqn)
 
 
 def trace_training_step(
@@ -370,7 +362,7 @@ def _name_placeholders(
     gm: fx.GraphModule, param_names: Sequence[str], buffer_names: Sequence[str], num_inputs: int, num_targets: int
 ) -> None:
     names = [param_node_name(n) for n in param_names]
-    names += [_placeholder_name("b", n) for n in buffer_names]
+    names += [placeholder_name("b", n) for n in buffer_names]
     names += [f"input_{i}" for i in range(num_inputs)] + [f"target_{i}" for i in range(num_targets)]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(phs) == len(names), (len(phs), len(names))
