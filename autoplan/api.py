@@ -229,11 +229,12 @@ def plan_traced(
         for r, t, sc in zip(redistributions, times_s, schedule.collectives, strict=True)
     )
     profiled = sum(problem.node_time_profiled[n][s] for n, s in solution.choice.items())
-    timed = sum(1 for n in solution.choice if table.nodes[n].kind in ("op", "fallback", "param"))
+    frozen = {param_node_name(n) for n in traced.frozen_names}  # no optimizer step to time
+    timed = sum(1 for n in solution.choice if table.nodes[n].kind in ("op", "fallback", "param") and n not in frozen)
     param_nodes = [param_node_name(n) for n in traced.param_names]
     memory = liveness.peak_memory(
         gm,
-        liveness.analyze(gm, param_nodes),
+        liveness.analyze(gm, [param_node_name(n) for n in traced.trainable_names]),
         assignment,
         redistributions,
         mesh_shape=cluster.mesh_shape,

@@ -383,7 +383,8 @@ def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for p in params:
-        p.grad = torch.zeros_like(p)
+        if p.requires_grad:  # a frozen parameter gets no state (as in training), even if listed
+            p.grad = torch.zeros_like(p)
     lrs = [group["lr"] for group in optimizer.param_groups]
     try:
         for group in optimizer.param_groups:

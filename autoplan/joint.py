@@ -439,6 +439,8 @@ class SegmentCostModel:
             problem,
             solution.choice,
             param_nodes=[param_node_name(p) for p in traced.param_names],
+            trainable_param_nodes=[param_node_name(p) for p in traced.trainable_names],
+            optimizer=self.optimizer,
         )
         return expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
 
@@ -499,7 +501,8 @@ def scale_costs(costs: SegmentCosts, factor: float) -> SegmentCosts:
     scale, parameters, gradient synchronisation and the optimizer step do not."""
     per_sample = ("fwd_s", "bwd_s", "bwd_weight_s", "fwd_comm_s", "bwd_comm_s", "selective_recompute_s",
                   "saved_bytes", "saved_matmul_bytes", "input_bytes", "flops")  # fmt: skip
-    return SegmentCosts(
+    return dataclasses.replace(
+        costs,
         segments=tuple(
             dataclasses.replace(s, **{f: getattr(s, f) * factor for f in per_sample}) for s in costs.segments
         ),

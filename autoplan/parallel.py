@@ -43,7 +43,9 @@ class _CheckedInterpreter(fx.Interpreter):
 class ParallelModel(torch.nn.Module):
     """A model sharded by a plan. One call of :meth:`forward_backward` is one training step's
     forward and backward: it returns the loss and leaves each parameter's gradient (a DTensor in
-    the parameter's placement) in ``.grad``; any ``torch.optim`` optimizer then steps locally."""
+    the parameter's placement) in ``.grad``; any ``torch.optim`` optimizer then steps locally.
+    A frozen parameter (``requires_grad=False`` in the model) stays frozen: no ``.grad``, and
+    :meth:`make_optimizer` leaves it out."""
 
     def __init__(
         self,
@@ -65,12 +67,16 @@ class ParallelModel(torch.nn.Module):
         self.param_names = traced.param_names
         named = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
+        trainable = set(traced.trainable_names)
         self._params = torch.nn.ParameterList(
             torch.nn.Parameter(
-                distribute_tensor(named[n].detach(), mesh, parse_spec(plan.param_specs[n]), src_data_rank=None)
+                distribute_tensor(named[n].detach(), mesh, parse_spec(plan.param_specs[n]), src_data_rank=None),
+                requires_grad=n in trainable,
             )
             for n in self.param_names
         )
+        self._trainable = [p for n, p in zip(self.param_names, self._params, strict=True) if n in trainable]
+        """The parameters the program returns a gradient for, in its output order."""
         rep = [Replicate()] * mesh.ndim
         self._buffers_list = [
             distribute_tensor(buffers[n].detach(), mesh, rep, src_data_rank=None) for n in traced.buffer_names
@@ -104,9 +110,9 @@ class ParallelModel(torch.nn.Module):
         return self.program.code
 
     def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
-        """The optimizer the plan was costed for, over the sharded parameters."""
+        """The optimizer the plan was costed for, over the sharded trainable parameters."""
         name = self.plan.optimizer
-        params = list(self._params)
+        params = list(self._trainable)
         if name == "adam":
             return torch.optim.Adam(params, **kwargs)
         if name == "adamw":
@@ -139,7 +145,7 @@ class ParallelModel(torch.nn.Module):
         with torch.no_grad(), implicit_replication():
             outs = _CheckedInterpreter(self.program).run(*args) if check else self.program(*args)
         loss, *grads = outs
-        for p, g in zip(self._params, grads, strict=True):
+        for p, g in zip(self._trainable, grads, strict=True):
             p.grad = g
         return loss.to_local() if isinstance(loss, DTensor) else loss
 

@@ -16,6 +16,8 @@ that output unchanged, so its backward seeds 1 and the last stage's backward pro
 its own traced seed. Raw parameter gradients are summed over micro-batches, then, once per step,
 converted to the parameter placement (coalesced all-reduces per stage, as planned), divided by
 the number of micro-batches, and summed over the stages holding a copy of a tied parameter.
+A frozen parameter (``requires_grad=False``) is held and read like the others but gets no
+gradient and no optimizer state.
 """
 
 from __future__ import annotations
@@ -142,7 +144,8 @@ class StageModule(torch.nn.Module):
         self.param_specs = {n: assignment[param_node_name(n)].output_specs[0] for n in program.param_names}
         self.params = torch.nn.ParameterList(
             torch.nn.Parameter(
-                distribute_tensor(named[n].detach().to(device), mesh, list(self.param_specs[n]), src_data_rank=None)
+                distribute_tensor(named[n].detach().to(device), mesh, list(self.param_specs[n]), src_data_rank=None),
+                requires_grad=named[n].requires_grad,  # a frozen parameter stays frozen (passes.trace)
             )
             for n in program.param_names
         )
@@ -244,7 +247,7 @@ class PipelineModel(torch.nn.Module):
             yield from st.params
 
     def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
-        params = list(self.parameters())
+        params = [p for p in self.parameters() if p.requires_grad]  # frozen ones have no gradient
         if self._optimizer == "adam":
             return torch.optim.Adam(params, **kwargs)
         if self._optimizer == "adamw":
@@ -301,6 +304,9 @@ class PipelineModel(torch.nn.Module):
                         group = runtime.all_reduce_coalesced(group, axis)
                 converted.update({fqn: g for (fqn, _), g in zip(members, group, strict=True)})
             for fqn, p in zip(st.program.param_names, st.params, strict=True):
+                if not p.requires_grad:  # frozen: no gradient, as on one device
+                    p.grad = None
+                    continue
                 total: Any = converted.get(fqn)
                 if total is None:
                     total = DTensor.from_local(
@@ -511,9 +517,10 @@ def build_pipeline(
         sched = ScheduleInterleaved1F1B(list[Any](stages), num_microbatches, **kw)
 
     # tied parameters: one group per stage-mesh coordinate over the pipeline ranks holding a copy
+    # (a frozen tied parameter has no gradient to sum)
     tied_groups: dict[str, tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
     ranks_grid = mesh.mesh.reshape(pp, -1)
-    for fqn in sorted(split.tied_params):
+    for fqn in sorted(set(split.tied_params) & set(traced_mb.trainable_names)):
         pranks = tuple(sorted({s % pp for s in split.tied_params[fqn]}))
         group = None
         if len(pranks) > 1:

@@ -4,7 +4,8 @@
 
 The key is a SHA-256 over everything the plan depends on, computed without tracing:
 
-* the model: its module tree (``repr``), every parameter's and buffer's name, shape and dtype,
+* the model: its module tree (``repr``), every parameter's and buffer's name, shape and dtype
+  (and whether the parameter is trained: freezing one changes the traced step),
   and the bytecode of the ``forward`` of every module class it uses;
 * the example inputs' and targets' shapes and dtypes, the loss function's bytecode;
 * the cluster (``Cluster.to_dict``, calibrated links included), the planning options, the
@@ -74,7 +75,7 @@ def plan_key(
     classes = sorted({type(m) for m in model.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}")
     doc = {
         "model": repr(model),
-        "params": [[n, *_tensor_sig(p)] for n, p in model.named_parameters()],
+        "params": [[n, *_tensor_sig(p), p.requires_grad] for n, p in model.named_parameters()],
         "buffers": [[n, *_tensor_sig(b)] for n, b in model.named_buffers()],
         "forward": [[f"{c.__module__}.{c.__qualname__}", _code_digest(c.forward)] for c in classes],
         "inputs": [_tensor_sig(t) for t in inputs],

@@ -1,56 +1,94 @@
 """Memory per device: parameters, gradients, optimizer state and saved activations.
 
-Bytes per parameter element on one device, for a parameter stored with ``storage_factor`` shards
-(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
-SC 2020, section 3.1; fp32 training, so no separate master copy)::
+One model of the bytes a parameter element costs, used by every memory estimate (the
+per-operator ILP and its plan, the joint search, ``autoplan.estimate`` and the review tools that
+print them). By optimizer and training precision (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020, section 3.1)::
 
-    param  = itemsize                       (4 for fp32)
-    grad   = itemsize                       (gradients live in the parameter's layout)
-    adam   = 2 * 4                          (exp_avg and exp_avg_sq, fp32)
-    sgd    = 4 with momentum, 0 without
+    weights    = w                                 w = 4 (fp32), 2 (bf16, fp16)
+    gradients  = w                                 (gradients live in the parameter's layout)
+    optimizer  = 4 * states(optimizer) + master    fp32 states: adam, adamw 2 (exp_avg, exp_avg_sq),
+                                                   sgd_momentum 1 (momentum_buffer), sgd 0;
+                                                   master = 4 (fp32 copy) when w < 4, else 0
+
+so fp32 Adam costs 4 + 4 + 8 bytes, mixed-precision Adam 2 + 2 + 12 (the paper's K = 12), fp32
+SGD 4 + 4 + 0. A frozen parameter (``requires_grad=False``) is never updated: weights only.
 
 Activations saved for backward are forward values read by the backward; each costs its local
-bytes (``P`` keeps a full-size buffer). This issue's model sums them (an upper bound of the
-peak); lifetimes and the exact peak are the memory model's next step.
+bytes (``P`` keeps a full-size buffer); :mod:`passes.liveness` times their lifetimes.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 OptimizerName = Literal["adam", "adamw", "sgd", "sgd_momentum"]
 
-OPTIMIZER_STATE_BYTES_PER_ELEMENT: dict[str, int] = {
-    "adam": 8,  # exp_avg + exp_avg_sq in fp32
-    "adamw": 8,
-    "sgd_momentum": 4,  # momentum buffer
+OPTIMIZER_STATES: dict[str, int] = {
+    "adam": 2,  # exp_avg, exp_avg_sq
+    "adamw": 2,
+    "sgd_momentum": 1,  # momentum_buffer
     "sgd": 0,
 }
+"""fp32 tensors of the parameter's shape the optimizer keeps (``torch.optim`` state)."""
 
-OPTIMIZER_STEP_BYTES_PER_ELEMENT: dict[str, int] = {
-    # bytes read + written per element by one optimizer step (fp32): param r/w, grad r, states r/w
-    "adam": 4 * 2 + 4 + 8 * 2,
-    "adamw": 4 * 2 + 4 + 8 * 2,
-    "sgd_momentum": 4 * 2 + 4 + 4 * 2,
-    "sgd": 4 * 2 + 4,
-}
+STATE_ITEMSIZE = 4
+"""Bytes per element of an optimizer state and of the master copy (fp32)."""
 
+PRECISION_ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of weights and gradients by training precision (bf16, fp16: mixed precision)."""
 
-OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_STATE_BYTES_PER_ELEMENT)
+OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_STATES)
 """Optimizer names the memory and time model knows."""
 
 
-def param_training_bytes_by_part(numel: int, itemsize: int, optimizer: str) -> dict[str, int]:
-    """Bytes of ``numel`` parameter elements split into ``params``, ``grads`` and ``optimizer``."""
-    return {
-        "params": numel * itemsize,
-        "grads": numel * itemsize,
-        "optimizer": numel * OPTIMIZER_STATE_BYTES_PER_ELEMENT[optimizer],
-    }
+@dataclass(frozen=True, slots=True)
+class ElementBytes:
+    """Bytes one parameter element costs for its weights, gradient and optimizer state."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+    def __str__(self) -> str:
+        return f"{self.weights}+{self.grads}+{self.optimizer} B"
+
+
+def element_bytes(optimizer: str, itemsize: int, *, trainable: bool = True) -> ElementBytes:
+    """The module docstring's formula for a parameter stored with ``itemsize`` bytes per element."""
+    if not trainable:
+        return ElementBytes(weights=itemsize, grads=0, optimizer=0)
+    master = STATE_ITEMSIZE if itemsize < STATE_ITEMSIZE else 0
+    return ElementBytes(
+        weights=itemsize, grads=itemsize, optimizer=STATE_ITEMSIZE * OPTIMIZER_STATES[optimizer] + master
+    )
+
+
+def precision_bytes(optimizer: str, precision: str) -> ElementBytes:
+    """:func:`element_bytes` of a parameter trained in ``precision`` (``fp32``, ``bf16``, ``fp16``)."""
+    return element_bytes(optimizer, PRECISION_ITEMSIZE[precision])
+
+
+OPTIMIZER_STATE_BYTES_PER_ELEMENT: dict[str, int] = {name: element_bytes(name, 4).optimizer for name in OPTIMIZERS}
+"""Optimizer state of one fp32 parameter element: adam 8, adamw 8, sgd_momentum 4, sgd 0."""
+
+OPTIMIZER_STEP_BYTES_PER_ELEMENT: dict[str, int] = {
+    # bytes read + written per element by one fp32 optimizer step: param r/w, grad r, states r/w
+    name: 4 * 2 + 4 + OPTIMIZER_STATE_BYTES_PER_ELEMENT[name] * 2
+    for name in OPTIMIZERS
+}
+
+
+def param_training_bytes_by_part(numel: int, itemsize: int, optimizer: str, *, trainable: bool = True) -> dict[str, int]:
+    """Bytes of ``numel`` parameter elements split into ``params``, ``grads`` and ``optimizer``
+    (:func:`element_bytes`; a frozen parameter, ``trainable=False``, has weights only)."""
+    b = element_bytes(optimizer, itemsize, trainable=trainable)
+    return {"params": numel * b.weights, "grads": numel * b.grads, "optimizer": numel * b.optimizer}
 
 
 def param_training_bytes(numel: int, itemsize: int, optimizer: str) -> int:
-    """Bytes of one (unsharded) parameter with its gradient and optimizer state."""
+    """Bytes of one (unsharded) trainable parameter with its gradient and optimizer state."""
     return sum(param_training_bytes_by_part(numel, itemsize, optimizer).values())
 
 

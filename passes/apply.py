@@ -11,7 +11,8 @@ single-axis steps of :func:`cost_models.comm.plan_transition` as explicit calls
 Gradient all-reduces with the same transition are coalesced into one ``all_reduce_coalesced``
 per mesh axis at the end (one flat buffer, as DDP buckets gradients); every other gradient
 conversion (e.g. the reduce-scatter of a sharded parameter's gradient) runs right after the
-gradient is produced, so its full-size partial is freed at once.
+gradient is produced, so its full-size partial is freed at once. A frozen parameter has no
+gradient output (``TracedProgram.trainable_names``), so no collective for it either.
 
 :func:`edge_redistributions` lists those same transitions as data; the planner prices exactly
 this list and the program contains exactly these calls, nothing else.
@@ -96,7 +97,7 @@ def edge_redistributions(
     src = _output_spec(assignment, ref, mesh_ndim)
     if src != rep:
         out.append(Redistribution(ref, OUTPUT, -1, src, rep, plan_transition(src, rep)))
-    for pname, g in zip(traced.param_names, grads, strict=True):
+    for pname, g in zip(traced.trainable_names, grads, strict=True):
         pnode = param_node_name(pname)
         ref = resolve_value(g)
         src, dst = _output_spec(assignment, ref, mesh_ndim), assignment[pnode].output_specs[0]
@@ -178,7 +179,7 @@ def generate_program(
     # (full-size) gradient is freed at once instead of living to the end of the backward
     output_node = next(n for n in src_gm.graph.nodes if n.op == "output")
     grad_conversions: dict[fx.Node, list[tuple[int, Redistribution]]] = {}
-    for i, (pname, g) in enumerate(zip(traced.param_names, output_node.args[0][1:], strict=True)):
+    for i, (pname, g) in enumerate(zip(traced.trainable_names, output_node.args[0][1:], strict=True)):
         r = by_edge.get((param_node_name(pname), -1))
         if r is not None and r.bucket is None and not defer_grad_conversions:
             grad_conversions.setdefault(g, []).append((i, r))
@@ -197,13 +198,13 @@ def generate_program(
                 new_loss = _emit_steps(graph, new_loss, r.steps, axis_names)
             new_grads: list[fx.Node] = []
             buckets: dict[str, list[int]] = {}
-            for i, (pname, g) in enumerate(zip(traced.param_names, grads, strict=True)):
+            for i, (pname, g) in enumerate(zip(traced.trainable_names, grads, strict=True)):
                 r = by_edge.get((param_node_name(pname), -1))
                 if r is not None and r.bucket is not None and not defer_grad_conversions:
                     buckets.setdefault(r.bucket, []).append(i)
                 new_grads.append(converted_grads.get(i, env[g]))
             for members in buckets.values():
-                r = by_edge[(param_node_name(traced.param_names[members[0]]), -1)]
+                r = by_edge[(param_node_name(traced.trainable_names[members[0]]), -1)]
                 group = [new_grads[i] for i in members]
                 for st in r.steps:
                     red = graph.create_node(

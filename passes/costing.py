@@ -7,12 +7,12 @@ Output: a :class:`CostProblem`, the plain data the ILP is built from:
 
 * ``node_time_s[v][s]``: compute time of node ``v`` under strategy ``s`` (forward and backward
   ops alike, since the graph is the joint training step), plus the optimizer step for
-  parameters;
+  trainable parameters (a frozen one has none);
 * ``persistent_bytes[v][s]``: bytes per device a placeholder keeps for the whole step under
-  strategy ``s``: parameter + optimizer state for parameters, the local shard for inputs and
-  buffers;
+  strategy ``s``: parameter + optimizer state for trainable parameters, the parameter alone for
+  frozen ones, the local shard for inputs and buffers;
 * ``value_bytes[a][s]``: local bytes of storage ``a`` (:mod:`passes.liveness`) when its producer
-  runs strategy ``s``; ``grad_bytes[p][s]``: the gradient of parameter ``p`` in layout ``s``;
+  runs strategy ``s``; ``grad_bytes[p][s]``: the gradient of trainable parameter ``p`` in layout ``s``;
 * ``memory_points``: the positions of the step where the ILP bounds the live bytes, each with
   the storages alive there and the gradients already produced;
 * ``edges``: for every (producer value -> consumer argument) the transition time between each
@@ -124,8 +124,9 @@ def analytic_time_s(
     node: fx.Node, strategy: Strategy, kind: str, device: DeviceSpec, mesh_shape: Sequence[int], *, optimizer: str
 ) -> float:
     """Analytic time of ``node`` under ``strategy``: the roofline of the op with its work split as
-    finely as its most finely stored operand (:mod:`cost_models.compute`); for a parameter, its
-    optimizer step (bytes read and written over memory bandwidth); placeholders cost nothing."""
+    finely as its most finely stored operand (:mod:`cost_models.compute`); for a trainable
+    parameter, its optimizer step (bytes read and written over memory bandwidth); other
+    placeholders (frozen parameters included) cost nothing."""
     val = node.meta.get("val")
     if kind == "param":
         local = local_numel(strategy.output_specs[0], val.shape, mesh_shape)
@@ -184,8 +185,13 @@ def build_cost_problem(
     problem = CostProblem(table=table, cluster=cluster, capacity_bytes=float(device.mem_capacity_bytes))
     nodes_by_name = {n.name: n for n in gm.graph.nodes}
 
+    frozen = {param_node_name(p) for p in traced.frozen_names}
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
+        if name in frozen:  # never updated: no optimizer step
+            problem.node_time_s[name] = [0.0] * len(ns.strategies)
+            problem.node_time_profiled[name] = [False] * len(ns.strategies)
+            continue
         measured = [_profiled_time_s(profile, node, s, ns.kind, mesh_shape, optimizer) for s in ns.strategies]
         profiled = [t is not None for t in measured]
         if all(profiled):
@@ -222,7 +228,7 @@ def build_cost_problem(
     problem.edges.append(
         _edge(table, resolve_value(loss), OUTPUT_CONSUMER, -1, {rep: [0]}, tensor_bytes(loss.meta["val"]), transition)
     )
-    for pname, g in zip(traced.param_names, grads, strict=True):
+    for pname, g in zip(traced.trainable_names, grads, strict=True):
         pnode = param_node_name(pname)
         ps = table.nodes[pnode]
         groups: dict[Spec, list[int]] = {}
@@ -293,8 +299,8 @@ def _edge(
 def _add_memory(problem: CostProblem, traced: TracedProgram, table: StrategyTable, optimizer: str) -> None:
     """Bytes per strategy and the memory checkpoints of :mod:`passes.liveness`."""
     mesh_shape = table.mesh_shape
-    param_nodes = [param_node_name(p) for p in traced.param_names]
-    live = liveness.analyze(traced.graph_module, param_nodes)
+    trainable = [param_node_name(p) for p in traced.trainable_names]
+    live = liveness.analyze(traced.graph_module, trainable)
     for name, ns in table.nodes.items():
         if ns.kind not in ("param", "input", "target", "buffer"):
             continue
@@ -303,12 +309,12 @@ def _add_memory(problem: CostProblem, traced: TracedProgram, table: StrategyTabl
         for s in ns.strategies:
             local = local_numel(s.output_specs[0], val.shape, mesh_shape)
             if ns.kind == "param":
-                parts = param_training_bytes_by_part(local, val.element_size(), optimizer)
+                parts = param_training_bytes_by_part(local, val.element_size(), optimizer, trainable=name in live.grads)
                 sizes.append(float(parts["params"] + parts["optimizer"]))
             else:
                 sizes.append(float(local * val.element_size()))
         problem.persistent_bytes[name] = sizes
-        if ns.kind == "param":  # the gradient is counted from its birth (memory_points)
+        if name in live.grads:  # a trainable parameter's gradient, counted from its birth (memory_points)
             problem.grad_bytes[name] = [
                 float(local_numel(s.output_specs[0], val.shape, mesh_shape) * val.element_size()) for s in ns.strategies
             ]

@@ -15,7 +15,8 @@ this order and FX frees every value after its last use). Output:
 Memory model (bytes per device)::
 
     M(t) = persistent + sum_{storage a alive at t} local_bytes(a)
-    persistent = params + optimizer state + buffers + inputs        (local shards)
+    persistent = params + optimizer state + buffers + inputs        (local shards; a frozen
+                                                                     parameter: no optimizer state)
     local_bytes(a) = numel under the producer's spec (S(d): ceil(n/mesh) along d; R and P: full)
                      x itemsize
     peak = max( max_t M(t),  persistent + grads + optimizer temporaries )   (optimizer step)
@@ -108,8 +109,9 @@ class Liveness:
         return {p: self.position[self.storage_of[g].node] for p, g in self.grads.items()}
 
 
-def analyze(gm: fx.GraphModule, param_nodes: Sequence[str]) -> Liveness:
-    """Compute storages and lifetimes of ``gm`` (see the module docstring)."""
+def analyze(gm: fx.GraphModule, trainable_param_nodes: Sequence[str]) -> Liveness:
+    """Compute storages and lifetimes of ``gm`` (see the module docstring). The output node
+    returns ``(loss, *grads)`` with one gradient per ``trainable_param_nodes``, in that order."""
     nodes = list(gm.graph.nodes)
     position = {n.name: i for i, n in enumerate(nodes)}
     storage_of: dict[ValueRef, Storage] = {}
@@ -126,7 +128,7 @@ def analyze(gm: fx.GraphModule, param_nodes: Sequence[str]) -> Liveness:
             for g in (loss, *gs):
                 output_read.add(storage_of[resolve_value(g)])
                 output_values.add(resolve_value(g))
-            for p, g in zip(param_nodes, gs, strict=True):
+            for p, g in zip(trainable_param_nodes, gs, strict=True):
                 grads[p] = resolve_value(g)
             continue
         if n.op == "call_function" and n.target is operator.getitem:
@@ -250,7 +252,8 @@ def peak_memory(
     """Exact byte timeline of the generated program for ``assignment`` (see the module docstring).
 
     ``redistributions`` are :class:`passes.apply.Redistribution` values (duck-typed here to keep
-    the dependency one way: apply imports liveness, not the reverse)."""
+    the dependency one way: apply imports liveness, not the reverse). ``param_nodes`` are every
+    parameter, frozen ones included; those with a gradient in ``live.grads`` are trained."""
     ndim = len(mesh_shape)
     rep = replicated(ndim)
     gm_targets = {n.name: n.target for n in gm.graph.nodes}
@@ -264,7 +267,8 @@ def peak_memory(
 
     persistent: dict[str, float] = {"params": 0.0, "optimizer": 0.0, "buffers": 0.0, "inputs": 0.0}
     grads_final = 0.0
-    max_param_local = 0
+    max_param_local = 0  # the optimizer's temporaries are those of the parameters it updates
+    trained_param_bytes = 0
     params = set(param_nodes)
     for name in live.placeholders:
         val = live.value_shape.get(ValueRef(name))
@@ -273,11 +277,13 @@ def peak_memory(
         nbytes = local_bytes(spec_of(ValueRef(name)), val, mesh_shape)
         if name in params:
             numel = nbytes // val.element_size()
-            parts = param_training_bytes_by_part(numel, val.element_size(), optimizer)
+            parts = param_training_bytes_by_part(numel, val.element_size(), optimizer, trainable=name in live.grads)
             persistent["params"] += parts["params"]
             persistent["optimizer"] += parts["optimizer"]
             grads_final += parts["grads"]
-            max_param_local = max(max_param_local, nbytes)
+            if name in live.grads:
+                max_param_local = max(max_param_local, nbytes)
+                trained_param_bytes += nbytes
         elif name.startswith(("input_", "target_")):
             persistent["inputs"] += nbytes
         else:
@@ -339,7 +345,7 @@ def peak_memory(
         if kind == 0 and base + sum(cur.values()) > best:
             best, best_parts = base + sum(cur.values()), dict(cur)
             best_at = names.get(int(t + 0.5), "<output>")  # a conversion at i - 1/2 belongs to node i
-    temp = optimizer_temp_bytes(optimizer, max_param_local, persistent["params"], device_kind)
+    temp = optimizer_temp_bytes(optimizer, max_param_local, trained_param_bytes, device_kind)
     if base + grads_final + temp > best:
         best, best_at = base + grads_final + temp, "<optimizer>"
         best_parts = {"grads": grads_final, "activations": temp}

@@ -18,7 +18,10 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
     F_k = sum_{j in K} fwd_s[j]
     B_k = sum_{j in K} bwd_s[j] + R_k        R_k = 0 | sum selective_recompute_s | F_k   (recompute)
     A_k = sum_{j in K} a_j                   a_j = saved_bytes | saved_matmul + input | input
-    S_k = P_k (w + g + o)                    bytes/param of weights, grads, optimizer (precision)
+    S_k = P_k w + T_k (g + o)                P_k parameter elements, T_k of them trainable (not
+                                             frozen); w, g, o bytes per element of weights, grads
+                                             and optimizer state (cost_models.memory, by precision
+                                             and optimizer)
           / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w)
     ZeRO-3: F_k, B_k += the parameter all-gather of the stage per micro-batch; where compute and
           communication overlap, max(F_k, gather) + the gather of one segment (prefetch)
@@ -64,20 +67,12 @@ from dataclasses import dataclass, field
 from cost_models.cluster import Cluster, LinkSpec
 from cost_models.comm import link_time_s, overlaps_compute
 from cost_models.errors import ConfigError, InfeasiblePlanError
+from cost_models.memory import precision_bytes
 from cost_models.pipeline import StageTimes, fast_step_time, inflight_microbatches
 from passes.segment_costs import SegmentCost, SegmentCosts
 
 SegmentCostFn = Callable[[int, int], SegmentCosts]
 """``(tp, microbatch_size) -> SegmentCosts`` of one micro-batch on a tensor-parallel group."""
-
-BYTES_PER_PARAM: dict[str, dict[str, float]] = {
-    # (weights, gradients, optimizer state incl. fp32 master copy) per parameter element; Adam.
-    # ZeRO paper (Rajbhandari et al. 2020) section 3.1: mixed precision = 2 + 2 + 12 bytes.
-    "fp32": {"w": 4.0, "g": 4.0, "o": 8.0},
-    "bf16": {"w": 2.0, "g": 2.0, "o": 12.0},
-    "fp16": {"w": 2.0, "g": 2.0, "o": 12.0},
-}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Candidate:
@@ -201,7 +196,7 @@ def expand_blocks(costs: SegmentCosts, num_blocks: int) -> SegmentCosts:
     cuts = list(costs.cut_bytes)
     mid_cut = cuts[-2] if len(cuts) >= 2 else cuts[0]
     new_cuts = [cuts[0]] + [mid_cut] * (num_blocks - 1) + [cuts[-1]]
-    return SegmentCosts(segments=(segs[0], *blocks, segs[-1]), cut_bytes=tuple(new_cuts))
+    return dataclasses.replace(costs, segments=(segs[0], *blocks, segs[-1]), cut_bytes=tuple(new_cuts))
 
 
 def _uniform_starts(num_segments: int, num_stages: int) -> tuple[int, ...]:
@@ -287,7 +282,7 @@ def evaluate(
     starts = tuple(stage_starts) if stage_starts is not None else _uniform_starts(len(segs), nstages)
     bounds = [*starts, len(segs)]
     rec = list(stage_recompute) if stage_recompute is not None else [cand.recompute] * nstages
-    bpp = BYTES_PER_PARAM[precision]
+    bpe = precision_bytes(costs.optimizer, precision)  # bytes per element: weights, grads, optimizer
     m = cand.num_microbatches
     device = cluster.device
     overlap = overlaps_compute(device)
@@ -312,15 +307,16 @@ def evaluate(
         bwd = sum(s.bwd_s for s in part) + extra
         tp_comm = max(tp_comm, sum(s.fwd_comm_s + s.bwd_comm_s for s in part))
         numel = sum(s.param_numel for s in part)
-        w, g, o = numel * bpp["w"], numel * bpp["g"], numel * bpp["o"]
+        trained = sum(s.trainable_numel for s in part)  # frozen parameters: weights only
+        w, g, o = float(numel * bpe.weights), float(trained * bpe.grads), float(trained * bpe.optimizer)
         z = cand.zero_stage
         o = o / dp if z >= 1 else o
         g = g / dp if z >= 2 else g
         gather = 0.0
         if z >= 3:
             w = w / dp
-            gather = 2 * max((s.param_numel for s in part), default=0) * bpp["w"]
-        grad_bytes = numel * bpp["g"]
+            gather = 2 * max((s.param_numel for s in part), default=0) * bpe.weights
+        grad_bytes = trained * bpe.grads
         after = 0.0  # communication after the optimizer step (cannot hide behind the backward)
         if dp > 1:
             # collectives take full-size byte counts (cost_models.comm's ring convention)
@@ -328,14 +324,14 @@ def evaluate(
                 sync = link_time_s("all_reduce", grad_bytes, dp, dp_link, backend=backend)
             else:  # gradients reduce-scattered; ZeRO 1-2 all-gather the updated weights after the step
                 sync = link_time_s("reduce_scatter", grad_bytes, dp, dp_link, backend=backend)
-                if z < 3:
-                    after = link_time_s("all_gather", numel * bpp["w"], dp, dp_link, backend=backend)
+                if z < 3:  # the updated (trainable) weights
+                    after = link_time_s("all_gather", trained * bpe.weights, dp, dp_link, backend=backend)
             if z >= 3:  # parameters all-gathered before each micro-batch's forward and backward
-                ag = link_time_s("all_gather", numel * bpp["w"], dp, dp_link, backend=backend)
+                ag = link_time_s("all_gather", numel * bpe.weights, dp, dp_link, backend=backend)
                 if overlap:
                     # prefetching hides a segment's gather behind the previous segment's compute;
                     # the first segment's gather of each pass has nothing to hide behind
-                    first = max((s.param_numel for s in part), default=0) * bpp["w"]
+                    first = max((s.param_numel for s in part), default=0) * bpe.weights
                     ag_first = link_time_s("all_gather", first, dp, dp_link, backend=backend)
                     fwd, bwd = max(fwd, ag) + ag_first, max(bwd, ag) + ag_first
                 else:

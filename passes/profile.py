@@ -74,7 +74,7 @@ from cost_models.profile_db import ProfileDB
 from passes.placement import Spec, local_numel
 from passes.runtime import replicated_call
 from passes.strategies import Strategy, StrategyTable, tensor_args
-from passes.trace import TracedProgram
+from passes.trace import TracedProgram, param_node_name
 
 log = logging.getLogger(__name__)
 
@@ -536,6 +536,7 @@ class _Work:
 def _distinct_keys(traced: TracedProgram, table: StrategyTable, optimizer: str) -> list[_Work]:
     mesh_shape = tuple(table.mesh_shape)
     node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
+    trainable = {param_node_name(p) for p in traced.trainable_names}
     seen: dict[str, _Work] = {}
     for name, ns in table.nodes.items():
         node = node_by_name[name]
@@ -543,7 +544,7 @@ def _distinct_keys(traced: TracedProgram, table: StrategyTable, optimizer: str) 
             if ns.kind in ("op", "fallback"):
                 key = op_key(node, s, mesh_shape)
                 kind: KeyKind = ns.kind
-            elif ns.kind == "param":
+            elif ns.kind == "param" and name in trainable:  # a frozen parameter has no optimizer step
                 val = node.meta["val"]
                 key = optimizer_key(
                     optimizer, local_shard_shape(tuple(val.shape), s.output_specs[0], mesh_shape), val.dtype

@@ -11,7 +11,7 @@ into stages (``passes.pipeline_search``)::
     fwd_s[k]   = sum_{v fwd op in k} t[v, s_v] + sum_{e into a fwd op of k} c[e, p_e, q_e]
     bwd_s[k]   = the same over backward ops
     bwd_weight_s[k] = the part of bwd_s no earlier segment's backward depends on (weight gradients)
-    grad_sync_s[k] = sum_{p param of k} c[grad(p) -> p]          (once per step, not per micro-batch)
+    grad_sync_s[k] = sum_{p trainable param of k} c[grad(p) -> p] (once per step, not per micro-batch)
     saved_bytes[k] = sum_{storage a: born by a fwd op of k, read by a bwd op} b[a, s]
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
 
@@ -54,7 +54,9 @@ class SegmentCost:
     """Gradient conversions of the segment's parameters, once per step."""
     optimizer_s: float
     param_numel: int
-    """Local parameter elements (after tensor-parallel sharding)."""
+    """Local parameter elements (after tensor-parallel sharding), frozen ones included."""
+    trainable_numel: int
+    """The part of ``param_numel`` that is trained (has a gradient and optimizer state)."""
     param_itemsize: int
     saved_bytes: float
     """Activations saved for the backward, per micro-batch."""
@@ -71,6 +73,9 @@ class SegmentCosts:
     segments: tuple[SegmentCost, ...]
     cut_bytes: tuple[float, ...]
     """``cut_bytes[k]``: activation bytes per micro-batch crossing the cut after segment ``k``."""
+    optimizer: str
+    """The optimizer ``optimizer_s`` was priced for; its state's bytes per trainable element
+    come from the same name (:func:`cost_models.memory.precision_bytes`)."""
 
 
 def _chosen_specs(problem: CostProblem, choice: Mapping[str, int], edge: Edge) -> float:
@@ -93,8 +98,11 @@ def segment_costs(
     choice: Mapping[str, int],
     *,
     param_nodes: Sequence[str],
+    trainable_param_nodes: Sequence[str],
+    optimizer: str,
 ) -> SegmentCosts:
-    """Sum the chosen plan's costs per segment (see the module docstring)."""
+    """Sum the chosen plan's costs per segment (see the module docstring). ``param_nodes`` are
+    every parameter placeholder, ``trainable_param_nodes`` those the step returns a gradient for."""
     nseg = layering.num_segments
     seg_of = dict(layering.segment_of)
     for p, segs in layering.param_segments.items():
@@ -112,6 +120,8 @@ def segment_costs(
     grad_sync = [0.0] * nseg
     opt = [0.0] * nseg
     numel = [0] * nseg
+    trainable_numel = [0] * nseg
+    trainable = set(trainable_param_nodes)
     itemsize = [4] * nseg
     flops = [0.0] * nseg
 
@@ -136,7 +146,9 @@ def segment_costs(
                 opt[k] += t
                 val = node.meta["val"]
                 spec = problem.table.nodes[name].strategies[choice[name]].output_specs[0]
-                numel[k] += local_numel(spec, val.shape, mesh_shape)
+                local = local_numel(spec, val.shape, mesh_shape)
+                numel[k] += local
+                trainable_numel[k] += local if name in trainable else 0
                 itemsize[k] = val.element_size()
             continue
         ins = [a.meta["val"] for a in tensor_args(node)]
@@ -170,7 +182,7 @@ def segment_costs(
                     bwd_w[k] += c
 
     # activations: storages born in the forward and read by the backward; values crossing cuts
-    live = liveness.analyze(gm, list(param_nodes))
+    live = liveness.analyze(gm, list(trainable_param_nodes))
     saved = [0.0] * nseg
     saved_mm = [0.0] * nseg
     inputs = [0.0] * nseg
@@ -217,6 +229,7 @@ def segment_costs(
                 grad_sync_s=grad_sync[k],
                 optimizer_s=opt[k],
                 param_numel=numel[k],
+                trainable_numel=trainable_numel[k],
                 param_itemsize=itemsize[k],
                 saved_bytes=saved[k],
                 saved_matmul_bytes=saved_mm[k],
@@ -226,4 +239,5 @@ def segment_costs(
             for k in range(nseg)
         ),
         cut_bytes=tuple(cut),
+        optimizer=optimizer,
     )

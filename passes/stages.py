@@ -36,7 +36,10 @@ A gradient crossing boundary ``k`` is matched to the boundary value of the same 
 that needs a gradient; an ambiguous match is an :class:`UnsupportedModelError`. A parameter read
 by several stages (a tied embedding) gets a copy on each: the gradient accumulation ``add`` that
 joined the stages' contributions is split, each stage returns its own partial gradient, and
-the caller sums the copies' gradients across stages (``StageSplit.tied_params``).
+the caller sums the copies' gradients across stages (``StageSplit.tied_params``). A frozen
+parameter is read like any other but has no gradient (``TracedProgram.trainable_names``): it is
+in no stage's ``param_grads``, and a value computed from frozen parameters and inputs alone
+crosses a boundary without a gradient.
 Checked after the split: every op in exactly one stage program, every value read where it exists.
 """
 
@@ -177,7 +180,7 @@ def split_stages(
     # tied parameters: split the gradient-accumulation add tree into per-stage contributions
     removed: set[fx.Node] = set()
     tied_leaves: dict[str, list[fx.Node]] = {}
-    for fqn, g in zip(traced.param_names, grad_nodes, strict=True):
+    for fqn, g in zip(traced.trainable_names, grad_nodes, strict=True):
         if len(layer_param_stages.get(fqn, ())) < 2 or not isinstance(g, fx.Node):
             continue
         leaves: list[fx.Node] = []
@@ -240,7 +243,7 @@ def split_stages(
 
     # pass 2 (reverse): unanchored backward ops and inserted collectives
     param_grad_stage: dict[fx.Node, int] = {}
-    for fqn, g in zip(traced.param_names, grad_nodes, strict=True):
+    for fqn, g in zip(traced.trainable_names, grad_nodes, strict=True):
         ps = layer_param_stages.get(fqn, ())
         if isinstance(g, fx.Node) and len(ps) == 1:
             param_grad_stage[g] = ps[0]
@@ -310,7 +313,7 @@ def split_stages(
                 )
 
     # --- boundary values ------------------------------------------------------------------------
-    requires_grad: set[fx.Node] = {ph_by_name[param_node_name(f)] for f in traced.param_names}
+    requires_grad: set[fx.Node] = {ph_by_name[param_node_name(f)] for f in traced.trainable_names}
     for n in nodes:
         if n.op == "call_function" and any(a in requires_grad for a in n.all_input_nodes):
             requires_grad.add(n)
@@ -392,7 +395,7 @@ def split_stages(
         in_grad_nodes = [None if s == 0 else grad_slot[s - 1].get(v) for v in fwd_in]
         pgrads: list[tuple[str, fx.Node]] = []
         extra_adds: dict[str, list[fx.Node]] = {}
-        for fqn, g in zip(traced.param_names, grad_nodes, strict=True):
+        for fqn, g in zip(traced.trainable_names, grad_nodes, strict=True):
             if not isinstance(g, fx.Node):
                 continue
             if fqn in tied_leaves:

@@ -8,8 +8,12 @@ Input: a module (on any device, ``meta`` included), example inputs and targets, 
 Output: a :class:`TracedProgram` whose ``graph_module`` computes one training step's
 forward *and* backward::
 
-    step(*params, *buffers, *inputs, *targets) -> (loss, *grads)     # grads in param order
+    step(*params, *buffers, *inputs, *targets) -> (loss, *grads)     # grads of the trainable params
 
+* ``grads`` are those of the trainable parameters (``requires_grad=True``), in parameter order
+  (``trainable_names``); a frozen parameter is a placeholder like any other but gets no gradient,
+  so no backward op computes one, no collective reduces one and no optimizer state exists for it,
+  exactly as in the single-device model;
 * every node carries ``meta["val"]`` (shape and dtype), so later passes never run the model;
 * placeholders are named ``p_<fqn>``, ``b_<fqn>``, ``input_<i>``, ``target_<i>``;
 * nodes the loss depends on are the forward, the rest the backward
@@ -65,6 +69,9 @@ class TracedProgram:
     """``step(*params, *buffers, *inputs, *targets) -> (loss, *grads)``."""
     param_names: tuple[str, ...]
     """Parameter FQNs, in placeholder order (tied parameters appear once)."""
+    trainable_names: tuple[str, ...]
+    """FQNs of the parameters that require grad, in ``param_names`` order: the step returns one
+    gradient for each, in this order. The others are frozen: no gradient, no optimizer state."""
     buffer_names: tuple[str, ...]
     """Buffer FQNs, in placeholder order."""
     num_inputs: int
@@ -79,6 +86,12 @@ class TracedProgram:
     @property
     def num_nodes(self) -> int:
         return len(self.graph_module.graph.nodes)
+
+    @property
+    def frozen_names(self) -> tuple[str, ...]:
+        """FQNs of the parameters that do not require grad (never updated), in placeholder order."""
+        trainable = set(self.trainable_names)
+        return tuple(n for n in self.param_names if n not in trainable)
 
 
 class _LossWrapper(torch.nn.Module):
@@ -239,6 +252,13 @@ def trace_training_step(
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     param_names, buffer_names = tuple(params), tuple(buffers)
+    trainable_names = tuple(n for n, p in params.items() if p.requires_grad)
+    if not trainable_names:
+        what = f"all {len(params)} have requires_grad=False" if params else "it has none"
+        raise UnsupportedModelError(
+            f"the model has no trainable parameters ({what}): there is nothing to train; "
+            "unfreeze some with requires_grad_(True) or add trainable parameters"
+        )
     full_param_names = ["model." + n for n in param_names]
     full_buffer_names = ["model." + n for n in buffer_names]
     num_p, num_b = len(param_names), len(buffer_names)
@@ -253,10 +273,14 @@ def trace_training_step(
         b = dict(zip(full_buffer_names, flat[num_p : num_p + num_b], strict=True))
         loss = torch.func.functional_call(exported, {**p, **b}, tuple(flat[num_p + num_b :]))
         _link_backward_to_forward(loss)
-        grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+        if not loss.requires_grad:  # the loss reads no trainable parameter
+            return (loss, *(None for _ in trainable_names))
+        trainable = [t for t in p.values() if t.requires_grad]
+        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
         return (loss, *grads)
 
-    flat_args = [p.detach().requires_grad_(True) for p in params.values()]
+    # frozen parameters enter the step as they are in the model: nothing differentiates them
+    flat_args = [p.detach().requires_grad_(p.requires_grad) for p in params.values()]
     flat_args += [b.detach() for b in buffers.values()] + list(inputs) + list(targets)
     try:
         # Attention as plain matmul + softmax, so the graph is the same on meta, CPU and CUDA
@@ -276,7 +300,7 @@ def trace_training_step(
             "(custom autograd Functions need a backward)"
         ) from exc
 
-    _check_grads(gm, param_names)
+    _check_grads(gm, trainable_names)
     _clean_graph(gm)
     _canonicalize(gm)
     _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))
@@ -288,6 +312,7 @@ def trace_training_step(
     return TracedProgram(
         graph_module=gm,
         param_names=param_names,
+        trainable_names=trainable_names,
         buffer_names=buffer_names,
         num_inputs=len(inputs),
         num_targets=len(targets),
@@ -296,10 +321,11 @@ def trace_training_step(
     )
 
 
-def _check_grads(gm: fx.GraphModule, param_names: Sequence[str]) -> None:
+def _check_grads(gm: fx.GraphModule, trainable_names: Sequence[str]) -> None:
+    """Every trainable parameter gets a gradient (a frozen one is not asked for one)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     grads = out.args[0][1:]
-    unused = [name for name, g in zip(param_names, grads, strict=True) if g is None]
+    unused = [name for name, g in zip(trainable_names, grads, strict=True) if g is None]
     if unused:
         raise UnsupportedModelError(
             f"{len(unused)} parameter(s) get no gradient from the loss (e.g. {unused[0]!r}); "

@@ -154,6 +154,10 @@ def shape_mismatch():
 
 def bad_optimizer():
     return _workload(nn.Linear(16, 8), (torch.randn(8, 16),), (torch.randn(8, 8),), optimizer="lion")
+
+
+def no_trainable():
+    return _workload(nn.Linear(16, 8).requires_grad_(False), (torch.randn(8, 16),), (torch.randn(8, 8),))
 """
 
 
@@ -616,6 +620,15 @@ def test_profile_database_measured_with_other_threads_suggests_omp_num_threads(t
     one_line(info, f"OMP_NUM_THREADS={here.num_threads + 7}")
 
 
+def test_model_without_trainable_parameters_says_there_is_nothing_to_train():
+    frozen = nn.Linear(16, 8).requires_grad_(False)
+
+    with pytest.raises(autoplan.UnsupportedModelError) as info:
+        autoplan.plan(frozen, "2xCPU", example_inputs=(torch.randn(8, 16),), loss_fn=lambda out: out.mean())
+
+    one_line(info, "no trainable parameters", "all 2 have requires_grad=False", "requires_grad_(True)")
+
+
 # === command line =====================================================================================
 
 
@@ -648,8 +661,9 @@ def test_cli_model_failing_on_its_inputs_prints_one_line_in_a_fresh_process(bad_
         ("no_loss", ("loss must be a scalar", "no loss_fn given")),
         ("missing_targets", ("loss_fn mse_loss", "example_targets")),
         ("bad_optimizer", ("unknown optimizer 'lion'",)),
+        ("no_trainable", ("no trainable parameters",)),
     ],
-    ids=["no_inputs", "no_loss", "missing_targets", "bad_optimizer"],
+    ids=["no_inputs", "no_loss", "missing_targets", "bad_optimizer", "no_trainable"],
 )
 def test_cli_workload_problem_is_one_line(case, fragments, bad_targets, capfd, tmp_path):
     out = tmp_path / "plan.json"

@@ -109,7 +109,13 @@ def test_expanded_segment_costs_equal_the_full_trace():
     expanded = expand_assignment(s_assign, (short, s_lay), (full, f_lay), block_list=block_list)
     f_choice = {n: f_table.nodes[n].strategies.index(st) for n, st in expanded.items() if n in f_table.nodes}
     full_costs = segment_costs(
-        full.graph_module, f_lay, f_problem, f_choice, param_nodes=[param_node_name(p) for p in full.param_names]
+        full.graph_module,
+        f_lay,
+        f_problem,
+        f_choice,
+        param_nodes=[param_node_name(p) for p in full.param_names],
+        trainable_param_nodes=[param_node_name(p) for p in full.trainable_names],
+        optimizer="adam",
     )
     short_costs = expand_blocks(
         segment_costs(
@@ -118,6 +124,8 @@ def test_expanded_segment_costs_equal_the_full_trace():
             s_problem,
             s_sol.choice,
             param_nodes=[param_node_name(p) for p in short.param_names],
+            trainable_param_nodes=[param_node_name(p) for p in short.trainable_names],
+            optimizer="adam",
         ),
         NUM_LAYERS,
     )
