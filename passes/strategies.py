@@ -10,8 +10,8 @@ argument must arrive in.
 The strategies of an operator are PyTorch's own DTensor op strategies (``register_op_strategy``
 and single-mesh-dim strategies expanded over the mesh), so whatever the solver picks is what
 DTensor executes. We keep the vocabulary ``R``, ``S(d)``, ``P`` (sum), drop shardings that
-leave a device without data, and keep the first strategy per input layout (the one DTensor's
-dispatcher would also pick for those inputs).
+leave a device without data, and keep one strategy per input layout, the one DTensor's dispatcher
+picks for those inputs (the first, unless the rule gives a later one a negative cost).
 
 Special nodes:
 
@@ -262,7 +262,7 @@ class _Enumerator:
         targs = tensor_args(node)
         val = node.meta["val"]
         out_vals = list(val) if isinstance(val, (tuple, list)) else [val]
-        seen_inputs: set[tuple[Spec, ...]] = set()
+        kept: dict[tuple[Spec, ...], tuple[float, int]] = {}  # input layout -> (rule's cost, index in out)
         out: list[Strategy] = []
         for s in result.strategies:
             outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
@@ -288,10 +288,18 @@ class _Enumerator:
                     ok = False
                 ins.append(tuple(spec.placements))
             key = tuple(ins)
-            if not ok or key in seen_inputs:
+            if not ok:
                 continue
-            seen_inputs.add(key)
-            out.append(Strategy(output_specs=tuple(out_specs), input_specs=tuple(ins)))
+            # DTensor's dispatcher prefers a negative cost a rule sets by hand (new_empty*: keep the
+            # input's placement) over the first strategy; every other cost is 0 while enumerating
+            cost = float(sum(itertools.chain.from_iterable(s.redistribute_cost or ())))
+            strategy = Strategy(output_specs=tuple(out_specs), input_specs=tuple(ins))
+            if key not in kept:
+                kept[key] = (cost, len(out))
+                out.append(strategy)
+            elif cost < kept[key][0]:
+                kept[key] = (cost, kept[key][1])
+                out[kept[key][1]] = strategy
         return tuple(out)
 
 
