@@ -9,6 +9,13 @@ rounding noise, differently for every summation order. Pass ``--optimizer adam``
 
 Each function returns an ``autoplan.Workload``. autoplan calls it on the ``meta`` device to
 plan (no weights allocated) and on CPU, with the same seed on every rank, to train.
+
+``ZOO`` (the end of the file) indexes one tiny configuration per architecture, 27 of them:
+decoders (fused-projection and mixture-of-experts ones included), encoders, encoder-decoders,
+vision and speech models, each with the loss of its task (``tests/test_model_zoo.py``,
+``benchmarks/model_zoo.py``):
+
+    autoplan run examples/hf_models.py:t5_zoo --cluster 2xCPU --steps 3 --compare
 """
 
 from __future__ import annotations
