@@ -108,7 +108,7 @@ def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported
     (per-stage degrees as ``stage_dp=1/1/2/4``)."""
     if not text:
         return None
-    from autoplan.config import ParallelConfig
+    from autoplan.config import REMOVED_FIELDS, ParallelConfig, field_name_problem
     from cost_models.errors import ConfigError
 
     fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
@@ -116,13 +116,13 @@ def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported
     for item in text.split(","):
         key, sep, value = item.partition("=")
         key, value = key.strip(), value.strip()
+        if key in REMOVED_FIELDS:
+            raise ConfigError(f"--config: {field_name_problem([key])}: remove it")
         if not sep or key not in fields:
             raise ConfigError(
                 f"--config item {item!r} is malformed: expected KEY=VALUE with KEY one of {', '.join(fields)}"
             )
-        if key == "sequence_parallel":
-            values[key] = value.lower() in ("1", "true", "yes")
-        elif key in ("schedule", "recompute"):
+        if key in ("schedule", "recompute"):
             values[key] = value
         elif key == "stage_dp":
             try:

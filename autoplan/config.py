@@ -12,6 +12,8 @@ so ``microbatch_size`` is per data-parallel replica (Megatron's ``--micro-batch-
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -38,6 +40,24 @@ _COUNT_HINTS = {
 }
 """Fields that count something, with the fix a message suggests for a value below 1."""
 
+REMOVED_FIELDS = {
+    "sequence_parallel": "it was accepted but never applied; no plan shards activations along the sequence",
+}
+"""Fields older versions accepted, with why they are gone: naming one is an error, not ignored."""
+
+
+def field_name_problem(names: Iterable[str]) -> str | None:
+    """What is wrong with ``names`` as ``ParallelConfig`` field names (``None``: nothing)."""
+    fields = [f.name for f in dataclasses.fields(ParallelConfig)]
+    unknown = [n for n in names if n not in fields]
+    removed = [n for n in unknown if n in REMOVED_FIELDS]
+    if removed:
+        return f"{removed[0]!r} was removed from ParallelConfig ({REMOVED_FIELDS[removed[0]]})"
+    if unknown:
+        shown = ", ".join(repr(n)[:40] for n in unknown[:3]) + (", ..." if len(unknown) > 3 else "")
+        return f"unknown ParallelConfig field(s) {shown} (known: {', '.join(fields)})"
+    return None
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
@@ -57,8 +77,6 @@ class ParallelConfig:
     ops between them; ``full`` keeps only each block's input and recomputes the block."""
     zero_stage: int = 0
     """0: replicated; 1: optimizer state sharded over dp; 2: + gradients; 3: + parameters."""
-    sequence_parallel: bool = True
-    """Allow sharding activations along the sequence inside tensor-parallel groups."""
     stage_dp: tuple[int, ...] | None = None
     """Heterogeneous sub-meshes: the data-parallel degree of each pipeline stage (one per stage,
     ``virtual_stages == 1``), so a heavy stage gets more devices. Stage ``k`` holds
@@ -150,6 +168,10 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
+        """The config saved by :meth:`to_dict`; a key that is not a field is refused, named."""
+        problem = field_name_problem(data)
+        if problem:
+            raise ConfigError(f"{problem}: remove it from the config")
         return cls(**data)
 
     def __str__(self) -> str:

@@ -58,7 +58,7 @@ from passes.rebatch import MIN_BASE_BATCH, rebatch
 from passes.segment_costs import SegmentCosts, segment_costs
 from passes.solver import ShardingILP, SolverOptions
 from passes.strategies import StrategyTable, build_strategy_table
-from passes.trace import LossFn, TracedProgram, param_node_name, trace_training_step
+from passes.trace import LossFn, TracedProgram, forward_fingerprint, param_node_name, trace_training_step
 
 log = logging.getLogger(__name__)
 
@@ -199,17 +199,56 @@ def trace_for_plan(
     """The micro-batch step a plan made for a global batch applies to (with the plan's number
     of blocks when it was planned on fewer, :mod:`passes.depth`); ``inputs`` must be that global
     batch (:class:`PlanMismatchError` otherwise)."""
-    cfg, layout = plan.config, plan.pipeline
-    assert cfg is not None and layout is not None
+    layout = plan.pipeline
+    assert layout is not None
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
     if batch != layout.global_batch_size:
         raise PlanMismatchError(
             f"the plan is for a global batch of {layout.global_batch_size} but the inputs have {batch} samples: "
             f"pass a global batch of {layout.global_batch_size} or re-plan with --global-batch-size {batch}"
         )
+    return _trace_planned_step(plan, model, inputs, targets, loss_fn)
+
+
+def _planned_step(plan: Plan, model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """The model and micro-batch size of the step a global-batch plan's placements are for: one
+    stage program's ``dp * microbatch_size`` samples, with the plan's number of blocks when it
+    was planned on fewer (:mod:`passes.depth`)."""
+    cfg, layout = plan.config, plan.pipeline
+    assert cfg is not None and layout is not None
     if layout.reduced:
         model = reduce_depth(model, layout.traced_blocks).module
-    return trace_microbatch(model, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
+    return model, cfg.microbatch_size * cfg.dp
+
+
+def _trace_planned_step(
+    plan: Plan,
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+) -> TracedProgram:
+    """The step a global-batch plan is for, traced (``inputs`` resized to its micro-batch)."""
+    model, batch = _planned_step(plan, model)
+    return trace_microbatch(model, inputs, targets, loss_fn, batch)
+
+
+def _forward_fingerprint(
+    plan: Plan,
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+) -> str:
+    """:func:`passes.trace.forward_fingerprint` of the step a global-batch plan is for: what the
+    plan cache checks a hit with (an export, without the backward graph a full trace builds)."""
+    model, batch = _planned_step(plan, model)
+    return forward_fingerprint(
+        model,
+        tuple(with_batch(t, batch) for t in inputs),
+        loss_fn=loss_fn,
+        example_targets=tuple(with_batch(t, batch) for t in targets),
+    )
 
 
 @dataclass(slots=True)
@@ -829,8 +868,14 @@ def plan_for_batch(
     }  # fmt: skip
     key = plan_cache.plan_key(model, example_inputs, example_targets, loss_fn, cluster, options, profile)
     cached = plan_cache.load(key)
-    if cached is not None:
-        return cached
+    if cached is not None and cached.plan.config is not None and cached.plan.pipeline is not None:
+        # the key sees the forward of every module class, not the helpers they call: the entry
+        # counts only if the model still exports to the graph the plan was made for
+        now = _forward_fingerprint(cached.plan, model, example_inputs, example_targets, loss_fn)
+        if now == cached.forward_fingerprint:
+            log.info("plan cache hit (forward fingerprint %s)", now)
+            return cached.plan
+        log.info("stale plan cache entry (forward %s, now %s): re-planning", cached.forward_fingerprint, now)
     best, _, costs = _search(
         model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
         example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
@@ -905,5 +950,7 @@ def plan_for_batch(
     result = dataclasses.replace(
         stage, cluster=cluster, estimate=estimate, config=cfg, pipeline=layout, solver=solver_info
     )
-    plan_cache.store(key, result)
+    if plan_cache.enabled():
+        forward = _forward_fingerprint(result, model, example_inputs, example_targets, loss_fn)
+        plan_cache.store(key, plan_cache.CacheEntry(plan=result, forward_fingerprint=forward))
     return result

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from autoplan.optimizers import make_torch_optimizer
 from autoplan.plan import Plan
 from passes.apply import GeneratedProgram, expected_output_placements
 from passes.placement import parse_spec, spec_str
@@ -113,13 +114,7 @@ class ParallelModel(torch.nn.Module):
         """The optimizer the plan was costed for, over the sharded trainable parameters."""
         name = self.plan.optimizer
         params = list(self._trainable)
-        if name == "adam":
-            return torch.optim.Adam(params, **kwargs)
-        if name == "adamw":
-            return torch.optim.AdamW(params, **kwargs)
-        if name == "sgd_momentum":
-            return torch.optim.SGD(params, momentum=kwargs.pop("momentum", 0.9), **kwargs)
-        return torch.optim.SGD(params, **kwargs)
+        return make_torch_optimizer(name, params, **kwargs)
 
     # -- execution --------------------------------------------------------------------------
     def _distribute(self, tensors: Sequence[torch.Tensor], specs: Sequence[Any]) -> list[DTensor]:

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
+from autoplan.optimizers import make_torch_optimizer
 from cost_models.comm import is_coalescable, plan_transition
 from cost_models.errors import PlanError
 from passes import runtime
@@ -248,13 +249,7 @@ class PipelineModel(torch.nn.Module):
 
     def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
         params = [p for p in self.parameters() if p.requires_grad]  # frozen ones have no gradient
-        if self._optimizer == "adam":
-            return torch.optim.Adam(params, **kwargs)
-        if self._optimizer == "adamw":
-            return torch.optim.AdamW(params, **kwargs)
-        if self._optimizer == "sgd_momentum":
-            return torch.optim.SGD(params, momentum=kwargs.pop("momentum", 0.9), **kwargs)
-        return torch.optim.SGD(params, **kwargs)
+        return make_torch_optimizer(self._optimizer, params, **kwargs)
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """One training step on the *global* batch (the same on every rank); returns the loss

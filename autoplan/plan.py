@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoplan.config import ParallelConfig
+from autoplan.config import ParallelConfig, field_name_problem
 from cost_models.cluster import Cluster
 from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
+from cost_models.memory import OPTIMIZERS
 from passes.explain import NodeExplanation
 from passes.plan_text import param_node_name, spec_text
 
@@ -387,6 +388,14 @@ class Plan:
             raise PlanFileError(
                 f"{where} has plan version {d.get('version')!r}; this autoplan reads version {PLAN_VERSION}: re-plan with this version"
             )
+        if "optimizer" in d and d["optimizer"] not in OPTIMIZERS:
+            raise PlanFileError(
+                f"{where} names unknown optimizer {str(d.get('optimizer'))[:40]!r}: known are "
+                f"{', '.join(OPTIMIZERS)}; re-plan with one of them (--optimizer)"
+            )
+        config_problem = field_name_problem(d["config"]) if isinstance(d.get("config"), Mapping) else None
+        if config_problem:
+            raise PlanFileError(f"{where}: config: {config_problem}: re-plan with this version of autoplan")
         try:
             cluster = Cluster.from_dict(d["cluster"], where=f"{where} (cluster)")
             est = d["estimate"]

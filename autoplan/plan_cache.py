@@ -10,10 +10,19 @@ The key is a SHA-256 over everything the plan depends on, computed without traci
 * the example inputs' and targets' shapes and dtypes, the loss function's bytecode;
 * the cluster (``Cluster.to_dict``, calibrated links included), the planning options, the
   profile database's measured times;
-* autoplan's own source files (a new version never reuses an old plan).
+* autoplan's own source files and torch's version (a new version never reuses an old plan).
 
-A corrupted or unreadable entry is a miss (and is replaced); entries are written atomically
-(``Plan.save``). Set ``AUTOPLAN_NO_PLAN_CACHE=1`` to disable.
+The key cannot see the helpers ``forward`` calls (a module-level function, a config module read
+at import, a monkeypatched library function), so a hit is proven before it is used: each entry
+holds the fingerprint of the exported forward and loss of the step the plan is for
+(:func:`passes.trace.forward_fingerprint`), and :func:`autoplan.joint.plan_for_batch` exports
+the model again and uses the entry only if the fingerprints are equal. With the key's parameters
+(their ``requires_grad`` included), torch and autoplan unchanged, that graph determines the
+traced step, so a hit is a plan whose fingerprint is the model's. A stale entry is a miss and is
+replaced.
+
+A corrupted or unreadable entry is a miss (and is replaced); entries are written atomically.
+Set ``AUTOPLAN_NO_PLAN_CACHE=1`` to disable.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +95,7 @@ def plan_key(
         "options": dict(options),
         "profile": sorted((k, profile.lookup(k)) for k in profile) if profile is not None else None,
         "source": _source_digest(),
+        "torch": torch.__version__,
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -97,29 +108,48 @@ def enabled() -> bool:
     return os.environ.get("AUTOPLAN_NO_PLAN_CACHE", "") in ("", "0")
 
 
-def load(key: str) -> Plan | None:
-    """The cached plan, or ``None`` (missing, unreadable or corrupted: a miss)."""
+ENTRY_FORMAT = "autoplan.plan-cache-entry"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    plan: Plan
+    forward_fingerprint: str
+    """:func:`passes.trace.forward_fingerprint` of the step the plan is for, when it was made."""
+
+
+def load(key: str) -> CacheEntry | None:
+    """The cached entry, or ``None`` (missing, unreadable, corrupted or of an older format: a miss)."""
     path = _path(key)
     if not enabled() or not path.exists():
         return None
     try:
-        plan = Plan.load(path)
-    except PlanError as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("format") != ENTRY_FORMAT:
+            raise PlanError(f"not a {ENTRY_FORMAT} (an older cache format)")
+        entry = CacheEntry(
+            plan=Plan.from_dict(data["plan"], where=f"plan cache entry {str(path)!r}"),
+            forward_fingerprint=str(data["forward_fingerprint"]),
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # PlanError is a ValueError
         log.warning("ignoring plan cache entry %s: %s", path, exc)
         return None
-    log.info("plan cache hit: %s", path)
-    return plan
+    log.info("plan cache entry found: %s", path)
+    return entry
 
 
-def store(key: str, plan: Plan) -> None:
+def store(key: str, entry: CacheEntry) -> None:
     if not enabled():
         return
+    from cost_models.files import atomic_write
+
     path = _path(key)
+    data = {"format": ENTRY_FORMAT, "forward_fingerprint": entry.forward_fingerprint, "plan": entry.plan.to_dict()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        plan.save(path)
-    except OSError as exc:  # a read-only cache never fails planning
+        atomic_write(path, json.dumps(data, indent=1) + "\n", what="plan cache entry")
+    except (OSError, PlanError) as exc:  # a read-only cache never fails planning
         log.warning("could not write plan cache entry %s: %s", path, exc)
 
 
-__all__ = ["enabled", "load", "plan_key", "store"]
+__all__ = ["CacheEntry", "enabled", "load", "plan_key", "store"]

@@ -395,7 +395,7 @@ def _sdpa_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
     return (Gemm(bh, t, d, s), Gemm(bh, t, s, dv))
 
 
-@register_matmul_shapes("autoplan.sdpa_backward.default")
+@register_matmul_shapes("autoplan.sdpa_backward.default", "autoplan.sdpa_backward_with_mask.default")
 def _sdpa_backward_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
     """grad_out, q, k, v: the recomputed forward (2 GEMMs, as attention.py counts its FLOPs),
     dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q."""

@@ -11,20 +11,28 @@ same on every device, and the ops carry DTensor strategies that shard the batch 
 parallel) or the heads dim (tensor parallel, grouped-query attention included when the key/value
 heads divide evenly). At run time each shard calls PyTorch's own fused attention on its heads.
 
+A learned additive float mask (a relative position bias, as T5 adds) gets its gradient from
+``autoplan::sdpa_backward_with_mask``: the scores' gradient summed over the dims the mask
+broadcasts along (its strategy makes that a partial sum when the heads or the batch are split and
+the mask is shared by them). Attention with dropout is not routed to the single op: its backward
+would need the forward's random mask, so PyTorch's own attention is traced as its decomposition.
+
 FLOPs (queries T, keys S, head dim D, per batch element and head)::
 
     forward  = 4 * T * S * D          (Q K^T and P V, one multiply-add each)
     backward = 4 * T * S * D  (recomputed forward) + 8 * T * S * D  (dQ, dK, dV, dP)
+    (the mask's gradient is a sum of dS over broadcast dims: no multiply-adds)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
@@ -44,6 +52,10 @@ def sdpa(
     scale: float | None,
     enable_gqa: bool,
 ) -> torch.Tensor:
+    if dropout_p > 0.0:
+        raise ValueError(
+            f"autoplan::sdpa has no dropout (got dropout_p={dropout_p}); _routed_sdpa keeps it off this op"
+        )
     out = _TORCH_SDPA(
         query,
         key,
@@ -62,18 +74,18 @@ def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
-@torch.library.custom_op("autoplan::sdpa_backward", mutates_args=())
-def sdpa_backward(
+def _sdpa_grads(
     grad_out: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    dropout_p: float,
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV and dS (the scores' gradient, ``(B, H, T, S)``; an additive mask's gradient
+    before it is summed over the dims the mask broadcasts along)."""
     # Explicit formulas (a kernel runs below autograd, so it cannot call torch.autograd):
     #   S = scale * Q K^T (+ mask), P = softmax(S), O = P V
     #   dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dP * P)), dQ = scale * dS K, dK = scale * dS^T Q
@@ -97,12 +109,56 @@ def sdpa_backward(
     if groups > 1:
         dk = dk.unflatten(-3, (key.shape[-3], groups)).sum(dim=-3)
         dv = dv.unflatten(-3, (value.shape[-3], groups)).sum(dim=-3)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dscores
+
+
+@torch.library.custom_op("autoplan::sdpa_backward", mutates_args=())
+def sdpa_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv, _ = _sdpa_grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return dq, dk, dv
 
 
 @sdpa_backward.register_fake
 def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN202
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+
+
+@torch.library.custom_op("autoplan::sdpa_backward_with_mask", mutates_args=())
+def sdpa_backward_with_mask(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``sdpa_backward`` plus the gradient of a learned additive float mask (a relative position
+    bias): dMask = dS summed over the dims the mask broadcasts along, in the mask's shape."""
+    dq, dk, dv, dscores = _sdpa_grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa)
+    return dq, dk, dv, dscores.sum_to_size(attn_mask.shape).to(attn_mask.dtype).contiguous()
+
+
+@sdpa_backward_with_mask.register_fake
+def _sdpa_backward_with_mask_fake(grad_out, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN202
+    return (
+        query.new_empty(query.shape),
+        key.new_empty(key.shape),
+        value.new_empty(value.shape),
+        attn_mask.new_empty(attn_mask.shape),
+    )
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
@@ -113,6 +169,11 @@ def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
 
 def _backward(ctx, grad_out):  # noqa: ANN001, ANN202
     query, key, value, attn_mask = ctx.saved_tensors
+    if attn_mask is not None and ctx.needs_input_grad[3]:
+        dq, dk, dv, dmask = torch.ops.autoplan.sdpa_backward_with_mask(
+            grad_out, query, key, value, attn_mask, *ctx.params
+        )
+        return dq, dk, dv, dmask, None, None, None, None
     dq, dk, dv = torch.ops.autoplan.sdpa_backward(grad_out, query, key, value, attn_mask, *ctx.params)
     return dq, dk, dv, None, None, None, None, None
 
@@ -130,6 +191,19 @@ def _routed_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
+    if dropout_p > 0.0:
+        # The single op's backward has no dropout (it would need the forward's random mask):
+        # PyTorch's own attention, traced as its math decomposition, differentiates it exactly.
+        return _TORCH_SDPA(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
     return torch.ops.autoplan.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -147,42 +221,62 @@ def attention_as_single_op() -> Iterator[None]:
 # DTensor strategies: replicate, shard the batch (dim 0), or shard the heads (dim 1)
 
 
-def _mask_placement(mask: object, dim: int) -> Placement:
-    """A mask broadcast along ``dim`` (size 1) stays replicated; otherwise it is split like q."""
-    assert isinstance(mask, OpStrategy)
-    return Shard(dim) if mask.shape[dim] > 1 else Replicate()
+def _mask_dim(mask: OpStrategy, query_ndim: int, dim: int) -> int | None:
+    """The mask's dim that lines up with the query's ``dim`` (a mask broadcasts from the right:
+    ``(T, S)``, ``(B, 1, T, S)``, ...), or ``None`` where the mask broadcasts along ``dim``."""
+    mask_dim = dim - (query_ndim - mask.ndim)
+    return mask_dim if mask_dim >= 0 and mask.shape[mask_dim] > 1 else None
 
 
-def _single_dim_strategies(num_outputs: int, num_qkv_like: int, mask: object) -> list[list[Placement | None]]:
-    width = num_outputs + num_qkv_like
-    strategies: list[list[Placement | None]] = [[Replicate()] * (width + (mask is not None))]
+def _single_dim_strategies(
+    *, num_outputs: int, num_inputs: int, query: object, mask: object, mask_grad: bool
+) -> list[list[Placement | None]]:
+    """Rows of (outputs, inputs) placements on one mesh axis: everything replicated, or q/k/v
+    (their gradients and grad_out) split on the batch (dim 0) or the heads (dim 1). The mask is
+    split along that dim where it has it, else replicated; its gradient (``mask_grad``: the last
+    output) is then split the same way, or a partial sum of every shard's contribution."""
+    assert isinstance(query, OpStrategy)
+    has_mask = isinstance(mask, OpStrategy)
+    mask_in: list[Placement | None] = [Replicate()] if has_mask else []
+    mask_out: list[Placement | None] = [Replicate()] if mask_grad else []
+    strategies = [[Replicate()] * num_outputs + mask_out + [Replicate()] * num_inputs + mask_in]
     for dim in (0, 1):
-        row: list[Placement | None] = [Shard(dim)] * width
-        if mask is not None:
-            row.append(_mask_placement(mask, dim))
-        strategies.append(row)
+        mask_dim = _mask_dim(mask, query.ndim, dim) if isinstance(mask, OpStrategy) else None
+        if has_mask:
+            mask_in = [Shard(mask_dim) if mask_dim is not None else Replicate()]
+        if mask_grad:
+            mask_out = [Shard(mask_dim) if mask_dim is not None else Partial()]
+        strategies.append([Shard(dim)] * num_outputs + mask_out + [Shard(dim)] * num_inputs + mask_in)
     return strategies
 
 
 def _sdpa_strategy(op_schema: OpSchema) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args()
-    mask = op_schema.args_schema[3]
-    strategies = _single_dim_strategies(1, 3, mask)
+    query, mask = op_schema.args_schema[0], op_schema.args_schema[3]
+    # output O; inputs q, k, v (+ mask)
+    strategies = _single_dim_strategies(num_outputs=1, num_inputs=3, query=query, mask=mask, mask_grad=False)
     return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1)
 
 
-def _sdpa_backward_strategy(op_schema: OpSchema) -> OpStrategy:
+def _sdpa_backward_strategy(op_schema: OpSchema, *, mask_grad: bool) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args()
-    mask = op_schema.args_schema[4]
-    # outputs dq, dk, dv; inputs grad_out, q, k, v (+ mask)
-    strategies = _single_dim_strategies(3, 4, mask)
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3)
+    query, mask = op_schema.args_schema[1], op_schema.args_schema[4]
+    # outputs dq, dk, dv (+ dmask); inputs grad_out, q, k, v (+ mask)
+    strategies = _single_dim_strategies(num_outputs=3, num_inputs=4, query=query, mask=mask, mask_grad=mask_grad)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3 + mask_grad)
 
 
 _PROP = DTensor._op_dispatcher.sharding_propagator
 _PROP.register_op_strategy(torch.ops.autoplan.sdpa.default, _sdpa_strategy, schema_info=RuntimeSchemaInfo(4))
 _PROP.register_op_strategy(
-    torch.ops.autoplan.sdpa_backward.default, _sdpa_backward_strategy, schema_info=RuntimeSchemaInfo(5)
+    torch.ops.autoplan.sdpa_backward.default,
+    functools.partial(_sdpa_backward_strategy, mask_grad=False),
+    schema_info=RuntimeSchemaInfo(5),
+)
+_PROP.register_op_strategy(
+    torch.ops.autoplan.sdpa_backward_with_mask.default,
+    functools.partial(_sdpa_backward_strategy, mask_grad=True),
+    schema_info=RuntimeSchemaInfo(5),
 )
 
 
@@ -204,6 +298,6 @@ def _sdpa_flops(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor])
     return 4.0 * _attention_core(inputs[0], inputs[1])
 
 
-@register_flops(torch.ops.autoplan.sdpa_backward.default)
+@register_flops(torch.ops.autoplan.sdpa_backward.default, torch.ops.autoplan.sdpa_backward_with_mask.default)
 def _sdpa_backward_flops(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> float:
     return 12.0 * _attention_core(inputs[1], inputs[2])

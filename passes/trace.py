@@ -183,6 +183,34 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
     return ep.module()
 
 
+def _distinct(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The same tensor passed twice (e.g. ids as input and target) must stay two graph inputs:
+    later occurrences are cloned."""
+    seen: set[int] = set()
+    out = []
+    for t in args:
+        out.append(t.clone() if isinstance(t, torch.Tensor) and id(t) in seen else t)
+        seen.add(id(t))
+    return tuple(out)
+
+
+def forward_fingerprint(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    *,
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor] = (),
+) -> str:
+    """Fingerprint (as :func:`graph_fingerprint`) of the exported forward and loss alone, the
+    graph :func:`trace_training_step` differentiates: equal when the model's Python code (every
+    helper it calls) produces the same ops, shapes and dtypes. With the same parameters'
+    ``requires_grad`` and the same torch and autoplan, equal forward fingerprints mean equal
+    step fingerprints, for a fraction of a full trace's time (no backward graph is built)."""
+    inputs, targets = tuple(example_inputs), tuple(example_targets)
+    exported = _export(_LossWrapper(model, loss_fn, len(inputs)), _distinct(inputs + targets))
+    return graph_fingerprint(exported)
+
+
 def _check_callable_with(fn: Callable[..., Any], num_args: int, what: str, fix: str) -> None:
     """Raise if ``fn`` cannot take ``num_args`` positional arguments (checked on its signature
     before tracing, so the message names the arguments rather than a frame inside torch)."""
@@ -222,12 +250,7 @@ def trace_training_step(
             "e.g. example_targets=(labels,)"
         )
     inputs, targets = tuple(example_inputs), tuple(example_targets)
-    # The same tensor passed twice (e.g. ids as input and target) must stay two graph inputs.
-    seen: set[int] = set()
-    flat_user = []
-    for t in inputs + targets:
-        flat_user.append(t.clone() if isinstance(t, torch.Tensor) and id(t) in seen else t)
-        seen.add(id(t))
+    flat_user = _distinct(inputs + targets)
     inputs, targets = tuple(flat_user[: len(inputs)]), tuple(flat_user[len(inputs) :])
     for i, t in enumerate(inputs + targets):
         if not isinstance(t, torch.Tensor):

@@ -1,0 +1,137 @@
+"""No field of ``ParallelConfig`` is ignored: changing any one of them changes the estimate.
+
+``sequence_parallel`` was accepted, saved in every global-batch plan and never read; it is
+removed, and a plan file or ``--config`` that still names it is refused with the field named.
+The check below would have caught it: every field of the dataclass must be listed in
+``VARIANTS`` with a change of that field alone, and :func:`autoplan.estimate` of the changed
+configuration must differ from the base one (step time, memory per device or bubble).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Iterator
+
+import pytest
+
+import autoplan
+from autoplan import joint
+from autoplan.api import plan as make_plan
+from autoplan.config import ParallelConfig
+from cost_models.errors import ConfigError, PlanFileError
+from tests.models import gpt2_tiny, lm_loss, token_batch
+
+BASE = ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=4, schedule="1f1b")
+"""8 devices (1x8xH100), GPT-2 tiny with 4 blocks."""
+
+VARIANTS: dict[str, dict[str, object]] = {
+    # field -> the fields to change; exactly the named field differs from BASE (checked below)
+    "dp": {"dp": 4},  # 16 devices
+    "tp": {"tp": 4},  # 16 devices, tp inside a node of 8
+    "pp": {"pp": 4},  # 16 devices
+    "microbatch_size": {"microbatch_size": 2},
+    "num_microbatches": {"num_microbatches": 8},
+    "schedule": {"schedule": "gpipe"},
+    "virtual_stages": {"schedule": "interleaved-1f1b", "virtual_stages": 2},
+    "recompute": {"recompute": "full"},
+    "zero_stage": {"zero_stage": 3},
+    "stage_dp": {"stage_dp": (1, 3), "microbatch_size": 3},
+}
+"""Where a field needs another to be valid (``virtual_stages`` needs the interleaved schedule,
+``stage_dp=(1, 3)`` needs a micro-batch of 3 samples per replica), the comparison base is BASE
+with that other field changed too, so the difference is still the named field's alone."""
+
+
+def _comparison_base(field: str) -> ParallelConfig:
+    change = {k: v for k, v in VARIANTS[field].items() if k != field}
+    return dataclasses.replace(BASE, **change)  # type: ignore[arg-type]
+
+
+def test_every_config_field_has_an_effect_check() -> None:
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert fields == set(VARIANTS), (
+        f"ParallelConfig fields without an effect check: {sorted(fields - set(VARIANTS))}; "
+        f"checks for fields that do not exist: {sorted(set(VARIANTS) - fields)}"
+    )
+
+
+@functools.cache
+def _estimate(config: ParallelConfig) -> tuple[float, tuple[float, ...], float | None]:
+    ids, labels = token_batch(batch=4, seq=8)
+    cluster = "1x8xH100" if config.world_size == 8 else f"{config.world_size // 8}x8xH100"
+    est = autoplan.estimate(
+        gpt2_tiny(num_layers=4),
+        cluster,
+        (ids,),
+        loss_fn=lm_loss,
+        example_targets=(labels,),
+        global_batch_size=config.global_batch_size,
+        config=config,
+    )
+    return est.step_time_s, tuple(est.memory_per_device_bytes), est.bubble_s
+
+
+@pytest.fixture(scope="module")
+def _one_cost_model_per_cluster() -> Iterator[None]:
+    """Every estimate here is of the same model: trace it and solve each (tp, micro-batch) ILP
+    once per cluster (the cost model is deterministic), not once per estimate."""
+    made: dict[str, joint.SegmentCostModel] = {}
+    real = joint.SegmentCostModel
+
+    def shared(model, inputs, loss_fn, targets, cluster, **kw):  # noqa: ANN001, ANN003, ANN202
+        key = json.dumps(cluster.to_dict(), sort_keys=True, default=str)
+        if key not in made:
+            made[key] = real(model, inputs, loss_fn, targets, cluster, **kw)
+        return made[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(joint, "SegmentCostModel", shared)
+        yield
+
+
+@pytest.mark.usefixtures("_one_cost_model_per_cluster")
+@pytest.mark.parametrize("field", list(VARIANTS))
+def test_changing_one_config_field_changes_the_estimate(field: str) -> None:
+    base = _comparison_base(field)
+    changed = dataclasses.replace(base, **{field: VARIANTS[field][field]})  # type: ignore[arg-type]
+    differing = [
+        f.name for f in dataclasses.fields(ParallelConfig) if getattr(base, f.name) != getattr(changed, f.name)
+    ]
+    assert differing == [field]
+    assert _estimate(changed) != _estimate(base), f"ParallelConfig.{field} does not change the estimate"
+
+
+# --- the removed sequence_parallel field ---------------------------------------------------------
+
+
+def test_sequence_parallel_is_not_a_config_field() -> None:
+    with pytest.raises(TypeError):
+        ParallelConfig(sequence_parallel=True)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match=r"sequence_parallel.*removed.*never applied"):
+        ParallelConfig.from_dict({**BASE.to_dict(), "sequence_parallel": True})
+    with pytest.raises(ConfigError, match=r"unknown ParallelConfig field\(s\) 'pipeline_degree'"):
+        ParallelConfig.from_dict({**BASE.to_dict(), "pipeline_degree": 2})
+
+
+def test_plan_file_naming_sequence_parallel_is_refused_with_the_field_named(tmp_path) -> None:  # noqa: ANN001
+    """A plan saved before the field was removed (every global-batch plan held
+    ``"sequence_parallel": true``) is a PlanFileError naming the field, not a silent ignore."""
+    ids, labels = token_batch(batch=4, seq=8)
+    plan = make_plan(
+        gpt2_tiny(num_layers=2),
+        "2xCPU",
+        example_inputs=(ids,),
+        loss_fn=lm_loss,
+        example_targets=(labels,),
+        global_batch_size=4,
+        config=ParallelConfig(dp=2, microbatch_size=2, num_microbatches=1, schedule="none"),
+    )
+    data = plan.to_dict()
+    assert "sequence_parallel" not in data["config"]
+    data["config"]["sequence_parallel"] = True
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match=r"old\.json.*sequence_parallel.*removed.*re-plan"):
+        autoplan.Plan.load(path)
