@@ -228,6 +228,43 @@ def test_mask_gradient_strategies_split_or_sum_the_mask_gradient() -> None:
     assert not any(q_spec == "S(0)" and mask_grad != "P" for q_spec, _, mask_grad in rows), rows
 
 
+class CausalBias2D(nn.Module):
+    """Attention with a ``(T, T)`` float mask: a constant causal mask, or a learned one."""
+
+    def __init__(self, *, learned: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(WIDTH, 3 * WIDTH, bias=False)
+        causal = torch.full((SEQ, SEQ), float("-inf")).triu(1)
+        self.mask = nn.Parameter(causal) if learned else None
+        self.register_buffer("causal", causal)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, H, c // H).permute(2, 0, 3, 1, 4)
+        mask = self.mask if self.mask is not None else self.causal
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["constant", "learned"])
+def test_a_mask_without_batch_or_heads_dims_is_never_split(learned: bool) -> None:
+    """A ``(T, S)`` mask broadcasts over the batch and the heads: when q is split on either, the
+    mask stays whole (it used to be split on its dim 0, which is T) and its gradient is a
+    partial sum."""
+    x, y = torch.randn(4, SEQ, WIDTH), torch.randn(4, H, SEQ, WIDTH // H)
+    traced = trace_training_step(CausalBias2D(learned=learned), (x,), loss_fn=F.mse_loss, example_targets=(y,))
+    with planning_mesh(Cluster.preset("2xCPU")) as mesh:
+        table = build_strategy_table(traced, mesh)
+    forward = next(n.name for n in traced.graph_module.graph.nodes if n.target is torch.ops.autoplan.sdpa.default)
+    # sdpa: output O; inputs q, k, v, mask
+    rows = {(spec_str(s.input_specs[0]), spec_str(s.input_specs[3])) for s in table.nodes[forward].strategies}
+    assert rows == {("R", "R"), ("S(0)", "R"), ("S(1)", "R")}, rows
+    if learned:
+        backward = table.nodes[_mask_grad_node(traced)].strategies
+        grads = {(spec_str(s.input_specs[1]), spec_str(s.output_specs[3])) for s in backward}
+        assert grads == {("R", "R"), ("S(0)", "P"), ("S(1)", "P")}, grads
+
+
 _t5_case = functools.partial(
     Case,
     build_model=T5StyleDecoder,
