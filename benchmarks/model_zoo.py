@@ -28,8 +28,8 @@ from examples.hf_models import ZOO  # noqa: E402
 from tests.test_model_zoo import failures, run_zoo, summary  # noqa: E402
 
 HEADER = (
-    f"{'architecture':<12} {'kind':<15} {'params':>7} {'ops':>5} {'plan':>4} {'plan_s':>6}  {'parallelism':<34}"
-    f"{'loss_diff':>9} {'param_diff':>10} {'frozen':>6} {'train_s':>7}  verdict"
+    f"{'architecture':<12} {'kind':<15} {'params':>7} {'ops':>5} {'plan':>4} {'plan_s':>6}  {'parallelism':<42}"
+    f"{'loss_diff':>9} {'param_diff':>10} {'frozen':>8} {'train_s':>7}  verdict"
 )
 
 
@@ -45,15 +45,16 @@ def row_text(name: str, row: dict, problems: list[str]) -> str:
     if "error" in row:
         plan = "yes" if row["planned"] else "no"
         return (
-            f"{head} {'':>7} {'':>5} {plan:>4} {row['plan_seconds']:>6.1f}  {'':<34}{'':>9} {'':>10} {'':>6} "
+            f"{head} {'':>7} {'':>5} {plan:>4} {row['plan_seconds']:>6.1f}  {'':<42}{'':>9} {'':>10} {'':>8} "
             f"{row['seconds']:>7.1f}  FAIL: {_short_error(row['error'])}"
         )
     verdict = "equal" if not problems else "DIFFERS: " + problems[0].splitlines()[0][:100]
+    frozen = f"{'yes' if row['frozen_identical'] else 'NO'} ({row['num_frozen']})"
     return (
         f"{head} {row['num_params']:>7} {row['num_ops']:>5} {'yes':>4} {row['plan_seconds']:>6.1f}  "
-        f"{row['parallelism'].get('intra', str(row['parallelism']))[:33]:<34}"
+        f"{row['parallelism'].get('intra', str(row['parallelism']))[:41]:<42}"
         f"{row['max_loss_rel_err']:>9.1e} {row['max_param_rel_err']:>10.1e} "
-        f"{'yes' if row['frozen_identical'] else 'NO':>6} {row['seconds']:>7.1f}  {verdict}"
+        f"{frozen:>8} {row['seconds']:>7.1f}  {verdict}"
     )
 
 

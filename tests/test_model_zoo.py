@@ -47,8 +47,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # spawned ranks inherit it: nothin
 
 WORLD_SIZE = 2
 CLUSTER = "2xCPU"
-FAST = ("gpt2", "bert", "vit")
-"""The CI subset: a fused-qkv decoder, an encoder, a vision model."""
+FAST = ("gpt2", "mixtral", "bert", "t5", "vit")
+"""The CI subset: a fused-qkv decoder, a mixture of experts, an encoder, an encoder-decoder with a
+learned attention bias, a vision model."""
 KNOWN_BUGS = {
     "falcon": "the meta trace (autoplan plan) differs from the CPU trace (autoplan run): autoplan.sdpa_backward of "
     "multi-query attention gives k/v gradients (B,1,T,D) on meta, (B,H,T,D) plus a sum on CPU, and constants get "
