@@ -136,6 +136,20 @@ def _node_shape(traced: TracedProgram, name: str) -> Sequence[int]:
     return val.shape if isinstance(val, torch.Tensor) else ()
 
 
+def check_plan_fits(plan: Plan, traced: TracedProgram) -> None:
+    """The pre-launch check of ``autoplan run --plan`` (once, before any rank starts):
+    :meth:`Plan.check_fits` with the strategy table of ``traced`` on the plan's mesh (the stage
+    mesh for a plan made for a global batch), built on a fake process group, so a hand edit that
+    pairs placements an operator cannot run is named instead of training wrongly."""
+    from autoplan.joint import stage_cluster
+
+    mesh_cluster = plan.cluster if plan.config is None else stage_cluster(plan.cluster, plan.config)
+    plan.check_fits(traced)  # names, counts and ranks first: a table of a misfit plan means nothing
+    with planning_mesh(mesh_cluster) as mesh:
+        table = build_strategy_table(traced, mesh)
+    plan.check_fits(traced, table=table)
+
+
 ProfileChoice = ProfileDB | str | os.PathLike[str] | None
 
 
@@ -459,6 +473,7 @@ def _parallelize_pipeline(
     assert cfg is not None and layout is not None
     planned = trace_for_plan(plan, model, inputs, targets, loss_fn)
     plan.check_applies_to(fingerprint=planned.fingerprint, world_size=dist.get_world_size())
+    plan.check_fits(planned)
     traced, assignment = planned, plan.assignment()
     if layout.reduced:
         # placements of the program traced with fewer blocks: repeat its last block's
@@ -543,6 +558,7 @@ def parallelize(
             traced, cluster, mesh=mesh, device=device, optimizer=optimizer, pins=pins, profile=profile
         )
     plan.check_applies_to(fingerprint=traced.fingerprint, world_size=world)
+    plan.check_fits(traced)
     program = generate_program(
         traced,
         plan.assignment(),

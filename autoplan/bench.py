@@ -3,8 +3,8 @@
     autoplan bench benchmarks/suite.yaml --out results.json
     autoplan bench benchmarks/suite.yaml --baseline benchmarks/suite_baseline.json --tolerance 2%
 
-**Suite file** (YAML, read with ``yaml.safe_load``): ``cases``, a list of mappings, and optional
-``defaults`` merged under every case. A case has
+**Suite file** (YAML, read with ``yaml.safe_load`` within bounds: ``cost_models.files.parse_yaml``):
+``cases``, a list of mappings, and optional ``defaults`` merged under every case. A case has
 
 * ``name`` (unique) and ``model``: ``FILE.py:FUNCTION`` returning an ``autoplan.Workload`` (a
   relative path is looked up next to the suite file, then in the working directory) or
@@ -52,8 +52,18 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 from autoplan import console
 from autoplan.config import PRECISIONS
+from cost_models.echo import clip
 from cost_models.errors import PlanError, PlanFileError
-from cost_models.files import atomic_write
+from cost_models.files import (
+    MAX_CLUSTER_FILE_BYTES,
+    MAX_PLAN_FILE_BYTES,
+    InputLimitError,
+    atomic_write,
+    parse_json,
+    parse_yaml,
+    read_limited,
+    refuse_overwriting_inputs,
+)
 
 if TYPE_CHECKING:
     from autoplan.plan import Plan
@@ -133,9 +143,11 @@ class Case:
         return argv
 
 
-def _read_text(path: Path, what: str) -> str:
+def _read_text(path: Path, what: str, *, max_bytes: int) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return read_limited(path, max_bytes=max_bytes).decode("utf-8")
+    except InputLimitError as exc:
+        raise SuiteError(f"{what} {clip(str(path))} {exc}: check the path") from None
     except FileNotFoundError:
         raise SuiteError(f"{what} {str(path)!r} does not exist: check the path") from None
     except UnicodeDecodeError as exc:
@@ -269,7 +281,9 @@ def load_suite(path: str | os.PathLike[str]) -> list[Case]:
     path = Path(path)
     where = f"suite file {str(path)!r}"
     try:
-        doc = yaml.safe_load(_read_text(path, "suite file"))
+        doc = parse_yaml(_read_text(path, "suite file", max_bytes=MAX_CLUSTER_FILE_BYTES))
+    except InputLimitError as exc:
+        raise SuiteError(f"{where} {exc}: write each case out") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" (line {mark.line + 1})" if mark is not None else ""
@@ -425,7 +439,9 @@ def load_results(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     where = f"results file {str(path)!r}"
     try:
-        doc = json.loads(_read_text(path, "results file"))
+        doc = parse_json(_read_text(path, "results file", max_bytes=MAX_PLAN_FILE_BYTES))
+    except InputLimitError as exc:
+        raise SuiteError(f"{where} {exc}: re-create it with --out") from None
     except json.JSONDecodeError as exc:
         raise SuiteError(f"{where} is not valid JSON (line {exc.lineno}: {exc.msg}): re-create it with --out") from exc
     if not isinstance(doc, dict) or doc.get("format") != RESULTS_FORMAT:
@@ -639,6 +655,8 @@ def _ratio(text: str) -> float:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.out:
+        refuse_overwriting_inputs(args.out, {"suite file": args.suite, "baseline": args.baseline}, error=SuiteError)
     cases = load_suite(args.suite)
     baseline = load_results(args.baseline) if args.baseline else None
     if args.out and not Path(args.out).resolve().parent.is_dir():  # found out before planning, not after

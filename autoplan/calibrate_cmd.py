@@ -78,6 +78,7 @@ _SWEEP_OPTIONS: tuple[str, ...] = ("min_bytes", "max_bytes", "repetitions", "war
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from cost_models.calibration import CalibrationError, Sample, Sweep
+    from cost_models.files import refuse_overwriting_inputs
 
     cluster = _target_cluster(args.cluster, args.mesh)
     sweep = Sweep(**{name: getattr(args, name) for name in _SWEEP_OPTIONS if getattr(args, name) is not None})
@@ -86,6 +87,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise CalibrationError(f"--out '{out}' has extension {out.suffix!r}; use .yaml, .yml or .json")
     if not out.parent.is_dir():
         raise CalibrationError(f"--out '{out}': directory '{out.parent}' does not exist")
+    refuse_overwriting_inputs(out, {"cluster file": args.cluster}, error=CalibrationError)
     if cluster.world_size < 2:
         raise CalibrationError(f"cluster {cluster} has one device and no link to measure; use 2 devices or more")
     if _launched_by_torchrun():

@@ -83,12 +83,21 @@ def _cluster(spec: str, mesh: str | None, *, recalibrate: bool = False):  # noqa
             mesh_shape = tuple(int(x) for x in mesh.split(","))
         except ValueError as exc:
             raise ClusterSpecError(f"--mesh {mesh!r} is malformed: expected sizes like 2,2") from exc
-    if Path(spec).suffix.lower() in (".yaml", ".yml", ".json") or Path(spec).is_file():
+    if Path(spec).suffix.lower() in (".yaml", ".yml", ".json") or _names_a_file(spec):
         cluster = Cluster.from_file(spec, check_versions=not recalibrate)
         if recalibrate:
             cluster = dataclasses.replace(cluster, links={}, calibration=None)
         return cluster.with_mesh(mesh_shape) if mesh_shape else cluster
     return Cluster.preset(spec, mesh_shape=mesh_shape)
+
+
+def _names_a_file(path: str) -> bool:
+    """Something other than a directory is at ``path`` (a file, ``/dev/zero``, a FIFO: read as a
+    cluster file, within bounds); False for a name the OS refuses (too long, a NUL byte)."""
+    try:
+        return Path(path).exists() and not Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
 
 
 def _pins(items: Sequence[str]) -> dict[str, str]:
@@ -185,7 +194,22 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inputs(args: argparse.Namespace) -> dict[str, str | None]:
+    """The files a planning command reads (label -> path), which no output may overwrite."""
+    from autoplan.loader import target_file
+
+    return {
+        "model file": target_file(args.target),
+        "cluster file": getattr(args, "cluster", None),
+        "profile database": getattr(args, "profile_db", None),
+        "plan file": getattr(args, "plan", None),
+    }
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    from cost_models.files import refuse_overwriting_inputs
+
+    refuse_overwriting_inputs(args.out, _inputs(args))  # before planning, which may take long
     plan = dataclasses.replace(_make_plan(args), workload=args.target)
     plan.save(args.out, timings=args.timings)
     if args.json:
@@ -319,6 +343,7 @@ def _call_torchrun(cmd: list[str], **kwargs: Any) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from autoplan.api import check_plan_fits
     from autoplan.loader import build_workload
     from autoplan.plan import Plan
     from cost_models.errors import PlanError, PlanMismatchError
@@ -326,6 +351,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     if args.plan is None and args.cluster is None:
         raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
+    if args.save_final is not None:
+        from cost_models.files import refuse_overwriting_inputs
+
+        refuse_overwriting_inputs(args.save_final, _inputs(args), option="--save-final")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise PlanError(f"--checkpoint-every {args.checkpoint_every}: give a number of steps >= 1")
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
@@ -375,6 +404,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets
             )
         plan.check_applies_to(fingerprint=traced.fingerprint, world_size=plan.world_size)
+        check_plan_fits(plan, traced)  # a hand-edited entry is named here, not in every rank
     else:
         plan = _make_plan(args)
         tmpdir = tempfile.mkdtemp(prefix="autoplan-")
@@ -593,7 +623,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             return args.func(args)
     except PlanError as exc:
-        print(f"autoplan: error: {exc}", file=sys.stderr)
+        from cost_models.echo import terminal_safe
+
+        # one line, whatever a quoted name holds (a newline, a terminal escape sequence)
+        print(f"autoplan: error: {terminal_safe(' '.join(str(exc).splitlines()))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # Ctrl-C: one line, no traceback (worker processes were stopped on the way out)
         print("autoplan: interrupted", file=sys.stderr)

@@ -77,7 +77,7 @@ from torch.distributed.tensor import Replicate, Shard
 from autoplan import console
 from autoplan.plan import Plan
 from cost_models.errors import PlanError
-from cost_models.files import atomic_write
+from cost_models.files import atomic_write, refuse_overwriting_inputs
 from passes.placement import Spec, parse_spec, spec_strs
 from passes.strategies import tensor_args
 from passes.trace import TracedProgram, param_node_name
@@ -770,6 +770,9 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     target = args.model or plan.workload
     if not target:
         raise PlanError(f"plan file {args.plan!r} does not say which model it is for: pass --model FILE.py:FUNCTION")
+    from autoplan.loader import target_file
+
+    refuse_overwriting_inputs(args.out, {"plan file": args.plan, "model file": target_file(target)})
     model = export_onnx(plan, trace_plan_model(plan, target, seed=args.seed), args.out)
     if not args.quiet:
         num_annotated = sum(1 for n in model.graph.node if n.device_configurations)

@@ -10,21 +10,26 @@ world size.
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoplan.config import ParallelConfig, field_name_problem
-from cost_models.cluster import Cluster
+from autoplan.config import PRECISIONS, RECOMPUTE, ParallelConfig, field_name_problem
+from cost_models.cluster import COLLECTIVE_KINDS, LOCAL_KINDS, Cluster
+from cost_models.echo import clip, clip_text, terminal_safe
 from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
 from cost_models.memory import OPTIMIZERS
 from passes.explain import NodeExplanation
 from passes.plan_text import param_node_name, spec_text
 
 if TYPE_CHECKING:  # loading, checking and printing a plan needs no torch (`autoplan show` starts fast)
-    from passes.strategies import Strategy
+    import torch
+
+    from passes.strategies import Strategy, StrategyTable
+    from passes.trace import TracedProgram
 
 PLAN_FORMAT = "autoplan.plan"
 PLAN_VERSION = 1
@@ -268,7 +273,8 @@ class Plan:
         return out
 
     def summary(self) -> str:
-        """Readable multi-line summary for review before anything runs."""
+        """Readable multi-line summary for review before anything runs (terminal-safe: control
+        characters of names are shown as escapes)."""
         c, e = self.cluster, self.estimate
         mem = e.memory_bytes
         lines = [
@@ -327,7 +333,7 @@ class Plan:
         width = max((len(n) for n in self.param_names), default=10)
         for name in self.param_names:
             lines.append(f"    {name:<{width}}  {spec_text(self.param_specs[name])}")
-        return "\n".join(lines)
+        return terminal_safe("\n".join(lines))  # names from a plan file never drive the terminal
 
     # -- checks -----------------------------------------------------------------------------
     def check_applies_to(self, *, fingerprint: str, world_size: int) -> None:
@@ -340,6 +346,25 @@ class Plan:
             raise PlanMismatchError(
                 f"plan was made for a different model or input shapes (graph fingerprint {self.fingerprint}, "
                 f"this model traces to {fingerprint}): re-plan with `autoplan plan` for this model"
+            )
+
+    def check_fits(self, traced: TracedProgram, *, table: StrategyTable | None = None) -> None:
+        """Every entry of the plan names a value of ``traced`` and fits its shape: one placement
+        list per parameter of the model and no other, one per input and target, one entry per
+        operator the program runs with one placement list per tensor output and argument, shard
+        dims within each tensor's rank, placeholders only ``R``/``S(d)``, replicated fallback ops.
+        With ``table`` (``passes.strategies`` on the plan's mesh) every placeholder and operator
+        must also have one of the strategies enumerated for it: a hand edit can pair placements an
+        operator cannot run, and the program would then train wrongly.
+        A plan whose fingerprint matches can still fail this when it was edited by hand; raises
+        :class:`PlanMismatchError` naming the first entry that does not fit (before any rank starts)."""
+        problem = _misfit(self, traced)
+        if problem is None and table is not None:
+            problem = _unlisted_strategy(self, table)
+        if problem is not None:
+            raise PlanMismatchError(
+                f"plan entry {problem}: the plan does not fit this model (edited by hand?); undo the edit "
+                "or re-plan with `autoplan plan`"
             )
 
     # -- serialisation ----------------------------------------------------------------------
@@ -386,7 +411,7 @@ class Plan:
             raise PlanFileError(f'{where} is not an autoplan plan (missing "format": "{PLAN_FORMAT}")')
         if d.get("version") != PLAN_VERSION:
             raise PlanFileError(
-                f"{where} has plan version {d.get('version')!r}; this autoplan reads version {PLAN_VERSION}: re-plan with this version"
+                f"{where} has plan version {clip(d.get('version'))}; this autoplan reads version {PLAN_VERSION}: re-plan with this version"
             )
         if "optimizer" in d and d["optimizer"] not in OPTIMIZERS:
             raise PlanFileError(
@@ -436,7 +461,8 @@ class Plan:
             raise PlanFileError(str(exc)) from exc
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PlanFileError(
-                f"{where} is malformed ({type(exc).__name__}: {exc}): re-create it with `autoplan plan`"
+                f"{where} is malformed ({type(exc).__name__}: {clip_text(str(exc))}): fix that entry or re-create "
+                "it with `autoplan plan`"
             ) from exc
         return plan
 
@@ -450,9 +476,15 @@ class Plan:
 
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Plan:
+        """Read a plan file: at most ``MAX_PLAN_FILE_BYTES``, nesting and numbers within Python's
+        JSON limits (``cost_models.files``); every problem is a one-line :class:`PlanFileError`."""
+        from cost_models.files import MAX_PLAN_FILE_BYTES, InputLimitError, parse_json, read_limited
+
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_limited(path, max_bytes=MAX_PLAN_FILE_BYTES).decode("utf-8")
+        except InputLimitError as exc:
+            raise PlanFileError(f"plan file {clip(str(path))} {exc}: it is not a plan; check the path") from None
         except FileNotFoundError:
             raise PlanFileError(
                 f"plan file {str(path)!r} does not exist: check the path or write it with `autoplan plan ... --out`"
@@ -465,11 +497,15 @@ class Plan:
         except OSError as exc:
             raise PlanFileError(f"cannot read plan file {str(path)!r}: {exc.strerror}: check the path") from exc
         try:
-            data = json.loads(text)
+            data = parse_json(text)
         except json.JSONDecodeError as exc:
             raise PlanFileError(
                 f"plan file {str(path)!r} is not valid JSON (line {exc.lineno}: {exc.msg}); it may be truncated: re-create it with `autoplan plan`"
             ) from exc
+        except InputLimitError as exc:
+            raise PlanFileError(
+                f"plan file {clip(str(path))} {exc}: it is not a plan written by autoplan; re-create it with `autoplan plan`"
+            ) from None
         return Plan.from_dict(data, where=f"plan file {str(path)!r}")
 
 
@@ -481,32 +517,218 @@ def _check_plan_values(plan: Plan) -> None:
 
     def check(spec: object, what: str) -> None:
         if isinstance(spec, str) or not isinstance(spec, (list, tuple)):
-            raise TypeError(f"{what} must be a list of placements, got {spec!r}")
+            raise TypeError(f"{what} must be a list of placements, got {clip(spec)}")
         spec_text(spec)  # every placement parses
         if len(spec) != ndim:
             raise ValueError(f"{what} has {len(spec)} placement(s) for a {ndim}-axis mesh")
 
     for n, d in plan.nodes.items():
+        for key in ("out", "in"):
+            if isinstance(d[key], str) or not isinstance(d[key], (list, tuple)):
+                raise TypeError(f"nodes[{clip(n)}].{key} must be a list of placement lists, got {clip(d[key])}")
         for i, spec in enumerate(d["out"]):
             if spec is not None:
-                check(spec, f"nodes.{n}.out[{i}]")
+                check(spec, f"nodes[{clip(n)}].out[{i}]")
         for i, spec in enumerate(d["in"]):
-            check(spec, f"nodes.{n}.in[{i}]")
+            check(spec, f"nodes[{clip(n)}].in[{i}]")
+    if len(set(plan.param_names)) != len(plan.param_names) or set(plan.param_specs) != set(plan.param_names):
+        odd = sorted(set(plan.param_names).symmetric_difference(plan.param_specs)) or ["(a name listed twice)"]
+        raise ValueError(
+            f"param_names and placements.params must name the same parameters once each; {clip(odd[0])} differs"
+        )
     for n in plan.param_names:
-        check(plan.param_specs[n], f"placements.params.{n}")
+        check(plan.param_specs[n], f"placements.params[{clip(n)}]")
     for i, spec in enumerate(plan.input_specs + plan.target_specs):
         check(spec, f"placements.inputs/targets[{i}]")
+    for j, c in enumerate(plan.collectives):
+        check(list(c.src), f"collectives[{j}].src")
+        check(list(c.dst), f"collectives[{j}].dst")
+        for kind, axis in c.steps:
+            if kind not in COLLECTIVE_KINDS | LOCAL_KINDS:
+                raise ValueError(
+                    f"collectives[{j}] has a step of unknown kind {clip(kind)}; "
+                    f"known: {', '.join(sorted(COLLECTIVE_KINDS | LOCAL_KINDS))}"
+                )
+            if not 0 <= axis < ndim:
+                raise ValueError(
+                    f"collectives[{j}] ({clip(c.producer)} -> {clip(c.consumer)}) has a step {kind} on mesh axis "
+                    f"{clip(axis)} but the mesh has {ndim} axis/axes (0..{ndim - 1})"
+                )
+    _check_pipeline_layout(plan)
     missing = [k for k in _SOLVER_KEYS if k not in plan.solver]
     if missing:
         raise KeyError(f"solver.{missing[0]}")
     for k in ("num_variables", "num_constraints", *(w for w in WALL_CLOCK_KEYS if w in plan.solver)):
         if isinstance(plan.solver[k], bool) or not isinstance(plan.solver[k], (int, float)):
-            raise TypeError(f"solver.{k} must be a number, got {plan.solver[k]!r}")
+            raise TypeError(f"solver.{k} must be a number, got {clip(plan.solver[k])}")
     if "total" not in plan.estimate.memory_bytes:
         raise KeyError("estimate.memory_bytes.total")
     bad_ops = {n: op for n, op in plan.fallback_ops.items() if not isinstance(op, str)}
     if bad_ops:
-        raise TypeError(f"fallback_ops must map node names to op names, got {bad_ops!r}")
+        raise TypeError(f"fallback_ops must map node names to op names, got {clip(bad_ops)}")
+
+
+def _misfit(plan: Plan, traced: TracedProgram) -> str | None:
+    """The first entry of ``plan`` that does not fit ``traced`` (see :meth:`Plan.check_fits`)."""
+    import difflib
+
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from passes.placement import parse_spec, spec_str
+    from passes.strategies import tensor_args
+
+    nodes = {n.name: n for n in traced.graph_module.graph.nodes}
+
+    def rank_problem(spec: Sequence[str], val: object, *, placeholder: bool = False) -> str | None:
+        if not isinstance(val, torch.Tensor):
+            return "is for a value that is not a tensor"
+        for p in parse_spec(spec):
+            if placeholder and not isinstance(p, (Replicate, Shard)):
+                return f"is {spec_str(parse_spec(spec))}: an input or parameter is R or S(d) on each axis"
+            if isinstance(p, Shard) and p.dim >= val.dim():
+                return f"shards dim {p.dim} of a {val.dim()}-D tensor {tuple(val.shape)}"
+        return None
+
+    model_params = set(traced.param_names)
+    for name in plan.param_names:
+        if name not in model_params:
+            close = difflib.get_close_matches(name, traced.param_names, n=3, cutoff=0) if len(name) < 1000 else []
+            return f"placements.params[{clip(name)}] names no parameter of this model (close: {', '.join(close)})"
+    missing = [n for n in traced.param_names if n not in plan.param_specs]
+    if missing:
+        return f"placements.params has no placement for the model's parameter {clip(missing[0])}"
+    for name in plan.param_names:
+        problem = rank_problem(plan.param_specs[name], nodes[param_node_name(name)].meta.get("val"), placeholder=True)
+        if problem:
+            return f"placements.params[{clip(name)}] {problem}"
+    for kind, specs, count in (
+        ("inputs", plan.input_specs, traced.num_inputs),
+        ("targets", plan.target_specs, traced.num_targets),
+    ):
+        if len(specs) != count:
+            return f"placements.{kind} has {len(specs)} placement list(s) but the model takes {count} {kind}"
+        for i, spec in enumerate(specs):
+            problem = rank_problem(spec, nodes[f"{kind[:-1]}_{i}"].meta.get("val"), placeholder=True)
+            if problem:
+                return f"placements.{kind}[{i}] {problem}"
+    for name, d in plan.nodes.items():
+        node = nodes.get(name)
+        if node is None or node.op != "call_function" or str(node.target) != d["op"]:
+            found = "no such node" if node is None else f"the node is {node.op} {clip(str(node.target))}"
+            return f"nodes[{clip(name)}] (op {clip(d['op'])}) is not an operator of this model's program ({found})"
+        val = node.meta.get("val")
+        outs = list(val) if isinstance(val, (tuple, list)) else [val]
+        args = tensor_args(node)
+        if len(d["out"]) != len(outs) or len(d["in"]) != len(args):
+            return (
+                f"nodes[{clip(name)}] has {len(d['out'])} output and {len(d['in'])} argument placement list(s); "
+                f"{clip(d['op'])} here has {len(outs)} output(s) and {len(args)} tensor argument(s)"
+            )
+        for i, (spec, v) in enumerate(zip(d["out"], outs, strict=True)):
+            if (spec is None) != (not isinstance(v, torch.Tensor)):
+                return f"nodes[{clip(name)}].out[{i}] is {'null' if spec is None else 'a placement'} for a " + (
+                    "tensor" if isinstance(v, torch.Tensor) else "non-tensor output"
+                )
+            problem = None if spec is None else rank_problem(spec, v)
+            if problem:
+                return f"nodes[{clip(name)}].out[{i}] {problem}"
+        for i, (spec, a) in enumerate(zip(d["in"], args, strict=True)):
+            problem = rank_problem(spec, a.meta.get("val"))
+            if problem:
+                return f"nodes[{clip(name)}].in[{i}] {problem}"
+    for name, op in plan.fallback_ops.items():
+        d = plan.nodes.get(name)
+        if d is None:
+            return f"fallback_ops[{clip(name)}] ({clip(op)}) names no node of the plan"
+        if any(p != "R" for spec in [*d["out"], *d["in"]] if spec is not None for p in spec):
+            return f"nodes[{clip(name)}] runs replicated (fallback_ops) but its placements are not all R"
+    unplanned = _unplanned_operator(traced, plan.nodes)
+    if unplanned is not None:
+        return (
+            f"nodes has no entry for the operator {clip(unplanned.name)} ({clip(str(unplanned.target))}) of this model"
+        )
+    return None
+
+
+def _unlisted_strategy(plan: Plan, table: StrategyTable) -> str | None:
+    """The first placeholder or operator of ``plan`` whose placements are not among the
+    strategies ``table`` enumerates for it (what the solver chooses from)."""
+    for name, strategy in plan.assignment().items():
+        ns = table.nodes.get(name)
+        if ns is not None and strategy not in ns.strategies:
+            where = f"nodes[{clip(name)}]" if name in plan.nodes else f"placeholder {clip(name)}"
+            return (
+                f"{where}: {strategy} is not a way to run {clip(plan.nodes[name]['op']) if name in plan.nodes else 'it'} "
+                f"on mesh {table.mesh_shape} (it has {len(ns.strategies)}, e.g. {ns.strategies[0]})"
+            )
+    return None
+
+
+def _unplanned_operator(traced: TracedProgram, planned: Mapping[str, Any]) -> torch.fx.Node | None:
+    """The first operator of ``traced`` that computes on a placeholder's value (so the strategy
+    table of ``passes.strategies`` gives it placements) but has no entry in ``planned``."""
+    import operator
+
+    from passes.strategies import resolve_value, tensor_args
+
+    depends: set[str] = set()
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "placeholder":
+            depends.add(node.name)
+        elif node.op == "call_function" and node.target is not operator.getitem:
+            if any(resolve_value(a).node in depends for a in tensor_args(node)):
+                depends.add(node.name)
+                if node.name not in planned:
+                    return node
+    return None
+
+
+def _check_pipeline_layout(plan: Plan) -> None:
+    """A plan made for a global batch has both ``config`` and ``pipeline``, and they agree: one
+    start and one recompute mode per stage, starts rising from segment 0 inside the model's
+    segments, a stage mesh of ``dp * tp`` devices and ``config`` filling the cluster."""
+    cfg, layout = plan.config, plan.pipeline
+    if cfg is None and layout is None:
+        return
+    if cfg is None or layout is None:
+        raise KeyError("config" if cfg is None else "pipeline")
+    starts, num_segments = layout.stage_starts, len(layout.segment_names)
+    if len(starts) != cfg.num_stages:
+        raise ValueError(
+            f"pipeline.stage_starts has {len(starts)} stage(s) but config has pp*virtual_stages = {cfg.num_stages}"
+        )
+    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= num_segments:
+        raise ValueError(
+            f"pipeline.stage_starts {clip(list(starts))} must rise from 0 and stay below the {num_segments} "
+            "segments of pipeline.segment_names"
+        )
+    if len(layout.stage_recompute) != len(starts) or any(r not in RECOMPUTE for r in layout.stage_recompute):
+        raise ValueError(
+            f"pipeline.stage_recompute {clip(list(layout.stage_recompute))} must give one of "
+            f"{', '.join(RECOMPUTE)} for each of the {len(starts)} stage(s)"
+        )
+    if len(layout.stage_axis_names) != len(layout.stage_mesh_shape) or math.prod(layout.stage_mesh_shape) != (
+        cfg.dp * cfg.tp
+    ):
+        raise ValueError(
+            f"pipeline.stage_mesh_shape {clip(list(layout.stage_mesh_shape))} with axes "
+            f"{clip(list(layout.stage_axis_names))} must be one named axis per size, {cfg.dp * cfg.tp} devices "
+            f"(config dp*tp = {cfg.dp}*{cfg.tp})"
+        )
+    if cfg.world_size != plan.world_size:
+        raise ValueError(f"config ({cfg}) uses {cfg.world_size} devices but the cluster has {plan.world_size}")
+    if layout.global_batch_size != cfg.global_batch_size:
+        raise ValueError(
+            f"pipeline.global_batch_size {clip(layout.global_batch_size)} is not config's "
+            f"dp*microbatch_size*num_microbatches = {cfg.global_batch_size}"
+        )
+    if not 0 <= layout.traced_blocks <= num_segments - 2:
+        raise ValueError(
+            f"pipeline.traced_blocks {clip(layout.traced_blocks)} must be 0..{num_segments - 2} (the model's blocks)"
+        )
+    if layout.precision not in PRECISIONS:
+        raise ValueError(f"pipeline.precision {clip(layout.precision)} must be one of {', '.join(PRECISIONS)}")
 
 
 def software_versions() -> dict[str, str]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from autoplan import console
-from cost_models.files import atomic_write
+from cost_models.files import atomic_write, refuse_overwriting_inputs
 from cost_models.pipeline import SCHEDULES, PipelineTimeline, ScheduleName, StageTimes, simulate
 
 if TYPE_CHECKING:  # autoplan.plan imports torch: load it when a report is made, not at CLI start
@@ -824,6 +824,7 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
 def cmd_report(args: argparse.Namespace) -> int:
     from autoplan.plan import Plan
 
+    refuse_overwriting_inputs(args.out, {"plan file": args.plan})
     plan = Plan.load(args.plan)
     write_report(plan, args.out)
     if not args.quiet:

@@ -1,7 +1,9 @@
 """Reading plans: ``autoplan show`` (tables), ``explain`` (one op's alternatives) and ``diff``.
 
 Everything here reads a :class:`~autoplan.plan.Plan` and returns text (or a JSON-able dict for
-``--json``); nothing is re-traced or re-solved. The output holds no wall-clock values, so the
+``--json``); nothing is re-traced or re-solved. The text is terminal-safe: control characters in
+names from a plan file are shown as escapes (``cost_models.echo.terminal_safe``), never sent to
+the terminal. The output holds no wall-clock values, so the
 same plan file always prints the same bytes (golden tests rely on it).
 """
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.plan import GiB, Plan
+from cost_models.echo import terminal_safe
 from cost_models.errors import PlanError
 from passes.explain import Alternative, NodeExplanation
 from passes.plan_text import param_node_name
@@ -65,7 +68,7 @@ def show_text(plan: Plan) -> str:
         _placements_section(plan),
         _collectives_section(plan),
     ]
-    return "\n\n".join("\n".join(s) for s in sections if s) + "\n"
+    return terminal_safe("\n\n".join("\n".join(s) for s in sections if s) + "\n")
 
 
 def _header(plan: Plan) -> list[str]:
@@ -426,7 +429,7 @@ def explain_text(ex: Explanation) -> str:
         )
     if ex.chosen is None:
         lines.append(f"  {ex.reason()}")
-        return "\n".join(lines) + "\n"
+        return terminal_safe("\n".join(lines) + "\n")
     rows = []
     for k, a in enumerate((ex.chosen, *ex.others)):
         fits = "-" if a.over_capacity_bytes is None else ("yes" if a.over_capacity_bytes <= 0 else "NO")
@@ -446,7 +449,7 @@ def explain_text(ex: Explanation) -> str:
     )
     lines.append("  comm: conversions on the edges into and out of this node, every other node as planned")
     lines.append(f"why: {ex.reason()}")
-    return "\n".join(lines) + "\n"
+    return terminal_safe("\n".join(lines) + "\n")
 
 
 # -- diff -------------------------------------------------------------------------------------
@@ -558,4 +561,4 @@ def diff_text(d: Mapping[str, Any], *, limit: int = 20) -> str:
             "Collectives per step",
             *table(("kind", "a", "b"), [(k, v["a"], v["b"]) for k, v in d["collectives"].items()]),
         ]
-    return "\n".join(lines) + "\n"
+    return terminal_safe("\n".join(lines) + "\n")

@@ -56,7 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from cost_models.echo import clip
 from cost_models.errors import ClusterSpecError
+from cost_models.files import MAX_CLUSTER_FILE_BYTES, InputLimitError, parse_json, parse_yaml, read_limited
 from cost_models.hardware import DeviceSpec, _ReadOnlyMapping, get_device_spec
 
 if TYPE_CHECKING:  # clusters are read from plan files by the review commands, without torch or yaml
@@ -76,6 +78,11 @@ CLUSTER_KEYS: tuple[str, ...] = (
 """Keys of a cluster description (``to_dict`` output and cluster files)."""
 
 _REQUIRED_KEYS: tuple[str, ...] = ("num_nodes", "devices_per_node", "device")
+
+MAX_WORLD_SIZE = 1_048_576
+"""Most devices a cluster may have (2**20; the largest training clusters have ~10**5 GPUs). A
+bound, so that a typo like ``1000000000xH100`` is an error instead of hours of planning and an
+out-of-memory crash."""
 
 _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([a-z][a-z0-9_.-]*)$", re.IGNORECASE)
 
@@ -134,12 +141,12 @@ class LinkSpec:
     def __post_init__(self) -> None:
         _check_link_numbers(self.bw_GBps, self.latency_us, "link")
         if not isinstance(self.collectives, Mapping):
-            raise ClusterSpecError(f"link collectives must map a kind to a CollectiveFit, got {self.collectives!r}")
+            raise ClusterSpecError(f"link collectives must map a kind to a CollectiveFit, got {clip(self.collectives)}")
         for kind, fit in self.collectives.items():
             if kind not in COMM_KINDS:
-                raise ClusterSpecError(f"unknown collective kind {kind!r}; known kinds: {', '.join(COMM_KINDS)}")
+                raise ClusterSpecError(f"unknown collective kind {clip(kind)}; known kinds: {', '.join(COMM_KINDS)}")
             if not isinstance(fit, CollectiveFit):
-                raise ClusterSpecError(f"collective {kind!r} must be a CollectiveFit, got {fit!r}")
+                raise ClusterSpecError(f"collective {clip(kind)} must be a CollectiveFit, got {clip(fit)}")
         ordered = {kind: self.collectives[kind] for kind in COMM_KINDS if kind in self.collectives}
         object.__setattr__(self, "collectives", _ReadOnlyMapping(ordered))
 
@@ -185,10 +192,10 @@ class CalibrationInfo:
         for name in ("device", "device_model", "torch_version", "date"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
-                raise ClusterSpecError(f"calibration.{name} must be a non-empty string, got {value!r}")
+                raise ClusterSpecError(f"calibration.{name} must be a non-empty string, got {clip(value)}")
             object.__setattr__(self, name, str(value))  # plain str: torch.__version__ is a subclass
         if self.backend not in ("gloo", "nccl"):
-            raise ClusterSpecError(f"calibration.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+            raise ClusterSpecError(f"calibration.backend must be 'gloo' or 'nccl', got {clip(self.backend)}")
         _check_positive_int(self.world_size, "calibration.world_size")
         _check_positive_int(self.num_samples, "calibration.num_samples")
         object.__setattr__(
@@ -204,11 +211,11 @@ class CalibrationInfo:
         """Parse the ``calibration:`` section of a cluster profile."""
         names = [f.name for f in dataclasses.fields(cls)]
         if not isinstance(data, Mapping):
-            raise ClusterSpecError(f"calibration must be a mapping with keys {', '.join(names)}, got {data!r}")
+            raise ClusterSpecError(f"calibration must be a mapping with keys {', '.join(names)}, got {clip(data)}")
         unknown = [key for key in data if key not in names]
         missing = [key for key in names if key not in data]
         if unknown or missing:
-            what = f"unknown key {unknown[0]!r}" if unknown else f"missing key {', '.join(missing)}"
+            what = f"unknown key {clip(unknown[0])}" if unknown else f"missing key {', '.join(missing)}"
             raise ClusterSpecError(f"calibration: {what}; expected keys {', '.join(names)}; {_RECALIBRATE}")
         kwargs: dict[str, Any] = {key: data[key] for key in names}
         kwargs["date"] = str(kwargs["date"])  # YAML reads an unquoted ISO date as a datetime
@@ -241,10 +248,17 @@ class Cluster:
         fix = ": a cluster has at least 1 node of at least 1 device, e.g. '1x8xH100' or '4xCPU'"
         _check_positive_int(self.num_nodes, "num_nodes", fix)
         _check_positive_int(self.devices_per_node, "devices_per_node", fix)
+        if self.num_nodes * self.devices_per_node > MAX_WORLD_SIZE:
+            raise ClusterSpecError(
+                f"{clip(self.num_nodes)} nodes x {clip(self.devices_per_node)} devices is more than the "
+                f"{MAX_WORLD_SIZE:,} devices autoplan plans for: check the counts"
+            )
         if isinstance(self.device, str):
             object.__setattr__(self, "device", get_device_spec(self.device))
         elif not isinstance(self.device, DeviceSpec):
-            raise ClusterSpecError(f"device must be a DeviceSpec or a catalog name like 'H100', got {self.device!r}")
+            raise ClusterSpecError(
+                f"device must be a DeviceSpec or a catalog name like 'H100', got {clip(self.device)}"
+            )
         if self.mesh_shape is None:
             shape = self._default_mesh_shape()
         else:
@@ -267,13 +281,20 @@ class Cluster:
 
     def _checked_mesh_shape(self, mesh_shape: object) -> tuple[int, ...]:
         if isinstance(mesh_shape, (str, bytes)) or not isinstance(mesh_shape, Sequence):
-            raise ClusterSpecError(f"mesh_shape must be a list of positive integers like [2, 8], got {mesh_shape!r}")
+            raise ClusterSpecError(
+                f"mesh_shape must be a list of positive integers like [2, 8], got {clip(mesh_shape)}"
+            )
         shape = tuple(mesh_shape)
         if not shape or not all(isinstance(size, int) and not isinstance(size, bool) and size > 0 for size in shape):
             raise ClusterSpecError(
-                f"mesh_shape must be a non-empty list of positive integers like [2, 8], got {mesh_shape!r}"
+                f"mesh_shape must be a non-empty list of positive integers like [2, 8], got {clip(mesh_shape)}"
             )
         hierarchy = f"{self.num_nodes} nodes x {self.devices_per_node} devices"
+        if len(shape) > 64 or max(shape) > MAX_WORLD_SIZE:  # no product of huge numbers to compute
+            raise ClusterSpecError(
+                f"mesh_shape {clip(shape)} does not fit the {self.world_size} devices of the cluster ({hierarchy}); "
+                f"use a shape whose product is {self.world_size}"
+            )
         if math.prod(shape) != self.world_size:
             raise ClusterSpecError(
                 f"mesh_shape {shape} has {math.prod(shape)} devices but the cluster ({hierarchy}) "
@@ -293,34 +314,34 @@ class Cluster:
 
     def _checked_axis_names(self, names: object) -> tuple[str, ...]:
         if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
-            raise ClusterSpecError(f"mesh_axis_names must be a list of strings like ['dp', 'tp'], got {names!r}")
+            raise ClusterSpecError(f"mesh_axis_names must be a list of strings like ['dp', 'tp'], got {clip(names)}")
         checked = tuple(names)
         if not all(isinstance(name, str) and name for name in checked):
-            raise ClusterSpecError(f"mesh_axis_names must be non-empty strings, got {list(checked)!r}")
+            raise ClusterSpecError(f"mesh_axis_names must be non-empty strings, got {clip(list(checked))}")
         if len(checked) != len(self.mesh_shape):
             raise ClusterSpecError(
-                f"mesh_axis_names {list(checked)!r} has {len(checked)} names but mesh_shape "
+                f"mesh_axis_names {clip(list(checked))} has {len(checked)} names but mesh_shape "
                 f"{self.mesh_shape} has {len(self.mesh_shape)} axes; give one name per axis"
             )
         if len(set(checked)) != len(checked):
-            raise ClusterSpecError(f"mesh_axis_names {list(checked)!r} repeats a name; axis names must be unique")
+            raise ClusterSpecError(f"mesh_axis_names {clip(list(checked))} repeats a name; axis names must be unique")
         return checked
 
     def _checked_links(self, links: object) -> Mapping[str, LinkSpec]:
         if not isinstance(links, Mapping):
-            raise ClusterSpecError(f"links must map mesh axis names to LinkSpec, got {links!r}")
+            raise ClusterSpecError(f"links must map mesh axis names to LinkSpec, got {clip(links)}")
         for name, link in links.items():
             if name not in self.mesh_axis_names:
                 raise ClusterSpecError(
-                    f"links has an entry for axis {name!r} but the mesh axes are "
+                    f"links has an entry for axis {clip(name)} but the mesh axes are "
                     f"{', '.join(self.mesh_axis_names)}; rename it or {_RECALIBRATE} with this mesh"
                 )
             if not isinstance(link, LinkSpec):
-                raise ClusterSpecError(f"links[{name!r}] must be a LinkSpec, got {link!r}")
+                raise ClusterSpecError(f"links[{clip(name)}] must be a LinkSpec, got {clip(link)}")
             if link.spans_nodes != self.axis_spans_nodes(name):
                 where = "crosses nodes" if self.axis_spans_nodes(name) else "stays inside a node"
                 raise ClusterSpecError(
-                    f"links[{name!r}] has spans_nodes={link.spans_nodes} but axis {name!r} {where}; "
+                    f"links[{clip(name)}] has spans_nodes={link.spans_nodes} but axis {clip(name)} {where}; "
                     "set spans_nodes from Cluster.axis_spans_nodes"
                 )
         return _ReadOnlyMapping({name: links[name] for name in self.mesh_axis_names if name in links})
@@ -330,11 +351,11 @@ class Cluster:
         if info is None:
             return
         if not isinstance(info, CalibrationInfo):
-            raise ClusterSpecError(f"calibration must be a CalibrationInfo, got {info!r}")
+            raise ClusterSpecError(f"calibration must be a CalibrationInfo, got {clip(info)}")
         if info.device != self.device.name:
             raise ClusterSpecError(
-                f"links were calibrated on device {info.device!r} but the cluster's device is "
-                f"{self.device.name!r}; {_RECALIBRATE}"
+                f"links were calibrated on device {clip(info.device)} but the cluster's device is "
+                f"{clip(self.device.name)}; {_RECALIBRATE}"
             )
         if info.world_size != self.world_size:
             raise ClusterSpecError(
@@ -343,8 +364,8 @@ class Cluster:
             )
         if info.backend != self.backend:
             raise ClusterSpecError(
-                f"links were calibrated with backend {info.backend!r} but {self.device.name} runs "
-                f"{self.backend!r}; {_RECALIBRATE}"
+                f"links were calibrated with backend {clip(info.backend)} but {self.device.name} runs "
+                f"{clip(self.backend)}; {_RECALIBRATE}"
             )
 
     def _derived_axis_names(self) -> tuple[str, ...]:
@@ -378,10 +399,10 @@ class Cluster:
         """Non-negative index of a mesh axis given by index (negative allowed) or by name."""
         if isinstance(axis, str):
             if axis not in self.mesh_axis_names:
-                raise ClusterSpecError(f"no mesh axis named {axis!r}; axes are {', '.join(self.mesh_axis_names)}")
+                raise ClusterSpecError(f"no mesh axis named {clip(axis)}; axes are {', '.join(self.mesh_axis_names)}")
             return self.mesh_axis_names.index(axis)
         if isinstance(axis, bool) or not isinstance(axis, int):
-            raise ClusterSpecError(f"mesh axis must be an int or an axis name, got {axis!r}")
+            raise ClusterSpecError(f"mesh axis must be an int or an axis name, got {clip(axis)}")
         if not -self.mesh_ndim <= axis < self.mesh_ndim:
             raise ClusterSpecError(
                 f"mesh axis {axis} is out of range for the {self.mesh_ndim}-D mesh {self.mesh_shape}"
@@ -485,7 +506,7 @@ class Cluster:
                         else ""
                     )
                     raise ClusterSpecError(
-                        f"unknown key {key!r}: remove or rename it; known keys: {', '.join(CLUSTER_KEYS)}{hint}"
+                        f"unknown key {clip(key)}: remove or rename it; known keys: {', '.join(CLUSTER_KEYS)}{hint}"
                     )
             missing = [key for key in _REQUIRED_KEYS if key not in data]
             if missing:
@@ -520,31 +541,36 @@ class Cluster:
         where = f"cluster file '{path}'"
         suffix = path.suffix.lower()
         if suffix not in (".yaml", ".yml", ".json"):
-            raise ClusterSpecError(f"{where} has extension {suffix!r}; use .yaml, .yml or .json")
+            raise ClusterSpecError(f"{where} has extension {clip(suffix)}; use .yaml, .yml or .json")
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_limited(path, max_bytes=MAX_CLUSTER_FILE_BYTES).decode("utf-8")
         except FileNotFoundError:
             raise ClusterSpecError(f"{where} does not exist; check the path or use a preset like '2x8xH100'") from None
+        except InputLimitError as exc:
+            raise ClusterSpecError(f"{where} {exc}: it is not a cluster file; check the path") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ClusterSpecError(
                 f"{where} cannot be read ({_one_line(exc)}); check that it is a UTF-8 text file"
             ) from exc
-        if suffix == ".json":
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ClusterSpecError(
-                    f"{where} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix the syntax"
-                ) from exc
-        else:
-            import yaml
+        try:
+            if suffix == ".json":
+                try:
+                    data = parse_json(text)
+                except json.JSONDecodeError as exc:
+                    raise ClusterSpecError(
+                        f"{where} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); fix the syntax"
+                    ) from exc
+            else:
+                import yaml
 
-            try:
-                data = yaml.safe_load(text)
-            except yaml.YAMLError as exc:
-                raise ClusterSpecError(
-                    f"{where} is not valid YAML ({_yaml_error_summary(exc)}); fix the syntax"
-                ) from exc
+                try:
+                    data = parse_yaml(text)
+                except yaml.YAMLError as exc:
+                    raise ClusterSpecError(
+                        f"{where} is not valid YAML ({_yaml_error_summary(exc)}); fix the syntax"
+                    ) from exc
+        except InputLimitError as exc:
+            raise ClusterSpecError(f"{where} {exc}: a cluster file is a short mapping; see docs/errors.md") from None
         if data is None:
             raise ClusterSpecError(f"{where} is empty; expected a mapping with keys {', '.join(_REQUIRED_KEYS)}")
         cluster = cls.from_dict(data, where=where)
@@ -567,10 +593,15 @@ class Cluster:
         match = _PRESET_RE.match(spec.strip()) if isinstance(spec, str) else None
         if match is None:
             raise ClusterSpecError(
-                f"cluster preset {spec!r} is malformed: expected NODESxDEVICESxDEVICE like "
+                f"cluster preset {clip(spec)} is malformed: expected NODESxDEVICESxDEVICE like "
                 "'2x8xH100' or DEVICESxDEVICE like '4xCPU'"
             )
         num_nodes, devices_per_node, device = match.groups()
+        if len(num_nodes or "") + len(devices_per_node) > 12:  # int() of 5,000 digits is refused anyway
+            raise ClusterSpecError(
+                f"cluster preset {clip(spec)} has more than the {MAX_WORLD_SIZE:,} devices autoplan plans for: "
+                "check the counts"
+            )
         try:
             return cls(
                 num_nodes=int(num_nodes) if num_nodes is not None else 1,
@@ -580,7 +611,7 @@ class Cluster:
                 mesh_axis_names=None if mesh_axis_names is None else tuple(mesh_axis_names),
             )
         except ClusterSpecError as exc:
-            raise type(exc)(f"cluster preset {spec!r}: {exc}") from None
+            raise type(exc)(f"cluster preset {clip(spec)}: {exc}") from None
 
 
 # --- Calibration environment -------------------------------------------------------------------------
@@ -633,7 +664,7 @@ def check_calibration_matches(info: CalibrationInfo) -> None:
     model = current_device_model(info.backend)
     if model is not None and model != info.device_model:
         raise ClusterSpecError(
-            f"profile was calibrated on {info.device_model!r} ({info.backend}) but this machine has {model!r}; "
+            f"profile was calibrated on {clip(info.device_model)} ({info.backend}) but this machine has {clip(model)}; "
             f"{_RECALIBRATE}, or load it with check_versions=False"
         )
 
@@ -654,14 +685,14 @@ def _links_from_value(value: object, cluster: Cluster) -> dict[str, LinkSpec]:
     if not isinstance(value, Mapping):
         raise ClusterSpecError(
             f"links must map mesh axis names ({', '.join(cluster.mesh_axis_names)}) to "
-            f"{{bw_GBps, latency_us, collectives}}, got {value!r}"
+            f"{{bw_GBps, latency_us, collectives}}, got {clip(value)}"
         )
     links = {}
     for name, entry in value.items():
         where = f"links.{name}"
         if name not in cluster.mesh_axis_names:
             raise ClusterSpecError(
-                f"{where}: no mesh axis named {name!r}; the mesh axes are {', '.join(cluster.mesh_axis_names)}: "
+                f"{where}: no mesh axis named {clip(name)}; the mesh axes are {', '.join(cluster.mesh_axis_names)}: "
                 f"rename it or {_RECALIBRATE} with this mesh"
             )
         _check_section_keys(entry, _LINK_KEYS, where=where, required=("bw_GBps", "latency_us"))
@@ -672,7 +703,7 @@ def _links_from_value(value: object, cluster: Cluster) -> dict[str, LinkSpec]:
         for kind, fit in fits.items():
             if kind not in COMM_KINDS:
                 raise ClusterSpecError(
-                    f"{where}.collectives: unknown kind {kind!r}; known kinds: {', '.join(COMM_KINDS)}"
+                    f"{where}.collectives: unknown kind {clip(kind)}; known kinds: {', '.join(COMM_KINDS)}"
                 )
             _check_section_keys(fit, _FIT_KEYS, where=f"{where}.collectives.{kind}", required=_FIT_KEYS[:2])
             try:
@@ -693,10 +724,10 @@ def _links_from_value(value: object, cluster: Cluster) -> dict[str, LinkSpec]:
 
 def _check_section_keys(entry: object, keys: Sequence[str], *, where: str, required: Sequence[str]) -> None:
     if not isinstance(entry, Mapping):
-        raise ClusterSpecError(f"{where} must be a mapping with keys {', '.join(keys)}, got {entry!r}")
+        raise ClusterSpecError(f"{where} must be a mapping with keys {', '.join(keys)}, got {clip(entry)}")
     for key in entry:
         if key not in keys:
-            raise ClusterSpecError(f"{where}: unknown key {key!r}; known keys: {', '.join(keys)}")
+            raise ClusterSpecError(f"{where}: unknown key {clip(key)}; known keys: {', '.join(keys)}")
     missing = [key for key in required if key not in entry]
     if missing:
         raise ClusterSpecError(f"{where}: missing key {', '.join(missing)}")
@@ -705,14 +736,16 @@ def _check_section_keys(entry: object, keys: Sequence[str], *, where: str, requi
 def _check_link_numbers(bw_GBps: object, latency_us: object, what: str) -> None:
     if isinstance(bw_GBps, bool) or not isinstance(bw_GBps, (int, float)) or not 0 < bw_GBps < math.inf:
         raise ClusterSpecError(
-            f"{what} bw_GBps must be a positive finite number of GB/s, got {bw_GBps!r}; fix it or {_RECALIBRATE}"
+            f"{what} bw_GBps must be a positive finite number of GB/s, got {clip(bw_GBps)}; fix it or {_RECALIBRATE}"
         )
     _non_negative_float(latency_us, f"{what} latency_us")
 
 
 def _non_negative_float(value: object, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ClusterSpecError(f"{what} must be a non-negative finite number, got {value!r}; fix it or {_RECALIBRATE}")
+        raise ClusterSpecError(
+            f"{what} must be a non-negative finite number, got {clip(value)}; fix it or {_RECALIBRATE}"
+        )
     return float(value)
 
 
@@ -722,7 +755,7 @@ def _device_from_value(value: object, *, origin: str) -> DeviceSpec:
         return get_device_spec(value)
     if not isinstance(value, Mapping):
         raise ClusterSpecError(
-            f"device must be a catalog name like 'H100' or a mapping of DeviceSpec fields, got {value!r}"
+            f"device must be a catalog name like 'H100' or a mapping of DeviceSpec fields, got {clip(value)}"
         )
     if "overrides" in value:
         extra = [key for key in value if key not in ("name", "overrides")]
@@ -740,7 +773,7 @@ def _device_from_value(value: object, *, origin: str) -> DeviceSpec:
 
 def _check_positive_int(value: object, name: str, fix: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ClusterSpecError(f"{name} must be a positive integer, got {value!r}{fix}")
+        raise ClusterSpecError(f"{name} must be a positive integer, got {clip(value)}{fix}")
 
 
 def _one_line(exc: BaseException) -> str:

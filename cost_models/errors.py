@@ -4,14 +4,25 @@ They live at the bottom of the dependency chain (``cost_models`` <- ``passes`` <
 so every layer can raise them; ``autoplan.errors`` re-exports them as the public API.
 
 Every message names what failed, the values involved and what to change. The CLI prints the
-message on one line and exits with code 2.
+message on one line and exits with code 2. Values quoted from user input go through
+``cost_models.echo.clip`` (bounded length).
 """
 
 from __future__ import annotations
 
+from cost_models.echo import clip_message
+
 
 class PlanError(ValueError):
-    """Base class of every error autoplan raises for bad user input or an impossible request."""
+    """Base class of every error autoplan raises for bad user input or an impossible request.
+
+    A message longer than ``cost_models.echo.MAX_MESSAGE_CHARS`` is cut in the middle, so no input
+    (a huge value quoted from a file) makes an unbounded message."""
+
+    def __init__(self, *args: object) -> None:
+        if args and isinstance(args[0], str):
+            args = (clip_message(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class ClusterSpecError(PlanError):

@@ -21,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from cost_models.echo import clip
 from cost_models.errors import ClusterSpecError, UnknownDeviceError
 
 if TYPE_CHECKING:  # device specs are read from plan files by the review commands, without torch
@@ -113,21 +114,21 @@ class DeviceSpec:
     is not given; the wave term is then left out. Optional so older cluster files still load."""
 
     def __post_init__(self) -> None:
-        where = f"device {self.name!r}"
+        where = f"device {clip(self.name)}"
         if not isinstance(self.name, str) or not self.name.strip():
-            raise ClusterSpecError(f"device name must be a non-empty string, got {self.name!r}")
+            raise ClusterSpecError(f"device name must be a non-empty string, got {clip(self.name)}")
         if not isinstance(self.peak_flops, Mapping) or "float32" not in self.peak_flops:
             raise ClusterSpecError(
                 f"{where}: peak_flops must be a mapping with at least a 'float32' entry "
-                f"(FLOP/s per dtype name), got {self.peak_flops!r}"
+                f"(FLOP/s per dtype name), got {clip(self.peak_flops)}"
             )
         flops: dict[str, float] = {}
         for key, value in self.peak_flops.items():
             if key not in PEAK_FLOPS_KEYS:
                 raise ClusterSpecError(
-                    f"{where}: unknown peak_flops dtype {key!r}; use one of {', '.join(PEAK_FLOPS_KEYS)}"
+                    f"{where}: unknown peak_flops dtype {clip(key)}; use one of {', '.join(PEAK_FLOPS_KEYS)}"
                 )
-            flops[key] = _positive_float(value, f"{where}: peak_flops[{key!r}]")
+            flops[key] = _positive_float(value, f"{where}: peak_flops[{clip(key)}]")
         object.__setattr__(self, "peak_flops", _ReadOnlyMapping(flops))
         for name in (
             "mem_bw_GBps",
@@ -143,7 +144,7 @@ class DeviceSpec:
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ClusterSpecError(
                 f"{where}: mem_capacity_bytes must be a positive integer number of bytes, "
-                f"got {self.mem_capacity_bytes!r}"
+                f"got {clip(self.mem_capacity_bytes)}"
             )
         object.__setattr__(self, "mem_capacity_bytes", capacity)
         num_sms: object = self.num_sms
@@ -151,15 +152,15 @@ class DeviceSpec:
             num_sms = int(num_sms)
         if num_sms is not None and (not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0):
             raise ClusterSpecError(
-                f"{where}: num_sms must be a positive integer (SMs per GPU) or null, got {self.num_sms!r}"
+                f"{where}: num_sms must be a positive integer (SMs per GPU) or null, got {clip(self.num_sms)}"
             )
         object.__setattr__(self, "num_sms", num_sms)
         if isinstance(self.sources, str) or not isinstance(self.sources, (tuple, list)):
-            raise ClusterSpecError(f"{where}: sources must be a list of citations, got {self.sources!r}")
+            raise ClusterSpecError(f"{where}: sources must be a list of citations, got {clip(self.sources)}")
         sources = tuple(self.sources)
         if not sources or not all(isinstance(s, str) and s.strip() for s in sources):
             raise ClusterSpecError(
-                f"{where}: sources must cite at least one datasheet or state the assumption, got {self.sources!r}"
+                f"{where}: sources must cite at least one datasheet or state the assumption, got {clip(self.sources)}"
             )
         object.__setattr__(self, "sources", sources)
 
@@ -199,7 +200,7 @@ class DeviceSpec:
         ``origin`` (the file the numbers came from; defaults to ``where``).
         """
         if not isinstance(data, Mapping):
-            raise ClusterSpecError(f"{where}: expected a mapping of DeviceSpec fields, got {data!r}")
+            raise ClusterSpecError(f"{where}: expected a mapping of DeviceSpec fields, got {clip(data)}")
         _check_keys(data, where=where)
         required = [name for name in DEVICE_SPEC_FIELDS if name != "sources" and name not in _OPTIONAL_FIELDS]
         missing = [name for name in required if name not in data]
@@ -226,14 +227,16 @@ class DeviceSpec:
         overridden. ``where`` prefixes every error message.
         """
         if not isinstance(overrides, Mapping):
-            raise ClusterSpecError(f"{where}: expected a mapping of DeviceSpec fields to override, got {overrides!r}")
+            raise ClusterSpecError(
+                f"{where}: expected a mapping of DeviceSpec fields to override, got {clip(overrides)}"
+            )
         _check_keys(overrides, where=where)
         kwargs = self.to_dict()
         for key, value in overrides.items():
             if key == "peak_flops":
                 if not isinstance(value, Mapping):
                     raise ClusterSpecError(
-                        f"{where}: peak_flops must be a mapping of dtype name to FLOP/s, got {value!r}"
+                        f"{where}: peak_flops must be a mapping of dtype name to FLOP/s, got {clip(value)}"
                     )
                 kwargs["peak_flops"] = {**kwargs["peak_flops"], **value}
             else:
@@ -255,7 +258,9 @@ _OPTIONAL_FIELDS: frozenset[str] = frozenset(f.name for f in fields(DeviceSpec) 
 def _check_keys(data: Mapping[str, Any], *, where: str) -> None:
     for key in data:
         if key not in DEVICE_SPEC_FIELDS:
-            raise ClusterSpecError(f"{where}: unknown device key {key!r}; known keys: {', '.join(DEVICE_SPEC_FIELDS)}")
+            raise ClusterSpecError(
+                f"{where}: unknown device key {clip(key)}; known keys: {', '.join(DEVICE_SPEC_FIELDS)}"
+            )
 
 
 def _positive_float(value: object, what: str) -> float:
@@ -263,7 +268,7 @@ def _positive_float(value: object, what: str) -> float:
         hint = ""
         if isinstance(value, str):
             hint = " (YAML reads '80e9' as a string: write 80000000000 or 8.0e+10)"
-        raise ClusterSpecError(f"{what} must be a positive number, got {value!r}{hint}")
+        raise ClusterSpecError(f"{what} must be a positive number, got {clip(value)}{hint}")
     return float(value)
 
 
@@ -483,7 +488,7 @@ def get_device_spec(name: str) -> DeviceSpec:
     canonical = _LOOKUP.get(str(name).strip().lower())
     if canonical is None:
         raise UnknownDeviceError(
-            f"unknown device {name!r}; known devices: {', '.join(DEVICE_CATALOG)}; "
+            f"unknown device {clip(name)}; known devices: {', '.join(DEVICE_CATALOG)}; "
             "add an entry to cost_models/hardware.py or pass a DeviceSpec"
         )
     return DEVICE_CATALOG[canonical]
