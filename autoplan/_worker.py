@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             if rank == 0:  # written whole or not at all (an existing file stays until the new one is complete)
                 buffer = io.BytesIO()
                 torch.save({n: t.detach().cpu() for n, t in final.items()}, buffer)
-                atomic_write(args.save_final, buffer.getvalue(), what="trained parameters", public=True)
+                atomic_write(args.save_final, buffer.getvalue(), what="trained parameters")
     except PlanError as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)

@@ -743,7 +743,7 @@ def export_onnx(plan: Plan, traced: TracedProgram, path: str | os.PathLike[str])
     """Build, check and write (atomically) the annotated model; returns it."""
     model = to_onnx(plan, traced)
     check_model(model)
-    atomic_write(path, model.SerializeToString(), what="ONNX model", public=True)
+    atomic_write(path, model.SerializeToString(), what="ONNX model")
     return model
 
 

@@ -803,7 +803,7 @@ def render_html(plan: Plan) -> str:
 def write_report(plan: Plan, path: str | os.PathLike[str]) -> None:
     """Write :func:`render_html` of ``plan`` to ``path`` atomically (a temporary file renamed
     into place); raises :class:`PlanFileError` naming the file when it cannot be written."""
-    atomic_write(path, render_html(plan), what="report", public=True)
+    atomic_write(path, render_html(plan), what="report")
 
 
 def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type

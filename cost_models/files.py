@@ -169,12 +169,11 @@ def atomic_write(
     data: str | bytes,
     *,
     what: str,
-    public: bool = False,
     error: type[PlanError] | None = PlanFileError,
 ) -> None:
-    """Write ``data`` to ``path`` atomically. ``what`` names the file in errors ("plan file");
-    ``public``: a new file is readable by others (0644; ``mkstemp`` makes files private). A file
-    already at ``path`` keeps its permission bits (see the module docstring)."""
+    """Write ``data`` to ``path`` atomically. ``what`` names the file in errors ("plan file"). A
+    file already at ``path`` keeps its permission bits (see the module docstring); a new file gets
+    the bits ``open()`` would give it (0666 less the umask; ``mkstemp`` alone makes files 0600)."""
     path = Path(path)
     if path.is_symlink():
         path = Path(os.path.realpath(path))  # keep the link, replace what it points to
@@ -205,8 +204,8 @@ def atomic_write(
             os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, stat.S_IMODE(mode))
-        elif public:
-            os.chmod(tmp, 0o644)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -216,6 +215,13 @@ def atomic_write(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it: there is no getter before Python 3.13's os.umask)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_in_place(path: Path, data: str | bytes, *, what: str, error: type[PlanError] | None) -> None:

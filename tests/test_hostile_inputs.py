@@ -198,12 +198,16 @@ def test_writing_through_a_symbolic_link_keeps_the_link_and_the_target_mode(tmp_
     assert stat.S_IMODE(target.stat().st_mode) == 0o604
 
 
-def test_a_new_file_keeps_the_writers_default_mode(tmp_path):
-    atomic_write(tmp_path / "plan.json", "{}", what="plan file")
-    atomic_write(tmp_path / "report.html", "<html>", what="report", public=True)
+def test_a_new_file_gets_the_mode_open_would_give_it(tmp_path):
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "plan.json", "{}", what="plan file")
+        atomic_write(tmp_path / "report.html", "<html>", what="report")
+    finally:
+        os.umask(old)
 
-    assert stat.S_IMODE((tmp_path / "plan.json").stat().st_mode) == 0o600
-    assert stat.S_IMODE((tmp_path / "report.html").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "plan.json").stat().st_mode) == 0o640  # not mkstemp's 0600
+    assert stat.S_IMODE((tmp_path / "report.html").stat().st_mode) == 0o640
 
 
 def test_a_fifo_out_is_written_into_not_replaced(tmp_path):
