@@ -28,6 +28,7 @@ from autoplan import checkpoint, console
 from autoplan.api import parallelize
 from autoplan.loader import build_workload
 from autoplan.plan import Plan
+from autoplan.teardown import destroy_process_groups
 from autoplan.workload import Workload
 from cost_models.errors import PlanError
 from cost_models.files import atomic_write
@@ -180,12 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
+        destroy_process_groups(failed=True)
         return 2
     # every rank past its last collective (and the pipeline's last sends) before the groups go:
-    # a rank tearing gloo down while its peer still communicates aborts the job
-    dist.barrier()
-    dist.destroy_process_group()
+    # a rank tearing gloo down while its peer still communicates aborts the job. The groups are
+    # released here, not at interpreter exit (autoplan/teardown.py)
+    destroy_process_groups()
     return 0
 
 

@@ -235,6 +235,7 @@ def _rank_main(args: argparse.Namespace, cluster: Cluster, sweep: Sweep) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autoplan.teardown import destroy_process_groups
     from cost_models.calibration import CalibrationError
     from cost_models.cluster import current_device_model
 
@@ -257,8 +258,10 @@ def _rank_main(args: argparse.Namespace, cluster: Cluster, sweep: Sweep) -> int:
         mesh = init_device_mesh(device_type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
         samples = measure(mesh, cluster, sweep)
         rank = dist.get_rank()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        destroy_process_groups(failed=True)
+        raise
+    destroy_process_groups()  # released now, not during interpreter exit (autoplan/teardown.py)
     if rank != 0:
         return 0
     device_model = current_device_model(backend) or "unknown"

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import autoplan
+from autoplan.teardown import destroy_process_groups
 
 
 def build() -> LlamaForCausalLM:
@@ -69,7 +70,7 @@ def main() -> None:
         ref_opt.zero_grad()
         if rank == 0:
             print(f"step {step + 1}: loss {loss.item():.6f}  single-device {ref_loss.item():.6f}")
-    dist.destroy_process_group()
+    destroy_process_groups()  # barrier, destroy, and join gloo's threads now (autoplan/teardown.py)
 
 
 if __name__ == "__main__":
