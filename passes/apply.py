@@ -33,10 +33,11 @@ from torch.fx.node import Argument
 from torch.utils import _pytree as pytree
 
 from cost_models.comm import TransitionStep, is_coalescable, plan_transition
+from cost_models.errors import PlanError
 from passes import runtime
 from passes.placement import Spec, replicated, spec_str
 from passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
-from passes.trace import TracedProgram, param_node_name
+from passes.trace import TracedProgram, param_node_name, writes_an_argument
 
 OUTPUT = "<output>"
 
@@ -106,7 +107,55 @@ def edge_redistributions(
             steps = plan_transition(src, dst)
             bucket = f"grad:{spec_str(src)}->{spec_str(dst)}" if is_coalescable(steps) else None
             out.append(Redistribution(ref, pnode, -1, src, dst, steps, bucket))
+    check_no_converted_writes(gm, out)
     return out
+
+
+def _written_tensor_args(node: fx.Node) -> list[int]:
+    """Indices (in :func:`tensor_args` order) of the arguments ``node`` writes into."""
+    assert isinstance(node.target, torch._ops.OpOverload)
+    written = {k for k, a in enumerate(node.target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+    out, i = [], 0
+    for k, arg in enumerate(node.args):
+        for leaf in pytree.tree_leaves(arg):
+            if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+                if k in written:
+                    out.append(i)
+                i += 1
+    return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    """``node`` returns a view of its first argument (``slice``, ``view``, ``t``, ...)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    returns = target._schema.returns
+    return len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def check_no_converted_writes(gm: fx.GraphModule, redistributions: list[Redistribution]) -> None:
+    """Refuse a plan that converts a tensor an op writes into (``copy_``, ``mul_``, ...), or the
+    input of a view chain it writes through: a conversion makes a new tensor, the write would land
+    in it and be lost while later readers see the unwritten original."""
+    converted = {(r.consumer, r.arg_index): r for r in redistributions}
+    for node in gm.graph.nodes:
+        if not writes_an_argument(node):
+            continue
+        for i in _written_tensor_args(node):
+            consumer, index, arg = node, i, tensor_args(node)[i]
+            while True:
+                r = converted.get((consumer.name, index))
+                if r is not None:
+                    raise PlanError(
+                        f"{node.name} ({node.target}) writes into {arg.name}, but the plan feeds {consumer.name} a "
+                        f"converted copy of {r.producer} ({spec_str(r.src)} -> {spec_str(r.dst)}): the write would "
+                        "be lost; re-plan the model with this autoplan (its trace makes in-place writes functional), "
+                        "or write out of place in the model (torch.cat instead of copy_ into slices of a buffer)"
+                    )
+                if not _is_view(arg):
+                    break
+                consumer, index, arg = arg, 0, tensor_args(arg)[0]
 
 
 _STEP_FN: dict[str, Callable[..., Any]] = {

@@ -180,7 +180,50 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
     finally:
         if captured.getvalue():
             log.debug("torch.export said:\n%s", captured.getvalue())
-    return ep.module()
+    if not any(writes_an_argument(n) for n in ep.graph.nodes):
+        return ep.module()  # already functional: the graph is left exactly as exported
+    with _quiet_torch_logs(), attention_as_single_op():
+        ep = ep.run_decompositions({})  # functionalize only (an empty decomposition table)
+    module = ep.module()
+    _differentiable_copies(module)
+    return module
+
+
+def writes_an_argument(node: fx.Node) -> bool:
+    """``node`` is an op that writes into one of its arguments (``copy_``, ``mul_``,
+    ``index_put_``, ``out=`` variants: an argument whose schema alias is ``(a!)``)."""
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+    )
+
+
+def _differentiable_copies(gm: fx.GraphModule) -> None:
+    """Replace functionalization's ``aten.copy(dst, src)`` (the value ``dst`` holds after
+    ``dst.copy_(src)``: ``src`` cast to ``dst``'s dtype and broadcast to its shape) by those two
+    ops: ``aten.copy`` has no derivative, ``_to_copy`` and ``expand`` do."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy.default:
+            continue
+        dst, src = node.args[0], node.args[1]
+        assert isinstance(dst, fx.Node) and isinstance(src, fx.Node)
+        dst_val, src_val = dst.meta["val"], src.meta["val"]
+        meta = {k: v for k, v in node.meta.items() if k != "val"}  # module stack and source, for _mark_modules
+        value = src
+        with graph.inserting_before(node):
+            if src_val.dtype != dst_val.dtype:
+                value = graph.call_function(torch.ops.aten._to_copy.default, (value,), {"dtype": dst_val.dtype})
+                value.meta = dict(meta)
+            if tuple(src_val.shape) != tuple(dst_val.shape):
+                value = graph.call_function(torch.ops.aten.expand.default, (value, list(dst_val.shape)))
+                value.meta = dict(meta)
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
 
 
 def _distinct(args: tuple[Any, ...]) -> tuple[Any, ...]:

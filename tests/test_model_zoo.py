@@ -59,9 +59,6 @@ KNOWN_BUGS = {
     "swin": "native_layer_norm_backward's meta kernel gives grad_input the strides of a transposed grad_out, the CPU "
     "kernel contiguous ones: the meta trace differs (PlanMismatchError), and planned on CPU, DTensor's meta-based "
     "propagation then refuses the view of that gradient (RuntimeError: Cannot view a tensor ...)",
-    "deepseek_v3": "the attention key is assembled in place (key = kv.new_empty(...); key[..., :d].copy_(k_nope); "
-    "key[..., d:].copy_(k_rot)): the plan converts copy_'s mutated argument (R -> S(0)), the writes land in "
-    "temporaries and attention reads the uninitialized buffer (loss wrong or NaN from step 0)",
 }
 """Zoo models that fail today, with the bug (tests/test_model_zoo.py is where they were found).
 Their tests are strict xfails: fixing the bug makes them XPASS, which fails until the entry goes."""
