@@ -54,12 +54,14 @@ def destroy_process_groups(*, failed: bool = False) -> None:
     dist.destroy_process_group()
     # What still holds a group (module docstring) is found by type: torch's caches have no public
     # clear-all, and the default arguments are bound wherever a module was imported late.
+    # (type(), not isinstance: some torch objects warn when their __class__ is read)
     for obj in gc.get_objects():
-        if isinstance(obj, DeviceMesh):
+        kind = type(obj)
+        if issubclass(kind, DeviceMesh):
             registry = getattr(obj, "_pg_registry", None)
             if isinstance(registry, dict):
                 registry.clear()
-        elif isinstance(obj, types.FunctionType):
+        elif kind is types.FunctionType:
             if obj.__defaults__ and any(isinstance(d, ProcessGroup) for d in obj.__defaults__):
                 obj.__defaults__ = tuple(None if isinstance(d, ProcessGroup) else d for d in obj.__defaults__)
             if obj.__kwdefaults__ and any(isinstance(d, ProcessGroup) for d in obj.__kwdefaults__.values()):
