@@ -38,13 +38,16 @@ from typing import Any, Literal
 
 import torch
 
+from cost_models.echo import clip
 from cost_models.errors import ProfileError
-from cost_models.files import atomic_write
+from cost_models.files import InputLimitError, MiB, atomic_write, parse_json, read_limited
 
 log = logging.getLogger(__name__)
 
 FORMAT = "autoplan-profile-db"
 VERSION = 3
+MAX_PROFILE_FILE_BYTES = 256 * MiB
+"""Largest profile database read (a Llama-3-70B profile holds a few hundred keys of ~300 bytes)."""
 """Schema version of the file; bump when keys or the layout change meaning. Version 3: CPU op
 times are taken interleaved, in program order (``passes.profile.INTERLEAVE_KEYS``); version 2
 timed each key in a tight loop with inputs spilled from the cache
@@ -237,7 +240,9 @@ class ProfileDB:
         path = Path(path)
         where = f"profile database {path}"
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_limited(path, max_bytes=MAX_PROFILE_FILE_BYTES).decode("utf-8")
+        except InputLimitError as exc:
+            raise ProfileError(f"{where} {exc}: pass the file `autoplan profile` wrote (--profile-db)") from None
         except FileNotFoundError:
             raise ProfileError(
                 f"{where} does not exist: create it with `autoplan profile ... --profile-db {path}` or check the path"
@@ -252,24 +257,22 @@ class ProfileDB:
                 f"cannot read {where}: {exc.strerror}; fix its permissions or pass --profile-db with another file"
             ) from exc
         try:
-            data = json.loads(text)
+            data = parse_json(text)
+        except InputLimitError as exc:
+            raise ProfileError(f"{where} {exc}: delete it to re-profile or pass --profile-db") from None
         except json.JSONDecodeError as exc:
             raise ProfileError(
                 f"{where} is not valid JSON ({exc.msg} at line {exc.lineno}): delete it to re-profile or pass --profile-db"
             ) from exc
-        except ValueError as exc:  # an integer of more than 4300 digits
-            raise ProfileError(
-                f"{where} is not valid JSON ({str(exc)[:120]}): delete it to re-profile or pass --profile-db"
-            ) from exc
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            found = clip(data.get("format")) if isinstance(data, dict) else type(data).__name__
             raise ProfileError(
-                f"{where} is not an autoplan profile database (format {found!r}, expected {FORMAT!r}): "
+                f"{where} is not an autoplan profile database (format {found}, expected {FORMAT!r}): "
                 "pass the file `autoplan profile` wrote"
             )
         if data.get("version") != VERSION:
             raise ProfileError(
-                f"{where} has schema version {data.get('version')!r}, this autoplan reads version {VERSION}: "
+                f"{where} has schema version {clip(data.get('version'))}, this autoplan reads version {VERSION}: "
                 "delete it and re-run `autoplan profile`"
             )
         device = DeviceKey.from_dict(data.get("device"), where=where)

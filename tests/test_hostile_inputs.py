@@ -587,3 +587,35 @@ def test_the_html_report_escapes_plan_strings(mlp_plan, tmp_path, capfd):
     html = (tmp_path / "r.html").read_text()
     assert "<script>alert(1)</script>" not in html
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+# --- profile database: read within bounds like the plan and cluster files ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("[" * 200_000 + "]" * 200_000, "nests too deeply"),
+        ('{"format": "autoplan-profile-db", "version": ' + "9" * 5000 + "}", "more than 4,300 digits"),
+        ('{"format": "' + "x" * 100_000 + '"}', "is not an autoplan profile database"),
+    ],
+    ids=["deep", "huge_integer", "huge_string"],
+)
+def test_hostile_profile_database_is_one_bounded_profile_error(tmp_path, content, message):
+    from cost_models.errors import ProfileError
+    from cost_models.profile_db import ProfileDB
+
+    path = tmp_path / "p.json"
+    path.write_text(content)
+    with pytest.raises(ProfileError, match=message) as info:
+        ProfileDB.load(path)
+    assert len(str(info.value)) < 500 and "\n" not in str(info.value)
+
+
+def test_dev_zero_as_profile_database_is_refused_by_size(monkeypatch):
+    from cost_models import profile_db
+    from cost_models.errors import ProfileError
+
+    monkeypatch.setattr(profile_db, "MAX_PROFILE_FILE_BYTES", 4 * 1024**2)  # the cap, not 256 MiB of zeros
+    with pytest.raises(ProfileError, match="larger than the 4 MiB autoplan reads"):
+        profile_db.ProfileDB.load("/dev/zero")
