@@ -25,7 +25,9 @@ from passes.trace import trace_training_step
 
 
 class _UninitializedBuffers(nn.Module):
-    """``new_empty`` and ``new_empty_strided`` of an activation, then filled (DeepSeek's pattern)."""
+    """``new_empty`` and ``new_empty_strided`` of an activation, then filled. (A buffer filled by
+    ``copy_`` from a whole tensor, DeepSeek's forward pattern, is traced away since forward writes
+    are functionalized; ``fill_`` keeps the factory in the graph, as autograd's backward does.)"""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,11 +35,9 @@ class _UninitializedBuffers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        a = h.new_empty(h.shape)
-        a.copy_(h * 2)
-        b = h.new_empty_strided(h.shape, h.stride())
-        b.copy_(a + 1)
-        return b
+        a = h.new_empty(h.shape).fill_(2.0)
+        b = h.new_empty_strided(h.shape, h.stride()).fill_(1.0)
+        return h * a + b
 
 
 def _dispatcher_output(node: fx.Node, input_specs: tuple, mesh: object) -> tuple:  # noqa: ANN001
