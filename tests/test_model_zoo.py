@@ -58,7 +58,8 @@ KNOWN_BUGS = {
     "of shape (C,) on meta, (0,) on CPU; the plan is refused with PlanMismatchError",
     "swin": "native_layer_norm_backward's meta kernel gives grad_input the strides of a transposed grad_out, the CPU "
     "kernel contiguous ones: the meta trace differs (PlanMismatchError), and planned on CPU, DTensor's meta-based "
-    "propagation then refuses the view of that gradient (RuntimeError: Cannot view a tensor ...)",
+    "propagation then refuses the view of that gradient (RuntimeError: Cannot view a tensor ...); its backward also "
+    "writes in place (as_strided_ into a layer-norm mean), which the plan would convert: refused with PlanError",
 }
 """Zoo models that fail today, with the bug (tests/test_model_zoo.py is where they were found).
 Their tests are strict xfails: fixing the bug makes them XPASS, which fails until the entry goes."""
