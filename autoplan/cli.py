@@ -485,7 +485,7 @@ def _add_export_onnx_parser(subparsers: Any) -> None:  # argparse._SubParsersAct
     p.add_argument(
         "--model", metavar="FILE.py:FUNCTION", help="the model the plan is for (default: the plan's workload)"
     )
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=_seed, default=0, help=argparse.SUPPRESS)
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
     p.set_defaults(func=_cmd_export_onnx)
 

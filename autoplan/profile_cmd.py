@@ -46,7 +46,7 @@ _OP_WIDTH = 96
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's private subparsers type
     """Register ``autoplan profile`` on the CLI's subparsers."""
-    from autoplan.cli import _non_negative_int, _positive_int
+    from autoplan.cli import _non_negative_int, _positive_int, _seed
 
     p = subparsers.add_parser("profile", help="time the ops of a workload on this machine's device")
     p.add_argument("target", help="FILE.py:FUNCTION returning autoplan.Workload")
@@ -61,7 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's privat
     p.add_argument(
         "--warmup", type=_non_negative_int, default=3, help="untimed calls per op before timing (default: 3)"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="random seed of the model's weights (0..2**63-1)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, print only the final line")
     p.add_argument(
         "--concurrent",

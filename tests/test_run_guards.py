@@ -125,6 +125,14 @@ def test_malformed_seed_is_an_argument_error(seed, tmp_path, capfd):
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("command", ["profile", "export-onnx"])
+def test_every_command_taking_a_seed_checks_it(command, tmp_path, capfd):
+    args = [MLP, "--cluster", "2xCPU"] if command == "profile" else ["unused.json", "-o", tmp_path / "m.onnx"]
+    result = cli_main(capfd, command, *args, "--seed", "1e23")
+
+    assert_bad_input(result, "argument --seed", "an integer seed in 0..2**63-1")
+
+
 @pytest.mark.parametrize("port", ["0", "70000", "-5", "http"])
 def test_malformed_master_port_is_an_argument_error(port, capfd):
     result = cli_main(capfd, "run", MLP, "--plan", "unused.json", "--master-port", port)
