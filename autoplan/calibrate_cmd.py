@@ -28,8 +28,6 @@ import dataclasses
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +35,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoplan import console
+from autoplan import console, launch
 
 if TYPE_CHECKING:  # torch and the cost models load when the command runs, not when the CLI starts
     import torch
@@ -133,12 +131,6 @@ def _launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> int:
     """Run this command on ``cluster.world_size`` local ranks under torchrun; return its exit code."""
     verbose = bool(getattr(args, "verbose", False))
@@ -153,7 +145,7 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(args.master_port or _free_port()),
+        str(launch.master_port(args.master_port)),
         "-m",
         "autoplan.cli",
         *(["--verbose"] if verbose else []),
@@ -185,7 +177,7 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
             file=console.stdout(),
             flush=True,
         )
-    return subprocess.call(cmd, env=env, stdout=console.subprocess_stdout())
+    return launch.call_torchrun(cmd, env=env, stdout=console.subprocess_stdout())
 
 
 def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, out: Path, quiet: bool) -> None:

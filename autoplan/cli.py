@@ -24,14 +24,13 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoplan import bench, calibrate_cmd, console, profile_cmd, report
+from autoplan import bench, calibrate_cmd, console, launch, profile_cmd, report
 from cost_models.memory import OPTIMIZERS
 
 EXIT_BAD_INPUT = 2
@@ -295,53 +294,6 @@ def _probe_writable(option: str, shown: str, path: Path, *, is_dir: bool) -> Non
     os.unlink(probe)
 
 
-def _master_port(requested: int | None) -> int:
-    """The torchrun port: ``requested`` if free (PlanError naming it if not), else
-    :data:`DEFAULT_MASTER_PORT` if free, else one the OS picks."""
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store binds it
-            try:
-                s.bind(("", port))
-            except OSError:
-                return False
-            return True
-
-    if requested is not None:
-        if not free(requested):
-            from cost_models.errors import PlanError
-
-            raise PlanError(
-                f"--master-port {requested} is in use (another run or program listens on it): "
-                "give a free port, or drop --master-port to pick one"
-            )
-        return requested
-    if free(DEFAULT_MASTER_PORT):
-        return DEFAULT_MASTER_PORT
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _call_torchrun(cmd: list[str], **kwargs: Any) -> int:
-    """Run torchrun and return its exit code. Interrupted (Ctrl-C, SIGTERM), this process
-    asks torchrun to stop its ranks (SIGTERM) and waits for it, rather than leaving them running."""
-    import signal
-
-    with subprocess.Popen(cmd, **kwargs) as proc:
-        try:
-            return proc.wait()
-        except BaseException:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            raise
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.api import check_plan_fits
     from autoplan.loader import build_workload
@@ -368,7 +320,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _check_writable("--checkpoint-dir", Path(args.checkpoint_dir), is_dir=True)
     if args.save_final is not None:
         _check_writable("--save-final", Path(args.save_final), is_dir=False)
-    master_port = _master_port(args.master_port)
+    master_port = launch.master_port(args.master_port, default=DEFAULT_MASTER_PORT)
     if args.plan is None and args.global_batch_size is not None:  # the ranks train on the workload's batch
         inputs = build_workload(args.target, device="meta", seed=args.seed).example_inputs
         batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
@@ -462,7 +414,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     try:
-        rc = _call_torchrun(cmd, env=env, stdout=console.subprocess_stdout())
+        rc = launch.call_torchrun(cmd, env=env, stdout=console.subprocess_stdout())
     finally:
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)

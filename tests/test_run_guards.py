@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import cli
+from autoplan import cli, launch
 from autoplan.loader import TargetError, build_workload
 from cost_models.errors import ProfileError
 from cost_models.profile_db import MAX_OP_TIME_S, DeviceKey, ProfileDB
@@ -159,6 +159,15 @@ def test_busy_master_port_is_named_before_any_rank_starts(listening_port, tmp_pa
     assert result[1] == ""  # nothing planned, no rank started
 
 
+def test_busy_master_port_of_calibrate_is_named_before_any_rank_starts(listening_port, tmp_path, capfd):
+    result = cli_main(
+        capfd, "calibrate", "--cluster", "2xCPU", "--out", tmp_path / "c.yaml", "--master-port", listening_port
+    )
+
+    assert_bad_input(result, f"--master-port {listening_port} is in use", "give a free port")
+    assert not (tmp_path / "c.yaml").exists()
+
+
 def test_busy_default_master_port_is_replaced_by_a_free_one():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         try:
@@ -166,7 +175,7 @@ def test_busy_default_master_port_is_replaced_by_a_free_one():
             held.listen()
         except OSError:
             pass  # something else holds it already: busy either way
-        port = cli._master_port(None)
+        port = launch.master_port(None, default=cli.DEFAULT_MASTER_PORT)
 
         assert port != cli.DEFAULT_MASTER_PORT
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:

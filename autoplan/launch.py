@@ -1,0 +1,58 @@
+"""Launching local ranks through torchrun (``autoplan run``, ``autoplan calibrate``): the port of
+its rendezvous store and the wait for it."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+from typing import Any
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torchrun's store binds it
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that the OS reports free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def master_port(requested: int | None, *, default: int | None = None) -> int:
+    """The torchrun port: ``requested`` if free (PlanError naming it if not), else ``default``
+    if given and free, else one the OS picks."""
+    if requested is not None:
+        if not _is_free(requested):
+            from cost_models.errors import PlanError
+
+            raise PlanError(
+                f"--master-port {requested} is in use (another run or program listens on it): "
+                "give a free port, or drop --master-port to pick one"
+            )
+        return requested
+    if default is not None and _is_free(default):
+        return default
+    return free_port()
+
+
+def call_torchrun(cmd: list[str], **kwargs: Any) -> int:
+    """Run torchrun and return its exit code. Interrupted (Ctrl-C, SIGTERM), this process
+    asks torchrun to stop its ranks (SIGTERM) and waits for it, rather than leaving them running."""
+    with subprocess.Popen(cmd, **kwargs) as proc:
+        try:
+            return proc.wait()
+        except BaseException:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
