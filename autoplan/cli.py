@@ -50,7 +50,9 @@ def _number(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool])
     """An argparse ``type=`` that converts with ``convert`` and accepts values where ``ok``."""
 
     def parse(text: str) -> Any:
-        shown = text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+        from cost_models.echo import clip_text
+
+        shown = clip_text(text, 40)
         try:
             value = convert(text)
         except ValueError:
