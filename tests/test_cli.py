@@ -24,9 +24,11 @@ MODELS = Path(__file__).resolve().with_name("cli_models.py")
 CLI_TIMEOUT_S = 180
 
 
-def run_cli(cwd: Path, *args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-    """``python -m autoplan.cli ARGS`` in ``cwd`` against this checkout."""
-    env = dict(os.environ)
+def run_cli(
+    cwd: Path, *args: str, timeout_s: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m autoplan.cli ARGS`` in ``cwd`` against this checkout (``env``: extra variables)."""
+    env = {**os.environ, **(env or {})}
     env["TRANSFORMERS_VERBOSITY"] = "error"
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return subprocess.run(

@@ -32,7 +32,6 @@ import pytest
 import torch
 
 import autoplan
-from autoplan.cli import main
 from cost_models.cluster import MAX_WORLD_SIZE
 from cost_models.echo import MAX_MESSAGE_CHARS, terminal_safe
 from cost_models.files import (
@@ -43,33 +42,22 @@ from cost_models.files import (
     read_limited,
     refuse_overwriting_inputs,
 )
+from tests.test_bad_inputs import assert_bad_input as assert_one_error_line
+from tests.test_bad_inputs import cli
 
 MODELS = Path(cli_models.__file__).resolve()
-ERROR_PREFIX = "autoplan: error: "
 ESC = "\x1b"
 
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def cli(capfd: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    """``autoplan ARGV`` in process: (exit code, stdout, stderr)."""
-    rc = main([str(a) for a in argv])
-    out, err = capfd.readouterr()
-    return rc, out, err
-
-
 def assert_bad_input(result: tuple[int, str, str], *fragments: str) -> str:
-    """Exit code 2, stderr exactly one short ``autoplan: error:`` line holding every fragment."""
-    rc, _out, err = result
-    assert rc == 2, f"exit code {rc}\nstderr:\n{err[:2000]}"
-    assert "Traceback" not in err, err[:5000]
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX), f"expected one error line, got:\n{err[:2000]}"
-    assert len(lines[0]) < MAX_MESSAGE_CHARS + 100, f"unbounded message of {len(lines[0])} characters"
-    assert ESC not in lines[0]
-    for fragment in fragments:
-        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
-    return lines[0]
+    """As :func:`tests.test_bad_inputs.assert_bad_input` (exit code 2, one ``autoplan: error:``
+    line holding every fragment, no traceback), and the line is bounded and terminal-safe."""
+    line = assert_one_error_line(result, *fragments)
+    assert len(line) < MAX_MESSAGE_CHARS + 100, f"unbounded message of {len(line)} characters"
+    assert ESC not in line
+    return line
 
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:

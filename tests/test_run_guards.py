@@ -36,6 +36,8 @@ from autoplan import cli, launch
 from autoplan.loader import TargetError, build_workload
 from cost_models.errors import ProfileError
 from cost_models.profile_db import MAX_OP_TIME_S, DeviceKey, ProfileDB
+from tests.test_bad_inputs import assert_bad_input
+from tests.test_bad_inputs import cli as cli_main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MLP = f"{Path(__file__).resolve().with_name('cli_models.py')}:mlp"
@@ -55,25 +57,6 @@ def exits_with_code():
 def interrupts():
     raise KeyboardInterrupt
 """
-
-
-def cli_main(capfd: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    """``autoplan ARGV`` in process: (exit code, stdout, stderr)."""
-    rc = cli.main([str(a) for a in argv])
-    out, err = capfd.readouterr()
-    return rc, out, err
-
-
-def assert_bad_input(result: tuple[int, str, str], *fragments: str) -> str:
-    """Exit code 2 and exactly one stderr line ``autoplan: error: ...`` holding every fragment."""
-    rc, _out, err = result
-    assert rc == 2, f"exit code {rc}\nstderr:\n{err}"
-    assert "Traceback" not in err, err
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("autoplan: error: "), f"expected one error line:\n{err}"
-    for fragment in fragments:
-        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 # --- build functions that exit --------------------------------------------------------------------

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from tests import test_cli
 from tests.test_cli import HF, REPO_ROOT, target
 
 NO_CACHE = {"AUTOPLAN_NO_PLAN_CACHE": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -20,14 +21,7 @@ NO_CACHE = {"AUTOPLAN_NO_PLAN_CACHE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "autoplan.cli", *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **NO_CACHE},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return test_cli.run_cli(cwd, *args, env=NO_CACHE)
 
 
 def test_plan_json_parses_in_a_fresh_process(tmp_path):
