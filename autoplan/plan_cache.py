@@ -123,8 +123,10 @@ def load(key: str) -> CacheEntry | None:
     path = _path(key)
     if not enabled() or not path.exists():
         return None
+    from cost_models.files import MAX_PLAN_FILE_BYTES, parse_json, read_limited
+
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = parse_json(read_limited(path, max_bytes=MAX_PLAN_FILE_BYTES))
         if not isinstance(data, dict) or data.get("format") != ENTRY_FORMAT:
             raise PlanError(f"not a {ENTRY_FORMAT} (an older cache format)")
         entry = CacheEntry(
