@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "parallelize": "autoplan.api",
     "plan": "autoplan.api",
-    "ParallelConfig": "autoplan.config",
+    "ParallelConfig": "autoplan.cost_models.config",
     "ClusterSpecError": "autoplan.errors",
     "ConfigError": "autoplan.errors",
     "InfeasiblePlanError": "autoplan.errors",
@@ -26,13 +26,13 @@ _EXPORTS = {
     "PlanMismatchError": "autoplan.errors",
     "UnknownDeviceError": "autoplan.errors",
     "UnsupportedModelError": "autoplan.errors",
-    "TrainingEstimate": "autoplan.joint",
-    "estimate": "autoplan.joint",
-    "ParallelModel": "autoplan.parallel",
-    "Plan": "autoplan.plan",
+    "TrainingEstimate": "autoplan.planner.joint",
+    "estimate": "autoplan.planner.joint",
+    "ParallelModel": "autoplan.runtime.parallel",
+    "Plan": "autoplan.planner.plan",
     "Workload": "autoplan.workload",
-    "Cluster": "cost_models.cluster",
-    "DeviceSpec": "cost_models.hardware",
+    "Cluster": "autoplan.cost_models.cluster",
+    "DeviceSpec": "autoplan.cost_models.hardware",
 }
 
 
@@ -53,7 +53,7 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """Keeps a public name what ``_EXPORTS`` says: importing the submodule ``autoplan.plan``
-    (``from autoplan.plan import Plan``, as the review commands do) makes the import system set the
+    (``from autoplan.planner.plan import Plan``, as the review commands do) makes the import system set the
     package attribute ``plan`` to that module, which would hide the function ``autoplan.plan``."""
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -67,7 +67,9 @@ sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:
     from autoplan.api import parallelize, plan
-    from autoplan.config import ParallelConfig
+    from autoplan.cost_models.cluster import Cluster
+    from autoplan.cost_models.config import ParallelConfig
+    from autoplan.cost_models.hardware import DeviceSpec
     from autoplan.errors import (
         ClusterSpecError,
         ConfigError,
@@ -78,12 +80,10 @@ if TYPE_CHECKING:
         UnknownDeviceError,
         UnsupportedModelError,
     )
-    from autoplan.joint import TrainingEstimate, estimate
-    from autoplan.parallel import ParallelModel
-    from autoplan.plan import Plan
+    from autoplan.planner.joint import TrainingEstimate, estimate
+    from autoplan.planner.plan import Plan
+    from autoplan.runtime.parallel import ParallelModel
     from autoplan.workload import Workload
-    from cost_models.cluster import Cluster
-    from cost_models.hardware import DeviceSpec
 
 __all__ = [
     "Cluster",

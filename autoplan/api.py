@@ -1,6 +1,6 @@
 """The public pipeline: trace -> strategies -> cost -> solve -> plan, then apply.
 
-``plan()`` decides and returns a :class:`~autoplan.plan.Plan` (no process group needed: a fake
+``plan()`` decides and returns a :class:`~autoplan.planner.plan.Plan` (no process group needed: a fake
 one stands in for big clusters). ``parallelize()`` applies a plan inside a ``torchrun`` job and
 returns a :class:`ParallelModel` that trains exactly like the single-device model.
 """
@@ -20,26 +20,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoplan import progress
-from autoplan.config import PRECISIONS, ParallelConfig
-from autoplan.parallel import ParallelModel
-from autoplan.pipeline import PipelineModel
-from autoplan.plan import CollectiveRecord, Estimate, Plan, software_versions
-from cost_models.cluster import Cluster
-from cost_models.comm import overlaps_compute, transition_cost_s
-from cost_models.compute import tensor_bytes
-from cost_models.errors import ClusterSpecError, ConfigError, PlanError, PlanMismatchError
-from cost_models.memory import OPTIMIZERS
-from cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
-from passes import liveness
-from passes.apply import edge_redistributions, generate_program
-from passes.costing import CostProblem, build_cost_problem
-from passes.explain import explain_choices
-from passes.overlap import schedule_step
-from passes.placement import parse_spec, spec_str, spec_strs
-from passes.solver import ShardingILP, SolverOptions
-from passes.strategies import NodeStrategies, StrategyTable, ValueRef, build_strategy_table
-from passes.trace import LossFn, TracedProgram, param_node_name, trace_training_step
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.comm import overlaps_compute, transition_cost_s
+from autoplan.cost_models.compute import tensor_bytes
+from autoplan.cost_models.config import PRECISIONS, ParallelConfig
+from autoplan.cost_models.errors import ClusterSpecError, ConfigError, PlanError, PlanMismatchError
+from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
+from autoplan.passes import liveness
+from autoplan.passes.costing import CostProblem, build_cost_problem
+from autoplan.passes.explain import explain_choices
+from autoplan.passes.overlap import schedule_step
+from autoplan.passes.placement import parse_spec, spec_str, spec_strs
+from autoplan.passes.strategies import NodeStrategies, StrategyTable, ValueRef, build_strategy_table
+from autoplan.passes.trace import LossFn, TracedProgram, param_node_name, trace_training_step
+from autoplan.planner import progress
+from autoplan.planner.plan import CollectiveRecord, Estimate, Plan, software_versions
+from autoplan.planner.solver import ShardingILP, SolverOptions
+from autoplan.runtime.codegen import edge_redistributions, generate_program
+from autoplan.runtime.parallel import ParallelModel
+from autoplan.runtime.pipeline import PipelineModel
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def check_plan_fits(plan: Plan, traced: TracedProgram) -> None:
     :meth:`Plan.check_fits` with the strategy table of ``traced`` on the plan's mesh (the stage
     mesh for a plan made for a global batch), built on a fake process group, so a hand edit that
     pairs placements an operator cannot run is named instead of training wrongly."""
-    from autoplan.joint import stage_cluster
+    from autoplan.planner.joint import stage_cluster
 
     mesh_cluster = plan.cluster if plan.config is None else stage_cluster(plan.cluster, plan.config)
     plan.check_fits(traced)  # names, counts and ranks first: a table of a misfit plan means nothing
@@ -359,13 +359,13 @@ def plan(
 ) -> Plan:
     """Plan data/tensor/sequence/parameter sharding of one training step of ``model``.
 
-    With ``global_batch_size`` the plan comes from the joint search (:mod:`autoplan.joint`):
+    With ``global_batch_size`` the plan comes from the joint search (:mod:`autoplan.planner.joint`):
     data/tensor/pipeline degrees, micro-batches, schedule, recomputation and ZeRO stage, with
     the per-operator ILP inside each stage; ``plan.config`` holds the chosen configuration and
     ``example_inputs`` only give the per-sample shapes. ``config`` fixes the configuration
     (degrees, micro-batches, schedule, recomputation, ZeRO); the search then places the stages.
     These plans trace two of the model's repeated blocks and solve one for all of them
-    (``reduce_repeated``; :mod:`passes.depth`); ``parallelize`` repeats the placements on every block.
+    (``reduce_repeated``; :mod:`autoplan.passes.depth`); ``parallelize`` repeats the placements on every block.
 
     ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
     a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
@@ -380,7 +380,7 @@ def plan(
         if precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
         if global_batch_size is not None:
-            from autoplan.joint import plan_for_batch
+            from autoplan.planner.joint import plan_for_batch
 
             if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
                 raise ConfigError(
@@ -464,10 +464,10 @@ def _parallelize_pipeline(
     device: torch.device,
 ) -> PipelineModel:
     """A plan made for a global batch: stages of one micro-batch's program, run by a
-    ``torch.distributed.pipelining`` schedule (:mod:`autoplan.pipeline`)."""
-    from autoplan.joint import trace_for_plan
-    from autoplan.pipeline import build_pipeline
-    from passes.layers import find_layers
+    ``torch.distributed.pipelining`` schedule (:mod:`autoplan.runtime.pipeline`)."""
+    from autoplan.passes.layers import find_layers
+    from autoplan.planner.joint import trace_for_plan
+    from autoplan.runtime.pipeline import build_pipeline
 
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
@@ -477,9 +477,9 @@ def _parallelize_pipeline(
     traced, assignment = planned, plan.assignment()
     if layout.reduced:
         # placements of the program traced with fewer blocks: repeat its last block's
-        # placements on every later block of the full program (passes.expand)
-        from autoplan.joint import trace_microbatch
-        from passes.expand import expand_assignment
+        # placements on every later block of the full program (autoplan.passes.expand)
+        from autoplan.passes.expand import expand_assignment
+        from autoplan.planner.joint import trace_microbatch
 
         traced = trace_microbatch(model, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
         assignment = expand_assignment(
@@ -522,11 +522,11 @@ def parallelize(
     """Apply ``plan`` (or plan now) to ``model`` inside a ``torchrun`` job.
 
     A plan made with a global batch (``plan.config`` set) runs as a pipeline of stages
-    (:class:`~autoplan.pipeline.PipelineModel`, pipeline degree 1 included: micro-batches then
+    (:class:`~autoplan.runtime.pipeline.PipelineModel`, pipeline degree 1 included: micro-batches then
     accumulate gradients); ``example_inputs`` are then the global batch.
 
     Every rank must build the same model with the same weights. Returns a
-    :class:`~autoplan.parallel.ParallelModel` whose parameters are DTensors in the planned
+    :class:`~autoplan.runtime.parallel.ParallelModel` whose parameters are DTensors in the planned
     placements and whose ``program`` is the generated per-rank step.
     """
     if cluster is not None or plan is None:  # with a plan, the plan's cluster is used

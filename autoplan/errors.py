@@ -1,6 +1,6 @@
-"""Public error types of autoplan (defined in ``cost_models.errors``, the bottom layer)."""
+"""Public error types of autoplan (defined in ``autoplan.cost_models.errors``, the bottom layer)."""
 
-from cost_models.errors import (
+from autoplan.cost_models.errors import (
     CheckpointError,
     ClusterSpecError,
     ConfigError,

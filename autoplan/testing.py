@@ -27,8 +27,8 @@ import pytest
 if TYPE_CHECKING:
     import torch
 
-    from autoplan.plan import Plan
-    from cost_models.cluster import Cluster
+    from autoplan.cost_models.cluster import Cluster
+    from autoplan.planner.plan import Plan
 
 AXIS_KINDS = ("data", "tensor", "data+tensor", "replicated")
 """What a mesh axis can be asked to do in ``parallelism=`` (see :meth:`Plan.parallelism`)."""

@@ -3,7 +3,7 @@
     python benchmarks/cli_startup.py                       # makes two plans in a temp dir, then times
     python benchmarks/cli_startup.py --plans p.json pp.json --runs 9
 
-Times the real ``autoplan`` entry point (the console script; ``python -m autoplan.cli`` when it is
+Times the real ``autoplan`` entry point (the console script; ``python -m autoplan.tools.cli`` when it is
 not installed) in fresh processes: ``autoplan --help``, ``autoplan <cmd> --help`` for every
 subcommand, and ``show`` / ``show --json`` / ``explain --op`` / ``explain --param`` / ``diff`` /
 ``report`` on two existing plan files (an ILP plan of ``examples/hf_models.py:gpt2_tiny`` on 2 CPUs
@@ -34,13 +34,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from autoplan.cli import build_parser  # noqa: E402 - torch-free
+from autoplan.tools.cli import build_parser  # noqa: E402 - torch-free
 
 HELP_TARGET_S = 0.5
 REVIEW_TARGET_S = 1.5
 _PROBE = (
     "import sys\n"
-    "from autoplan.cli import main\n"
+    "from autoplan.tools.cli import main\n"
     "rc = main(sys.argv[1:])\n"
     "print('autoplan-startup-torch:', 'torch' in sys.modules, file=sys.stderr)\n"
 )
@@ -55,10 +55,10 @@ _PLANS = {
 
 def entry_point() -> list[str]:
     """The console script installed beside this interpreter (not a pyenv shim, which adds its own
-    start-up), else the one on PATH, else ``python -m autoplan.cli``."""
+    start-up), else the one on PATH, else ``python -m autoplan.tools.cli``."""
     beside = Path(sys.executable).with_name("autoplan")
     script = str(beside) if beside.is_file() else shutil.which("autoplan")
-    return [script] if script else [sys.executable, "-m", "autoplan.cli"]
+    return [script] if script else [sys.executable, "-m", "autoplan.tools.cli"]
 
 
 def subcommands() -> list[str]:

@@ -8,12 +8,12 @@ On 2 CPU ranks (gloo, one thread each) it
 1. calibrates the collectives (``autoplan calibrate --cluster 2xCPU``) unless a cluster profile
    is given,
 2. profiles every (op, local shape) of a GPT-2-style model's training step on this CPU
-   (``passes.profile``) into a fresh profile database, so that op times and step times are
+   (``autoplan.runtime.op_timing``) into a fresh profile database, so that op times and step times are
    measured under the same load (``--profile-db`` reuses and extends a given one),
 3. builds several plans for the same model (pure data parallel, tensor parallel, parameter
    sharded, mixes, and the solver's own choice), each costed with the profiled times and the
    calibrated links,
-4. runs each plan for real under ``torchrun`` (``autoplan.measure``: median step time over timed
+4. runs each plan for real under ``torchrun`` (``autoplan.runtime.step_timing``: median step time over timed
    steps, peak live tensor bytes counted by a dispatch mode — not process RSS), in ``--rounds``
    rounds that interleave the plans; a plan's measured time is its fastest round's median (on a
    shared machine a busy spell only adds time, and it would otherwise land on whichever plans ran
@@ -104,7 +104,7 @@ def worker(plan_path: str, out_path: str, steps: int) -> None:
     import torch.distributed as dist
 
     import autoplan
-    from autoplan.measure import measure_training_step
+    from autoplan.runtime.step_timing import measure_training_step
 
     dist.init_process_group("gloo")
     try:
@@ -141,7 +141,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def calibrate(out: Path) -> None:
-    cmd = [sys.executable, "-m", "autoplan.cli", "calibrate", "--cluster", "2xCPU", "--out", str(out), "--quiet"]
+    cmd = [sys.executable, "-m", "autoplan.tools.cli", "calibrate", "--cluster", "2xCPU", "--out", str(out), "--quiet"]
     print("calibrating collectives:", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
@@ -158,9 +158,9 @@ def bench_workload():  # noqa: ANN201
 
 def profile(cluster_file: Path, db_path: str | None):  # noqa: ANN201
     """``autoplan profile`` with 2 concurrent processes (the 2 ranks share this machine)."""
-    from cost_models.profile_db import ProfileDB
+    from autoplan.cost_models.profile_db import ProfileDB
 
-    cmd = [sys.executable, "-m", "autoplan.cli", "profile", f"{Path(__file__).resolve()}:bench_workload"]
+    cmd = [sys.executable, "-m", "autoplan.tools.cli", "profile", f"{Path(__file__).resolve()}:bench_workload"]
     cmd += ["--cluster", str(cluster_file), "--concurrent", "2", "--quiet"]
     cmd += ["--profile-db", db_path] if db_path else []
     print("profiling ops:", " ".join(cmd[1:]), flush=True)
@@ -189,7 +189,7 @@ def main() -> int:
         return 0
 
     import autoplan
-    from cost_models.cluster import Cluster
+    from autoplan.cost_models.cluster import Cluster
 
     optimizer = "adam"
     with tempfile.TemporaryDirectory(prefix="autoplan-accuracy-") as tmp:

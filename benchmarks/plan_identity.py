@@ -17,7 +17,7 @@ a fixed pipeline, five zoo architectures) and the joint-search benchmarks
 (``benchmarks/planning_time.py``'s GPT-2 cases and, with ``--all``, ``benchmarks/planner_speed.py``'s
 8B / 70B / 175B cases and its mid-size cases).
 
-Prints one row per case (``same`` / ``DIFFERS`` / ``new``) and the final line
+Prints one row per file (``same`` / ``renamed``, equal after the ``--rename`` rules / ``DIFFERS`` / ``new``) and the final line
 ``plan_identity: cases=N identical=I differ=D missing=M``; exit 1 when ``--check`` finds a difference.
 """
 
@@ -153,7 +153,7 @@ def _quiet() -> contextlib.ExitStack:
 def _plan_case(case: Case, out: Path) -> Path:
     path = out / f"{case.name}.plan.json"
     if case.cli:
-        from autoplan.cli import main as cli_main
+        from autoplan.tools.cli import main as cli_main
 
         with _quiet():
             rc = cli_main(["plan", *case.cli, "--out", str(path)])
@@ -171,7 +171,7 @@ def _code_case(case: Case, plan_path: Path, out: Path) -> list[Path]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import autoplan
-    from autoplan.loader import build_workload
+    from autoplan.tools.loader import build_workload
 
     plan = autoplan.Plan.load(str(plan_path))
     cluster_arg = case.cli[case.cli.index("--cluster") + 1]
@@ -195,17 +195,32 @@ def _code_case(case: Case, plan_path: Path, out: Path) -> list[Path]:
     return paths
 
 
+def _renamed(text: str, renames: list[str]) -> str:
+    for rule in renames:
+        old, _, new = rule.partition("=")
+        text = text.replace(old, new)
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory to write the plans and programs into")
     ap.add_argument("--check", help="baseline directory to compare with")
     ap.add_argument("--all", action="store_true", help="include the large joint-search cases (minutes)")
     ap.add_argument("--only", help="run the cases whose name contains this text")
+    ap.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="a declared rename in generated code (a moved module changes the names FX gives its functions): "
+        "the baseline's programs are compared with OLD replaced by NEW, reported as 'renamed'",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = [c for c in all_cases() if (args.all or not c.large) and (not args.only or args.only in c.name)]
-    rows, differ, missing = [], 0, 0
+    rows, differ, missing, renamed = [], 0, 0, 0
     for case in cases:
         t0 = time.perf_counter()
         written = [_plan_case(case, out)]
@@ -219,6 +234,8 @@ def main() -> int:
                     status, missing = "new", missing + 1
                 elif before.read_bytes() == path.read_bytes():
                     status = "same"
+                elif path.suffix == ".py" and _renamed(before.read_text(), args.rename) == path.read_text():
+                    status, renamed = "renamed", renamed + 1
                 else:
                     status, differ = "DIFFERS", differ + 1
                     diff = difflib.unified_diff(
@@ -231,7 +248,10 @@ def main() -> int:
     for name, status, secs in rows:
         print(f"{name:<{width}} | {status:<8} | {secs:6.1f}")
     identical = sum(1 for r in rows if r[1] == "same")
-    print(f"plan_identity: cases={len(cases)} files={len(rows)} identical={identical} differ={differ} missing={missing}")
+    print(
+        f"plan_identity: cases={len(cases)} files={len(rows)} identical={identical} renamed={renamed} "
+        f"differ={differ} missing={missing}"
+    )
     return 1 if differ or missing else 0
 
 

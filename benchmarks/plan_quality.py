@@ -10,10 +10,10 @@ and H100 clusters of 8 to 1024 GPUs, it prices
   size, schedule (GPipe, 1F1B, interleaved 1F1B with 2 or 4 virtual stages, zero-bubble),
   recomputation (none / selective / full, the same on every stage), ZeRO 0-3 — with Megatron's
   uniform stage split (blocks divided evenly, embedding on the first stage, head on the last);
-* **planner**: ``passes.pipeline_search.search`` — the same configurations plus balanced stage
+* **planner**: ``autoplan.planner.search.search`` — the same configurations plus balanced stage
   boundaries (min-max over measured stage times) and per-stage recomputation,
 
-both with the same cost model (``passes.pipeline_search.evaluate`` over the ILP's per-segment
+both with the same cost model (``autoplan.planner.search.evaluate`` over the ILP's per-segment
 costs: one micro-batch traced on ``meta`` with two blocks, solved on the tensor-parallel group,
 and expanded to the model's depth). It prints one row per case and the final line
 ``plan_quality: cases=N never_worse=M best_ratio_min=X`` (ratio = grid-best step time / planner
@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from autoplan.joint import SegmentCostModel, prepare_for_precision  # noqa: E402
-from cost_models.cluster import Cluster  # noqa: E402
-from passes.pipeline_search import SearchSpace, search  # noqa: E402
+from autoplan.cost_models.cluster import Cluster  # noqa: E402
+from autoplan.planner.joint import SegmentCostModel, prepare_for_precision  # noqa: E402
+from autoplan.planner.search import SearchSpace, search  # noqa: E402
 
 logging.getLogger("autoplan").setLevel(logging.WARNING)
 TRACED_BLOCKS = 2

@@ -95,8 +95,8 @@ def lm_loss(out, labels):  # noqa: ANN001, ANN201
 def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
     """One case in this process; returns the row as a dict."""
     import autoplan
-    import autoplan.joint as joint
-    from passes.solver import ShardingILP
+    import autoplan.planner.joint as joint
+    from autoplan.planner.solver import ShardingILP
 
     timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0, "prefetch_s": 0.0}
     real_trace, real_solve, real_prefetch = (

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import autoplan  # noqa: E402
-from autoplan.loader import build_workload  # noqa: E402
+from autoplan.tools.loader import build_workload  # noqa: E402
 
 
 def _gpt2(n_embd: int, n_layer: int, batch: int, seq: int) -> autoplan.Workload:

@@ -1,10 +1,10 @@
 """Calibration: fit measured collective timings to the communication model, save a cluster profile.
 
 ``autoplan calibrate`` (``autoplan/calibrate_cmd.py``) times every kind of :data:`COMM_KINDS` on
-every mesh axis for the message sizes of a :class:`Sweep`, through the same ``passes.runtime``
+every mesh axis for the message sizes of a :class:`Sweep`, through the same ``autoplan.runtime.collectives``
 calls the generated program makes. This module turns those :class:`Sample` s into link numbers.
 
-Model. Every kind ``k`` on an axis of ``n`` ranks is priced by ``cost_models.comm`` as::
+Model. Every kind ``k`` on an axis of ``n`` ranks is priced by ``autoplan.cost_models.comm`` as::
 
     t(B) = a_k(n) * lat + b_k(n) * B / bw          (a_k, b_k) = collective_terms(k, n, "ring")
 
@@ -39,10 +39,18 @@ from pathlib import Path
 import torch
 import yaml
 
-from cost_models.cluster import COMM_KINDS, Backend, CalibrationInfo, Cluster, CollectiveFit, CommKind, LinkSpec
-from cost_models.comm import collective_terms, effective_collective, link_time_s
-from cost_models.errors import PlanError
-from cost_models.files import atomic_write
+from autoplan.cost_models.cluster import (
+    COMM_KINDS,
+    Backend,
+    CalibrationInfo,
+    Cluster,
+    CollectiveFit,
+    CommKind,
+    LinkSpec,
+)
+from autoplan.cost_models.comm import collective_terms, effective_collective, link_time_s
+from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.files import atomic_write
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -117,7 +125,7 @@ class Sample:
     num_ranks: int
     """Size of the mesh axis."""
     nbytes: int
-    """Payload in the convention of ``cost_models.comm.collective_time_s`` for ``kind``."""
+    """Payload in the convention of ``autoplan.cost_models.comm.collective_time_s`` for ``kind``."""
     time_s: float
     """Mean over repetitions of the slowest rank's time, seconds."""
 
@@ -174,7 +182,7 @@ def fit_samples(samples: Sequence[Sample], *, backend: Backend) -> CollectiveFit
 
 
 def fitted_time_s(sample: Sample, fit: CollectiveFit, *, backend: Backend) -> float:
-    """Time ``fit`` predicts for ``sample`` (the formula ``cost_models.comm`` prices with)."""
+    """Time ``fit`` predicts for ``sample`` (the formula ``autoplan.cost_models.comm`` prices with)."""
     link = LinkSpec(bw_GBps=fit.bw_GBps, latency_us=fit.latency_us, spans_nodes=False, collectives={})
     return link_time_s(sample.kind, sample.nbytes, sample.num_ranks, link, backend=backend, algorithm="ring")
 

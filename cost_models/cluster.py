@@ -34,7 +34,7 @@ A *cluster profile* written by ``autoplan calibrate`` adds measured links per me
       num_samples: 65
       fit_err_median: 0.05            # median |fitted - measured| / measured
 
-Fitted numbers are in the ring convention of ``cost_models.comm`` (see its docstring). A profile
+Fitted numbers are in the ring convention of ``autoplan.cost_models.comm`` (see its docstring). A profile
 measured with another torch version, backend or device than this machine's is rejected by
 ``Cluster.from_file`` unless ``check_versions=False`` (see ``check_calibration_matches``).
 
@@ -56,10 +56,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from cost_models.echo import clip
-from cost_models.errors import ClusterSpecError
-from cost_models.files import MAX_CLUSTER_FILE_BYTES, InputLimitError, parse_json, parse_yaml, read_limited
-from cost_models.hardware import DeviceSpec, _ReadOnlyMapping, get_device_spec
+from autoplan.cost_models.echo import clip
+from autoplan.cost_models.errors import ClusterSpecError
+from autoplan.cost_models.files import MAX_CLUSTER_FILE_BYTES, InputLimitError, parse_json, parse_yaml, read_limited
+from autoplan.cost_models.hardware import DeviceSpec, _ReadOnlyMapping, get_device_spec
 
 if TYPE_CHECKING:  # clusters are read from plan files by the review commands, without torch or yaml
     import yaml
@@ -88,9 +88,9 @@ _PRESET_RE = re.compile(r"^(?:(\d+)x)?(\d+)x([a-z][a-z0-9_.-]*)$", re.IGNORECASE
 
 CommKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"]
 COMM_KINDS: tuple[CommKind, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-"""Communication kinds priced by ``cost_models.comm`` and measured by ``autoplan calibrate``."""
+"""Communication kinds priced by ``autoplan.cost_models.comm`` and measured by ``autoplan calibrate``."""
 StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shard", "to_partial"]
-"""Kinds of the single-axis steps of a placement transition (``cost_models.comm.plan_transition``;
+"""Kinds of the single-axis steps of a placement transition (``autoplan.cost_models.comm.plan_transition``;
 plan files list them per collective)."""
 COLLECTIVE_KINDS: frozenset[str] = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
 """Step kinds of a placement transition that communicate."""
@@ -106,7 +106,7 @@ _RECALIBRATE = "re-run `autoplan calibrate` on the target machine"
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveFit:
     """Measured parameters of one collective kind on one link, in the ring convention of
-    ``cost_models.comm.collective_time_s`` (fitted by ``cost_models.calibration``)."""
+    ``autoplan.cost_models.comm.collective_time_s`` (fitted by ``autoplan.cost_models.calibration``)."""
 
     bw_GBps: float
     """Fitted bandwidth, GB/s (1e9 bytes/s), in the convention of the kind's ring formula."""

@@ -20,7 +20,7 @@ broadcast down ``ceil(log2 n)`` levels, each byte crossing a link twice::
 ``algorithm="auto"`` prices an all-reduce at the cheaper of ring and tree (NCCL's tuner picks per
 call the same way); gloo only has the ring, so CPU clusters use ``"ring"``. Every formula is
 ``latency_steps * lat + bytes_factor * B / bw`` (:func:`collective_terms`), which is the family
-``cost_models.calibration`` fits: a link may carry fitted ``(bw, lat)`` per kind
+``autoplan.cost_models.calibration`` fits: a link may carry fitted ``(bw, lat)`` per kind
 (``LinkSpec.collectives``), always in the *ring* convention, and those replace the link's generic
 numbers for that kind (:func:`link_time_s`). A fitted all-reduce already contains whatever
 algorithm the library chose, so it is never re-priced as a tree.
@@ -50,7 +50,7 @@ from typing import Literal
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from cost_models.cluster import (
+from autoplan.cost_models.cluster import (
     COLLECTIVE_KINDS,
     COMM_KINDS,
     LOCAL_KINDS,
@@ -60,7 +60,7 @@ from cost_models.cluster import (
     LinkSpec,
     StepKind,
 )
-from cost_models.hardware import DeviceSpec
+from autoplan.cost_models.hardware import DeviceSpec
 
 Algorithm = Literal["ring", "tree", "auto"]
 

@@ -45,7 +45,7 @@ from typing import TypeVar
 
 import torch
 
-from cost_models.hardware import DeviceSpec
+from autoplan.cost_models.hardware import DeviceSpec
 
 aten = torch.ops.aten
 

@@ -10,7 +10,7 @@ values from doing harm when autoplan repeats them:
   excepted) and Unicode bidirectional overrides as visible ``\\x1b``/``\\u202e`` escapes, so text
   printed to a terminal cannot move the cursor, retitle the window or reorder what is shown.
 
-``PlanError`` messages are clipped to ``MAX_MESSAGE_CHARS`` as a whole (``cost_models.errors``).
+``PlanError`` messages are clipped to ``MAX_MESSAGE_CHARS`` as a whole (``autoplan.cost_models.errors``).
 """
 
 from __future__ import annotations

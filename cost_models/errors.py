@@ -5,18 +5,18 @@ so every layer can raise them; ``autoplan.errors`` re-exports them as the public
 
 Every message names what failed, the values involved and what to change. The CLI prints the
 message on one line and exits with code 2. Values quoted from user input go through
-``cost_models.echo.clip`` (bounded length).
+``autoplan.cost_models.echo.clip`` (bounded length).
 """
 
 from __future__ import annotations
 
-from cost_models.echo import clip_message
+from autoplan.cost_models.echo import clip_message
 
 
 class PlanError(ValueError):
     """Base class of every error autoplan raises for bad user input or an impossible request.
 
-    A message longer than ``cost_models.echo.MAX_MESSAGE_CHARS`` is cut in the middle, so no input
+    A message longer than ``autoplan.cost_models.echo.MAX_MESSAGE_CHARS`` is cut in the middle, so no input
     (a huge value quoted from a file) makes an unbounded message."""
 
     def __init__(self, *args: object) -> None:

@@ -6,7 +6,7 @@ cluster profile) goes through :func:`atomic_write`: a temporary file in the same
 flushed to disk and renamed over the target only once it is complete. The new file keeps the
 permission bits of the file it replaces; a symbolic link is kept and its target replaced; a
 device or FIFO (``--out /dev/null``) is written into, never replaced. A file that cannot be
-written is a :class:`~cost_models.errors.PlanFileError` (or the error type the caller names) with
+written is a :class:`~autoplan.cost_models.errors.PlanFileError` (or the error type the caller names) with
 one line naming the file and what to do; ``error=None`` lets the ``OSError`` through. A command
 first calls :func:`refuse_overwriting_inputs`, so ``--out`` never names one of its own inputs.
 
@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from cost_models.echo import clip
-from cost_models.errors import PlanError, PlanFileError
+from autoplan.cost_models.echo import clip
+from autoplan.cost_models.errors import PlanError, PlanFileError
 
 MiB = 1024**2
 MAX_PLAN_FILE_BYTES = 64 * MiB

@@ -21,8 +21,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from cost_models.echo import clip
-from cost_models.errors import ClusterSpecError, UnknownDeviceError
+from autoplan.cost_models.echo import clip
+from autoplan.cost_models.errors import ClusterSpecError, UnknownDeviceError
 
 if TYPE_CHECKING:  # device specs are read from plan files by the review commands, without torch
     import torch
@@ -110,7 +110,7 @@ class DeviceSpec:
     """Citations (datasheet name + URL, or a stated assumption) for every number above."""
     num_sms: int | None = None
     """Streaming multiprocessors of a GPU: how many matmul output tiles run at once (the wave
-    size of ``cost_models.compute.matmul_efficiency``). ``None`` for CPUs and for GPUs whose count
+    size of ``autoplan.cost_models.compute.matmul_efficiency``). ``None`` for CPUs and for GPUs whose count
     is not given; the wave term is then left out. Optional so older cluster files still load."""
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ so fp32 Adam costs 4 + 4 + 8 bytes, mixed-precision Adam 2 + 2 + 12 (the paper's
 SGD 4 + 4 + 0. A frozen parameter (``requires_grad=False``) is never updated: weights only.
 
 Activations saved for backward are forward values read by the backward; each costs its local
-bytes (``P`` keeps a full-size buffer); :mod:`passes.liveness` times their lifetimes.
+bytes (``P`` keeps a full-size buffer); :mod:`autoplan.passes.liveness` times their lifetimes.
 """
 
 from __future__ import annotations

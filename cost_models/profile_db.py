@@ -1,7 +1,7 @@
 """Profile database: measured op times on one device, stored as JSON (never pickle).
 
 A database file holds the times measured by ``autoplan profile`` on one machine, keyed by the
-strings of :func:`passes.profile.op_key` and :func:`passes.profile.optimizer_key`. A time is
+strings of :func:`autoplan.runtime.op_timing.op_key` and :func:`autoplan.runtime.op_timing.optimizer_key`. A time is
 only valid on the device and software it was measured with, so every file carries a
 :class:`DeviceKey` header, and the default file name is a short hash of that header::
 
@@ -38,9 +38,9 @@ from typing import Any, Literal
 
 import torch
 
-from cost_models.echo import clip
-from cost_models.errors import ProfileError
-from cost_models.files import InputLimitError, MiB, atomic_write, parse_json, read_limited
+from autoplan.cost_models.echo import clip
+from autoplan.cost_models.errors import ProfileError
+from autoplan.cost_models.files import InputLimitError, MiB, atomic_write, parse_json, read_limited
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ VERSION = 3
 MAX_PROFILE_FILE_BYTES = 256 * MiB
 """Largest profile database read (a Llama-3-70B profile holds a few hundred keys of ~300 bytes)."""
 """Schema version of the file; bump when keys or the layout change meaning. Version 3: CPU op
-times are taken interleaved, in program order (``passes.profile.INTERLEAVE_KEYS``); version 2
+times are taken interleaved, in program order (``autoplan.runtime.op_timing.INTERLEAVE_KEYS``); version 2
 timed each key in a tight loop with inputs spilled from the cache
-(``passes.profile.COLD_FOOTPRINT_BYTES``); version 1 timed them warm. The default file name
+(``autoplan.runtime.op_timing.COLD_FOOTPRINT_BYTES``); version 1 timed them warm. The default file name
 carries the version, so a file of an older version is left where it is and a new one is
 started."""
 

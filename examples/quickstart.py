@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import autoplan
-from autoplan.teardown import destroy_process_groups
+from autoplan.runtime.teardown import destroy_process_groups
 
 
 def build() -> LlamaForCausalLM:

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
-from cost_models.compute import register_flops
+from autoplan.cost_models.compute import register_flops
 
 _TORCH_SDPA = F.scaled_dot_product_attention
 

@@ -2,7 +2,7 @@
 
 Contract
 --------
-Input: the traced program, its :class:`~passes.strategies.StrategyTable` and a ``Cluster``.
+Input: the traced program, its :class:`~autoplan.passes.strategies.StrategyTable` and a ``Cluster``.
 Output: a :class:`CostProblem`, the plain data the ILP is built from:
 
 * ``node_time_s[v][s]``: compute time of node ``v`` under strategy ``s`` (forward and backward
@@ -11,16 +11,16 @@ Output: a :class:`CostProblem`, the plain data the ILP is built from:
 * ``persistent_bytes[v][s]``: bytes per device a placeholder keeps for the whole step under
   strategy ``s``: parameter + optimizer state for trainable parameters, the parameter alone for
   frozen ones, the local shard for inputs and buffers;
-* ``value_bytes[a][s]``: local bytes of storage ``a`` (:mod:`passes.liveness`) when its producer
+* ``value_bytes[a][s]``: local bytes of storage ``a`` (:mod:`autoplan.passes.liveness`) when its producer
   runs strategy ``s``; ``grad_bytes[p][s]``: the gradient of trainable parameter ``p`` in layout ``s``;
 * ``memory_points``: the positions of the step where the ILP bounds the live bytes, each with
   the storages alive there and the gradients already produced;
 * ``edges``: for every (producer value -> consumer argument) the transition time between each
-  producer output spec ``p`` and each required input spec ``q`` (``cost_models.comm``).
+  producer output spec ``p`` and each required input spec ``q`` (``autoplan.cost_models.comm``).
   Gradient outputs are edges to their parameter (the gradient must arrive in the parameter's
   layout: this is the gradient all-reduce / reduce-scatter of data parallelism), and the loss
   must arrive replicated. Gradient all-reduces are coalesced by the generated program
-  (``cost_models.comm.is_coalescable``), so their edges carry the bandwidth term only; the
+  (``autoplan.cost_models.comm.is_coalescable``), so their edges carry the bandwidth term only; the
   latency of each coalesced collective is added once to the plan's estimate.
 """
 
@@ -33,17 +33,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from cost_models.cluster import Cluster
-from cost_models.comm import is_coalescable, plan_transition, transition_cost_s
-from cost_models.compute import is_matmul, roofline_time_s, tensor_bytes
-from cost_models.hardware import DeviceSpec
-from cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part
-from cost_models.profile_db import ProfileDB
-from passes import liveness
-from passes.placement import Spec, local_numel, replicated, storage_factor
-from passes.profile import local_shard_shape, op_key, optimizer_key
-from passes.strategies import Strategy, StrategyTable, ValueRef, resolve_value, tensor_args
-from passes.trace import TracedProgram, param_node_name
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.comm import is_coalescable, plan_transition, transition_cost_s
+from autoplan.cost_models.compute import is_matmul, roofline_time_s, tensor_bytes
+from autoplan.cost_models.hardware import DeviceSpec
+from autoplan.cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part
+from autoplan.cost_models.profile_db import ProfileDB
+from autoplan.passes import liveness
+from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
+from autoplan.passes.placement import Spec, local_numel, replicated, storage_factor
+from autoplan.passes.strategies import Strategy, StrategyTable, ValueRef, resolve_value, tensor_args
+from autoplan.passes.trace import TracedProgram, param_node_name
 
 OUTPUT_CONSUMER = "<output>"
 """Pseudo consumer of the loss (needs ``R``)."""
@@ -124,7 +124,7 @@ def analytic_time_s(
     node: fx.Node, strategy: Strategy, kind: str, device: DeviceSpec, mesh_shape: Sequence[int], *, optimizer: str
 ) -> float:
     """Analytic time of ``node`` under ``strategy``: the roofline of the op with its work split as
-    finely as its most finely stored operand (:mod:`cost_models.compute`); for a trainable
+    finely as its most finely stored operand (:mod:`autoplan.cost_models.compute`); for a trainable
     parameter, its optimizer step (bytes read and written over memory bandwidth); other
     placeholders (frozen parameters included) cost nothing."""
     val = node.meta.get("val")
@@ -297,7 +297,7 @@ def _edge(
 
 
 def _add_memory(problem: CostProblem, traced: TracedProgram, table: StrategyTable, optimizer: str) -> None:
-    """Bytes per strategy and the memory checkpoints of :mod:`passes.liveness`."""
+    """Bytes per strategy and the memory checkpoints of :mod:`autoplan.passes.liveness`."""
     mesh_shape = table.mesh_shape
     trainable = [param_node_name(p) for p in traced.trainable_names]
     live = liveness.analyze(traced.graph_module, trainable)

@@ -13,10 +13,10 @@ original object, nothing is copied), the list's FQN and the real number of block
 Why it is exact for planning: blocks ``1 .. L-1`` of a transformer read and write tensors of one
 shape and run the same ops, so their traced sub-graphs, strategies, costs and solved placements
 are identical. The first block may differ (it reads the prologue's outputs), so two blocks are
-kept: block 0 stands for itself, block 1 for blocks ``1 .. L-1``. :func:`passes.layers.find_layers`
-finds the same segments in the reduced trace, :func:`passes.pipeline_search.expand_blocks`
+kept: block 0 stands for itself, block 1 for blocks ``1 .. L-1``. :func:`autoplan.passes.layers.find_layers`
+finds the same segments in the reduced trace, :func:`autoplan.planner.search.expand_blocks`
 prices the full depth from it, and the plan of the reduced program applies to the full one by
-mapping every block ``i >= 1`` onto block 1 (:mod:`passes.expand`). Tests compare both against
+mapping every block ``i >= 1`` onto block 1 (:mod:`autoplan.passes.expand`). Tests compare both against
 full-depth traces.
 """
 

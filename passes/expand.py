@@ -2,8 +2,8 @@ r"""Pass — repeated blocks: solve one block for all of its copies, then apply 
 
 Contract
 --------
-Input: the program traced with ``kept`` blocks (:mod:`passes.depth`), its
-:class:`~passes.layers.Layering`, and the model's real number of blocks ``L``.
+Input: the program traced with ``kept`` blocks (:mod:`autoplan.passes.depth`), its
+:class:`~autoplan.passes.layers.Layering`, and the model's real number of blocks ``L``.
 
 * :func:`block_multiplicity`: how many blocks of the full model each node stands for: the last
   traced block stands for blocks ``kept .. L`` (``m = L - kept + 1``), every other node for
@@ -36,11 +36,11 @@ from collections.abc import Mapping
 
 import torch.fx as fx
 
-from cost_models.errors import PlanMismatchError
-from passes.costing import CostProblem, Edge
-from passes.layers import Layering
-from passes.strategies import Strategy
-from passes.trace import TracedProgram, param_node_name
+from autoplan.cost_models.errors import PlanMismatchError
+from autoplan.passes.costing import CostProblem, Edge
+from autoplan.passes.layers import Layering
+from autoplan.passes.strategies import Strategy
+from autoplan.passes.trace import TracedProgram, param_node_name
 
 
 def block_multiplicity(layering: Layering, num_blocks: int) -> dict[str, int]:

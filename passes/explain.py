@@ -1,6 +1,6 @@
 r"""Pass 4b — explain: what each node's other strategies would have cost, the rest of the plan fixed.
 
-Contract: input a :class:`~passes.costing.CostProblem` and the solver's choice (strategy index per
+Contract: input a :class:`~autoplan.passes.costing.CostProblem` and the solver's choice (strategy index per
 node); output, per node with more than one strategy, its alternatives priced against the chosen
 neighbours. Nothing is re-solved and the graph is not touched.
 
@@ -29,7 +29,7 @@ At an optimum no feasible such switch lowers the objective, so an alternative wi
 A node whose input edge is *tied* (``edge_tied``: a view or elementwise op that follows its
 producer) has no choice of its own: it is recorded as following that producer.
 
-When the problem was scaled for repeated blocks (:mod:`passes.expand`), times are for all the
+When the problem was scaled for repeated blocks (:mod:`autoplan.passes.expand`), times are for all the
 copies a node stands for.
 """
 
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the records below are read from plan files by the review commands, without torch
-    from passes.costing import CostProblem, Edge
-    from passes.placement import Spec
+    from autoplan.passes.costing import CostProblem, Edge
+    from autoplan.passes.placement import Spec
 
 KEEP_ALTERNATIVES = 3
 """Other strategies kept per node (the cheapest by ``delta``), besides the chosen one."""
@@ -159,8 +159,8 @@ def explain_choices(
 ) -> dict[str, NodeExplanation]:
     """Per node with more than one strategy: the chosen one and the ``keep`` next cheapest, with the
     formula of the module docstring (tied followers: the producer they follow)."""
-    from passes.costing import OUTPUT_CONSUMER
-    from passes.placement import spec_strs
+    from autoplan.passes.costing import OUTPUT_CONSUMER
+    from autoplan.passes.placement import spec_strs
 
     into: dict[str, list[Edge]] = {}
     out_of: dict[str, list[Edge]] = {}

@@ -2,7 +2,7 @@
 
 Contract
 --------
-Input: a :class:`~passes.trace.TracedProgram` (its ops carry ``meta["autoplan.module"]``, the
+Input: a :class:`~autoplan.passes.trace.TracedProgram` (its ops carry ``meta["autoplan.module"]``, the
 module that produced them; backward ops carry the module of the forward op they differentiate).
 
 Output: a :class:`Layering`: every op and placeholder gets a *segment*
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from passes.trace import MODULE_KEY, TracedProgram
+from autoplan.passes.trace import MODULE_KEY, TracedProgram
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

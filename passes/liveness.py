@@ -9,7 +9,7 @@ this order and FX frees every value after its last use). Output:
   input, so ``t``/``view``/``expand`` of a 1 GiB tensor adds nothing) and the interval of node
   positions during which that storage is alive. The ILP's memory constraint is built from it.
 * :func:`peak_memory` — for one chosen assignment, the exact byte timeline of the program that
-  :mod:`passes.apply` generates, including the conversions (temporary buffers of collectives)
+  :mod:`autoplan.runtime.codegen` generates, including the conversions (temporary buffers of collectives)
   and the optimizer step, and its peak.
 
 Memory model (bytes per device)::
@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from cost_models.compute import tensor_bytes
-from cost_models.memory import optimizer_temp_bytes, param_training_bytes_by_part
-from passes.placement import Spec, local_numel, replicated
-from passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
+from autoplan.cost_models.compute import tensor_bytes
+from autoplan.cost_models.memory import optimizer_temp_bytes, param_training_bytes_by_part
+from autoplan.passes.placement import Spec, local_numel, replicated
+from autoplan.passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
 
 Storage = ValueRef
 """A storage is named by the value that allocated it."""
@@ -251,7 +251,7 @@ def peak_memory(
 ) -> MemoryEstimate:
     """Exact byte timeline of the generated program for ``assignment`` (see the module docstring).
 
-    ``redistributions`` are :class:`passes.apply.Redistribution` values (duck-typed here to keep
+    ``redistributions`` are :class:`autoplan.runtime.codegen.Redistribution` values (duck-typed here to keep
     the dependency one way: apply imports liveness, not the reverse). ``param_nodes`` are every
     parameter, frozen ones included; those with a gradient in ``live.grads`` are trained."""
     ndim = len(mesh_shape)

@@ -10,7 +10,7 @@ the generated program issues them:
 * an operand conversion is needed by the very next op: the compute stream waits for it
   (exposed);
 * a gradient conversion that is not bucketed is issued right after the gradient is produced
-  (``passes.apply``); DTensor's functional collectives return at once and are waited on only
+  (``autoplan.runtime.codegen``); DTensor's functional collectives return at once and are waited on only
   where the result is used — the optimizer step — so it runs during the rest of the backward;
 * coalesced gradient buckets and the loss are reduced at the end (exposed).
 
@@ -62,7 +62,7 @@ def schedule_step(
 ) -> StepSchedule:
     """Replay the step on a compute and a communication stream (see the module docstring).
 
-    ``redistributions`` are :class:`passes.apply.Redistribution` values (duck-typed: ``apply``
+    ``redistributions`` are :class:`autoplan.runtime.codegen.Redistribution` values (duck-typed: ``apply``
     depends on this module's package, not the reverse); ``comm_time_s[i]`` is the time of the
     ``i``-th. Parameter nodes' times (their optimizer step) run after the graph."""
     params = set(param_nodes)

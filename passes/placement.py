@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from passes.plan_text import parse_placement_text
+from autoplan.passes.plan_text import parse_placement_text
 
 Spec = tuple[Placement, ...]
 """One placement per mesh axis."""
@@ -35,7 +35,7 @@ def placement_str(p: Placement) -> str:
 
 
 def parse_placement(text: str) -> Placement:
-    """Inverse of :func:`placement_str` (the syntax is :func:`passes.plan_text.parse_placement_text`'s)."""
+    """Inverse of :func:`placement_str` (the syntax is :func:`autoplan.passes.plan_text.parse_placement_text`'s)."""
     kind, dim = parse_placement_text(text)
     if kind == "S":
         assert dim is not None

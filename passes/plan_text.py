@@ -2,12 +2,12 @@
 
 A placement is written ``R`` (replicated), ``S(d)`` (sharded along tensor dim ``d``), ``P``
 (partial sums) or ``P(avg)`` (partial values to average); a spec is one placement per mesh axis
-(``["S(0)", "R"]`` in plan files, ``S(0)R`` in logs). :mod:`passes.placement` turns this text into
+(``["S(0)", "R"]`` in plan files, ``S(0)R`` in logs). :mod:`autoplan.passes.placement` turns this text into
 ``torch.distributed.tensor`` placements; the review commands (``autoplan show``, ``explain``,
 ``diff``, ``report``) check and print plan files with this module alone, so they start without
 importing torch.
 
-Placeholders of the traced step (:mod:`passes.trace`) are named ``p_<fqn>`` (parameters),
+Placeholders of the traced step (:mod:`autoplan.passes.trace`) are named ``p_<fqn>`` (parameters),
 ``b_<fqn>`` (buffers), ``input_<i>`` and ``target_<i>``, with the FQN's dots as underscores.
 """
 
@@ -39,7 +39,7 @@ def parse_placement_text(text: str) -> tuple[PlacementKind, int | None]:
 
 def spec_text(texts: Sequence[str]) -> str:
     """``S(0)R`` for ``["S(0)", "R"]``: the terse text of a spec (the same as
-    ``passes.placement.spec_str(parse_spec(texts))``); ``ValueError`` for a malformed placement."""
+    ``autoplan.passes.placement.spec_str(parse_spec(texts))``); ``ValueError`` for a malformed placement."""
     out = []
     for text in texts:
         kind, dim = parse_placement_text(text)

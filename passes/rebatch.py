@@ -3,11 +3,11 @@ a third ``torch.export``.
 
 Contract
 --------
-Input: two :class:`~passes.trace.TracedProgram`\ s of the same model and loss at micro-batch
+Input: two :class:`~autoplan.passes.trace.TracedProgram`\ s of the same model and loss at micro-batch
 sizes :math:`b_1 < b_2` (both :math:`\ge 2`: a batch of one traces differently, e.g. a ``slice``
 where larger batches ``expand``), and a target size :math:`b`.
 
-Output: the :class:`TracedProgram` :func:`~passes.trace.trace_training_step` would give at
+Output: the :class:`TracedProgram` :func:`~autoplan.passes.trace.trace_training_step` would give at
 :math:`b`, or ``None`` when it cannot be derived safely (the caller then traces). The two traces
 must be the same program up to integers: same nodes, names, ops and wiring, and every
 argument and placeholder dimension that differs is an integer :math:`v(b_1) \ne v(b_2)` with an
@@ -25,7 +25,7 @@ the gradients must keep their parameters' shapes and the loss must stay a scalar
 Why: tracing (export + the joint graph) costs about a second per micro-batch size on a
 two-block Llama; the derivation costs one pass of shape functions over the graph (0.08 s on
 Llama-3-8B's). The planner's per-(tensor-parallel degree, micro-batch) costs need 4-5 sizes
-(:mod:`autoplan.joint`).
+(:mod:`autoplan.planner.joint`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from passes.trace import TracedProgram, graph_fingerprint
+from autoplan.passes.trace import TracedProgram, graph_fingerprint
 
 log = logging.getLogger(__name__)
 

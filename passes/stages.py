@@ -2,9 +2,9 @@
 
 Contract
 --------
-Input: the per-rank program of :func:`passes.apply.generate_program` built with
+Input: the per-rank program of :func:`autoplan.runtime.codegen.generate_program` built with
 ``defer_grad_conversions=True`` (parameter gradients leave raw), the traced step it came from,
-its :class:`~passes.layers.Layering`, the assignment, and ``stage_starts`` (``stage_starts[k]``
+its :class:`~autoplan.passes.layers.Layering`, the assignment, and ``stage_starts`` (``stage_starts[k]``
 is the first segment of stage ``k``; stages are contiguous segment ranges, ``stage_starts[0] == 0``).
 
 Output: a :class:`StageSplit` with, per stage ``s``, a :class:`StageProgram`:
@@ -53,11 +53,11 @@ from typing import Literal
 import torch
 import torch.fx as fx
 
-from cost_models.errors import PlanError, UnsupportedModelError
-from passes.layers import Layering
-from passes.placement import Spec, replicated
-from passes.strategies import Strategy
-from passes.trace import TracedProgram, param_node_name
+from autoplan.cost_models.errors import PlanError, UnsupportedModelError
+from autoplan.passes.layers import Layering
+from autoplan.passes.placement import Spec, replicated
+from autoplan.passes.strategies import Strategy
+from autoplan.passes.trace import TracedProgram, param_node_name
 
 Phase = Literal["fwd", "bwd"]
 

@@ -2,7 +2,7 @@
 
 Contract
 --------
-Input: a :class:`~passes.trace.TracedProgram` and a ``DeviceMesh`` (a fake process group is
+Input: a :class:`~autoplan.passes.trace.TracedProgram` and a ``DeviceMesh`` (a fake process group is
 enough: nothing is communicated). Output: a :class:`StrategyTable` with, for every value-producing
 node, a tuple of :class:`Strategy` — the placement of each output and the placement each tensor
 argument must arrive in.
@@ -43,8 +43,8 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 from torch.utils import _pytree as pytree
 
-from passes.placement import Spec, is_shardable, is_supported, replicated, spec_str
-from passes.trace import TracedProgram
+from autoplan.passes.placement import Spec, is_shardable, is_supported, replicated, spec_str
+from autoplan.passes.trace import TracedProgram
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ def _strategy_key(s: Strategy) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def _without_dtensor_redistribute_costs() -> Iterator[None]:
     """DTensor's strategy rules price every input redistribution of every strategy they return
     (``generate_redistribute_costs``, a third of the enumeration's time); the table keeps only
-    the placements (:mod:`passes.costing` prices transitions on the cluster), so the rules get a
+    the placements (:mod:`autoplan.passes.costing` prices transitions on the cluster), so the rules get a
     redistribution cost of 0 while enumerating. No rule filters on it: the tables of GPT-2,
     Llama and Llama-3-8B are identical with and without (tests/test_strategy_enumeration.py)."""
     real = _dtensor_op_utils.redistribute_cost

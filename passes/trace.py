@@ -48,9 +48,9 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cost_models.errors import UnsupportedModelError
-from passes.attention import attention_as_single_op
-from passes.plan_text import param_node_name, placeholder_name
+from autoplan.cost_models.errors import UnsupportedModelError
+from autoplan.passes.attention import attention_as_single_op
+from autoplan.passes.plan_text import param_node_name, placeholder_name
 
 log = logging.getLogger(__name__)
 

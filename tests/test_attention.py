@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import passes.attention  # noqa: F401 - registers the ops
-from passes.attention import attention_as_single_op
+import autoplan.passes.attention  # noqa: F401 - registers the ops
+from autoplan.passes.attention import attention_as_single_op
 
 
 @pytest.mark.parametrize(

@@ -19,13 +19,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import autoplan
-import passes.attention  # noqa: F401 - registers the ops
+import autoplan.passes.attention  # noqa: F401 - registers the ops
 from autoplan.api import planning_mesh
-from cost_models.cluster import Cluster
-from passes.attention import _routed_sdpa
-from passes.placement import spec_str
-from passes.strategies import build_strategy_table
-from passes.trace import trace_training_step
+from autoplan.cost_models.cluster import Cluster
+from autoplan.passes.attention import _routed_sdpa
+from autoplan.passes.placement import spec_str
+from autoplan.passes.strategies import build_strategy_table
+from autoplan.passes.trace import trace_training_step
 from tests.test_equivalence import Case, assert_trains_like_reference, run_case
 
 B, H, T, D = 2, 4, 6, 8

@@ -1,7 +1,7 @@
 """The bad-input catalogue (``docs/errors.md``): one test per row, in the row's order.
 
 Every bad input must raise a typed :class:`autoplan.PlanError` subclass in the Python API with a
-one-line message naming the problem and the fix; in the CLI (``autoplan.cli.main``, run in
+one-line message naming the problem and the fix; in the CLI (``autoplan.tools.cli.main``, run in
 process) it must return exit code 2 with exactly one stderr line ``autoplan: error: ...``, no
 traceback, and no partially written ``--out`` file. The last test checks that plan, profile and
 cluster files are read as data only (no pickle, eval or unsafe YAML anywhere in the packages).
@@ -30,9 +30,9 @@ import yaml
 from torch import nn
 
 import autoplan
-from autoplan.cli import main
-from cost_models.errors import ProfileError
-from cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
+from autoplan.cost_models.errors import ProfileError
+from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
+from autoplan.tools.cli import main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = Path(__file__).resolve().with_name("cli_models.py")
@@ -504,7 +504,7 @@ def test_model_that_cannot_fit_names_the_memory_needed_and_the_fixes(global_batc
 def test_solver_stopped_before_any_feasible_plan_raises_infeasible_plan_error(monkeypatch):
     import dataclasses
 
-    from passes import solver
+    from autoplan.planner import solver
 
     # HiGHS with no time at all stops before it finds any solution, like a big ILP at its time
     # limit; through the public API a tiny time_limit_s cannot do this (the MIP gets >= 1 s)
@@ -645,7 +645,7 @@ def test_cli_model_failing_on_its_inputs_prints_one_line_in_a_fresh_process(bad_
     # a subprocess: torch logs the failure through handlers bound to the real stderr at import
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run(
-        [sys.executable, "-m", "autoplan.cli", "plan", f"{bad_targets}:shape_mismatch", "--cluster", "2xCPU",
+        [sys.executable, "-m", "autoplan.tools.cli", "plan", f"{bad_targets}:shape_mismatch", "--cluster", "2xCPU",
          "--out", str(tmp_path / "plan.json")],
         capture_output=True, text=True, env=env, timeout=120,
     )  # fmt: skip

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from autoplan import bench, cli
+from autoplan.tools import bench, cli
 
 pytest_plugins = ["pytester"]
 

@@ -1,6 +1,6 @@
 """Calibrated communication model: formulas restated, fits recovered, cluster profiles checked.
 
-The formulas of ``cost_models.comm`` are restated in a comment next to each check; the fit is
+The formulas of ``autoplan.cost_models.comm`` are restated in a comment next to each check; the fit is
 checked on synthetic timings made from known (latency, bandwidth); profiles are round-tripped
 through files and rejected when they come from elsewhere; one real calibration runs on 2 gloo
 ranks through the CLI.
@@ -16,8 +16,8 @@ import torch
 import yaml
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-import autoplan.cli
-from cost_models.calibration import (
+import autoplan.tools.cli
+from autoplan.cost_models.calibration import (
     CalibrationError,
     Sample,
     Sweep,
@@ -26,9 +26,9 @@ from cost_models.calibration import (
     sample_time_s,
     write_profile,
 )
-from cost_models.cluster import COMM_KINDS, Cluster, CollectiveFit, LinkSpec, current_device_model
-from cost_models.comm import collective_time_s, effective_collective, link_time_s, transition_cost_s
-from cost_models.errors import ClusterSpecError
+from autoplan.cost_models.cluster import COMM_KINDS, Cluster, CollectiveFit, LinkSpec, current_device_model
+from autoplan.cost_models.comm import collective_time_s, effective_collective, link_time_s, transition_cost_s
+from autoplan.cost_models.errors import ClusterSpecError
 
 R, P, S0 = Replicate(), Partial("sum"), Shard(0)
 MiB = 1024**2
@@ -329,7 +329,7 @@ def test_catalog_clusters_serialise_without_profile_sections() -> None:
 @pytest.mark.slow  # launches torchrun; one gloo rank aborted at teardown once under a full-suite load
 def test_calibrate_on_two_gloo_ranks_writes_a_loadable_profile(tmp_path, capsys) -> None:
     out = tmp_path / "cpu2.yaml"
-    rc = autoplan.cli.main(
+    rc = autoplan.tools.cli.main(
         ["calibrate", "--cluster", "2xCPU", "--out", str(out), "--max-bytes", str(4 * MiB), "--warmup", "2", "-q"]
     )
     stdout = capsys.readouterr().out
@@ -355,7 +355,7 @@ def test_calibrate_on_two_gloo_ranks_writes_a_loadable_profile(tmp_path, capsys)
 )
 def test_calibrate_bad_input_is_one_error_line_and_exit_code_2(tmp_path, monkeypatch, capsys, argv, fragment):
     monkeypatch.chdir(tmp_path)
-    rc = autoplan.cli.main(["calibrate", *argv])
+    rc = autoplan.tools.cli.main(["calibrate", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1 and err[0].startswith("autoplan: error: ") and fragment in err[0], err

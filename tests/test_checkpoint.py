@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 
 import autoplan
-from autoplan import ParallelConfig, checkpoint
+from autoplan import ParallelConfig
 from autoplan.errors import CheckpointError, CorruptCheckpointError
-from autoplan.loader import build_workload
+from autoplan.runtime import checkpoint
+from autoplan.tools.loader import build_workload
 from tests.dist_utils import free_port
 from tests.test_cli import assert_bad_input, run_cli, target
 
@@ -292,7 +293,7 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one_naming_it(
     name, spoil = DAMAGE[damage]
     spoil(tmp_path / "ckpt" / "step_2" / name)
 
-    with caplog.at_level("WARNING", logger="autoplan.checkpoint"):
+    with caplog.at_level("WARNING", logger="autoplan.runtime.checkpoint"):
         resumed = checkpoint.resume(tmp_path / "ckpt", pm, opt)
 
     assert resumed is not None

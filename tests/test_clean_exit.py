@@ -5,7 +5,7 @@ Rare aborts at exit on 2 gloo CPU ranks (``terminate called without an active ex
 one thing in common: the gloo group's threads were still running when the process exited, killed
 by ``exit_group`` instead of joined, because torch's DTensor caches keep every ``DeviceMesh`` (and
 through it the group) alive past ``destroy_process_group()`` (see ``autoplan/teardown.py`` and
-``docs/crashes.md``). The tests launch the two rank programs (``autoplan._worker`` and the
+``docs/crashes.md``). The tests launch the two rank programs (``autoplan.tools.worker`` and the
 calibration ranks) under torchrun through this file's ``__main__``, which reports the gloo threads
 still alive when the program has returned; every launch must exit 0, with no gloo thread left and
 nothing in its output that a crash prints. The loop over many launches is ``slow``.
@@ -56,10 +56,10 @@ def _gloo_threads() -> list[str]:
 @pytest.fixture(scope="module")
 def tp_plan(tmp_path_factory) -> Path:
     """A 2-CPU plan of ``tests/cli_models.py:mlp`` whose first weight is sharded (tensor parallel)."""
-    import autoplan.cli
+    import autoplan.tools.cli
 
     out = tmp_path_factory.mktemp("clean_exit") / "tp.json"
-    rc = autoplan.cli.main(
+    rc = autoplan.tools.cli.main(
         ["plan", f"{ROOT}/tests/cli_models.py:mlp", "--cluster", "2xCPU", "--pin", "0.weight=S(0)", "--out", str(out)]
     )
     assert rc == 0 and out.is_file()
@@ -153,16 +153,16 @@ def test_many_launches_all_exit_cleanly(program: str, tp_plan, tmp_path) -> None
 
 
 def _rank_main(argv: list[str]) -> int:
-    """One rank: run ``autoplan._worker`` or the calibration ranks, then report gloo threads."""
+    """One rank: run ``autoplan.tools.worker`` or the calibration ranks, then report gloo threads."""
     kind, rest = argv[0], argv[1:]
     if kind == "worker":
-        from autoplan import _worker
+        from autoplan.tools import worker as _worker
 
         rc = _worker.main(rest)
     else:
-        import autoplan.cli
+        import autoplan.tools.cli
 
-        rc = autoplan.cli.main(["calibrate", *rest])
+        rc = autoplan.tools.cli.main(["calibrate", *rest])
     # one write: the ranks share torchrun's stderr, and print() writes the text and the newline apart
     line = f"clean-exit-probe rank {os.environ['RANK']}: rc={rc} gloo threads at exit: {_gloo_threads()}\n"
     sys.stderr.flush()

@@ -27,12 +27,12 @@ CLI_TIMEOUT_S = 180
 def run_cli(
     cwd: Path, *args: str, timeout_s: float = CLI_TIMEOUT_S, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m autoplan.cli ARGS`` in ``cwd`` against this checkout (``env``: extra variables)."""
+    """``python -m autoplan.tools.cli ARGS`` in ``cwd`` against this checkout (``env``: extra variables)."""
     env = {**os.environ, **(env or {})}
     env["TRANSFORMERS_VERBOSITY"] = "error"
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return subprocess.run(
-        [sys.executable, "-m", "autoplan.cli", *args],
+        [sys.executable, "-m", "autoplan.tools.cli", *args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -99,7 +99,7 @@ def test_plan_writes_a_plan_file_that_loads_for_two_devices(mlp_plan_file):
 
 
 def test_show_prints_the_review_tables_with_fingerprint_and_parameter_names(mlp_plan_file, tmp_path):
-    from autoplan.review import show_text
+    from autoplan.tools.review import show_text
 
     plan = autoplan.Plan.load(mlp_plan_file)
 

@@ -2,7 +2,7 @@
 
 ``autoplan --help``, ``autoplan <cmd> --help`` for every subcommand, and the review commands
 (``show``, ``show --json``, ``explain --op/--param``, ``diff``, ``report``) on existing plan files
-run each in a fresh interpreter (``python -c`` calling ``autoplan.cli.main``), which then reports
+run each in a fresh interpreter (``python -c`` calling ``autoplan.tools.cli.main``), which then reports
 the heavy modules it has loaded: there must be none. Importing torch costs seconds (a review
 command then takes 4-5 s instead of well under one). Each command's output is also checked
 against the same function called in this (torch-loaded) process, so the torch-free path prints
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import report
-from autoplan.cli import build_parser
-from autoplan.plan import Plan
-from autoplan.review import diff_plans, diff_text, explain, explain_text, show_text
+from autoplan.planner.plan import Plan
+from autoplan.tools import report
+from autoplan.tools.cli import build_parser
+from autoplan.tools.review import diff_plans, diff_text, explain, explain_text, show_text
 from tests import cli_models
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ SUBPROCESS_TIMEOUT_S = 120
 _MARK = "autoplan-startup-heavy-modules: "
 _PROBE = f"""
 import json, sys
-from autoplan.cli import main
+from autoplan.tools.cli import main
 rc = main(sys.argv[1:])
 print({_MARK!r} + json.dumps(sorted(m for m in {HEAVY_MODULES!r} if m in sys.modules)), file=sys.stderr)
 sys.exit(rc)
@@ -140,7 +140,7 @@ def test_autoplan_plan_stays_the_planning_function_after_the_plan_module_is_impo
     commands) shares its name with the function ``autoplan.plan``: the function must win."""
     code = (
         "import autoplan\n"
-        "from autoplan.plan import Plan\n"
+        "from autoplan.planner.plan import Plan\n"
         "assert autoplan.Plan is Plan\n"
         "assert callable(autoplan.plan) and autoplan.plan.__module__ == 'autoplan.api', autoplan.plan\n"
         "from autoplan import plan\n"

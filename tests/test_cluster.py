@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from cost_models.cluster import Cluster, LinkSpec
-from cost_models.errors import ClusterSpecError, UnknownDeviceError
-from cost_models.hardware import DEVICE_CATALOG, DeviceSpec, get_device_spec
+from autoplan.cost_models.cluster import Cluster, LinkSpec
+from autoplan.cost_models.errors import ClusterSpecError, UnknownDeviceError
+from autoplan.cost_models.hardware import DEVICE_CATALOG, DeviceSpec, get_device_spec
 
 # --- Presets and meshes ---------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autoplan
-from passes import runtime
+from autoplan.runtime import collectives as runtime
 from tests.dist_utils import run_ranks
 from tests.models import gpt2_tiny, lm_loss, mlp, mlp_batch, mse_loss, token_batch
 

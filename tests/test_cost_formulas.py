@@ -1,5 +1,5 @@
 """Compute-cost formulas restated and checked: FLOPs and bytes per op family, matmul efficiency,
-and the roofline (``cost_models.compute``)."""
+and the roofline (``autoplan.cost_models.compute``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-import passes.attention  # noqa: F401 - registers the autoplan::sdpa ops and their FLOPs
-from cost_models.compute import (
+import autoplan.passes.attention  # noqa: F401 - registers the autoplan::sdpa ops and their FLOPs
+from autoplan.cost_models.compute import (
     CPU_OP_OVERHEAD_US,
     GPU_KERNEL_OVERHEAD_US,
     MATMUL_EFFICIENCY,
@@ -24,7 +24,7 @@ from cost_models.compute import (
     op_flops,
     roofline_time_s,
 )
-from cost_models.hardware import DeviceSpec, get_device_spec
+from autoplan.cost_models.hardware import DeviceSpec, get_device_spec
 
 aten = torch.ops.aten
 H100 = get_device_spec("H100")

@@ -6,12 +6,12 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from cost_models.cluster import Cluster
-from cost_models.comm import collective_time_s, plan_transition, transition_cost_s
-from cost_models.compute import op_flops, roofline_time_s
-from cost_models.hardware import get_device_spec
-from cost_models.memory import param_training_bytes
-from passes.placement import local_numel, parse_spec, placement_str, spec_str
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.comm import collective_time_s, plan_transition, transition_cost_s
+from autoplan.cost_models.compute import op_flops, roofline_time_s
+from autoplan.cost_models.hardware import get_device_spec
+from autoplan.cost_models.memory import param_training_bytes
+from autoplan.passes.placement import local_numel, parse_spec, placement_str, spec_str
 
 aten = torch.ops.aten
 R, S0, S1, P = Replicate(), Shard(0), Shard(1), Partial("sum")
@@ -97,7 +97,7 @@ def test_transition_cost_uses_the_link_of_each_axis() -> None:
 
 def test_placement_text_round_trips() -> None:
     for text in ["R", "P", "P(avg)", "S(0)", "S(3)"]:
-        from passes.placement import parse_placement
+        from autoplan.passes.placement import parse_placement
 
         assert placement_str(parse_placement(text)) == text
     assert spec_str((S0, R)) == "S(0)R"

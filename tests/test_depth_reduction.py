@@ -1,4 +1,4 @@
-"""Repeated-structure reduction (passes.depth, passes.expand) changes no answer.
+"""Repeated-structure reduction (autoplan.passes.depth, autoplan.passes.expand) changes no answer.
 
 For models small enough to solve at full depth:
 
@@ -15,17 +15,17 @@ import pytest
 import torch
 
 from autoplan.api import planning_mesh
-from cost_models.cluster import Cluster
-from cost_models.errors import PlanMismatchError
-from passes.costing import build_cost_problem
-from passes.depth import find_block_list, reduce_depth
-from passes.expand import block_multiplicity, expand_assignment, scale_problem, twins
-from passes.layers import find_layers
-from passes.pipeline_search import expand_blocks
-from passes.segment_costs import segment_costs
-from passes.solver import ShardingILP, SolverOptions, objective_of
-from passes.strategies import build_strategy_table
-from passes.trace import param_node_name, trace_training_step
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.errors import PlanMismatchError
+from autoplan.passes.costing import build_cost_problem
+from autoplan.passes.depth import find_block_list, reduce_depth
+from autoplan.passes.expand import block_multiplicity, expand_assignment, scale_problem, twins
+from autoplan.passes.layers import find_layers
+from autoplan.passes.strategies import build_strategy_table
+from autoplan.passes.trace import param_node_name, trace_training_step
+from autoplan.planner.search import expand_blocks
+from autoplan.planner.segment_costs import segment_costs
+from autoplan.planner.solver import ShardingILP, SolverOptions, objective_of
 from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
 from tests.test_equivalence import cpu_cluster
 

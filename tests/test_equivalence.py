@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 import autoplan
-from passes.trace import param_node_name, trace_training_step
+from autoplan.passes.trace import param_node_name, trace_training_step
 from tests import models
 from tests.dist_utils import run_ranks
 

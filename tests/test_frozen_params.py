@@ -26,8 +26,8 @@ from torch import nn
 
 import autoplan
 from autoplan.api import plan as make_plan
-from autoplan.config import ParallelConfig
-from passes.trace import trace_training_step
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.passes.trace import trace_training_step
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_equivalence import cpu_cluster
@@ -159,8 +159,8 @@ def test_joint_estimate_counts_weights_of_frozen_parameters_but_no_gradient_or_o
 
 
 def test_freezing_a_parameter_changes_the_plan_cache_key():
-    from autoplan import plan_cache
-    from cost_models.cluster import Cluster
+    from autoplan.cost_models.cluster import Cluster
+    from autoplan.planner import plan_cache
 
     ids, labels = lm_batch()
     cluster, options = Cluster.preset("2xCPU"), {"global_batch_size": 16}
@@ -177,7 +177,7 @@ def test_freezing_a_parameter_changes_the_plan_cache_key():
 
 
 def test_resuming_creates_no_optimizer_state_for_a_frozen_parameter():
-    from autoplan.checkpoint import _materialize_optimizer_state
+    from autoplan.runtime.checkpoint import _materialize_optimizer_state
 
     trained, frozen = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4), requires_grad=False)
     opt = torch.optim.AdamW([trained, frozen], lr=1e-2)  # a hand-made optimizer may list both

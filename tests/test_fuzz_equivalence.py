@@ -69,7 +69,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import autoplan
-from cost_models.memory import param_training_bytes
+from autoplan.cost_models.memory import param_training_bytes
 from tests import fuzz_models as fm
 from tests.dist_utils import free_port
 

@@ -18,11 +18,11 @@ import dataclasses
 
 import pytest
 
-from autoplan.config import ParallelConfig
-from cost_models.cluster import Cluster
-from cost_models.errors import ConfigError
-from passes.pipeline_search import Candidate, SearchSpace, evaluate, hetero_layout, hetero_split, search
-from passes.segment_costs import SegmentCost, SegmentCosts
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.errors import ConfigError
+from autoplan.planner.search import Candidate, SearchSpace, evaluate, hetero_layout, hetero_split, search
+from autoplan.planner.segment_costs import SegmentCost, SegmentCosts
 
 UNIT_S = 1e-3
 

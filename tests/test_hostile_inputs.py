@@ -13,7 +13,7 @@ as it was:
 * plan strings holding terminal escape sequences are shown as escapes, never sent to the
   terminal, and HTML-escaped in reports.
 
-CLI cases run ``autoplan.cli.main`` in process on the tiny models of ``tests/cli_models.py``
+CLI cases run ``autoplan.tools.cli.main`` in process on the tiny models of ``tests/cli_models.py``
 built on ``meta``; the two plans are made once per module.
 """
 
@@ -32,9 +32,9 @@ import pytest
 import torch
 
 import autoplan
-from cost_models.cluster import MAX_WORLD_SIZE
-from cost_models.echo import MAX_MESSAGE_CHARS, terminal_safe
-from cost_models.files import (
+from autoplan.cost_models.cluster import MAX_WORLD_SIZE
+from autoplan.cost_models.echo import MAX_MESSAGE_CHARS, terminal_safe
+from autoplan.cost_models.files import (
     MAX_YAML_NODES,
     InputLimitError,
     atomic_write,
@@ -497,8 +497,8 @@ def test_a_hand_edited_pipeline_layout_is_refused_when_loaded(case, pipeline_pla
 def test_the_plans_made_here_fit_their_models(mlp_plan, pipeline_plan):
     """The checks above refuse edits, not what the planner writes (both plans, through a file)."""
     from autoplan.api import check_plan_fits
-    from autoplan.joint import trace_for_plan
-    from passes.trace import trace_training_step
+    from autoplan.passes.trace import trace_training_step
+    from autoplan.planner.joint import trace_for_plan
 
     with torch.device("meta"):
         mlp, gpt2 = cli_models.mlp(), cli_models.gpt2_4_layers()
@@ -590,8 +590,8 @@ def test_the_html_report_escapes_plan_strings(mlp_plan, tmp_path, capfd):
     ids=["deep", "huge_integer", "huge_string"],
 )
 def test_hostile_profile_database_is_one_bounded_profile_error(tmp_path, content, message):
-    from cost_models.errors import ProfileError
-    from cost_models.profile_db import ProfileDB
+    from autoplan.cost_models.errors import ProfileError
+    from autoplan.cost_models.profile_db import ProfileDB
 
     path = tmp_path / "p.json"
     path.write_text(content)
@@ -601,8 +601,8 @@ def test_hostile_profile_database_is_one_bounded_profile_error(tmp_path, content
 
 
 def test_dev_zero_as_profile_database_is_refused_by_size(monkeypatch):
-    from cost_models import profile_db
-    from cost_models.errors import ProfileError
+    from autoplan.cost_models import profile_db
+    from autoplan.cost_models.errors import ProfileError
 
     monkeypatch.setattr(profile_db, "MAX_PROFILE_FILE_BYTES", 4 * 1024**2)  # the cap, not 256 MiB of zeros
     with pytest.raises(ProfileError, match="larger than the 4 MiB autoplan reads"):

@@ -24,9 +24,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoplan.errors import PlanError
-from passes.apply import generate_program
-from passes.strategies import Strategy
-from passes.trace import TracedProgram, trace_training_step
+from autoplan.passes.strategies import Strategy
+from autoplan.passes.trace import TracedProgram, trace_training_step
+from autoplan.runtime.codegen import generate_program
 from tests.test_equivalence import Case, assert_trains_like_reference, run_case
 
 WIDTH = 8

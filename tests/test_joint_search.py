@@ -1,4 +1,4 @@
-"""Joint search (passes.pipeline_search, autoplan.joint): configuration checks, the what-if
+"""Joint search (autoplan.planner.search, autoplan.planner.joint): configuration checks, the what-if
 estimate equals the planner's own pricing, block expansion equals a deeper trace, the planner is
 never worse than the uniform Megatron grid, and memory-driven choices."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 import autoplan
-from autoplan.config import ParallelConfig
-from autoplan.joint import SegmentCostModel, estimate, search_config
-from cost_models.cluster import Cluster
-from cost_models.errors import ConfigError, InfeasiblePlanError
-from passes.pipeline_search import Candidate, SearchSpace, evaluate, search
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
+from autoplan.planner.joint import SegmentCostModel, estimate, search_config
+from autoplan.planner.search import Candidate, SearchSpace, evaluate, search
 from tests.models import gpt2_tiny, lm_loss, token_batch
 
 CLUSTER = "2x4xA100-80GB"
@@ -48,7 +48,7 @@ def test_estimate_rejects_pipeline_deeper_than_model():
 
 
 def test_expanded_blocks_equal_a_deeper_trace():
-    """The search's costs of a 4-block model from its 2-block trace (passes.depth; the default)
+    """The search's costs of a 4-block model from its 2-block trace (autoplan.passes.depth; the default)
     match those of the full 4-block trace: the repeated middle blocks exactly, the whole step's
     time within 0.5% and its saved activations within 10% (the two ILPs may pick different
     layouts of equal time next to the prologue and epilogue)."""
@@ -184,7 +184,7 @@ def test_parallel_prefetch_gives_the_costs_of_solving_one_by_one():
 
 
 def test_workers_come_from_the_environment(monkeypatch):
-    from autoplan.joint import default_workers
+    from autoplan.planner.joint import default_workers
 
     monkeypatch.setenv("AUTOPLAN_WORKERS", "3")
     assert default_workers() == 3

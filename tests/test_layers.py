@@ -1,11 +1,11 @@
-"""Layer partition of the joint graph (passes.layers): blocks found, every op placed, order kept."""
+"""Layer partition of the joint graph (autoplan.passes.layers): blocks found, every op placed, order kept."""
 
 from __future__ import annotations
 
 import pytest
 
-from passes.layers import find_layers
-from passes.trace import trace_training_step
+from autoplan.passes.layers import find_layers
+from autoplan.passes.trace import trace_training_step
 from tests.models import gpt2_tiny, llama_tiny, lm_loss, mlp, mlp_batch, mse_loss, token_batch
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import autoplan
-from autoplan.measure import LiveTensorBytes, measure_training_step
+from autoplan.runtime.step_timing import LiveTensorBytes, measure_training_step
 from tests.dist_utils import run_ranks
 from tests.models import gpt2_tiny, lm_loss, token_batch
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import autoplan
-from autoplan import onnx_export
-from autoplan.config import ParallelConfig
-from passes.placement import parse_spec
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.passes.placement import parse_spec
+from autoplan.tools import export_onnx as onnx_export
 
 onnx = pytest.importorskip("onnx")
 
@@ -63,8 +63,8 @@ def exported(mlp_plan, gpt_plan, tmp_path_factory) -> dict[str, tuple[autoplan.P
 
 @pytest.fixture()
 def cli_main(monkeypatch):
-    """``autoplan.cli.main`` (``export-onnx`` is registered by cli.py)."""
-    from autoplan import cli
+    """``autoplan.tools.cli.main`` (``export-onnx`` is registered by cli.py)."""
+    from autoplan.tools import cli
 
     return cli.main
 

@@ -1,4 +1,4 @@
-"""One memory model for every optimizer (:mod:`cost_models.memory`), used everywhere.
+"""One memory model for every optimizer (:mod:`autoplan.cost_models.memory`), used everywhere.
 
 Bytes per parameter element (ZeRO, Rajbhandari et al. 2020, section 3.1)::
 
@@ -18,8 +18,8 @@ import pytest
 
 import autoplan
 from autoplan.api import plan as make_plan
-from autoplan.config import ParallelConfig
-from cost_models.memory import OPTIMIZERS, element_bytes, precision_bytes
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.memory import OPTIMIZERS, element_bytes, precision_bytes
 from tests import models
 
 STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from cost_models.pipeline import (
+from autoplan.cost_models.schedule import (
     StageTimes,
     bubble_fraction,
     fast_step_time,

@@ -1,4 +1,4 @@
-"""Pipeline-parallel plans train like the single-device model (autoplan.pipeline, passes.stages).
+"""Pipeline-parallel plans train like the single-device model (autoplan.runtime.pipeline, autoplan.passes.stages).
 
 Multi-process cases: 4 gloo CPU ranks as a (pp=2) x (stage mesh of 2) mesh, a 4-layer GPT-2 or
 Llama, 3 SGD-with-momentum steps (not Adam: the attention key bias has an analytically zero
@@ -27,11 +27,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.api import plan_traced, planning_mesh
-from cost_models.cluster import Cluster
-from passes.apply import generate_program
-from passes.layers import find_layers
-from passes.stages import split_stages
-from passes.trace import trace_training_step
+from autoplan.cost_models.cluster import Cluster
+from autoplan.passes.layers import find_layers
+from autoplan.passes.stages import split_stages
+from autoplan.passes.trace import trace_training_step
+from autoplan.runtime.codegen import generate_program
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_equivalence import LLAMA_TP_PINS as LLAMA_MEGATRON_PINS
@@ -99,8 +99,8 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, plan_json: str) -> dict[str, object]:
     import json
 
-    from autoplan.pipeline import build_pipeline
-    from autoplan.plan import Plan
+    from autoplan.planner.plan import Plan
+    from autoplan.runtime.pipeline import build_pipeline
 
     model = BUILDERS[case.model](num_layers=NUM_LAYERS)
     reference = copy.deepcopy(model)
@@ -323,7 +323,7 @@ def test_planned_pipeline_runs_like_single_device(
     import json
 
     import autoplan
-    from autoplan.config import ParallelConfig
+    from autoplan.cost_models.config import ParallelConfig
 
     cfg = ParallelConfig(dp=dp, tp=tp, pp=2, microbatch_size=GLOBAL_BATCH // (NUM_MICROBATCHES * dp),
                          num_microbatches=NUM_MICROBATCHES, schedule=schedule, zero_stage=zero_stage,
@@ -335,7 +335,7 @@ def test_planned_pipeline_runs_like_single_device(
         example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
     )  # fmt: skip
     assert plan.config == cfg and plan.pipeline is not None and len(plan.pipeline.stage_starts) == 2
-    # planned on 2 traced blocks (passes.depth), the later blocks take block 1's placements
+    # planned on 2 traced blocks (autoplan.passes.depth), the later blocks take block 1's placements
     assert plan.pipeline.traced_blocks == 2 and len(plan.pipeline.segment_names) == NUM_LAYERS + 2
     results = run_ranks(_train_public, world, model_name, cfg, json.dumps(plan.to_dict()), timeout_s=900)
     for r in results:
@@ -349,7 +349,7 @@ def test_planned_pipeline_runs_like_single_device(
 def test_backward_splits_into_input_and_weight_gradient_programs() -> None:
     """Zero-bubble's B and W: every backward op in exactly one of them, the input gradients all in
     B, and B then W computes what the whole backward computes (plain tensors on one process)."""
-    from passes.stages import split_backward
+    from autoplan.passes.stages import split_backward
 
     def step(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, g: torch.Tensor):  # noqa: ANN202
         h = torch.tanh(x @ w1)  # the forward's saved values: x, h, w1, w2

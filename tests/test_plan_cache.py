@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from autoplan import plan_cache
 from autoplan.api import plan
-from cost_models.cluster import Cluster
+from autoplan.cost_models.cluster import Cluster
+from autoplan.planner import plan_cache
 from tests.models import gpt2_tiny, lm_loss, token_batch
 
 

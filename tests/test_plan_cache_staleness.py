@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import joint, plan_cache
 from autoplan.api import plan
-from autoplan.loader import build_workload
-from autoplan.plan import Plan
+from autoplan.planner import joint, plan_cache
+from autoplan.planner.plan import Plan
+from autoplan.tools.loader import build_workload
 from autoplan.workload import Workload
 
 MODEL_FILE = """

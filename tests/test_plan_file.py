@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import autoplan
-from passes.trace import trace_training_step
+from autoplan.passes.trace import trace_training_step
 
 SOLVER_TIMING_KEYS = ("solve_time_s", "plan_time_s")
 """Wall-clock fields under "solver": the only parts of a plan that may differ between two runs."""
@@ -94,7 +94,7 @@ def test_two_processes_write_byte_identical_plan_files(tmp_path, extra):  # noqa
         cmd = [
             sys.executable,
             "-m",
-            "autoplan.cli",
+            "autoplan.tools.cli",
             "plan",
             target,
             "--cluster",

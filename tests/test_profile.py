@@ -19,13 +19,14 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from autoplan.api import planning_mesh
-from autoplan.cli import main
-from cost_models.cluster import Cluster
-from cost_models.errors import PlanError, ProfileError
-from cost_models.profile_db import VERSION, DeviceKey, ProfileDB, default_cache_dir, default_db_path
-from passes.profile import _interleaved_times_s, local_shard_shape, op_key, optimizer_key, profile_program
-from passes.strategies import Strategy, StrategyTable, build_strategy_table
-from passes.trace import TracedProgram, trace_training_step
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.errors import PlanError, ProfileError
+from autoplan.cost_models.profile_db import VERSION, DeviceKey, ProfileDB, default_cache_dir, default_db_path
+from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
+from autoplan.passes.strategies import Strategy, StrategyTable, build_strategy_table
+from autoplan.passes.trace import TracedProgram, trace_training_step
+from autoplan.runtime.op_timing import _interleaved_times_s, profile_program
+from autoplan.tools.cli import main
 from tests.models import mlp, mlp_batch, mse_loss
 
 CLI_MODELS = Path(__file__).resolve().with_name("cli_models.py")
@@ -240,7 +241,7 @@ def test_timed_calls_cycle_through_input_copies_beyond_the_cache(
     # A step reads an op's inputs from memory (they were written long before); a loop over one
     # set of inputs reads them from the cache. The mm's two f32 inputs are 8*8*4 + 8*32*4 =
     # 1280 bytes on a rank: with a 4 KiB footprint, ceil(4096 / 1280) = 4 copies, used in turn.
-    from passes import profile as prof
+    from autoplan.runtime import op_timing as prof
 
     table, mesh = planned
     mm, strategy = _node(traced, "mm"), _strategy(table, "mm", "R<-(R,R)")
@@ -335,7 +336,7 @@ def test_cpu_keys_are_timed_interleaved_in_turn() -> None:
 def test_interleaved_chunks_bound_keys_and_input_bytes(traced: TracedProgram, planned, monkeypatch) -> None:  # noqa: ANN001
     """Keys are timed interleaved in consecutive chunks of at most INTERLEAVE_KEYS keys and
     INTERLEAVE_BYTES bytes of inputs alive at once (a larger key alone)."""
-    import passes.profile as profile_pass
+    import autoplan.runtime.op_timing as profile_pass
 
     table, _ = planned
     work = profile_pass._distinct_keys(traced, table, "adam")

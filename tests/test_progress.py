@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from autoplan import progress
+from autoplan.planner import progress
 
 
 class _Terminal(io.StringIO):

@@ -1,4 +1,4 @@
-"""passes.rebatch: the step of a larger micro-batch derived from two traces is the step tracing
+"""autoplan.passes.rebatch: the step of a larger micro-batch derived from two traces is the step tracing
 gives (same graph, same shapes and strides), and the planner's costs do not change with it."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-import passes.rebatch as rebatch_pass
-from autoplan import joint
-from autoplan.joint import SegmentCostModel
-from cost_models.cluster import Cluster
-from passes.rebatch import rebatch
-from passes.trace import TracedProgram, trace_training_step
+import autoplan.passes.rebatch as rebatch_pass
+from autoplan.cost_models.cluster import Cluster
+from autoplan.passes.rebatch import rebatch
+from autoplan.passes.trace import TracedProgram, trace_training_step
+from autoplan.planner import joint
+from autoplan.planner.joint import SegmentCostModel
 from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
 
 
@@ -119,7 +119,7 @@ def test_a_one_sample_plan_is_made_on_the_graph_parallelize_traces() -> None:
     data-parallel micro-batch is one sample must be the traced one (parallelize checks the
     fingerprint)."""
     import autoplan
-    from autoplan.joint import trace_for_plan
+    from autoplan.planner.joint import trace_for_plan
 
     ids, labels = token_batch(batch=1)
     model = gpt2_tiny()

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import report
-from autoplan.plan import Plan
-from cost_models.errors import PlanFileError
+from autoplan.cost_models.errors import PlanFileError
+from autoplan.planner.plan import Plan
+from autoplan.tools import report
 from tests import cli_models
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

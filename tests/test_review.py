@@ -23,7 +23,7 @@ Five groups of tests:
 * **diff** of a plan with itself and of two different plans (a pinned parameter placement).
 * **show of a pipeline plan** (GPT-2, 2x4xH100, dp=2, tp=2, pp=2): stages, bubble, grouped blocks.
 
-CLI commands that only read a plan file run in-process through ``autoplan.cli.main`` (same exit
+CLI commands that only read a plan file run in-process through ``autoplan.tools.cli.main`` (same exit
 codes and stderr lines as the subprocess, without the 3 s of imports); the golden case runs real
 subprocesses. Bugs these tests found (tied followers left out of explain's prices, stage-mesh axes named
 with the cluster's, a percentage of rounding noise in diff, no suggestion for a misspelt name)
@@ -47,9 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoplan
-from autoplan.cli import main as autoplan_main
-from autoplan.review import diff_plans, diff_text, explain, explain_text, show_text
-from passes.trace import param_node_name
+from autoplan.passes.trace import param_node_name
+from autoplan.tools.cli import main as autoplan_main
+from autoplan.tools.review import diff_plans, diff_text, explain, explain_text, show_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -143,7 +143,7 @@ def mlp_cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[byt
     plans = [tmp / "a.json", tmp / "b.json"]
 
     def spawn(*args: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "autoplan.cli", *args]
+        cmd = [sys.executable, "-m", "autoplan.tools.cli", *args]
         return subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def finish(procs: list[subprocess.Popen[bytes]]) -> list[bytes]:

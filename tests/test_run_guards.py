@@ -17,7 +17,7 @@ and the fix, no traceback) *before* any rank starts or any file is written:
 ``autoplan plan`` interrupted by SIGINT or SIGTERM while its joint search runs forked workers
 prints one line, exits 130 / 143 and leaves no worker behind.
 
-Most run in process (``autoplan.cli.main``); the interrupt tests start the CLI as a subprocess.
+Most run in process (``autoplan.tools.cli.main``); the interrupt tests start the CLI as a subprocess.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import pytest
 
-from autoplan import cli, launch
-from autoplan.loader import TargetError, build_workload
-from cost_models.errors import ProfileError
-from cost_models.profile_db import MAX_OP_TIME_S, DeviceKey, ProfileDB
+from autoplan.cost_models.errors import ProfileError
+from autoplan.cost_models.profile_db import MAX_OP_TIME_S, DeviceKey, ProfileDB
+from autoplan.tools import cli, launch
+from autoplan.tools.loader import TargetError, build_workload
 from tests.test_bad_inputs import assert_bad_input
 from tests.test_bad_inputs import cli as cli_main
 
@@ -287,7 +287,7 @@ def test_interrupted_joint_search_prints_one_line_and_leaves_no_worker(signum, t
     env = dict(os.environ, AUTOPLAN_WORKERS="2", AUTOPLAN_NO_PLAN_CACHE="1", TRANSFORMERS_VERBOSITY="error")
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "autoplan.cli", "plan", f"{REPO_ROOT / 'examples' / 'hf_models.py'}:gpt2_tiny",
+        [sys.executable, "-m", "autoplan.tools.cli", "plan", f"{REPO_ROOT / 'examples' / 'hf_models.py'}:gpt2_tiny",
          "--cluster", "2x8xH100", "--global-batch-size", "64", "--out", str(tmp_path / "plan.json"), "-q"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.fx as fx
 
-from cost_models.memory import optimizer_temp_bytes
-from passes.liveness import analyze, live_at, memory_checkpoints
-from passes.overlap import schedule_step
-from passes.solver import _merge
-from passes.strategies import ValueRef
+from autoplan.cost_models.memory import optimizer_temp_bytes
+from autoplan.passes.liveness import analyze, live_at, memory_checkpoints
+from autoplan.passes.overlap import schedule_step
+from autoplan.passes.strategies import ValueRef
+from autoplan.planner.solver import _merge
 
 
 def _chain(n: int) -> fx.GraphModule:

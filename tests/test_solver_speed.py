@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from autoplan.api import planning_mesh
-from cost_models.cluster import Cluster
-from passes.costing import build_cost_problem
-from passes.solver import ShardingILP, SolverOptions, objective_of
-from passes.strategies import build_strategy_table
-from passes.trace import trace_training_step
+from autoplan.cost_models.cluster import Cluster
+from autoplan.passes.costing import build_cost_problem
+from autoplan.passes.strategies import build_strategy_table
+from autoplan.passes.trace import trace_training_step
+from autoplan.planner.solver import ShardingILP, SolverOptions, objective_of
 from tests.models import gpt2_tiny, lm_loss, token_batch
 
 

@@ -78,7 +78,7 @@ def test_owned_stdout_sends_library_output_to_stderr_and_ours_to_stdout():
     r = _run_python(
         """
         import os, subprocess, sys
-        from autoplan import console
+        from autoplan.tools import console
         print("before")
         with console.owned_stdout():
             os.write(1, b"c-banner\\n")

@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema
 
 from autoplan.api import planning_mesh
-from cost_models.cluster import Cluster
-from passes.strategies import _single, build_strategy_table
-from passes.trace import trace_training_step
+from autoplan.cost_models.cluster import Cluster
+from autoplan.passes.strategies import _single, build_strategy_table
+from autoplan.passes.trace import trace_training_step
 
 
 class _UninitializedBuffers(nn.Module):

@@ -19,10 +19,10 @@ import torch
 
 import autoplan
 from autoplan.api import parallelize, plan
-from autoplan.cli import main
-from autoplan.optimizers import make_torch_optimizer
-from cost_models.errors import PlanError, PlanFileError
-from cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.errors import PlanError, PlanFileError
+from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.runtime.optimizers import make_torch_optimizer
+from autoplan.tools.cli import main
 from tests.test_bad_inputs import assert_bad_input, fake_job, on_meta
 
 

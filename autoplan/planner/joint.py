@@ -7,8 +7,8 @@
     print(est.summary())
 
 Both the what-if estimate and the planner's search price a configuration with the same function
-(:func:`passes.pipeline_search.evaluate`) over the same per-segment costs: the intra-operator ILP
-solved for one micro-batch on the tensor-parallel group (:mod:`passes.segment_costs`), so the
+(:func:`autoplan.planner.search.evaluate`) over the same per-segment costs: the intra-operator ILP
+solved for one micro-batch on the tensor-parallel group (:mod:`autoplan.planner.segment_costs`), so the
 planner's choice can be compared number for number with a hand-written configuration.
 
 ``example_inputs`` give the per-sample shapes; their batch dimension (dim 0) is resized to each
@@ -35,17 +35,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoplan import progress
-from autoplan.config import PRECISIONS, ParallelConfig
-from autoplan.plan import Estimate, PipelineLayout, Plan
-from cost_models.cluster import Cluster
-from cost_models.errors import ConfigError, PlanMismatchError
-from cost_models.profile_db import ProfileDB
-from passes.costing import CostProblem, build_cost_problem
-from passes.depth import KEPT_BLOCKS, reduce_depth
-from passes.expand import block_multiplicity, scale_problem, twins
-from passes.layers import Layering, find_layers
-from passes.pipeline_search import (
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.config import PRECISIONS, ParallelConfig
+from autoplan.cost_models.errors import ConfigError, PlanMismatchError
+from autoplan.cost_models.profile_db import ProfileDB
+from autoplan.passes.costing import CostProblem, build_cost_problem
+from autoplan.passes.depth import KEPT_BLOCKS, reduce_depth
+from autoplan.passes.expand import block_multiplicity, scale_problem, twins
+from autoplan.passes.layers import Layering, find_layers
+from autoplan.passes.rebatch import MIN_BASE_BATCH, rebatch
+from autoplan.passes.strategies import StrategyTable, build_strategy_table
+from autoplan.passes.trace import LossFn, TracedProgram, forward_fingerprint, param_node_name, trace_training_step
+from autoplan.planner import progress
+from autoplan.planner.plan import Estimate, PipelineLayout, Plan
+from autoplan.planner.search import (
     Candidate,
     PipelineEstimate,
     SearchSpace,
@@ -54,11 +57,8 @@ from passes.pipeline_search import (
     search,
     tp_cluster,
 )
-from passes.rebatch import MIN_BASE_BATCH, rebatch
-from passes.segment_costs import SegmentCosts, segment_costs
-from passes.solver import ShardingILP, SolverOptions
-from passes.strategies import StrategyTable, build_strategy_table
-from passes.trace import LossFn, TracedProgram, forward_fingerprint, param_node_name, trace_training_step
+from autoplan.planner.segment_costs import SegmentCosts, segment_costs
+from autoplan.planner.solver import ShardingILP, SolverOptions
 
 log = logging.getLogger(__name__)
 
@@ -175,8 +175,8 @@ def trace_repeated(
     *,
     reduce: bool = True,
 ) -> tuple[TracedProgram, Layering, int]:
-    """One micro-batch's step traced with the first :data:`~passes.depth.KEPT_BLOCKS` repeated
-    blocks (``reduce``; :mod:`passes.depth`), its layering, and the model's real number of
+    """One micro-batch's step traced with the first :data:`~autoplan.passes.depth.KEPT_BLOCKS` repeated
+    blocks (``reduce``; :mod:`autoplan.passes.depth`), its layering, and the model's real number of
     blocks. Falls back to the full depth when the layering does not see the kept blocks."""
     reduced = reduce_depth(model, KEPT_BLOCKS if reduce else sys.maxsize)
     traced = trace_microbatch(reduced.module, inputs, targets, loss_fn, batch)
@@ -197,7 +197,7 @@ def trace_for_plan(
     loss_fn: LossFn | None,
 ) -> TracedProgram:
     """The micro-batch step a plan made for a global batch applies to (with the plan's number
-    of blocks when it was planned on fewer, :mod:`passes.depth`); ``inputs`` must be that global
+    of blocks when it was planned on fewer, :mod:`autoplan.passes.depth`); ``inputs`` must be that global
     batch (:class:`PlanMismatchError` otherwise)."""
     layout = plan.pipeline
     assert layout is not None
@@ -213,7 +213,7 @@ def trace_for_plan(
 def _planned_step(plan: Plan, model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
     """The model and micro-batch size of the step a global-batch plan's placements are for: one
     stage program's ``dp * microbatch_size`` samples, with the plan's number of blocks when it
-    was planned on fewer (:mod:`passes.depth`)."""
+    was planned on fewer (:mod:`autoplan.passes.depth`)."""
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
     if layout.reduced:
@@ -240,7 +240,7 @@ def _forward_fingerprint(
     targets: Sequence[torch.Tensor],
     loss_fn: LossFn | None,
 ) -> str:
-    """:func:`passes.trace.forward_fingerprint` of the step a global-batch plan is for: what the
+    """:func:`autoplan.passes.trace.forward_fingerprint` of the step a global-batch plan is for: what the
     plan cache checks a hit with (an export, without the backward graph a full trace builds)."""
     model, batch = _planned_step(plan, model)
     return forward_fingerprint(
@@ -265,7 +265,7 @@ class SegmentCostModel:
     profile: ProfileDB | None = None
     time_limit_s: float = 60.0
     reduce_repeated: bool = True
-    """Trace two blocks and price the rest from the last (passes.depth); False: full depth."""
+    """Trace two blocks and price the rest from the last (autoplan.passes.depth); False: full depth."""
     extrapolate_batch: bool = True
     """Price large micro-batches by scaling a smaller one once the costs are seen to grow
     linearly (see :meth:`__call__`); False: trace and solve every micro-batch size."""
@@ -280,9 +280,9 @@ class SegmentCostModel:
 
     def _traced(self, batch: int) -> tuple[TracedProgram, Layering]:
         """The step of one micro-batch of ``batch`` samples, traced with the first
-        :data:`~passes.depth.KEPT_BLOCKS` blocks only (:mod:`passes.depth`; costs are expanded to
+        :data:`~autoplan.passes.depth.KEPT_BLOCKS` blocks only (:mod:`autoplan.passes.depth`; costs are expanded to
         the full depth in :meth:`__call__`); derived from two exported sizes when it can be
-        (:mod:`passes.rebatch`: the same graph, without another ``torch.export``).
+        (:mod:`autoplan.passes.rebatch`: the same graph, without another ``torch.export``).
 
         A batch of one is always derived from 2 and 4 samples (exported first if needed): traced
         on its own it gives a slightly different graph (a ``slice`` where larger batches
@@ -306,7 +306,7 @@ class SegmentCostModel:
         return self._traces[batch]
 
     def _derived(self, batch: int) -> tuple[TracedProgram, Layering] | None:
-        """The step of ``batch`` samples derived (:mod:`passes.rebatch`, exact or ``None``) from
+        """The step of ``batch`` samples derived (:mod:`autoplan.passes.rebatch`, exact or ``None``) from
         the two largest exported sizes below it, else the two smallest others, with its layering."""
         exported = sorted(b for b in self._exported if b >= MIN_BASE_BATCH and b != batch)
         below = [b for b in exported if b < batch]
@@ -336,7 +336,7 @@ class SegmentCostModel:
         needed, the smallest micro-batch first (its candidates can be laid out while the rest
         solve), at most one per worker, and decides again as results come in. The results are exactly those of calling :meth:`__call__` here, in any order.
         The traces every worker needs (2 and 4 samples, the bases the other sizes are derived from,
-        :mod:`passes.rebatch`, and 1 sample) are made here before forking; while this process
+        :mod:`autoplan.passes.rebatch`, and 1 sample) are made here before forking; while this process
         traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. While it waits
         for results, this process calls ``while_waiting()`` (the search lays out the candidates
         whose costs are :meth:`ready`), checking for results between calls, until it returns False.
@@ -377,7 +377,7 @@ class SegmentCostModel:
         context = multiprocessing.get_context("fork")
         try:
             with contextlib.ExitStack() as pools:
-                self._traced(MIN_BASE_BATCH)  # every other size is derived with it (passes.rebatch)
+                self._traced(MIN_BASE_BATCH)  # every other size is derived with it (autoplan.passes.rebatch)
                 later = [2 * MIN_BASE_BATCH] if sizes - {MIN_BASE_BATCH} else []  # the second base
                 later += [1] if 1 in sizes else []  # derived from the two bases
                 if later:  # the ILPs of 2 samples run in one worker while this process traces the bases
@@ -466,7 +466,7 @@ class SegmentCostModel:
             # memory is the outer search's constraint (it depends on stages and schedule)
             problem.capacity_bytes = float("inf")
             problem.memory_points = []
-            # the last traced block stands for all the later ones (passes.expand)
+            # the last traced block stands for all the later ones (autoplan.passes.expand)
             mult = block_multiplicity(layering, self.num_blocks)
             solution = ShardingILP(
                 scale_problem(_memory_tie_break(problem), mult, twins(traced.graph_module, layering)),
@@ -708,7 +708,7 @@ def _search(
         model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile,
         reduce_repeated=reduce_repeated, extrapolate_batch=reduce_repeated,
     )  # fmt: skip
-    costs._traced(MIN_BASE_BATCH)  # noqa: SLF001 - learn the number of blocks (and a base, passes.rebatch)
+    costs._traced(MIN_BASE_BATCH)  # noqa: SLF001 - learn the number of blocks (and a base, autoplan.passes.rebatch)
     if config is not None:
         _check_config(config, cluster, costs.num_blocks, global_batch_size)
         if config.stage_dp is not None:
@@ -744,7 +744,7 @@ def stage_axes(config: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]
 def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
     """The devices of one pipeline stage as a cluster with the mesh of :func:`stage_axes`: whole
     nodes when the stage spans nodes, else a part of one node."""
-    from cost_models.errors import ClusterSpecError
+    from autoplan.cost_models.errors import ClusterSpecError
 
     shape, names = stage_axes(config)
     n = config.dp * config.tp
@@ -764,7 +764,7 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     shape allows)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from passes.strategies import NodeStrategies
+    from autoplan.passes.strategies import NodeStrategies
 
     if config.dp == 1:
         return
@@ -853,12 +853,12 @@ def plan_for_batch(
     ``config`` fixes the degrees and knobs (the search then only places the stage boundaries).
     The search covers what the runtime executes (:data:`EXECUTABLE_SPACE`) unless ``space`` says
     otherwise. ``reduce_repeated``: plan on two traced blocks standing for all of them
-    (:mod:`passes.depth`, :mod:`passes.expand`); False traces and solves the full depth."""
+    (:mod:`autoplan.passes.depth`, :mod:`autoplan.passes.expand`); False traces and solves the full depth."""
     if config is not None:
         _check_executable(config)
     space = space or EXECUTABLE_SPACE
-    from autoplan import plan_cache
     from autoplan.api import plan_traced, planning_mesh  # api re-exports this module's entry point
+    from autoplan.planner import plan_cache
 
     t0 = time.perf_counter()
     options = {
@@ -882,10 +882,10 @@ def plan_for_batch(
         config=config, reduce_repeated=reduce_repeated,
     )  # fmt: skip
     cfg = best.config
-    # the stage program with the repeated blocks traced once (passes.depth), solved with the
-    # copies' variables shared (passes.expand); memory is the outer search's constraint. It must
+    # the stage program with the repeated blocks traced once (autoplan.passes.depth), solved with the
+    # copies' variables shared (autoplan.passes.expand); memory is the outer search's constraint. It must
     # be the graph parallelize traces (trace_for_plan): from 2 samples on, the cost model's
-    # derived traces are that graph exactly (passes.rebatch); one sample is traced on its own
+    # derived traces are that graph exactly (autoplan.passes.rebatch); one sample is traced on its own
     samples = cfg.microbatch_size * cfg.dp
     if samples >= MIN_BASE_BATCH:
         traced, layering = costs._traced(samples)  # noqa: SLF001

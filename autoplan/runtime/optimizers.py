@@ -1,6 +1,6 @@
 """The ``torch.optim`` optimizer a plan was costed for: one constructor for the flat
-(:class:`autoplan.parallel.ParallelModel`) and the pipelined (:class:`autoplan.pipeline.PipelineModel`)
-runtime. The names are the memory model's (``cost_models.memory.OPTIMIZERS``); any other name is
+(:class:`autoplan.runtime.parallel.ParallelModel`) and the pipelined (:class:`autoplan.runtime.pipeline.PipelineModel`)
+runtime. The names are the memory model's (``autoplan.cost_models.memory.OPTIMIZERS``); any other name is
 an error, never a silent fallback to another optimizer."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from cost_models.errors import PlanError
-from cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.memory import OPTIMIZERS
 
 
 def make_torch_optimizer(name: str, params: Sequence[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:

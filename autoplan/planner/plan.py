@@ -17,19 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoplan.config import PRECISIONS, RECOMPUTE, ParallelConfig, field_name_problem
-from cost_models.cluster import COLLECTIVE_KINDS, LOCAL_KINDS, Cluster
-from cost_models.echo import clip, clip_text, terminal_safe
-from cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
-from cost_models.memory import OPTIMIZERS
-from passes.explain import NodeExplanation
-from passes.plan_text import param_node_name, spec_text
+from autoplan.cost_models.cluster import COLLECTIVE_KINDS, LOCAL_KINDS, Cluster
+from autoplan.cost_models.config import PRECISIONS, RECOMPUTE, ParallelConfig, field_name_problem
+from autoplan.cost_models.echo import clip, clip_text, terminal_safe
+from autoplan.cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
+from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.passes.explain import NodeExplanation
+from autoplan.passes.plan_text import param_node_name, spec_text
 
 if TYPE_CHECKING:  # loading, checking and printing a plan needs no torch (`autoplan show` starts fast)
     import torch
 
-    from passes.strategies import Strategy, StrategyTable
-    from passes.trace import TracedProgram
+    from autoplan.passes.strategies import Strategy, StrategyTable
+    from autoplan.passes.trace import TracedProgram
 
 PLAN_FORMAT = "autoplan.plan"
 PLAN_VERSION = 1
@@ -126,7 +126,7 @@ class PipelineLayout:
     of one micro-batch (``microbatch_size * dp`` samples) on the stage mesh ``(dp, tp)``."""
 
     stage_starts: tuple[int, ...]
-    """First segment of each stage (``passes.layers``: 0 prologue, 1..L blocks, L+1 epilogue)."""
+    """First segment of each stage (``autoplan.passes.layers``: 0 prologue, 1..L blocks, L+1 epilogue)."""
     stage_recompute: tuple[str, ...]
     segment_names: tuple[str, ...]
     stage_mesh_shape: tuple[int, ...]
@@ -134,10 +134,10 @@ class PipelineLayout:
     global_batch_size: int
     precision: str
     block_list: str = ""
-    """FQN of the model's list of repeated blocks (``passes.depth``)."""
+    """FQN of the model's list of repeated blocks (``autoplan.passes.depth``)."""
     traced_blocks: int = 0
     """Blocks of the program the placements are for: when fewer than the model's, the last
-    one stands for all the others (``passes.expand``); 0 = the full depth."""
+    one stands for all the others (``autoplan.passes.expand``); 0 = the full depth."""
 
     @property
     def reduced(self) -> bool:
@@ -199,7 +199,7 @@ class Plan:
     pipeline: PipelineLayout | None = None
     alternatives: Mapping[str, NodeExplanation] = field(default_factory=dict)
     """Per node with a choice: the chosen strategy and the next cheapest, each priced with the rest
-    of the plan fixed (:mod:`passes.explain`); read by ``autoplan explain``."""
+    of the plan fixed (:mod:`autoplan.passes.explain`); read by ``autoplan explain``."""
     workload: str = ""
     """``FILE.py:FUNCTION`` the CLI built the model from (empty for plans made from Python): lets
     ``autoplan export-onnx`` and ``autoplan explain`` find the model again."""
@@ -210,8 +210,8 @@ class Plan:
         return self.cluster.world_size
 
     def strategy_of(self, node: str) -> Strategy:
-        from passes.placement import parse_spec
-        from passes.strategies import Strategy
+        from autoplan.passes.placement import parse_spec
+        from autoplan.passes.strategies import Strategy
 
         d = self.nodes[node]
         outs = tuple(parse_spec(s) if s is not None else None for s in d["out"])
@@ -220,8 +220,8 @@ class Plan:
 
     def assignment(self) -> dict[str, Strategy]:
         """node name -> chosen strategy, placeholders included (buffers and constants are ``R``)."""
-        from passes.placement import parse_spec
-        from passes.strategies import Strategy
+        from autoplan.passes.placement import parse_spec
+        from autoplan.passes.strategies import Strategy
 
         out = {name: self.strategy_of(name) for name in self.nodes}
         for name in self.param_names:
@@ -353,7 +353,7 @@ class Plan:
         list per parameter of the model and no other, one per input and target, one entry per
         operator the program runs with one placement list per tensor output and argument, shard
         dims within each tensor's rank, placeholders only ``R``/``S(d)``, replicated fallback ops.
-        With ``table`` (``passes.strategies`` on the plan's mesh) every placeholder and operator
+        With ``table`` (``autoplan.passes.strategies`` on the plan's mesh) every placeholder and operator
         must also have one of the strategies enumerated for it: a hand edit can pair placements an
         operator cannot run, and the program would then train wrongly.
         A plan whose fingerprint matches can still fail this when it was edited by hand; raises
@@ -469,7 +469,7 @@ class Plan:
     def save(self, path: str | os.PathLike[str], *, timings: bool = False) -> None:
         """Write the plan as JSON, atomically (a temporary file renamed into place). Without
         ``timings`` the file holds no wall-clock values: the same inputs give the same bytes."""
-        from cost_models.files import atomic_write
+        from autoplan.cost_models.files import atomic_write
 
         text = json.dumps(self.to_dict(timings=timings), indent=1, sort_keys=False) + "\n"
         atomic_write(path, text, what="plan file")
@@ -477,8 +477,8 @@ class Plan:
     @staticmethod
     def load(path: str | os.PathLike[str]) -> Plan:
         """Read a plan file: at most ``MAX_PLAN_FILE_BYTES``, nesting and numbers within Python's
-        JSON limits (``cost_models.files``); every problem is a one-line :class:`PlanFileError`."""
-        from cost_models.files import MAX_PLAN_FILE_BYTES, InputLimitError, parse_json, read_limited
+        JSON limits (``autoplan.cost_models.files``); every problem is a one-line :class:`PlanFileError`."""
+        from autoplan.cost_models.files import MAX_PLAN_FILE_BYTES, InputLimitError, parse_json, read_limited
 
         path = Path(path)
         try:
@@ -575,8 +575,8 @@ def _misfit(plan: Plan, traced: TracedProgram) -> str | None:
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    from passes.placement import parse_spec, spec_str
-    from passes.strategies import tensor_args
+    from autoplan.passes.placement import parse_spec, spec_str
+    from autoplan.passes.strategies import tensor_args
 
     nodes = {n.name: n for n in traced.graph_module.graph.nodes}
 
@@ -667,10 +667,10 @@ def _unlisted_strategy(plan: Plan, table: StrategyTable) -> str | None:
 
 def _unplanned_operator(traced: TracedProgram, planned: Mapping[str, Any]) -> torch.fx.Node | None:
     """The first operator of ``traced`` that computes on a placeholder's value (so the strategy
-    table of ``passes.strategies`` gives it placements) but has no entry in ``planned``."""
+    table of ``autoplan.passes.strategies`` gives it placements) but has no entry in ``planned``."""
     import operator
 
-    from passes.strategies import resolve_value, tensor_args
+    from autoplan.passes.strategies import resolve_value, tensor_args
 
     depends: set[str] = set()
     for node in traced.graph_module.graph.nodes:

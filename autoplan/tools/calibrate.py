@@ -6,19 +6,19 @@
 On one machine the command launches ``python -m torch.distributed.run --nproc-per-node WORLD``
 with this same command line; every rank joins a gloo (CPU device) or NCCL (GPU device) group,
 builds the cluster's ``DeviceMesh`` and, for every mesh axis, kind and message size of the
-``Sweep``, times the ``passes.runtime`` call the generated program makes on a DTensor (so
+``Sweep``, times the ``autoplan.runtime.collectives`` call the generated program makes on a DTensor (so
 DTensor's Python overhead is part of the fitted latency; send/recv uses
 ``torch.distributed.batch_isend_irecv`` on the axis group). Each timing is the slowest rank's,
 after warm-up calls and a barrier, and a sample is the mean of the repetitions (a step pays the
 expected time, waits for a late rank included, not the typical one). The launcher
-then fits the samples (``cost_models.calibration``), prints measured and fitted times, and
+then fits the samples (``autoplan.cost_models.calibration``), prints measured and fitted times, and
 writes the profile atomically.
 
 A multi-node cluster cannot be calibrated from one machine. Run the same command under torchrun
 on every node instead; rank 0 then fits and writes ``--out`` on its node::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0:29500 \\
-        -m autoplan.cli calibrate --cluster 2x8xH100 --out h100x16.yaml
+        -m autoplan.tools.cli calibrate --cluster 2x8xH100 --out h100x16.yaml
 """
 
 from __future__ import annotations
@@ -35,13 +35,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoplan import console, launch
+from autoplan.tools import console, launch
 
 if TYPE_CHECKING:  # torch and the cost models load when the command runs, not when the CLI starts
     import torch
 
-    from cost_models.calibration import Sample, Sweep
-    from cost_models.cluster import Cluster, CommKind
+    from autoplan.cost_models.calibration import Sample, Sweep
+    from autoplan.cost_models.cluster import Cluster, CommKind
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ _SWEEP_OPTIONS: tuple[str, ...] = ("min_bytes", "max_bytes", "repetitions", "war
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from cost_models.calibration import CalibrationError, Sample, Sweep
-    from cost_models.files import refuse_overwriting_inputs
+    from autoplan.cost_models.calibration import CalibrationError, Sample, Sweep
+    from autoplan.cost_models.files import refuse_overwriting_inputs
 
     cluster = _target_cluster(args.cluster, args.mesh)
     sweep = Sweep(**{name: getattr(args, name) for name in _SWEEP_OPTIONS if getattr(args, name) is not None})
@@ -94,7 +94,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise CalibrationError(
             f"cluster {cluster} spans {cluster.num_nodes} nodes and one machine cannot calibrate it: run "
             f"`torchrun --nnodes {cluster.num_nodes} --nproc-per-node {cluster.devices_per_node} "
-            "--rdzv-backend c10d --rdzv-endpoint NODE0:29500 -m autoplan.cli calibrate ...` on every node"
+            "--rdzv-backend c10d --rdzv-endpoint NODE0:29500 -m autoplan.tools.cli calibrate ...` on every node"
         )
     import torch
 
@@ -121,7 +121,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _target_cluster(spec: str, mesh: str | None) -> Cluster:
     """The cluster to calibrate; a file's old links and calibration are dropped (they are redone)."""
-    from autoplan.cli import _cluster  # the CLI's --cluster/--mesh parsing (cli imports this module)
+    from autoplan.tools.cli import _cluster  # the CLI's --cluster/--mesh parsing (cli imports this module)
 
     cluster: Cluster = _cluster(spec, mesh, recalibrate=True)
     return cluster
@@ -147,7 +147,7 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
         "--master-port",
         str(launch.master_port(args.master_port)),
         "-m",
-        "autoplan.cli",
+        "autoplan.tools.cli",
         *(["--verbose"] if verbose else []),
         "calibrate",
         "--cluster",
@@ -182,7 +182,7 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
 
 def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, out: Path, quiet: bool) -> None:
     """Fit, write the profile, print the table (unless ``quiet``) and the summary line."""
-    from cost_models.calibration import build_profile, write_profile
+    from autoplan.cost_models.calibration import build_profile, write_profile
 
     profile = build_profile(cluster, samples, device_model=device_model)
     write_profile(profile, out)
@@ -200,7 +200,7 @@ def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, o
 
 def format_table(profile: Cluster, samples: Sequence[Sample]) -> str:
     """Measured and fitted time per axis, kind and size, with each fit's numbers."""
-    from cost_models.calibration import fitted_time_s
+    from autoplan.cost_models.calibration import fitted_time_s
 
     lines = []
     for axis in profile.mesh_axis_names:
@@ -227,9 +227,9 @@ def _rank_main(args: argparse.Namespace, cluster: Cluster, sweep: Sweep) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autoplan.teardown import destroy_process_groups
-    from cost_models.calibration import CalibrationError
-    from cost_models.cluster import current_device_model
+    from autoplan.cost_models.calibration import CalibrationError
+    from autoplan.cost_models.cluster import current_device_model
+    from autoplan.runtime.teardown import destroy_process_groups
 
     backend = cluster.backend
     device_type = "cuda" if backend == "nccl" else "cpu"
@@ -273,7 +273,7 @@ def measure(mesh: Any, cluster: Cluster, sweep: Sweep) -> list[Sample]:
     import torch
     import torch.distributed as dist
 
-    from cost_models.calibration import Sample, sample_time_s
+    from autoplan.cost_models.calibration import Sample, sample_time_s
 
     device = torch.device("cuda", torch.cuda.current_device()) if cluster.backend == "nccl" else torch.device("cpu")
     points: list[tuple[str, CommKind, int, int]] = []
@@ -347,8 +347,8 @@ def _make_op(kind: str, nbytes: int, mesh: Any, axis: int, device: torch.device)
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from cost_models.cluster import COMM_KINDS
-    from passes import runtime
+    from autoplan.cost_models.cluster import COMM_KINDS
+    from autoplan.runtime import collectives as runtime
 
     assert kind in COMM_KINDS, kind
     n = mesh.size(axis)

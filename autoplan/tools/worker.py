@@ -1,10 +1,10 @@
 """Per-rank entry point of ``autoplan run`` (started by torchrun; not a public API).
 
-torchrun --nproc-per-node=N -m autoplan._worker TARGET --plan plan.json --steps 10 [--compare]
+torchrun --nproc-per-node=N -m autoplan.tools.worker TARGET --plan plan.json --steps 10 [--compare]
          [--checkpoint-dir DIR --checkpoint-every N] [--save-final params.pt]
 
 With ``--checkpoint-dir`` the job resumes from the newest complete checkpoint there
-(:mod:`autoplan.checkpoint`) and saves one every ``--checkpoint-every`` steps and after the last.
+(:mod:`autoplan.runtime.checkpoint`) and saves one every ``--checkpoint-every`` steps and after the last.
 
 Fault injection for tests: ``AUTOPLAN_FAULT_AT_STEP=n`` makes rank ``AUTOPLAN_FAULT_RANK``
 (default: the last rank) exit with code 1 right after optimizer step ``n`` (counted from 1,
@@ -24,14 +24,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from autoplan import checkpoint, console
 from autoplan.api import parallelize
-from autoplan.loader import build_workload
-from autoplan.plan import Plan
-from autoplan.teardown import destroy_process_groups
+from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.files import atomic_write
+from autoplan.planner.plan import Plan
+from autoplan.runtime import checkpoint
+from autoplan.runtime.teardown import destroy_process_groups
+from autoplan.tools import console
+from autoplan.tools.loader import build_workload
 from autoplan.workload import Workload
-from cost_models.errors import PlanError
-from cost_models.files import atomic_write
 
 
 def _rel(a: float, b: float) -> float:
@@ -91,7 +92,7 @@ def _init_process_group(backend: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="autoplan._worker")
+    p = argparse.ArgumentParser(prog="autoplan.tools.worker")
     p.add_argument("target")
     p.add_argument("--plan", required=True)
     p.add_argument("--steps", type=int, default=10)

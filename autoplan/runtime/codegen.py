@@ -6,7 +6,7 @@ Input: the traced joint graph and an assignment ``node name -> Strategy`` (from 
 Output: a :class:`GeneratedProgram` whose ``graph_module`` has the same signature as the traced
 step, runs on DTensors (parameters and inputs in their planned placements) and contains, before
 every argument whose producer's placement differs from what the consumer needs, the chain of
-single-axis steps of :func:`cost_models.comm.plan_transition` as explicit calls
+single-axis steps of :func:`autoplan.cost_models.comm.plan_transition` as explicit calls
 (``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all``, ``shard``, ``to_partial``).
 Gradient all-reduces with the same transition are coalesced into one ``all_reduce_coalesced``
 per mesh axis at the end (one flat buffer, as DDP buckets gradients); every other gradient
@@ -32,12 +32,12 @@ from torch.distributed.tensor import Partial, Shard
 from torch.fx.node import Argument
 from torch.utils import _pytree as pytree
 
-from cost_models.comm import TransitionStep, is_coalescable, plan_transition
-from cost_models.errors import PlanError
-from passes import runtime
-from passes.placement import Spec, replicated, spec_str
-from passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
-from passes.trace import TracedProgram, param_node_name, writes_an_argument
+from autoplan.cost_models.comm import TransitionStep, is_coalescable, plan_transition
+from autoplan.cost_models.errors import PlanError
+from autoplan.passes.placement import Spec, replicated, spec_str
+from autoplan.passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
+from autoplan.passes.trace import TracedProgram, param_node_name, writes_an_argument
+from autoplan.runtime import collectives as runtime
 
 OUTPUT = "<output>"
 

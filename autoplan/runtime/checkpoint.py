@@ -56,10 +56,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from autoplan.parallel import ParallelModel
-from autoplan.pipeline import PipelineModel, StageModule
-from autoplan.plan import Plan
-from cost_models.errors import CheckpointError, CorruptCheckpointError
+from autoplan.cost_models.errors import CheckpointError, CorruptCheckpointError
+from autoplan.planner.plan import Plan
+from autoplan.runtime.parallel import ParallelModel
+from autoplan.runtime.pipeline import PipelineModel, StageModule
 
 logger = logging.getLogger(__name__)
 

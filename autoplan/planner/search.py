@@ -8,19 +8,19 @@ tensor-parallel group is ``tp`` consecutive ranks of one node, a data-parallel g
 ``tp`` and pipeline neighbours are ``dp * tp`` ranks apart. A configuration ``c`` fixes the
 degrees, the micro-batch size ``b`` (per data-parallel replica), the number of micro-batches
 ``m`` (``B = dp * b * m``), the schedule with ``v`` virtual stages, recomputation and ZeRO stage.
-Stages are contiguous ranges of segments (:mod:`passes.layers`: prologue, blocks, epilogue).
+Stages are contiguous ranges of segments (:mod:`autoplan.passes.layers`: prologue, blocks, epilogue).
 
-Inside a stage, the per-operator sharding is the ILP of :mod:`passes.solver` solved on the
+Inside a stage, the per-operator sharding is the ILP of :mod:`autoplan.planner.solver` solved on the
 tensor-parallel group for one micro-batch of ``b`` samples (data parallelism splits the batch
 evenly and adds only the gradient synchronisation, priced here), and summed per segment by
-:mod:`passes.segment_costs`. For stage ``k`` with segments ``K``::
+:mod:`autoplan.planner.segment_costs`. For stage ``k`` with segments ``K``::
 
     F_k = sum_{j in K} fwd_s[j]
     B_k = sum_{j in K} bwd_s[j] + R_k        R_k = 0 | sum selective_recompute_s | F_k   (recompute)
     A_k = sum_{j in K} a_j                   a_j = saved_bytes | saved_matmul + input | input
     S_k = P_k w + T_k (g + o)                P_k parameter elements, T_k of them trainable (not
                                              frozen); w, g, o bytes per element of weights, grads
-                                             and optimizer state (cost_models.memory, by precision
+                                             and optimizer state (autoplan.cost_models.memory, by precision
                                              and optimizer)
           / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w)
     ZeRO-3: F_k, B_k += the parameter all-gather of the stage per micro-batch; where compute and
@@ -28,7 +28,7 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
     M_k = S_k + inflight_k(schedule, m, v) * A_k + T_k  <=  capacity          (memory)
 
 with ``T_k`` the transient of recomputing one segment (full recompute) and the ZeRO-3 gather
-buffer. The step time is the pipeline makespan of :mod:`cost_models.pipeline` over the
+buffer. The step time is the pipeline makespan of :mod:`autoplan.cost_models.schedule` over the
 ``(F_k, B_k)`` with point-to-point transfers of ``cut_bytes`` between stages, plus per stage the
 exposed gradient synchronisation (all-reduce over dp, or reduce-scatter + per micro-batch
 all-gathers for ZeRO-3; on devices that overlap communication the part hidden behind the last
@@ -64,12 +64,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cost_models.cluster import Cluster, LinkSpec
-from cost_models.comm import link_time_s, overlaps_compute
-from cost_models.errors import ConfigError, InfeasiblePlanError
-from cost_models.memory import precision_bytes
-from cost_models.pipeline import StageTimes, fast_step_time, inflight_microbatches
-from passes.segment_costs import SegmentCost, SegmentCosts
+from autoplan.cost_models.cluster import Cluster, LinkSpec
+from autoplan.cost_models.comm import link_time_s, overlaps_compute
+from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
+from autoplan.cost_models.memory import precision_bytes
+from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
+from autoplan.planner.segment_costs import SegmentCost, SegmentCosts
 
 SegmentCostFn = Callable[[int, int], SegmentCosts]
 """``(tp, microbatch_size) -> SegmentCosts`` of one micro-batch on a tensor-parallel group."""
@@ -319,7 +319,7 @@ def evaluate(
         grad_bytes = trained * bpe.grads
         after = 0.0  # communication after the optimizer step (cannot hide behind the backward)
         if dp > 1:
-            # collectives take full-size byte counts (cost_models.comm's ring convention)
+            # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention)
             if z == 0:
                 sync = link_time_s("all_reduce", grad_bytes, dp, dp_link, backend=backend)
             else:  # gradients reduce-scattered; ZeRO 1-2 all-gather the updated weights after the step

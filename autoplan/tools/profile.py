@@ -5,8 +5,8 @@
 
 The workload is traced on the ``meta`` device and its strategies are enumerated on a fake mesh of
 the cluster's shape; each distinct (op, local shard shapes, dtypes) then runs through DTensor on
-``--device`` (see :mod:`passes.profile`). Times go to this machine's profile database
-(:mod:`cost_models.profile_db`; ``--profile-db PATH`` for another file), which later plans read;
+``--device`` (see :mod:`autoplan.runtime.op_timing`). Times go to this machine's profile database
+(:mod:`autoplan.cost_models.profile_db`; ``--profile-db PATH`` for another file), which later plans read;
 keys already in it are not measured again.
 
 CPU times depend on torch's intra-op threads (``OMP_NUM_THREADS``); the database records the
@@ -27,15 +27,15 @@ import os
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from autoplan import console
-from cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.tools import console
 
 if TYPE_CHECKING:
-    from cost_models.cluster import Cluster
-    from cost_models.profile_db import ProfileDB
-    from passes.profile import ProfileReport
-    from passes.strategies import StrategyTable
-    from passes.trace import TracedProgram
+    from autoplan.cost_models.cluster import Cluster
+    from autoplan.cost_models.profile_db import ProfileDB
+    from autoplan.passes.strategies import StrategyTable
+    from autoplan.passes.trace import TracedProgram
+    from autoplan.runtime.op_timing import ProfileReport
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ _OP_WIDTH = 96
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's private subparsers type
     """Register ``autoplan profile`` on the CLI's subparsers."""
-    from autoplan.cli import _non_negative_int, _positive_int, _seed
+    from autoplan.tools.cli import _non_negative_int, _positive_int, _seed
 
     p = subparsers.add_parser("profile", help="time the ops of a workload on this machine's device")
     p.add_argument("target", help="FILE.py:FUNCTION returning autoplan.Workload")
@@ -75,13 +75,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's privat
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from autoplan.api import planning_mesh
-    from autoplan.cli import _cluster
-    from autoplan.loader import build_workload
-    from cost_models.errors import PlanError
-    from cost_models.profile_db import ProfileDB
-    from passes.profile import profile_program
-    from passes.strategies import build_strategy_table
-    from passes.trace import trace_training_step
+    from autoplan.cost_models.errors import PlanError
+    from autoplan.cost_models.profile_db import ProfileDB
+    from autoplan.passes.strategies import build_strategy_table
+    from autoplan.passes.trace import trace_training_step
+    from autoplan.runtime.op_timing import profile_program
+    from autoplan.tools.cli import _cluster
+    from autoplan.tools.loader import build_workload
 
     cluster = _cluster(args.cluster, args.mesh)
     concurrent = args.concurrent or (min(cluster.devices_per_node, os.cpu_count() or 1) if args.device == "cpu" else 1)
@@ -141,8 +141,8 @@ def _profile_concurrently(args: argparse.Namespace, num_procs: int) -> int:
     import tempfile
     from pathlib import Path
 
-    from cost_models.errors import ProfileError
-    from cost_models.profile_db import ProfileDB
+    from autoplan.cost_models.errors import ProfileError
+    from autoplan.cost_models.profile_db import ProfileDB
 
     target = (
         ProfileDB.open_path(args.profile_db, args.device)
@@ -154,7 +154,7 @@ def _profile_concurrently(args: argparse.Namespace, num_procs: int) -> int:
         for part in parts:
             if target.path.exists():
                 shutil.copyfile(target.path, part)
-        base = [sys.executable, "-m", "autoplan.cli", "profile", args.target, "--cluster", args.cluster]
+        base = [sys.executable, "-m", "autoplan.tools.cli", "profile", args.target, "--cluster", args.cluster]
         base += ["--device", args.device, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
         base += ["--seed", str(args.seed), "--concurrent", "1", "--quiet"]
         base += [
@@ -213,7 +213,7 @@ def _comparison(
     report: ProfileReport, traced: TracedProgram, table: StrategyTable, cluster: Cluster, optimizer: str
 ) -> list[Row]:
     """``(profiled_s, analytic_s, err_percent, key)`` for every key with a profiled time, slowest first."""
-    from passes.costing import analytic_time_s
+    from autoplan.passes.costing import analytic_time_s
 
     node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
     rows: list[Row] = []

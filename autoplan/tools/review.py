@@ -1,8 +1,8 @@
 """Reading plans: ``autoplan show`` (tables), ``explain`` (one op's alternatives) and ``diff``.
 
-Everything here reads a :class:`~autoplan.plan.Plan` and returns text (or a JSON-able dict for
+Everything here reads a :class:`~autoplan.planner.plan.Plan` and returns text (or a JSON-able dict for
 ``--json``); nothing is re-traced or re-solved. The text is terminal-safe: control characters in
-names from a plan file are shown as escapes (``cost_models.echo.terminal_safe``), never sent to
+names from a plan file are shown as escapes (``autoplan.cost_models.echo.terminal_safe``), never sent to
 the terminal. The output holds no wall-clock values, so the
 same plan file always prints the same bytes (golden tests rely on it).
 """
@@ -15,11 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autoplan.plan import GiB, Plan
-from cost_models.echo import terminal_safe
-from cost_models.errors import PlanError
-from passes.explain import Alternative, NodeExplanation
-from passes.plan_text import param_node_name
+from autoplan.cost_models.echo import terminal_safe
+from autoplan.cost_models.errors import PlanError
+from autoplan.passes.explain import Alternative, NodeExplanation
+from autoplan.passes.plan_text import param_node_name
+from autoplan.planner.plan import GiB, Plan
 
 MiB = 1024**2
 _BLOCK_INDEX = re.compile(r"(?<=\.)(\d+)(?=\.)")

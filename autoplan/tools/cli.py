@@ -30,8 +30,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from autoplan import bench, calibrate_cmd, console, launch, profile_cmd, report
-from cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.tools import bench, console, launch, report
+from autoplan.tools import calibrate as calibrate_cmd
+from autoplan.tools import profile as profile_cmd
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -50,7 +52,7 @@ def _number(convert: Callable[[str], Any], what: str, ok: Callable[[Any], bool])
     """An argparse ``type=`` that converts with ``convert`` and accepts values where ``ok``."""
 
     def parse(text: str) -> Any:
-        from cost_models.echo import clip_text
+        from autoplan.cost_models.echo import clip_text
 
         shown = clip_text(text, 40)
         try:
@@ -75,8 +77,8 @@ DEFAULT_MASTER_PORT = 29533
 def _cluster(spec: str, mesh: str | None, *, recalibrate: bool = False):  # noqa: ANN202 - Cluster, lazily
     """``--cluster`` (preset or file) with ``--mesh``. ``recalibrate``: a file's links and
     calibration are dropped and its software versions not checked (``autoplan calibrate`` redoes them)."""
-    from cost_models.cluster import Cluster
-    from cost_models.errors import ClusterSpecError
+    from autoplan.cost_models.cluster import Cluster
+    from autoplan.cost_models.errors import ClusterSpecError
 
     mesh_shape = None
     if mesh:
@@ -102,7 +104,7 @@ def _names_a_file(path: str) -> bool:
 
 
 def _pins(items: Sequence[str]) -> dict[str, str]:
-    from cost_models.errors import PlanError
+    from autoplan.cost_models.errors import PlanError
 
     pins = {}
     for item in items:
@@ -118,8 +120,8 @@ def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported
     (per-stage degrees as ``stage_dp=1/1/2/4``)."""
     if not text:
         return None
-    from autoplan.config import REMOVED_FIELDS, ParallelConfig, field_name_problem
-    from cost_models.errors import ConfigError
+    from autoplan.cost_models.config import REMOVED_FIELDS, ParallelConfig, field_name_problem
+    from autoplan.cost_models.errors import ConfigError
 
     fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
     values: dict[str, object] = {}
@@ -149,8 +151,8 @@ def _config(text: str | None):  # noqa: ANN202 - ParallelConfig | None, imported
 
 def _make_plan(args: argparse.Namespace):  # noqa: ANN202
     from autoplan.api import plan as make_plan
-    from autoplan.loader import build_workload
-    from cost_models.errors import ConfigError
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.tools.loader import build_workload
 
     if args.config and args.global_batch_size is None:
         raise ConfigError("--config needs --global-batch-size N (the configuration splits a global batch)")
@@ -173,9 +175,9 @@ def _make_plan(args: argparse.Namespace):  # noqa: ANN202
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from autoplan.joint import estimate
-    from autoplan.loader import build_workload
-    from cost_models.errors import ConfigError
+    from autoplan.cost_models.errors import ConfigError
+    from autoplan.planner.joint import estimate
+    from autoplan.tools.loader import build_workload
 
     config = _config(args.config)
     if config is None or args.global_batch_size is None:
@@ -197,7 +199,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def _inputs(args: argparse.Namespace) -> dict[str, str | None]:
     """The files a planning command reads (label -> path), which no output may overwrite."""
-    from autoplan.loader import target_file
+    from autoplan.tools.loader import target_file
 
     return {
         "model file": target_file(args.target),
@@ -208,7 +210,7 @@ def _inputs(args: argparse.Namespace) -> dict[str, str | None]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from cost_models.files import refuse_overwriting_inputs
+    from autoplan.cost_models.files import refuse_overwriting_inputs
 
     refuse_overwriting_inputs(args.out, _inputs(args))  # before planning, which may take long
     plan = dataclasses.replace(_make_plan(args), workload=args.target)
@@ -222,21 +224,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from autoplan.plan import Plan
+    from autoplan.planner.plan import Plan
 
     plan = Plan.load(args.plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1), file=console.stdout())
     else:
-        from autoplan.review import show_text
+        from autoplan.tools.review import show_text
 
         console.stdout().write(show_text(plan))
     return 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from autoplan.plan import Plan
-    from autoplan.review import explain, explain_text
+    from autoplan.planner.plan import Plan
+    from autoplan.tools.review import explain, explain_text
 
     ex = explain(Plan.load(args.plan), op=args.op, param=args.param)
     if args.json:
@@ -247,8 +249,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from autoplan.plan import Plan
-    from autoplan.review import diff_plans, diff_text
+    from autoplan.planner.plan import Plan
+    from autoplan.tools.review import diff_plans, diff_text
 
     d = diff_plans(Plan.load(args.a), Plan.load(args.b))
     if args.json:
@@ -263,7 +265,7 @@ def _check_writable(option: str, path: Path, *, is_dir: bool) -> None:
     ``is_dir``, a directory made if missing (its nearest existing ancestor must take a new
     entry); else a file whose directory exists. Writability is probed with a temporary file
     (permission bits do not stop root; a read-only filesystem stops everyone); nothing is left."""
-    from cost_models.errors import PlanError
+    from autoplan.cost_models.errors import PlanError
 
     shown = str(path)[:200]
     try:
@@ -275,7 +277,7 @@ def _check_writable(option: str, path: Path, *, is_dir: bool) -> None:
 
 
 def _probe_writable(option: str, shown: str, path: Path, *, is_dir: bool) -> None:
-    from cost_models.errors import PlanError
+    from autoplan.cost_models.errors import PlanError
 
     if not is_dir and path.is_dir():
         raise PlanError(f"{option} {shown} is a directory: give a file name for the trained parameters")
@@ -298,15 +300,15 @@ def _probe_writable(option: str, shown: str, path: Path, *, is_dir: bool) -> Non
 
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.api import check_plan_fits
-    from autoplan.loader import build_workload
-    from autoplan.plan import Plan
-    from cost_models.errors import PlanError, PlanMismatchError
-    from passes.trace import trace_training_step
+    from autoplan.cost_models.errors import PlanError, PlanMismatchError
+    from autoplan.passes.trace import trace_training_step
+    from autoplan.planner.plan import Plan
+    from autoplan.tools.loader import build_workload
 
     if args.plan is None and args.cluster is None:
         raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
     if args.save_final is not None:
-        from cost_models.files import refuse_overwriting_inputs
+        from autoplan.cost_models.files import refuse_overwriting_inputs
 
         refuse_overwriting_inputs(args.save_final, _inputs(args), option="--save-final")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
@@ -350,7 +352,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # check the plan fits this model before launching any rank (a meta trace is cheap)
         wl = build_workload(args.target, device="meta", seed=args.seed)
         if plan.config is not None:  # a plan for a global batch is made for one micro-batch's step
-            from autoplan.joint import trace_for_plan
+            from autoplan.planner.joint import trace_for_plan
 
             traced = trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
         else:
@@ -365,7 +367,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan_path = os.path.join(tmpdir, "plan.json")
         plan.save(plan_path)
     if args.checkpoint_dir is not None:
-        from autoplan.checkpoint import check_compatible, find_latest
+        from autoplan.runtime.checkpoint import check_compatible, find_latest
 
         latest = find_latest(args.checkpoint_dir)
         if latest is not None:  # a checkpoint that cannot be resumed fails here, not in every rank
@@ -388,7 +390,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         str(master_port),
         *restarts,
         "-m",
-        "autoplan._worker",
+        "autoplan.tools.worker",
         args.target,
         "--plan",
         plan_path,
@@ -424,7 +426,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_export_onnx(args: argparse.Namespace) -> int:
-    from autoplan.onnx_export import cmd_export_onnx  # imports torch: not for `autoplan --help`
+    from autoplan.tools.export_onnx import cmd_export_onnx  # imports torch: not for `autoplan --help`
 
     return cmd_export_onnx(args)
 
@@ -562,8 +564,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     if not args.verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from autoplan import progress
-    from cost_models.errors import PlanError
+    from autoplan.cost_models.errors import PlanError
+    from autoplan.planner import progress
 
     previous_sigterm = _raise_on_sigterm()
     try:
@@ -577,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             return args.func(args)
     except PlanError as exc:
-        from cost_models.echo import terminal_safe
+        from autoplan.cost_models.echo import terminal_safe
 
         # one line, whatever a quoted name holds (a newline, a terminal escape sequence)
         print(f"autoplan: error: {terminal_safe(' '.join(str(exc).splitlines()))}", file=sys.stderr)

@@ -2,11 +2,11 @@ r"""Pass — segment costs: the solved intra-operator plan, summed per layer seg
 
 Contract
 --------
-Input: the traced joint graph of ONE micro-batch, its :class:`~passes.layers.Layering`, the
-:class:`~passes.costing.CostProblem` built for a stage mesh, and the ILP's chosen strategies.
+Input: the traced joint graph of ONE micro-batch, its :class:`~autoplan.passes.layers.Layering`, the
+:class:`~autoplan.passes.costing.CostProblem` built for a stage mesh, and the ILP's chosen strategies.
 Output: :class:`SegmentCost` per segment (prologue, each block, epilogue) and the bytes that
 cross each cut between consecutive segments — the plain numbers the pipeline search composes
-into stages (``passes.pipeline_search``)::
+into stages (``autoplan.planner.search``)::
 
     fwd_s[k]   = sum_{v fwd op in k} t[v, s_v] + sum_{e into a fwd op of k} c[e, p_e, q_e]
     bwd_s[k]   = the same over backward ops
@@ -28,12 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from cost_models.compute import is_matmul, op_flops
-from passes import liveness
-from passes.costing import CostProblem, Edge
-from passes.layers import Layering
-from passes.placement import local_numel
-from passes.strategies import ValueRef, resolve_value, tensor_args
+from autoplan.cost_models.compute import is_matmul, op_flops
+from autoplan.passes import liveness
+from autoplan.passes.costing import CostProblem, Edge
+from autoplan.passes.layers import Layering
+from autoplan.passes.placement import local_numel
+from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +75,7 @@ class SegmentCosts:
     """``cut_bytes[k]``: activation bytes per micro-batch crossing the cut after segment ``k``."""
     optimizer: str
     """The optimizer ``optimizer_s`` was priced for; its state's bytes per trainable element
-    come from the same name (:func:`cost_models.memory.precision_bytes`)."""
+    come from the same name (:func:`autoplan.cost_models.memory.precision_bytes`)."""
 
 
 def _chosen_specs(problem: CostProblem, choice: Mapping[str, int], edge: Edge) -> float:

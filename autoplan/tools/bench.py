@@ -3,7 +3,7 @@
     autoplan bench benchmarks/suite.yaml --out results.json
     autoplan bench benchmarks/suite.yaml --baseline benchmarks/suite_baseline.json --tolerance 2%
 
-**Suite file** (YAML, read with ``yaml.safe_load`` within bounds: ``cost_models.files.parse_yaml``):
+**Suite file** (YAML, read with ``yaml.safe_load`` within bounds: ``autoplan.cost_models.files.parse_yaml``):
 ``cases``, a list of mappings, and optional ``defaults`` merged under every case. A case has
 
 * ``name`` (unique) and ``model``: ``FILE.py:FUNCTION`` returning an ``autoplan.Workload`` (a
@@ -50,11 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO
 
-from autoplan import console
-from autoplan.config import PRECISIONS
-from cost_models.echo import clip
-from cost_models.errors import PlanError, PlanFileError
-from cost_models.files import (
+from autoplan.cost_models.config import PRECISIONS
+from autoplan.cost_models.echo import clip
+from autoplan.cost_models.errors import PlanError, PlanFileError
+from autoplan.cost_models.files import (
     MAX_CLUSTER_FILE_BYTES,
     MAX_PLAN_FILE_BYTES,
     InputLimitError,
@@ -64,9 +63,10 @@ from cost_models.files import (
     read_limited,
     refuse_overwriting_inputs,
 )
+from autoplan.tools import console
 
 if TYPE_CHECKING:
-    from autoplan.plan import Plan
+    from autoplan.planner.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class _CaseReader:
         return f"{path}:{func}"
 
     def cluster(self, mesh: str | None) -> str:
-        from autoplan.cli import _cluster
+        from autoplan.tools.cli import _cluster
 
         spec = self.text("cluster", required=True)
         assert spec is not None
@@ -245,7 +245,7 @@ class _CaseReader:
         return value
 
     def config(self, global_batch_size: int | None) -> str | None:
-        from autoplan.cli import _config
+        from autoplan.tools.cli import _config
 
         value = self.values.get("config")
         if value is None:
@@ -276,7 +276,7 @@ def load_suite(path: str | os.PathLike[str]) -> list[Case]:
     """The cases of a suite file, every field checked (:class:`SuiteError` names the case and field)."""
     import yaml
 
-    from cost_models.memory import OPTIMIZERS
+    from autoplan.cost_models.memory import OPTIMIZERS
 
     path = Path(path)
     where = f"suite file {str(path)!r}"
@@ -397,7 +397,7 @@ def case_result(case: Case, plan: Plan, plan_time_s: float) -> dict[str, Any]:
 def run_case(case: Case) -> dict[str, Any]:
     """Plan ``case`` as ``autoplan plan`` does (plan cache off); a :class:`PlanError` while
     planning is recorded in the row (``"status": "error"``), not raised."""
-    from autoplan import cli
+    from autoplan.tools import cli
 
     args = cli.build_parser().parse_args(case.plan_argv())
     t0 = time.perf_counter()
@@ -418,7 +418,7 @@ def run_case(case: Case) -> dict[str, Any]:
 
 def run_suite(cases: Sequence[Case], *, suite_name: str, progress: TextIO | None = None) -> dict[str, Any]:
     """Plan every case; the results document (see the module docstring)."""
-    from autoplan.plan import software_versions
+    from autoplan.planner.plan import software_versions
 
     rows = []
     for case in cases:

@@ -15,7 +15,7 @@ The key is a SHA-256 over everything the plan depends on, computed without traci
 The key cannot see the helpers ``forward`` calls (a module-level function, a config module read
 at import, a monkeypatched library function), so a hit is proven before it is used: each entry
 holds the fingerprint of the exported forward and loss of the step the plan is for
-(:func:`passes.trace.forward_fingerprint`), and :func:`autoplan.joint.plan_for_batch` exports
+(:func:`autoplan.passes.trace.forward_fingerprint`), and :func:`autoplan.planner.joint.plan_for_batch` exports
 the model again and uses the entry only if the fingerprints are equal. With the key's parameters
 (their ``requires_grad`` included), torch and autoplan unchanged, that graph determines the
 traced step, so a hit is a plan whose fingerprint is the model's. A stale entry is a miss and is
@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from autoplan.plan import Plan
-from cost_models.cluster import Cluster
-from cost_models.errors import PlanError
-from cost_models.profile_db import ProfileDB, default_cache_dir
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.profile_db import ProfileDB, default_cache_dir
+from autoplan.planner.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ ENTRY_FORMAT = "autoplan.plan-cache-entry"
 class CacheEntry:
     plan: Plan
     forward_fingerprint: str
-    """:func:`passes.trace.forward_fingerprint` of the step the plan is for, when it was made."""
+    """:func:`autoplan.passes.trace.forward_fingerprint` of the step the plan is for, when it was made."""
 
 
 def load(key: str) -> CacheEntry | None:
@@ -123,7 +123,7 @@ def load(key: str) -> CacheEntry | None:
     path = _path(key)
     if not enabled() or not path.exists():
         return None
-    from cost_models.files import MAX_PLAN_FILE_BYTES, parse_json, read_limited
+    from autoplan.cost_models.files import MAX_PLAN_FILE_BYTES, parse_json, read_limited
 
     try:
         data = parse_json(read_limited(path, max_bytes=MAX_PLAN_FILE_BYTES))
@@ -143,7 +143,7 @@ def load(key: str) -> CacheEntry | None:
 def store(key: str, entry: CacheEntry) -> None:
     if not enabled():
         return
-    from cost_models.files import atomic_write
+    from autoplan.cost_models.files import atomic_write
 
     path = _path(key)
     data = {"format": ENTRY_FORMAT, "forward_fingerprint": entry.forward_fingerprint, "plan": entry.plan.to_dict()}

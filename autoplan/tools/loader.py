@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from autoplan.cost_models.errors import PlanError
 from autoplan.workload import Workload
-from cost_models.errors import PlanError
 
 
 class TargetError(PlanError):

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from cost_models.errors import ConfigError
+from autoplan.cost_models.errors import ConfigError
 
 Schedule = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 Recompute = Literal["none", "selective", "full"]

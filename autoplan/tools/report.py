@@ -14,13 +14,13 @@ iteration). Sections, top to bottom:
    its first tensor output, grouped by repeated-block prefix when the node names carry one, else
    by forward / backward.
 3. **Schedule**: pipeline plans get a Gantt chart per pipeline rank from
-   :func:`cost_models.pipeline.simulate`; other plans a single-device timeline of compute and
+   :func:`autoplan.cost_models.schedule.simulate`; other plans a single-device timeline of compute and
    communication.
 4. **Memory**: peak bytes per device by part against the capacity, one bar per pipeline rank.
 5. **Time**: compute / exposed communication / bubble of the step, and the collectives by kind.
 
 The plan does not store per-operator or per-stage times nor a memory timeline (that needs the
-traced graph, ``passes.liveness``); what the charts approximate is said in each caption.
+traced graph, ``autoplan.passes.liveness``); what the charts approximate is said in each caption.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from autoplan import console
-from cost_models.files import atomic_write, refuse_overwriting_inputs
-from cost_models.pipeline import SCHEDULES, PipelineTimeline, ScheduleName, StageTimes, simulate
+from autoplan.cost_models.files import atomic_write, refuse_overwriting_inputs
+from autoplan.cost_models.schedule import SCHEDULES, PipelineTimeline, ScheduleName, StageTimes, simulate
+from autoplan.tools import console
 
-if TYPE_CHECKING:  # autoplan.plan imports torch: load it when a report is made, not at CLI start
-    from autoplan.plan import CollectiveRecord, Plan
+if TYPE_CHECKING:  # autoplan.planner.plan imports torch: load it when a report is made, not at CLI start
+    from autoplan.planner.plan import CollectiveRecord, Plan
 
 CHART_WIDTH_PX = 960
 LABEL_WIDTH_PX = 110
@@ -379,7 +379,7 @@ def _placement_section(plan: Plan) -> tuple[str, str]:
 
 
 def pipeline_timeline(plan: Plan) -> tuple[PipelineTimeline, str]:
-    """Simulate the plan's schedule (``cost_models.pipeline.simulate``) with uniform stages sized
+    """Simulate the plan's schedule (``autoplan.cost_models.schedule.simulate``) with uniform stages sized
     from the estimate, and say how in one sentence (the plan stores no per-stage times).
 
     Every stage gets ``f + B = compute_s / (m v)`` (``compute_s`` is the busiest rank's compute:
@@ -458,7 +458,7 @@ def _gantt(plan: Plan) -> tuple[str, str]:
     caption = (
         f"{_e(timeline.schedule)} schedule, {cfg.pp} ranks, {cfg.num_microbatches} micro-batches"
         f"{f', {cfg.virtual_stages} chunks per rank' if cfg.virtual_stages > 1 else ''}, simulated with "
-        f"<code>cost_models.pipeline.simulate</code>: simulated makespan {fmt_s(timeline.step_s)}, bubble "
+        f"<code>autoplan.cost_models.schedule.simulate</code>: simulated makespan {fmt_s(timeline.step_s)}, bubble "
         f"{fmt_s(timeline.bubble_s)} ({_e(bubble)}); numbers in bars are micro-batches. {_e(how)} {end}"
     )
     return _legend(legend_items) + svg, caption
@@ -677,7 +677,7 @@ def _memory_section(plan: Plan) -> str:
             else "."
         )
         + where
-        + " A memory-over-time curve needs the traced graph (<code>passes.liveness</code>), which the plan file "
+        + " A memory-over-time curve needs the traced graph (<code>autoplan.passes.liveness</code>), which the plan file "
         "does not hold."
     )
     return _figure("memory", "Memory per device", _legend(legend_items) + svg, caption)
@@ -822,7 +822,7 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autoplan.plan import Plan
+    from autoplan.planner.plan import Plan
 
     refuse_overwriting_inputs(args.out, {"plan file": args.plan})
     plan = Plan.load(args.plan)

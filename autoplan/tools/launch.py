@@ -31,7 +31,7 @@ def master_port(requested: int | None, *, default: int | None = None) -> int:
     if given and free, else one the OS picks."""
     if requested is not None:
         if not _is_free(requested):
-            from cost_models.errors import PlanError
+            from autoplan.cost_models.errors import PlanError
 
             raise PlanError(
                 f"--master-port {requested} is in use (another run or program listens on it): "

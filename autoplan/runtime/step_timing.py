@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autoplan.parallel import ParallelModel
+from autoplan.runtime.parallel import ParallelModel
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ Objective (seconds of one training step, all nodes and edges)::
     min  sum_v sum_s  t[v,s] x[v,s]  +  sum_e sum_{p,q}  c[e,p,q] y[e,p,q]
 
 with ``t`` the compute time (plus optimizer step for parameters) and ``c`` the transition time
-(``cost_models.comm``).
+(``autoplan.cost_models.comm``).
 
 Constraint families (one method each, every constraint named ``<family>__<node/edge>``)::
 
@@ -32,7 +32,7 @@ Constraint families (one method each, every constraint named ``<family>__<node/e
 where ``k`` are the bytes a placeholder keeps for the whole step (parameter + optimizer state,
 input shards), ``b[a,s]`` the local bytes of storage ``a`` when its producer ``u(a)`` runs
 ``s``, ``g`` the gradient of parameter ``p`` in its layout, ``M`` the device capacity and ``T``
-the checkpoints of :func:`passes.liveness.memory_checkpoints` (the local maxima of the live
+the checkpoints of :func:`autoplan.passes.liveness.memory_checkpoints` (the local maxima of the live
 bytes and the end of the step): peak memory over the step, not a sum over it. ``edge_source`` and
 ``edge_target`` make ``y`` the joint choice of the two endpoints (the "local polytope"
 linearisation of the quadratic term ``x_u^T C x_v``); when a side has a single spec the edge cost
@@ -47,7 +47,7 @@ the model as PuLP objects and PuLP's conversion to HiGHS took 0.24-0.33 s of a s
 for Llama-3-8B, 11k variables; the arrays take 0.08-0.13 s, HiGHS's own run 0.05 s of it.)
 
 User pins remove strategies before the model is built. An infeasible model raises
-:class:`~cost_models.errors.InfeasiblePlanError` with the memory needed against the capacity.
+:class:`~autoplan.cost_models.errors.InfeasiblePlanError` with the memory needed against the capacity.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from cost_models.errors import InfeasiblePlanError, PlanError
-from passes.costing import CostProblem, Edge
+from autoplan.cost_models.errors import InfeasiblePlanError, PlanError
+from autoplan.passes.costing import CostProblem, Edge
 
 log = logging.getLogger(__name__)
 

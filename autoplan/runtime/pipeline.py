@@ -1,11 +1,11 @@
 """Pipeline-parallel execution of a plan with ``torch.distributed.pipelining``.
 
-A pipeline plan is: stages as contiguous segment ranges of the :class:`~passes.layers.Layering`
+A pipeline plan is: stages as contiguous segment ranges of the :class:`~autoplan.passes.layers.Layering`
 (``stage_starts``), a per-op sharding of the joint graph traced at the *micro-batch* size on the
 stage sub-mesh (the same for every stage), a schedule and a number of micro-batches.
 :func:`build_pipeline` generates the per-rank program on this rank's stage sub-mesh
-(:func:`passes.apply.generate_program`), cuts it into stage programs
-(:func:`passes.stages.split_stages`) and wraps each stage in a ``PipelineStage`` whose module runs
+(:func:`autoplan.runtime.codegen.generate_program`), cuts it into stage programs
+(:func:`autoplan.passes.stages.split_stages`) and wraps each stage in a ``PipelineStage`` whose module runs
 the stage's forward program and, in its autograd backward, the stage's backward program.
 PipelineStage sends local tensors between ranks with the same stage-mesh coordinate; each end
 rebuilds the DTensor from the placement the plan gives the value.
@@ -40,16 +40,16 @@ from torch.distributed.tensor import DTensor, Partial, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoplan.optimizers import make_torch_optimizer
-from cost_models.comm import is_coalescable, plan_transition
-from cost_models.errors import PlanError
-from passes import runtime
-from passes.apply import _STEP_FN, generate_program
-from passes.layers import Layering
-from passes.placement import spec_str
-from passes.stages import StageProgram, ValueInfo, split_backward, split_stages
-from passes.strategies import Strategy
-from passes.trace import TracedProgram, param_node_name
+from autoplan.cost_models.comm import is_coalescable, plan_transition
+from autoplan.cost_models.errors import PlanError
+from autoplan.passes.layers import Layering
+from autoplan.passes.placement import spec_str
+from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, split_stages
+from autoplan.passes.strategies import Strategy
+from autoplan.passes.trace import TracedProgram, param_node_name
+from autoplan.runtime import collectives as runtime
+from autoplan.runtime.codegen import _STEP_FN, generate_program
+from autoplan.runtime.optimizers import make_torch_optimizer
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -146,7 +146,7 @@ class StageModule(torch.nn.Module):
         self.params = torch.nn.ParameterList(
             torch.nn.Parameter(
                 distribute_tensor(named[n].detach().to(device), mesh, list(self.param_specs[n]), src_data_rank=None),
-                requires_grad=named[n].requires_grad,  # a frozen parameter stays frozen (passes.trace)
+                requires_grad=named[n].requires_grad,  # a frozen parameter stays frozen (autoplan.passes.trace)
             )
             for n in program.param_names
         )

@@ -34,7 +34,7 @@ mesh axes that do not shard the tensor). ``S(0),R`` on a 2x2 mesh: ``sharded_dim
 num_shards 2}]``, ``device [-1, -2]``, groups ``-1: [0, 1]``, ``-2: [2, 3]``. Device ids are
 ranks of the cluster mesh, row-major; for pipeline plans the placements are on the stage mesh
 ``(dp, tp)`` and stage ``k`` runs on ranks ``(k % pp) * dp * tp + ...`` (``NodeDeviceConfiguration
-Proto.pipeline_stage`` = the stage of the node's segment, :mod:`passes.layers`).
+Proto.pipeline_stage`` = the stage of the node's segment, :mod:`autoplan.passes.layers`).
 
 What the ONNX form cannot carry: ``P`` / ``P(avg)`` (no partial values in ONNX's sharding
 formalism: they are written as replicated, which is where the partial buffers live) and ``S(d)``
@@ -74,13 +74,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
-from autoplan import console
-from autoplan.plan import Plan
-from cost_models.errors import PlanError
-from cost_models.files import atomic_write, refuse_overwriting_inputs
-from passes.placement import Spec, parse_spec, spec_strs
-from passes.strategies import tensor_args
-from passes.trace import TracedProgram, param_node_name
+from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.files import atomic_write, refuse_overwriting_inputs
+from autoplan.passes.placement import Spec, parse_spec, spec_strs
+from autoplan.passes.strategies import tensor_args
+from autoplan.passes.trace import TracedProgram, param_node_name
+from autoplan.planner.plan import Plan
+from autoplan.tools import console
 
 if TYPE_CHECKING:
     import onnx
@@ -482,8 +482,8 @@ class _Layout:
 def _stage_map(plan: Plan, traced: TracedProgram) -> tuple[dict[str, int], dict[str, str]]:
     """Node -> pipeline stage of its segment, and node -> the blocks it stands for (the last
     traced block of a depth-reduced plan)."""
-    from passes.layers import Layering, find_layers
-    from passes.stages import stage_of_segment
+    from autoplan.passes.layers import Layering, find_layers
+    from autoplan.passes.stages import stage_of_segment
 
     layout = plan.pipeline
     assert layout is not None
@@ -749,13 +749,13 @@ def export_onnx(plan: Plan, traced: TracedProgram, path: str | os.PathLike[str])
 
 def trace_plan_model(plan: Plan, target: str, *, seed: int = 0) -> TracedProgram:
     """Build ``target`` (``FILE.py:FUNCTION``) on ``meta`` and trace the step the plan is for
-    (:func:`autoplan.joint.trace_for_plan` for plans made with a global batch)."""
-    from autoplan.loader import build_workload
-    from passes.trace import trace_training_step
+    (:func:`autoplan.planner.joint.trace_for_plan` for plans made with a global batch)."""
+    from autoplan.passes.trace import trace_training_step
+    from autoplan.tools.loader import build_workload
 
     wl = build_workload(target, device="meta", seed=seed)
     if plan.config is not None:
-        from autoplan.joint import trace_for_plan
+        from autoplan.planner.joint import trace_for_plan
 
         return trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
     return trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)
@@ -770,7 +770,7 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     target = args.model or plan.workload
     if not target:
         raise PlanError(f"plan file {args.plan!r} does not say which model it is for: pass --model FILE.py:FUNCTION")
-    from autoplan.loader import target_file
+    from autoplan.tools.loader import target_file
 
     refuse_overwriting_inputs(args.out, {"plan file": args.plan, "model file": target_file(target)})
     model = export_onnx(plan, trace_plan_model(plan, target, seed=args.seed), args.out)

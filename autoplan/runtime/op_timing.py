@@ -2,9 +2,9 @@
 
 Contract
 --------
-Input: a :class:`~passes.trace.TracedProgram`, its :class:`~passes.strategies.StrategyTable`, the
+Input: a :class:`~autoplan.passes.trace.TracedProgram`, its :class:`~autoplan.passes.strategies.StrategyTable`, the
 ``DeviceMesh`` the table was built on (a fake process group is enough: nothing is communicated)
-and a :class:`~cost_models.profile_db.ProfileDB`. Output: the database filled with the measured
+and a :class:`~autoplan.cost_models.profile_db.ProfileDB`. Output: the database filled with the measured
 seconds of every key not already in it, and a :class:`ProfileReport`.
 
 A *key* names one local computation, whatever node or strategy it comes from::
@@ -25,7 +25,7 @@ Measurement
 Each op runs *through DTensor* on the mesh: its inputs are DTensors in the strategy's input
 placements (random floats in [0.5, 1.5), integer tensors zero so they are valid indices, boolean
 tensors true), and the call is ``node.target(*args)`` exactly as the generated program makes
-it (ops without a DTensor strategy via :func:`passes.runtime.replicated_call`). The time thus
+it (ops without a DTensor strategy via :func:`autoplan.runtime.collectives.replicated_call`). The time thus
 includes DTensor's dispatch overhead, which the generated program really pays (tens of
 microseconds: it dominates small ops on CPU).
 
@@ -51,30 +51,28 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 import statistics
 import sys
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Literal
 
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils import _pytree as pytree
 
-from cost_models.errors import ProfileError
-from cost_models.memory import OPTIMIZERS
-from cost_models.profile_db import ProfileDB
-from passes.placement import Spec, local_numel
-from passes.runtime import replicated_call
-from passes.strategies import Strategy, StrategyTable, tensor_args
-from passes.trace import TracedProgram, param_node_name
+from autoplan.cost_models.errors import ProfileError
+from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.profile_db import ProfileDB
+from autoplan.passes.op_keys import OpTemplate, TensorArg, local_shard_shape, op_key, op_template, optimizer_key
+from autoplan.passes.placement import Spec, local_numel
+from autoplan.passes.strategies import Strategy, StrategyTable
+from autoplan.passes.trace import TracedProgram, param_node_name
+from autoplan.runtime.collectives import replicated_call
 
 log = logging.getLogger(__name__)
 
@@ -91,167 +89,6 @@ INTERLEAVE_BYTES = 2**30
 
 KeyKind = Literal["op", "fallback", "optimizer"]
 KeySource = Literal["measured", "cached", "failed"]
-
-# --------------------------------------------------------------------------------------------
-# keys
-
-_DTYPE_ABBR = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "b8",
-}
-
-
-def _dtype_abbr(dtype: torch.dtype) -> str:
-    return _DTYPE_ABBR.get(dtype) or str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True, slots=True)
-class _TensorArg:
-    """A tensor argument of a node as traced (global shape and layout)."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    order: tuple[int, ...]
-    """Dims from the largest stride to the smallest (identity when contiguous)."""
-    broadcast: tuple[int, ...]
-    """Dims of size > 1 with stride 0 (an ``expand``)."""
-    layout: str
-    """``""`` when contiguous, else ``@<order>`` and ``b<broadcast dims>``."""
-
-    @classmethod
-    def of(cls, val: torch.Tensor) -> _TensorArg:
-        shape, stride = tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride())
-        if val.is_contiguous():
-            return cls(shape, stride, val.dtype, tuple(range(len(shape))), (), "")
-        order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d], d)))
-        broadcast = tuple(d for d in range(len(shape)) if stride[d] == 0 and shape[d] > 1)
-        layout = "@" + "".join(str(d) for d in order) + ("b" + "".join(str(d) for d in broadcast) if broadcast else "")
-        return cls(shape, stride, val.dtype, order, broadcast, layout)
-
-
-@dataclass(frozen=True, slots=True)
-class _Template:
-    """What a node's key is made of: text around each positional tensor argument."""
-
-    op: str
-    pieces: tuple[str, ...]
-    """``len(args) + 1`` text pieces; the key is ``op(pieces[0] t0 pieces[1] t1 ... pieces[-1])``."""
-    args: tuple[_TensorArg, ...]
-
-
-class _Slot:
-    def __repr__(self) -> str:
-        return "\x00"
-
-
-_SLOT = _Slot()
-_TEMPLATES: weakref.WeakKeyDictionary[fx.Node, _Template | None] = weakref.WeakKeyDictionary()
-
-
-def _op_name(target: object) -> str:
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return str(target)
-    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
-
-
-def _global_text(val: torch.Tensor) -> str:
-    arg = _TensorArg.of(val)
-    return f"{_dtype_abbr(arg.dtype)}[{','.join(map(str, arg.shape))}]{arg.layout}"
-
-
-class _Text:
-    """An argument rendered by its text (``repr`` returns it verbatim)."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _build_template(node: fx.Node) -> _Template | None:
-    if node.op != "call_function" or node.target is operator.getitem:
-        return None
-    targs = tensor_args(node)
-
-    def positional(n: fx.Node) -> Any:  # stands in for an fx Argument
-        val = n.meta.get("val")
-        return _SLOT if isinstance(val, torch.Tensor) else _Text(repr(val))
-
-    def keyword(n: fx.Node) -> Any:  # tensor kwargs only occur on replicated fallback ops
-        val = n.meta.get("val")
-        return _Text(_global_text(val)) if isinstance(val, torch.Tensor) else _Text(repr(val))
-
-    args_text = ", ".join(repr(a) for a in fx.node.map_arg(node.args, positional))
-    kwargs = fx.node.map_arg(node.kwargs, keyword)
-    kw_text = ", ".join(f"{k}={kwargs[k]!r}" for k in sorted(kwargs) if k != "device")
-    text = args_text + ("; " + kw_text if kw_text else "")
-    pieces = tuple(text.split("\x00"))
-    if len(pieces) != len(targs) + 1:  # a tensor inside an argument tensor_args does not see
-        log.debug("no profile key for %s: %d tensor slots, %d tensor args", node.name, len(pieces) - 1, len(targs))
-        return None
-    return _Template(op=_op_name(node.target), pieces=pieces, args=tuple(_TensorArg.of(a.meta["val"]) for a in targs))
-
-
-def _template(node: fx.Node) -> _Template | None:
-    try:
-        return _TEMPLATES[node]
-    except KeyError:
-        tmpl = _TEMPLATES[node] = _build_template(node)
-        return tmpl
-
-
-@lru_cache(maxsize=1 << 16)
-def local_shard_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Rank 0's shard of a tensor of ``shape`` placed as ``spec`` (DTensor's ``torch.chunk`` rule:
-    ``ceil(size / n)`` per ``S(d)`` axis, nested in mesh-axis order; ``R``/``P`` keep the size)."""
-    sizes = list(shape)
-    for p, n in zip(spec, mesh_shape, strict=True):
-        if isinstance(p, Shard):
-            sizes[p.dim] = -(-sizes[p.dim] // n)
-    return tuple(sizes)
-
-
-@lru_cache(maxsize=1 << 16)
-def _local_text(arg: _TensorArg, spec: Spec, mesh_shape: tuple[int, ...]) -> str:
-    return f"{_dtype_abbr(arg.dtype)}[{','.join(map(str, local_shard_shape(arg.shape, spec, mesh_shape)))}]{arg.layout}"
-
-
-def op_key(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> str | None:
-    """The profile key of ``node`` run with ``strategy`` on a mesh of ``mesh_shape``.
-
-    ``None`` for nodes that are not timed (placeholders, ``getitem``, the output). The text
-    around the tensors is computed once per node; local shapes are cached.
-    """
-    tmpl = _template(node)
-    if tmpl is None:
-        return None
-    if len(strategy.input_specs) != len(tmpl.args):
-        raise ValueError(f"{node.name}: strategy has {len(strategy.input_specs)} input specs for {len(tmpl.args)} args")
-    mesh = tuple(mesh_shape)
-    parts = [tmpl.op, "(", tmpl.pieces[0]]
-    for arg, spec, piece in zip(tmpl.args, strategy.input_specs, tmpl.pieces[1:], strict=True):
-        parts.append(_local_text(arg, spec, mesh))
-        parts.append(piece)
-    parts.append(")")
-    return "".join(parts)
-
-
-def optimizer_key(optimizer_name: str, local_shape: Sequence[int], dtype: torch.dtype) -> str:
-    """The profile key of one optimizer step over a parameter shard of ``local_shape``."""
-    return f"optim.{optimizer_name}({_dtype_abbr(dtype)}[{','.join(str(int(s)) for s in local_shape)}])"
-
 
 # --------------------------------------------------------------------------------------------
 # report
@@ -301,7 +138,7 @@ class ProfileReport:
 # measurement
 
 
-def _random_local(arg: _TensorArg, shape: tuple[int, ...], device: str, gen: torch.Generator) -> torch.Tensor:
+def _random_local(arg: TensorArg, shape: tuple[int, ...], device: str, gen: torch.Generator) -> torch.Tensor:
     """A dense tensor of ``shape`` with ``arg``'s dim order and broadcast dims."""
     base = [1 if d in arg.broadcast else shape[d] for d in arg.order]
     if arg.dtype.is_floating_point or arg.dtype.is_complex:
@@ -317,7 +154,7 @@ def _random_local(arg: _TensorArg, shape: tuple[int, ...], device: str, gen: tor
     return t.expand(shape) if arg.broadcast else t
 
 
-def _dtensor(arg: _TensorArg, spec: Spec, mesh: DeviceMesh, gen: torch.Generator) -> DTensor:
+def _dtensor(arg: TensorArg, spec: Spec, mesh: DeviceMesh, gen: torch.Generator) -> DTensor:
     local = _random_local(arg, local_shard_shape(arg.shape, spec, tuple(mesh.shape)), mesh.device_type, gen)
     return DTensor.from_local(local, mesh, spec, run_check=False, shape=torch.Size(arg.shape), stride=arg.stride)
 
@@ -329,7 +166,7 @@ where they were written long before, instead of from the cache a tight loop keep
 MAX_INPUT_COPIES = 16
 
 
-def _input_bytes(tmpl: _Template, strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
+def _input_bytes(tmpl: OpTemplate, strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
     """Bytes of an op's local (sharded) tensor inputs under ``strategy``."""
     return sum(
         local_numel(spec, a.shape, mesh_shape) * a.dtype.itemsize
@@ -344,7 +181,7 @@ def _op_call(
     cycle through enough copies of the inputs to spill them from the cache
     (:data:`COLD_FOOTPRINT_BYTES`; ``copies=False``: one set, for interleaved timing, where
     the other keys' calls spill it)."""
-    tmpl = _template(node)
+    tmpl = op_template(node)
     assert tmpl is not None
     first = _op_call_once(node, strategy, kind, mesh, gen, tmpl)
     if not copies:
@@ -359,7 +196,7 @@ def _op_call(
 
 
 def _op_call_once(
-    node: fx.Node, strategy: Strategy, kind: KeyKind, mesh: DeviceMesh, gen: torch.Generator, tmpl: _Template
+    node: fx.Node, strategy: Strategy, kind: KeyKind, mesh: DeviceMesh, gen: torch.Generator, tmpl: OpTemplate
 ) -> Callable[[], object]:
     inputs = iter([_dtensor(a, s, mesh, gen) for a, s in zip(tmpl.args, strategy.input_specs, strict=True)])
     rep = (Replicate(),) * mesh.ndim
@@ -371,7 +208,7 @@ def _op_call_once(
 
     def keyword(a: fx.Node) -> Any:  # a DTensor or the traced scalar
         val = a.meta.get("val")
-        return _dtensor(_TensorArg.of(val), rep, mesh, gen) if isinstance(val, torch.Tensor) else val
+        return _dtensor(TensorArg.of(val), rep, mesh, gen) if isinstance(val, torch.Tensor) else val
 
     args = pytree.tree_map(positional, node.args, is_leaf=lambda a: isinstance(a, fx.Node))
     kwargs = dict(fx.node.map_arg(node.kwargs, keyword))
@@ -394,9 +231,9 @@ def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.O
 
 
 def _optimizer_call(
-    name: str, arg: _TensorArg, spec: Spec, mesh: DeviceMesh, gen: torch.Generator
+    name: str, arg: TensorArg, spec: Spec, mesh: DeviceMesh, gen: torch.Generator
 ) -> Callable[[], object]:
-    contiguous = _TensorArg.of(torch.empty(arg.shape, dtype=arg.dtype, device="meta"))
+    contiguous = TensorArg.of(torch.empty(arg.shape, dtype=arg.dtype, device="meta"))
     param = torch.nn.Parameter(_dtensor(contiguous, spec, mesh, gen))
     param.grad = _dtensor(contiguous, spec, mesh, gen)
     opt = make_optimizer(name, [param])
@@ -409,9 +246,9 @@ def _key_bytes(w: _Work, table: StrategyTable) -> int:
     strategy = table.nodes[w.node.name].strategies[w.strategy_index]
     mesh_shape = tuple(table.mesh_shape)
     if w.kind == "optimizer":
-        arg = _TensorArg.of(w.node.meta["val"])
+        arg = TensorArg.of(w.node.meta["val"])
         return 4 * local_numel(strategy.output_specs[0], arg.shape, mesh_shape) * arg.dtype.itemsize
-    tmpl = _template(w.node)
+    tmpl = op_template(w.node)
     return 0 if tmpl is None else _input_bytes(tmpl, strategy, mesh_shape)
 
 
@@ -435,7 +272,7 @@ def _key_call(
 ) -> Callable[[], object]:
     strategy = table.nodes[w.node.name].strategies[w.strategy_index]
     if w.kind == "optimizer":
-        return _optimizer_call(optimizer, _TensorArg.of(w.node.meta["val"]), strategy.output_specs[0], mesh, gen)
+        return _optimizer_call(optimizer, TensorArg.of(w.node.meta["val"]), strategy.output_specs[0], mesh, gen)
     return _op_call(w.node, strategy, w.kind, mesh, gen, copies=not interleaved)
 
 

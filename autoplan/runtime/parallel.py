@@ -11,11 +11,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoplan.optimizers import make_torch_optimizer
-from autoplan.plan import Plan
-from passes.apply import GeneratedProgram, expected_output_placements
-from passes.placement import parse_spec, spec_str
-from passes.trace import TracedProgram
+from autoplan.passes.placement import parse_spec, spec_str
+from autoplan.passes.trace import TracedProgram
+from autoplan.planner.plan import Plan
+from autoplan.runtime.codegen import GeneratedProgram, expected_output_placements
+from autoplan.runtime.optimizers import make_torch_optimizer
 
 
 class PlacementMismatchError(AssertionError):
