@@ -1,6 +1,6 @@
 """Calibration: fit measured collective timings to the communication model, save a cluster profile.
 
-``autoplan calibrate`` (``autoplan/calibrate_cmd.py``) times every kind of :data:`COMM_KINDS` on
+``autoplan calibrate`` (``autoplan/tools/calibrate.py``) times every kind of :data:`COMM_KINDS` on
 every mesh axis for the message sizes of a :class:`Sweep`, through the same ``autoplan.runtime.collectives``
 calls the generated program makes. This module turns those :class:`Sample` s into link numbers.
 

@@ -70,7 +70,7 @@ def main() -> None:
         ref_opt.zero_grad()
         if rank == 0:
             print(f"step {step + 1}: loss {loss.item():.6f}  single-device {ref_loss.item():.6f}")
-    destroy_process_groups()  # barrier, destroy, and join gloo's threads now (autoplan/teardown.py)
+    destroy_process_groups()  # barrier, destroy, and join gloo's threads now (autoplan/runtime/teardown.py)
 
 
 if __name__ == "__main__":

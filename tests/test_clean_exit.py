@@ -4,7 +4,7 @@ Rare aborts at exit on 2 gloo CPU ranks (``terminate called without an active ex
 ``autoplan calibrate``, ``malloc(): unaligned tcache chunk detected`` after ``autoplan run``) had
 one thing in common: the gloo group's threads were still running when the process exited, killed
 by ``exit_group`` instead of joined, because torch's DTensor caches keep every ``DeviceMesh`` (and
-through it the group) alive past ``destroy_process_group()`` (see ``autoplan/teardown.py`` and
+through it the group) alive past ``destroy_process_group()`` (see ``autoplan/runtime/teardown.py`` and
 ``docs/crashes.md``). The tests launch the two rank programs (``autoplan.tools.worker`` and the
 calibration ranks) under torchrun through this file's ``__main__``, which reports the gloo threads
 still alive when the program has returned; every launch must exit 0, with no gloo thread left and

@@ -136,7 +136,7 @@ def test_report_imports_no_torch(plan_files: dict[str, Path], kind: str, tmp_pat
 
 
 def test_autoplan_plan_stays_the_planning_function_after_the_plan_module_is_imported():
-    """The exports are lazy, and ``autoplan/plan.py`` (torch-free, loaded first by the review
+    """The exports are lazy, and ``autoplan/planner/plan.py`` (torch-free, loaded first by the review
     commands) shares its name with the function ``autoplan.plan``: the function must win."""
     code = (
         "import autoplan\n"

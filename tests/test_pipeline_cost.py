@@ -1,6 +1,6 @@
 """Pipeline schedule cost model: the event-driven simulation against the closed forms.
 
-Notation as in ``cost_models/pipeline.py``: p ranks, v chunks per rank, m micro-batches, per stage
+Notation as in ``cost_models/schedule.py``: p ranks, v chunks per rank, m micro-batches, per stage
 f (forward), b (input backward), w (weight backward), B = b + w, c (one transfer).
 """
 

@@ -1,4 +1,4 @@
-"""Reading plans: ``autoplan show``, ``autoplan explain`` and ``autoplan diff`` (``autoplan/review.py``).
+"""Reading plans: ``autoplan show``, ``autoplan explain`` and ``autoplan diff`` (``autoplan/tools/review.py``).
 
 Five groups of tests:
 

@@ -706,7 +706,7 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
         "write the results (JSON) and, with --baseline, exit 1 when a case's estimated step time or peak "
         "memory per device got worse by more than --tolerance, or a baseline case is missing or fails to plan.",
     )
-    p.add_argument("suite", help="suite file (YAML): cases with name, model, cluster, ... (see autoplan/bench.py)")
+    p.add_argument("suite", help="suite file (YAML): cases with name, model, cluster, ... (see autoplan/tools/bench.py)")
     p.add_argument("--out", "-o", help="results file to write (JSON); use it as a later --baseline")
     p.add_argument("--baseline", help="results file of an earlier run to compare with")
     p.add_argument(

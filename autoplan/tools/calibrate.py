@@ -253,7 +253,7 @@ def _rank_main(args: argparse.Namespace, cluster: Cluster, sweep: Sweep) -> int:
     except BaseException:
         destroy_process_groups(failed=True)
         raise
-    destroy_process_groups()  # released now, not during interpreter exit (autoplan/teardown.py)
+    destroy_process_groups()  # released now, not during interpreter exit (autoplan/runtime/teardown.py)
     if rank != 0:
         return 0
     device_model = current_device_model(backend) or "unknown"

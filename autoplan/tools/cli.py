@@ -432,7 +432,7 @@ def _cmd_export_onnx(args: argparse.Namespace) -> int:
 
 
 def _add_export_onnx_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
-    """Register ``autoplan export-onnx`` (``autoplan/onnx_export.py``)."""
+    """Register ``autoplan export-onnx`` (``autoplan/tools/export_onnx.py``)."""
     p = subparsers.add_parser(
         "export-onnx", help="write the traced model as ONNX with the plan as multi-device sharding annotations"
     )

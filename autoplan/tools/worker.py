@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # every rank past its last collective (and the pipeline's last sends) before the groups go:
     # a rank tearing gloo down while its peer still communicates aborts the job. The groups are
-    # released here, not at interpreter exit (autoplan/teardown.py)
+    # released here, not at interpreter exit (autoplan/runtime/teardown.py)
     destroy_process_groups()
     return 0
 
