@@ -26,7 +26,7 @@ _EXPORTS = {
     "PlanMismatchError": "autoplan.errors",
     "UnknownDeviceError": "autoplan.errors",
     "UnsupportedModelError": "autoplan.errors",
-    "TrainingEstimate": "autoplan.planner.joint",
+    "TrainingEstimate": "autoplan.planner.estimate",
     "estimate": "autoplan.planner.joint",
     "ParallelModel": "autoplan.runtime.parallel",
     "Plan": "autoplan.planner.plan",
@@ -80,7 +80,8 @@ if TYPE_CHECKING:
         UnknownDeviceError,
         UnsupportedModelError,
     )
-    from autoplan.planner.joint import TrainingEstimate, estimate
+    from autoplan.planner.estimate import TrainingEstimate
+    from autoplan.planner.joint import estimate
     from autoplan.planner.plan import Plan
     from autoplan.runtime.parallel import ParallelModel
     from autoplan.workload import Workload
