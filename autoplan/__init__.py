@@ -27,7 +27,7 @@ _EXPORTS = {
     "UnknownDeviceError": "autoplan.errors",
     "UnsupportedModelError": "autoplan.errors",
     "TrainingEstimate": "autoplan.planner.estimate",
-    "estimate": "autoplan.planner.joint",
+    "estimate": "autoplan.api",
     "ParallelModel": "autoplan.runtime.parallel",
     "Plan": "autoplan.planner.plan",
     "Workload": "autoplan.workload",
@@ -66,7 +66,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
-    from autoplan.api import parallelize, plan
+    from autoplan.api import estimate, parallelize, plan
     from autoplan.cost_models.cluster import Cluster
     from autoplan.cost_models.config import ParallelConfig
     from autoplan.cost_models.hardware import DeviceSpec
@@ -81,7 +81,6 @@ if TYPE_CHECKING:
         UnsupportedModelError,
     )
     from autoplan.planner.estimate import TrainingEstimate
-    from autoplan.planner.joint import estimate
     from autoplan.planner.plan import Plan
     from autoplan.runtime.parallel import ParallelModel
     from autoplan.workload import Workload

@@ -20,12 +20,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import autoplan
 import autoplan.passes.attention  # noqa: F401 - registers the ops
-from autoplan.api import planning_mesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.passes.attention import _routed_sdpa
 from autoplan.passes.placement import spec_str
 from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import trace_training_step
+from autoplan.planner.mesh import planning_mesh
 from tests.test_equivalence import Case, assert_trains_like_reference, run_case
 
 B, H, T, D = 2, 4, 6, 8

@@ -14,7 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoplan.api import planning_mesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import PlanMismatchError
 from autoplan.passes.costing import build_cost_problem
@@ -23,6 +22,7 @@ from autoplan.passes.expand import block_multiplicity, expand_assignment, scale_
 from autoplan.passes.layers import find_layers
 from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import param_node_name, trace_training_step
+from autoplan.planner.mesh import planning_mesh
 from autoplan.planner.search import expand_blocks
 from autoplan.planner.segment_costs import segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions, objective_of

@@ -496,8 +496,8 @@ def test_a_hand_edited_pipeline_layout_is_refused_when_loaded(case, pipeline_pla
 
 def test_the_plans_made_here_fit_their_models(mlp_plan, pipeline_plan):
     """The checks above refuse edits, not what the planner writes (both plans, through a file)."""
-    from autoplan.api import check_plan_fits
     from autoplan.passes.trace import trace_training_step
+    from autoplan.planner.ilp import check_plan_fits
     from autoplan.planner.joint import trace_for_plan
 
     with torch.device("meta"):

@@ -26,11 +26,12 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from autoplan.api import plan_traced, planning_mesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.passes.layers import find_layers
 from autoplan.passes.stages import split_stages
 from autoplan.passes.trace import trace_training_step
+from autoplan.planner.ilp import plan_traced
+from autoplan.planner.mesh import planning_mesh
 from autoplan.runtime.codegen import generate_program
 from tests import models
 from tests.dist_utils import run_ranks

@@ -18,13 +18,13 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from autoplan.api import planning_mesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import PlanError, ProfileError
 from autoplan.cost_models.profile_db import VERSION, DeviceKey, ProfileDB, default_cache_dir, default_db_path
 from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
 from autoplan.passes.strategies import Strategy, StrategyTable, build_strategy_table
 from autoplan.passes.trace import TracedProgram, trace_training_step
+from autoplan.planner.mesh import planning_mesh
 from autoplan.runtime.op_timing import _interleaved_times_s, profile_program
 from autoplan.tools.cli import main
 from tests.models import mlp, mlp_batch, mse_loss

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from autoplan.api import planning_mesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.passes.costing import build_cost_problem
 from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import trace_training_step
+from autoplan.planner.mesh import planning_mesh
 from autoplan.planner.solver import ShardingILP, SolverOptions, objective_of
 from tests.models import gpt2_tiny, lm_loss, token_batch
 

@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._op_schema import OpSchema
 
-from autoplan.api import planning_mesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.passes.strategies import _single, build_strategy_table
 from autoplan.passes.trace import trace_training_step
+from autoplan.planner.mesh import planning_mesh
 
 
 class _UninitializedBuffers(nn.Module):

@@ -17,11 +17,11 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor._ops import utils as dtensor_op_utils
 
 import autoplan.passes.strategies as strategies
-from autoplan.api import planning_mesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.passes.placement import replicated
 from autoplan.passes.strategies import _output_meta, _single, _strategy_key, build_strategy_table, tensor_args
 from autoplan.passes.trace import trace_training_step
+from autoplan.planner.mesh import planning_mesh
 from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
 
 

@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import PRECISIONS, ParallelConfig
@@ -44,10 +45,12 @@ from autoplan.passes.depth import KEPT_BLOCKS, reduce_depth
 from autoplan.passes.expand import block_multiplicity, scale_problem, twins
 from autoplan.passes.layers import Layering, find_layers
 from autoplan.passes.rebatch import MIN_BASE_BATCH, rebatch
-from autoplan.passes.strategies import StrategyTable, build_strategy_table
+from autoplan.passes.strategies import NodeStrategies, StrategyTable, build_strategy_table
 from autoplan.passes.trace import LossFn, TracedProgram, forward_fingerprint, param_node_name, trace_training_step
-from autoplan.planner import progress
+from autoplan.planner import plan_cache, progress
 from autoplan.planner.estimate import TrainingEstimate, to_training_estimate
+from autoplan.planner.ilp import plan_traced
+from autoplan.planner.mesh import as_cluster, planning_mesh, stage_axes, stage_cluster
 from autoplan.planner.plan import Estimate, PipelineLayout, Plan
 from autoplan.planner.search import (
     Candidate,
@@ -379,8 +382,6 @@ class SegmentCostModel:
     def _solve(self, tp: int, microbatch_size: int) -> SegmentCosts:
         """The intra-operator ILP of ``microbatch_size`` samples on ``tp`` devices, summed per
         segment and expanded to the model's depth."""
-        from autoplan.api import planning_mesh
-
         traced, layering = self._traced(microbatch_size)
         progress.step(f"segment costs: ILP for tp={tp}, micro-batch {microbatch_size} ({len(self._costs) + 1} solved)")
         sub = tp_cluster(self.cluster, tp)
@@ -559,9 +560,7 @@ def estimate(
     profile: ProfileDB | None = None,
 ) -> TrainingEstimate:
     """Price a hand-written configuration with the planner's cost model (see the module docstring)."""
-    from autoplan.api import _as_cluster
-
-    cluster = _as_cluster(cluster)
+    cluster = as_cluster(cluster)
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
     costs._traced(config.microbatch_size)  # noqa: SLF001 - learn the number of blocks before any ILP
@@ -622,9 +621,7 @@ def _search(
     reduce_repeated: bool,
 ) -> tuple[TrainingEstimate, list[TrainingEstimate], SegmentCostModel]:
     """:func:`search_config`, and the cost model it priced with (its traces serve the stage ILP)."""
-    from autoplan.api import _as_cluster
-
-    cluster = _as_cluster(cluster)
+    cluster = as_cluster(cluster)
     if global_batch_size < 1:
         raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
@@ -658,38 +655,10 @@ __all__ = ["SegmentCostModel", "estimate", "plan_for_batch", "search_config"]
 # --- plans made with a global batch -------------------------------------------------------------
 
 
-def stage_axes(config: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Shape and names of one stage's mesh: the ``dp`` and ``tp`` axes larger than one (a
-    size-one axis only multiplies the ILP's strategies by layouts that split nothing)."""
-    axes = [(size, name) for size, name in ((config.dp, "dp"), (config.tp, "tp")) if size > 1] or [(1, "dp")]
-    return tuple(a[0] for a in axes), tuple(a[1] for a in axes)
-
-
-def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
-    """The devices of one pipeline stage as a cluster with the mesh of :func:`stage_axes`: whole
-    nodes when the stage spans nodes, else a part of one node."""
-    from autoplan.cost_models.errors import ClusterSpecError
-
-    shape, names = stage_axes(config)
-    n = config.dp * config.tp
-    dpn = cluster.devices_per_node
-    nodes, per_node = (n // dpn, dpn) if n > dpn and n % dpn == 0 else (1, n)
-    try:
-        return Cluster(num_nodes=nodes, devices_per_node=per_node, device=cluster.device).with_mesh(shape, names)
-    except ClusterSpecError:
-        # a data-parallel group that straddles nodes: plan the placements on one "node" (the
-        # search priced the real links already)
-        return Cluster(num_nodes=1, devices_per_node=n, device=cluster.device, mesh_shape=shape, mesh_axis_names=names)
-
-
 def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: ParallelConfig) -> None:
     """Data parallelism as the search priced it: inputs and targets split along the batch on the
     ``dp`` axis; parameters replicated on ``dp`` (ZeRO 0-2) or sharded on it (ZeRO 3, where the
     shape allows)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    from autoplan.passes.strategies import NodeStrategies
-
     if config.dp == 1:
         return
     dp_axis = 0  # stage_axes puts dp first when it is larger than one
@@ -781,9 +750,6 @@ def plan_for_batch(
     if config is not None:
         _check_executable(config)
     space = space or EXECUTABLE_SPACE
-    from autoplan.api import plan_traced, planning_mesh  # api re-exports this module's entry point
-    from autoplan.planner import plan_cache
-
     t0 = time.perf_counter()
     options = {
         "global_batch_size": global_batch_size, "precision": precision, "optimizer": optimizer, "space": repr(space),

@@ -299,9 +299,9 @@ def _probe_writable(option: str, shown: str, path: Path, *, is_dir: bool) -> Non
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from autoplan.api import check_plan_fits
     from autoplan.cost_models.errors import PlanError, PlanMismatchError
     from autoplan.passes.trace import trace_training_step
+    from autoplan.planner.ilp import check_plan_fits
     from autoplan.planner.plan import Plan
     from autoplan.tools.loader import build_workload
 

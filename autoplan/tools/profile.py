@@ -74,11 +74,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's privat
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autoplan.api import planning_mesh
     from autoplan.cost_models.errors import PlanError
     from autoplan.cost_models.profile_db import ProfileDB
     from autoplan.passes.strategies import build_strategy_table
     from autoplan.passes.trace import trace_training_step
+    from autoplan.planner.mesh import planning_mesh
     from autoplan.runtime.op_timing import profile_program
     from autoplan.tools.cli import _cluster
     from autoplan.tools.loader import build_workload

@@ -1,0 +1,264 @@
+"""The intra-operator plan of one traced step on one mesh: strategies, pins, costs, the ILP,
+then the chosen program's collectives, overlap and memory, as a :class:`~autoplan.planner.plan.Plan`
+(:func:`plan_traced`); the profile database it prices with (:func:`open_profile`) and the
+pre-launch check of a hand-edited plan (:func:`check_plan_fits`)."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.comm import overlaps_compute, transition_cost_s
+from autoplan.cost_models.compute import tensor_bytes
+from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
+from autoplan.passes import liveness
+from autoplan.passes.costing import CostProblem, build_cost_problem
+from autoplan.passes.explain import explain_choices
+from autoplan.passes.overlap import schedule_step
+from autoplan.passes.placement import parse_spec, spec_str, spec_strs
+from autoplan.passes.strategies import NodeStrategies, StrategyTable, ValueRef, build_strategy_table
+from autoplan.passes.trace import TracedProgram, param_node_name
+from autoplan.planner import progress
+from autoplan.planner.mesh import planning_mesh, stage_cluster
+from autoplan.planner.plan import CollectiveRecord, Estimate, Plan, software_versions
+from autoplan.planner.solver import ShardingILP, SolverOptions
+from autoplan.runtime.codegen import edge_redistributions
+
+log = logging.getLogger(__name__)
+
+Pins = Mapping[str, str | Sequence[str]]
+
+
+def _placeholder_of(traced: TracedProgram, pattern: str) -> list[str]:
+    """Placeholders a pin names: ``input_<i>`` / ``target_<i>`` exactly, parameters by FQN glob."""
+    if pattern in {f"input_{i}" for i in range(traced.num_inputs)} | {f"target_{i}" for i in range(traced.num_targets)}:
+        return [pattern]
+    return [param_node_name(n) for n in traced.param_names if fnmatch.fnmatchcase(n, pattern)]
+
+
+def apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None:
+    """Restrict pinned placeholders (params by FQN glob, ``input_<i>``, ``target_<i>``) to one spec."""
+    ndim = len(table.mesh_shape)
+    example = ",".join(["R"] * ndim)
+    for pattern, value in pins.items():
+        if isinstance(value, str):
+            texts = [t.strip() for t in value.split(",")]
+        elif isinstance(value, Sequence) and all(isinstance(t, str) for t in value):
+            texts = list(value)
+        else:
+            raise PlanError(
+                f"pin {pattern!r}: expected a placement string like {example!r} or a list of placements, got {value!r}"
+            )
+        try:
+            spec = parse_spec(texts)
+        except ValueError as exc:
+            raise PlanError(f"pin {pattern!r}: {exc}") from exc
+        if len(spec) != ndim:
+            raise PlanError(
+                f"pin {pattern!r} gives {len(spec)} placements but the mesh has {ndim} axes {table.mesh_shape}: "
+                f"give one placement per mesh axis, like {example!r}"
+            )
+        matched = _placeholder_of(traced, pattern)
+        if not matched:
+            raise PlanError(
+                f"pin {pattern!r} matches no parameter or input; parameters look like {traced.param_names[0]!r}, "
+                "inputs like 'input_0'"
+            )
+        for node in matched:
+            ns = table.nodes[node]
+            keep = tuple(s for s in ns.strategies if s.output_specs[0] == spec)
+            if not keep:
+                shape = tuple(_node_shape(traced, node))
+                raise PlanError(
+                    f"pin {pattern!r}: {spec_str(spec)} is not a valid layout for {node} of shape {shape} on mesh "
+                    f"{table.mesh_shape} (a sharded dim must exist and hold at least one element per device): "
+                    f"pin another dim, 'R', or use a larger size"
+                )
+            table.nodes[node] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+
+
+def _node_shape(traced: TracedProgram, name: str) -> Sequence[int]:
+    node = next(n for n in traced.graph_module.graph.nodes if n.name == name)
+    val = node.meta.get("val")
+    return val.shape if isinstance(val, torch.Tensor) else ()
+
+
+def check_plan_fits(plan: Plan, traced: TracedProgram) -> None:
+    """The pre-launch check of ``autoplan run --plan`` (once, before any rank starts):
+    :meth:`Plan.check_fits` with the strategy table of ``traced`` on the plan's mesh (the stage
+    mesh for a plan made for a global batch), built on a fake process group, so a hand edit that
+    pairs placements an operator cannot run is named instead of training wrongly."""
+    mesh_cluster = plan.cluster if plan.config is None else stage_cluster(plan.cluster, plan.config)
+    plan.check_fits(traced)  # names, counts and ranks first: a table of a misfit plan means nothing
+    with planning_mesh(mesh_cluster) as mesh:
+        table = build_strategy_table(traced, mesh)
+    plan.check_fits(traced, table=table)
+
+
+ProfileChoice = ProfileDB | str | os.PathLike[str] | None
+
+
+def open_profile(cluster: Cluster, profile: ProfileChoice = "auto") -> ProfileDB | None:
+    """The profile database planning for ``cluster`` uses.
+
+    ``"auto"``: the database ``autoplan profile`` wrote for this machine's device, if the
+    cluster is made of that device (a CPU cluster planned on a CPU; a GPU cluster planned on a
+    machine with that GPU) and the file exists; else none (analytic times). A path: that file,
+    whatever machine measured it (plan a GPU cluster from a laptop with a profile taken on the
+    GPU). ``None``: analytic times only."""
+    if profile is None or isinstance(profile, ProfileDB):
+        return profile
+    if profile != "auto":
+        return ProfileDB.load(profile)
+    if cluster.device.name == "CPU":
+        key = DeviceKey.current("cpu")
+    elif torch.cuda.is_available() and cluster.device.name.lower() in torch.cuda.get_device_name().lower():
+        key = DeviceKey.current("cuda")
+    else:
+        return None
+    path = default_db_path(key)
+    return ProfileDB.load(path, expect=key) if path.exists() else None
+
+
+def plan_traced(
+    traced: TracedProgram,
+    cluster: Cluster,
+    *,
+    mesh: DeviceMesh,
+    optimizer: str = "adam",
+    pins: Pins | None = None,
+    time_limit_s: float = 120.0,
+    solver: str = "auto",
+    profile: ProfileDB | None = None,
+    restrict: Callable[[StrategyTable, TracedProgram], None] | None = None,
+    adjust: Callable[[CostProblem], CostProblem] | None = None,
+) -> Plan:
+    """Plan an already traced training step on ``mesh`` (the cluster's shape); op times come
+    from ``profile`` where it has them (see :func:`open_profile`). ``restrict`` may remove
+    strategies from the table after the pins (e.g. the data-parallel layout a configuration fixes);
+    ``adjust`` may rewrite the cost problem before the ILP (e.g. repeated blocks' multiplicity)."""
+    t0 = time.perf_counter()
+    progress.step(f"placement strategies for {len(traced.graph_module.graph.nodes)} nodes")
+    table = build_strategy_table(traced, mesh)
+    apply_pins(table, traced, pins or {})
+    if restrict is not None:
+        restrict(table, traced)
+    progress.step("pricing strategies and conversions")
+    problem = build_cost_problem(traced, table, cluster, optimizer=optimizer, profile=profile)
+    if adjust is not None:
+        problem = adjust(problem)
+    progress.step(f"solving the placement ILP ({sum(len(t) for t in problem.node_time_s.values()):,} choices)")
+    solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
+    assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
+
+    gm = traced.graph_module
+    node_by_name = {n.name: n for n in gm.graph.nodes}
+    redistributions = edge_redistributions(traced, assignment, cluster.mesh_ndim)
+    times_s = []
+    buckets_seen: set[str] = set()
+    for r in redistributions:
+        nbytes = _value_bytes(node_by_name, r.producer)
+        t = transition_cost_s(r.src, r.dst, nbytes, cluster, include_latency=r.bucket is None)
+        if r.bucket is not None and r.bucket not in buckets_seen:
+            buckets_seen.add(r.bucket)
+            t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
+        times_s.append(t)
+    chosen_time_s = {n: problem.node_time_s[n][s] for n, s in solution.choice.items()}
+    schedule = schedule_step(
+        gm,
+        chosen_time_s,
+        redistributions,
+        times_s,
+        param_nodes=[param_node_name(n) for n in traced.param_names],
+        device_overlaps=overlaps_compute(cluster.device),
+    )
+    collectives = tuple(
+        CollectiveRecord(
+            producer=str(r.producer),
+            consumer=r.consumer,
+            arg_index=r.arg_index,
+            src=tuple(spec_strs(r.src)),
+            dst=tuple(spec_strs(r.dst)),
+            steps=tuple((s.kind, s.axis) for s in r.steps),
+            time_s=t,
+            bucket=r.bucket,
+            overlappable=sc.overlappable,
+            exposed_s=sc.exposed_s,
+        )
+        for r, t, sc in zip(redistributions, times_s, schedule.collectives, strict=True)
+    )
+    profiled = sum(problem.node_time_profiled[n][s] for n, s in solution.choice.items())
+    frozen = {param_node_name(n) for n in traced.frozen_names}  # no optimizer step to time
+    timed = sum(1 for n in solution.choice if table.nodes[n].kind in ("op", "fallback", "param") and n not in frozen)
+    param_nodes = [param_node_name(n) for n in traced.param_names]
+    memory = liveness.peak_memory(
+        gm,
+        liveness.analyze(gm, [param_node_name(n) for n in traced.trainable_names]),
+        assignment,
+        redistributions,
+        mesh_shape=cluster.mesh_shape,
+        optimizer=optimizer,
+        param_nodes=param_nodes,
+        device_kind="cpu" if cluster.device.name == "CPU" else "cuda",
+    )
+    nodes = {}
+    for name, strat in assignment.items():
+        ns = table.nodes[name]
+        if ns.kind in ("op", "fallback"):
+            nodes[name] = {
+                "op": str(node_by_name[name].target),
+                "out": [spec_strs(s) if s is not None else None for s in strat.output_specs],
+                "in": [spec_strs(s) for s in strat.input_specs],
+            }
+    param_specs = {n: tuple(spec_strs(assignment[param_node_name(n)].output_specs[0])) for n in traced.param_names}
+    plan = Plan(
+        fingerprint=traced.fingerprint,
+        cluster=cluster,
+        optimizer=optimizer,
+        param_names=traced.param_names,
+        input_specs=tuple(tuple(spec_strs(assignment[f"input_{i}"].output_specs[0])) for i in range(traced.num_inputs)),
+        target_specs=tuple(
+            tuple(spec_strs(assignment[f"target_{i}"].output_specs[0])) for i in range(traced.num_targets)
+        ),
+        param_specs=param_specs,
+        nodes=nodes,
+        fallback_ops=dict(table.fallback_ops),
+        collectives=collectives,
+        estimate=Estimate(
+            step_time_s=schedule.step_time_s,
+            compute_s=schedule.compute_s,
+            comm_s=schedule.comm_s,
+            exposed_comm_s=schedule.exposed_comm_s,
+            compute_sources={"profiled": profiled, "analytic": timed - profiled},
+            memory_bytes=memory.as_dict(),
+            memory_peak_at=memory.peak_at,
+            capacity_bytes=float(cluster.device.mem_capacity_bytes),
+        ),
+        solver={
+            "status": solution.status,
+            "method": solution.method,
+            "gap": solution.gap,
+            "objective_s": solution.objective_s,
+            "solve_time_s": round(solution.solve_time_s, 3),
+            "num_variables": solution.num_variables,
+            "num_constraints": solution.num_constraints,
+            "plan_time_s": round(time.perf_counter() - t0 + traced.trace_time_s, 3),
+        },
+        alternatives=explain_choices(problem, solution.choice),
+        versions=software_versions(),
+    )
+    log.info("plan %s: %s", plan.fingerprint, plan.parallelism())
+    return plan
+
+
+def _value_bytes(node_by_name: Mapping[str, torch.fx.Node], ref: ValueRef) -> int:
+    val = node_by_name[ref.node].meta["val"]
+    return tensor_bytes(val[ref.index] if isinstance(val, (tuple, list)) else val)

@@ -1,0 +1,73 @@
+"""The cluster a planning call is for, and the device meshes its strategies are enumerated on:
+the cluster argument (:func:`as_cluster`), a mesh of the cluster's shape on a fake process group
+(:func:`planning_mesh`), and one pipeline stage's devices (:func:`stage_cluster`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.errors import ClusterSpecError, PlanMismatchError
+
+
+def as_cluster(cluster: Cluster | str) -> Cluster:
+    """``cluster`` as a :class:`Cluster`: a preset string (``"2x8xH100"``) is looked up."""
+    if isinstance(cluster, str):
+        return Cluster.preset(cluster)
+    if not isinstance(cluster, Cluster):
+        raise ClusterSpecError(
+            f"cluster must be an autoplan.Cluster or a preset string like '4xCPU' or '2x8xH100', "
+            f"got {type(cluster).__name__} {cluster!r}"
+        )
+    return cluster
+
+
+@contextlib.contextmanager
+def planning_mesh(cluster: Cluster, *, device_type: str = "cpu") -> Iterator[DeviceMesh]:
+    """A DeviceMesh of the cluster's shape for strategy enumeration.
+
+    Inside a job of the right size the real mesh is used; otherwise a fake process group of
+    ``cluster.world_size`` ranks is created for the duration (nothing is communicated).
+    ``device_type="cuda"`` gives a mesh whose DTensors live on the GPU (``autoplan profile``).
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != cluster.world_size:
+            raise PlanMismatchError(
+                f"cannot plan for {cluster.world_size} devices inside a {dist.get_world_size()}-rank job: "
+                "plan outside torchrun (autoplan plan ...) or use a cluster of the job's size"
+            )
+        yield init_device_mesh(device_type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
+        return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cluster.world_size)
+    try:
+        yield init_device_mesh(device_type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
+    finally:
+        dist.destroy_process_group()
+
+
+def stage_axes(config: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Shape and names of one stage's mesh: the ``dp`` and ``tp`` axes larger than one (a
+    size-one axis only multiplies the ILP's strategies by layouts that split nothing)."""
+    axes = [(size, name) for size, name in ((config.dp, "dp"), (config.tp, "tp")) if size > 1] or [(1, "dp")]
+    return tuple(a[0] for a in axes), tuple(a[1] for a in axes)
+
+
+def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
+    """The devices of one pipeline stage as a cluster with the mesh of :func:`stage_axes`: whole
+    nodes when the stage spans nodes, else a part of one node."""
+    shape, names = stage_axes(config)
+    n = config.dp * config.tp
+    dpn = cluster.devices_per_node
+    nodes, per_node = (n // dpn, dpn) if n > dpn and n % dpn == 0 else (1, n)
+    try:
+        return Cluster(num_nodes=nodes, devices_per_node=per_node, device=cluster.device).with_mesh(shape, names)
+    except ClusterSpecError:
+        # a data-parallel group that straddles nodes: plan the placements on one "node" (the
+        # search priced the real links already)
+        return Cluster(num_nodes=1, devices_per_node=n, device=cluster.device, mesh_shape=shape, mesh_axis_names=names)
