@@ -15,17 +15,21 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from autoplan.cost_models.errors import ConfigError
 
-Schedule = Literal["none", "gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+"""Pipeline schedules (``torch.distributed.pipelining``: ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble), the names the schedule simulator
+(:mod:`autoplan.cost_models.schedule`), the search and the runtime share."""
+Schedule = Literal["none"] | ScheduleName
+"""A configuration's schedule: a pipeline schedule, or ``"none"`` when ``pp == 1``."""
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
-"""Pipeline schedules (``torch.distributed.pipelining``: ScheduleGPipe, Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble); ``"none"`` when ``pp == 1``."""
+SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+"""The pipeline schedules, in the order of ``torch.distributed.pipelining``'s classes."""
 RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
@@ -44,6 +48,55 @@ REMOVED_FIELDS = {
     "sequence_parallel": "it was accepted but never applied; no plan shards activations along the sequence",
 }
 """Fields older versions accepted, with why they are gone: naming one is an error, not ignored."""
+
+
+def schedule_problem(
+    schedule: str, *, pp: int, num_microbatches: int, virtual_stages: int, allow_none: bool = False
+) -> str | None:
+    """What is wrong with running ``schedule`` on ``pp`` pipeline ranks with ``num_microbatches``
+    micro-batches and ``virtual_stages`` model chunks per rank (``None``: nothing). The one
+    statement of the schedule rules: :class:`ParallelConfig`, the schedule simulator, the search
+    and the runtime all ask here. ``allow_none``: ``"none"`` (no pipeline) is a valid name."""
+    if schedule not in SCHEDULES and not (allow_none and schedule == "none"):
+        return f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}"
+    if pp < 1:
+        return f"num_ranks is {pp}; a pipeline needs at least 1 rank"
+    if num_microbatches < 1:
+        return f"num_microbatches is {num_microbatches}; use at least 1 micro-batch"
+    if virtual_stages < 1:
+        return f"virtual_stages is {virtual_stages}; use at least 1 chunk per rank"
+    if schedule != "interleaved-1f1b" and virtual_stages != 1:
+        return (
+            f"schedule {schedule!r} runs one stage per rank, got virtual_stages={virtual_stages}; "
+            "use virtual_stages=1 or schedule 'interleaved-1f1b'"
+        )
+    if schedule == "interleaved-1f1b" and num_microbatches % pp:
+        return (
+            f"interleaved-1f1b needs num_microbatches divisible by the {pp} pipeline ranks, "
+            f"got {num_microbatches}; use a multiple of {pp}"
+        )
+    return None
+
+
+def check_schedule(
+    schedule: str,
+    *,
+    pp: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    allow_none: bool = False,
+    executable: bool = False,
+) -> None:
+    """Raise :class:`ConfigError` with :func:`schedule_problem`'s message. ``executable`` adds the
+    rule of ``torch.distributed.pipelining`` that the cost model does not need: Schedule1F1B
+    runs at least as many micro-batches as stages."""
+    problem = schedule_problem(
+        schedule, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages, allow_none=allow_none
+    )
+    if problem is None and executable and schedule == "1f1b" and num_microbatches < pp:
+        problem = f"1f1b needs at least as many micro-batches as stages ({pp}), got {num_microbatches}"
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def field_name_problem(names: Iterable[str]) -> str | None:
@@ -89,16 +142,17 @@ class ParallelConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"ParallelConfig.{name} must be a positive integer, got {v!r}: {hint}")
-        if self.schedule not in ("none", *SCHEDULES):
-            raise ConfigError(f"unknown schedule {self.schedule!r}: use one of {', '.join(SCHEDULES)}")
+        check_schedule(
+            self.schedule,
+            pp=self.pp,
+            num_microbatches=self.num_microbatches,
+            virtual_stages=self.virtual_stages,
+            allow_none=True,
+        )
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"unknown recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved-1f1b":
-            raise ConfigError(
-                f"virtual_stages={self.virtual_stages} needs schedule='interleaved-1f1b' (got {self.schedule!r})"
-            )
         if self.stage_dp is not None:
             object.__setattr__(self, "stage_dp", tuple(self.stage_dp))
             if len(self.stage_dp) != self.pp or any(
@@ -115,10 +169,6 @@ class ParallelConfig:
                     f"stage_dp {list(self.stage_dp)} must divide the {samples} samples of a micro-batch "
                     f"(dp*microbatch_size = {self.dp}*{self.microbatch_size})"
                 )
-        if self.schedule == "interleaved-1f1b" and self.num_microbatches % self.pp:
-            raise ConfigError(
-                f"interleaved-1f1b needs num_microbatches ({self.num_microbatches}) divisible by pp ({self.pp})"
-            )
 
     @property
     def world_size(self) -> int:

@@ -98,11 +98,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
-SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
-"""Schedule names the model knows, in the order of torch.distributed.pipelining's classes."""
+from autoplan.cost_models.config import ScheduleName, check_schedule
 
 ActionKind = Literal["F", "B", "W"]
 
@@ -206,28 +204,6 @@ class PipelineTimeline:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_schedule(schedule: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; use one of {', '.join(SCHEDULES)}")
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks is {num_ranks}; a pipeline needs at least 1 rank")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches is {num_microbatches}; use at least 1 micro-batch")
-    if virtual_stages < 1:
-        raise ValueError(f"virtual_stages is {virtual_stages}; use at least 1 chunk per rank")
-    if schedule == "interleaved-1f1b":
-        if num_microbatches % num_ranks != 0:
-            raise ValueError(
-                f"interleaved-1f1b needs num_microbatches divisible by the {num_ranks} pipeline ranks, "
-                f"got {num_microbatches}; use a multiple of {num_ranks}"
-            )
-    elif virtual_stages != 1:
-        raise ValueError(
-            f"schedule {schedule!r} runs one stage per rank, got virtual_stages={virtual_stages}; "
-            "use virtual_stages=1 or schedule 'interleaved-1f1b'"
-        )
-
-
 def _check_inputs(
     stages: Sequence[StageTimes],
     schedule: str,
@@ -237,7 +213,7 @@ def _check_inputs(
     p2p_s: float | Sequence[float],
 ) -> list[float]:
     """Validate the arguments of :func:`simulate` and return the per-link transfer times."""
-    _check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    check_schedule(schedule, pp=num_ranks, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
     num_stages = num_ranks * virtual_stages
     if len(stages) != num_stages:
         raise ValueError(
@@ -342,7 +318,7 @@ def schedule_actions(
     schedule: ScheduleName, *, num_ranks: int, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[tuple[Action, ...], ...]:
     """Each rank's ordered actions, as torch.distributed.pipelining's schedule runs them."""
-    _check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    check_schedule(schedule, pp=num_ranks, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
     orders: list[list[Action]] = []
     for rank in range(num_ranks):
         if schedule == "gpipe":
@@ -562,7 +538,7 @@ def uniform_step_time(
 
     The module docstring's table; exact (equal to :func:`simulate`) where it says so.
     """
-    _check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    check_schedule(schedule, pp=num_ranks, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
     p, m, v, c = num_ranks, num_microbatches, virtual_stages, p2p_s
     f, b_in, w = stage.fwd_s, stage.bwd_input_s, stage.bwd_weight_s
     b = b_in + w
@@ -615,7 +591,7 @@ def inflight_microbatches(
 
     Equals :func:`simulate`'s ``peak_inflight_per_rank``.
     """
-    _check_schedule(schedule, num_ranks, num_microbatches, virtual_stages)
+    check_schedule(schedule, pp=num_ranks, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
     if not 0 <= stage_rank < num_ranks:
         raise ValueError(f"stage_rank is {stage_rank}; use a rank in 0..{num_ranks - 1}")
     p, m, v, r = num_ranks, num_microbatches, virtual_stages, stage_rank

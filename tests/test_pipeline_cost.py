@@ -262,7 +262,7 @@ def test_fast_step_time_closed_forms_stay_near_the_simulation(schedule: str) -> 
             2,
             "interleaved-1f1b needs num_microbatches divisible by the 4 pipeline ranks, got 6",
         ),
-        ("pipedream", 4, 4, 1, "unknown pipeline schedule 'pipedream'; use one of gpipe, 1f1b"),
+        ("pipedream", 4, 4, 1, "unknown schedule 'pipedream': use one of gpipe, 1f1b"),
         ("1f1b", 8, 4, 2, "schedule '1f1b' runs one stage per rank, got virtual_stages=2"),
         ("1f1b", 5, 4, 1, "got 5 stage times for 4 ranks x 1 virtual stages; pass 4 StageTimes"),
         ("interleaved-1f1b", 4, 4, 2, "got 4 stage times for 4 ranks x 2 virtual stages; pass 8 StageTimes"),

@@ -37,7 +37,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan.cost_models.cluster import Cluster
-from autoplan.cost_models.config import PRECISIONS, ParallelConfig
+from autoplan.cost_models.config import PRECISIONS, SCHEDULES, ParallelConfig
 from autoplan.cost_models.errors import ConfigError, PlanMismatchError
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.passes.costing import CostProblem, build_cost_problem
@@ -679,7 +679,7 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
 
 
 EXECUTABLE_SPACE = SearchSpace(
-    schedules=("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"),
+    schedules=SCHEDULES,
     recompute=("none", "full"),
     zero_stages=(0, 3),
     hetero_stages=False,

@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 
 from autoplan.cost_models.cluster import Cluster, LinkSpec
 from autoplan.cost_models.comm import link_time_s, overlaps_compute
+from autoplan.cost_models.config import SCHEDULES, schedule_problem
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.cost_models.memory import precision_bytes
 from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
@@ -143,7 +144,7 @@ class PipelineEstimate:
 class SearchSpace:
     """What the outer search may choose (defaults: everything)."""
 
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+    schedules: tuple[str, ...] = SCHEDULES
     virtual_stages: tuple[int, ...] = (2, 4)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -473,7 +474,12 @@ def candidates(cluster: Cluster, *, num_blocks: int, global_batch_size: int, spa
                 else:
                     for sch in space.schedules:
                         if sch == "interleaved-1f1b":
-                            scheds += [(sch, v) for v in space.virtual_stages if pp * v <= num_blocks and m % pp == 0]
+                            scheds += [
+                                (sch, v)
+                                for v in space.virtual_stages
+                                if pp * v <= num_blocks
+                                and schedule_problem(sch, pp=pp, num_microbatches=m, virtual_stages=v) is None
+                            ]
                         else:
                             scheds.append((sch, 1))
                 for (sch, v), rec, z in itertools.product(scheds, space.recompute, space.zero_stages):
