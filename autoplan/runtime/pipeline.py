@@ -23,7 +23,7 @@ gradient and no optimizer state.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.cost_models.comm import is_coalescable, plan_transition
+from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
@@ -50,9 +51,6 @@ from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
 from autoplan.runtime.codegen import _STEP_FN, generate_program
 from autoplan.runtime.optimizers import make_torch_optimizer
-
-ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 def _local_shape(v: ValueInfo, mesh: DeviceMesh) -> tuple[int, ...]:
@@ -378,19 +376,6 @@ def _dw_builder(mod: StageModule) -> Callable[[], Callable[[], None]]:
     return mod.pending_w.pop
 
 
-def _check_schedule(schedule: str, *, pp: int, virtual_stages: int, num_microbatches: int) -> None:
-    if schedule not in SCHEDULES:
-        raise PlanError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
-    if schedule != "interleaved-1f1b" and virtual_stages != 1:
-        raise PlanError(f"schedule {schedule!r} holds one stage per rank: use virtual_stages=1 or interleaved-1f1b")
-    if schedule == "interleaved-1f1b" and num_microbatches % pp:
-        raise PlanError(
-            f"interleaved-1f1b needs num_microbatches divisible by the pipeline size {pp}, got {num_microbatches}"
-        )
-    if schedule == "1f1b" and num_microbatches < pp:
-        raise PlanError(f"1f1b needs at least as many micro-batches as stages ({pp}), got {num_microbatches}")
-
-
 def build_pipeline(
     model: torch.nn.Module,
     traced_mb: TracedProgram,
@@ -422,7 +407,7 @@ def build_pipeline(
         raise PlanError(
             f"{num_stages} stage starts for pp={pp} x virtual_stages={virtual_stages}: give {pp * virtual_stages}"
         )
-    _check_schedule(schedule, pp=pp, virtual_stages=virtual_stages, num_microbatches=num_microbatches)
+    check_schedule(schedule, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages, executable=True)
     recompute = list(stage_recompute) if stage_recompute is not None else ["none"] * num_stages
     unsupported = sorted({r for r in recompute if r not in EXECUTABLE_RECOMPUTE})
     if len(recompute) != num_stages or unsupported:

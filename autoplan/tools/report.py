@@ -34,8 +34,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from autoplan.cost_models.config import SCHEDULES, ScheduleName
 from autoplan.cost_models.files import atomic_write, refuse_overwriting_inputs
-from autoplan.cost_models.schedule import SCHEDULES, PipelineTimeline, ScheduleName, StageTimes, simulate
+from autoplan.cost_models.schedule import PipelineTimeline, StageTimes, simulate
 from autoplan.tools import console
 
 if TYPE_CHECKING:  # autoplan.planner.plan imports torch: load it when a report is made, not at CLI start
