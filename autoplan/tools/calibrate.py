@@ -5,12 +5,8 @@
 
 On one machine the command launches ``python -m torch.distributed.run --nproc-per-node WORLD``
 with this same command line; every rank joins a gloo (CPU device) or NCCL (GPU device) group,
-builds the cluster's ``DeviceMesh`` and, for every mesh axis, kind and message size of the
-``Sweep``, times the ``autoplan.runtime.collectives`` call the generated program makes on a DTensor (so
-DTensor's Python overhead is part of the fitted latency; send/recv uses
-``torch.distributed.batch_isend_irecv`` on the axis group). Each timing is the slowest rank's,
-after warm-up calls and a barrier, and a sample is the mean of the repetitions (a step pays the
-expected time, waits for a late rank included, not the typical one). The launcher
+builds the cluster's ``DeviceMesh`` and times every mesh axis, kind and message size of the
+``Sweep`` (``autoplan.runtime.collective_bench``: how a collective is run and timed). The launcher
 then fits the samples (``autoplan.cost_models.calibration``), prints measured and fitted times, and
 writes the profile atomically.
 
@@ -26,24 +22,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoplan.tools import console, launch
 
 if TYPE_CHECKING:  # torch and the cost models load when the command runs, not when the CLI starts
-    import torch
-
     from autoplan.cost_models.calibration import Sample, Sweep
-    from autoplan.cost_models.cluster import Cluster, CommKind
-
-logger = logging.getLogger(__name__)
+    from autoplan.cost_models.cluster import Cluster
 
 EXIT_BAD_INPUT = 2
 
@@ -219,188 +209,24 @@ def format_table(profile: Cluster, samples: Sequence[Sample]) -> str:
     return "\n".join(lines)
 
 
-# --- Per-rank measurement --------------------------------------------------------------------------
+# --- On a rank ------------------------------------------------------------------------------------
 
 
 def _rank_main(args: argparse.Namespace, cluster: Cluster, sweep: Sweep) -> int:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from autoplan.cost_models.calibration import CalibrationError
+    """This process is one rank under torchrun: time the collectives with the others; rank 0
+    hands the samples to the launcher (``--samples-out``) or, run by hand on every node, fits
+    and writes the profile itself."""
+    # the collective benchmark runs torch.distributed: loaded on the ranks only
     from autoplan.cost_models.cluster import current_device_model
-    from autoplan.runtime.teardown import destroy_process_groups
+    from autoplan.runtime.collective_bench import measure_on_ranks
 
-    backend = cluster.backend
-    device_type = "cuda" if backend == "nccl" else "cpu"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    else:
-        torch.set_num_threads(1)
-    if not getattr(args, "verbose", False):
-        # DTensor warns once per rank that gloo all_to_all falls back to all_gather: that is what we time
-        logging.getLogger("torch.distributed.tensor._collective_utils").setLevel(logging.ERROR)
-    dist.init_process_group(backend)
-    try:
-        if dist.get_world_size() != cluster.world_size:
-            raise CalibrationError(
-                f"torchrun started {dist.get_world_size()} ranks but cluster {cluster} has {cluster.world_size} "
-                "devices; match --nnodes x --nproc-per-node to the cluster"
-            )
-        mesh = init_device_mesh(device_type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
-        samples = measure(mesh, cluster, sweep)
-        rank = dist.get_rank()
-    except BaseException:
-        destroy_process_groups(failed=True)
-        raise
-    destroy_process_groups()  # released now, not during interpreter exit (autoplan/runtime/teardown.py)
+    rank, samples = measure_on_ranks(cluster, sweep, verbose=bool(getattr(args, "verbose", False)))
     if rank != 0:
         return 0
-    device_model = current_device_model(backend) or "unknown"
+    device_model = current_device_model(cluster.backend) or "unknown"
     if args.samples_out:
         payload = {"samples": [dataclasses.asdict(s) for s in samples], "device_model": device_model}
         Path(args.samples_out).write_text(json.dumps(payload), encoding="utf-8")
         return 0
     _finish(cluster, samples, device_model=device_model, out=Path(args.out), quiet=args.quiet)
     return 0
-
-
-def measure(mesh: Any, cluster: Cluster, sweep: Sweep) -> list[Sample]:
-    """Time every (axis, kind, size) of ``sweep`` on ``mesh`` (collective: every rank calls it).
-
-    Returns the same samples on every rank: per repetition the slowest rank's time, then the
-    mean over repetitions."""
-    import torch
-    import torch.distributed as dist
-
-    from autoplan.cost_models.calibration import Sample, sample_time_s
-
-    device = torch.device("cuda", torch.cuda.current_device()) if cluster.backend == "nccl" else torch.device("cpu")
-    points: list[tuple[str, CommKind, int, int]] = []
-    rows: list[list[float]] = []
-    for axis, (name, size) in enumerate(zip(cluster.mesh_axis_names, cluster.mesh_shape, strict=True)):
-        if size < 2:
-            continue
-        for kind in sweep.kinds:
-            logger.info("timing %s on axis %s", kind, name)
-            for nbytes in sweep.sizes_bytes():
-                payload, op = _make_op(kind, nbytes, mesh, axis, device)
-                rows.append(_time_s(op, sweep, device))
-                points.append((name, kind, size, payload))
-    times = torch.tensor(rows, dtype=torch.float64, device=device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    means = [sample_time_s(row) for row in times.cpu().tolist()]
-    return [
-        Sample(axis=name, kind=kind, num_ranks=size, nbytes=payload, time_s=t)
-        for (name, kind, size, payload), t in zip(points, means, strict=True)
-    ]
-
-
-def _compute_burst(device: torch.device, gap_s: float) -> Callable[[], None]:
-    """A fixed amount of matmul work taking about ``gap_s`` on this rank (sized once, so every
-    rank runs the same work and arrives at the collective with the skew real compute has)."""
-    import torch
-
-    if gap_s <= 0 or device.type == "cuda":
-        return lambda: None
-    a = torch.rand(128, 128)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    per_mm_s = (time.perf_counter() - t0) / 20
-    count = max(1, round(gap_s / max(per_mm_s, 1e-7)))
-
-    def burst() -> None:
-        for _ in range(count):
-            a @ a
-
-    return burst
-
-
-def _time_s(op: Callable[[], None], sweep: Sweep, device: torch.device) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    gap_s = sweep.compute_gap_s if sweep.compute_gap_s is not None else (0.0 if device.type == "cuda" else 0.005)
-    burst = _compute_burst(device, gap_s)
-    for _ in range(sweep.warmup):
-        op()
-    times = []
-    for _ in range(sweep.repetitions):
-        dist.barrier()
-        burst()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        op()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def _make_op(kind: str, nbytes: int, mesh: Any, axis: int, device: torch.device) -> tuple[int, Callable[[], None]]:
-    """A call that runs ``kind`` of about ``nbytes`` on mesh axis ``axis`` as the generated
-    program would, and its exact payload in the convention of ``collective_time_s``."""
-    import torch
-    import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    from autoplan.cost_models.cluster import COMM_KINDS
-    from autoplan.runtime import collectives as runtime
-
-    assert kind in COMM_KINDS, kind
-    n = mesh.size(axis)
-    elem = 4  # float32
-
-    def placements(p: Any) -> list[Any]:
-        out: list[Any] = [Replicate()] * mesh.ndim
-        out[axis] = p
-        return out
-
-    def wait(x: DTensor) -> None:
-        local = x.to_local()
-        if isinstance(local, funcol.AsyncCollectiveTensor):
-            local.wait()
-
-    numel = max(n, nbytes // elem // n * n)  # a multiple of n elements
-    if kind == "all_reduce":  # P -> R, payload B
-        x = DTensor.from_local(torch.ones(numel, device=device), mesh, placements(Partial()), run_check=False)
-        return numel * elem, lambda: wait(runtime.all_reduce(x, axis))
-    if kind == "reduce_scatter":  # P -> S(0), payload B_in
-        x = DTensor.from_local(torch.ones(numel, device=device), mesh, placements(Partial()), run_check=False)
-        return numel * elem, lambda: wait(runtime.reduce_scatter(x, axis, 0))
-    if kind == "all_gather":  # S(0) -> R, payload B_out
-        local = torch.ones(numel // n, device=device)
-        x = DTensor.from_local(
-            local, mesh, placements(Shard(0)), run_check=False, shape=torch.Size((numel,)), stride=(1,)
-        )
-        return numel * elem, lambda: wait(runtime.all_gather(x, axis))
-    if kind == "all_to_all":  # S(0) -> S(1) of a (n*rows, cols) tensor, payload B_local
-        cols = 64 * n
-        rows = max(1, nbytes // (elem * cols))
-        x = DTensor.from_local(
-            torch.ones(rows, cols, device=device),
-            mesh,
-            placements(Shard(0)),
-            run_check=False,
-            shape=torch.Size((rows * n, cols)),
-            stride=(cols, 1),
-        )
-        return rows * cols * elem, lambda: wait(runtime.all_to_all(x, axis, 1))
-    # send_recv: every rank of the axis sends B to the next one and receives B from the previous
-    group = mesh.get_group(axis)
-    ranks = dist.get_process_group_ranks(group)
-    i = ranks.index(dist.get_rank())
-    send, recv = torch.ones(numel, device=device), torch.empty(numel, device=device)
-
-    def p2p() -> None:
-        ops = [
-            dist.P2POp(dist.isend, send, ranks[(i + 1) % n], group),
-            dist.P2POp(dist.irecv, recv, ranks[(i - 1) % n], group),
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-    return numel * elem, p2p
