@@ -31,14 +31,16 @@ from autoplan.passes.layers import find_layers
 from autoplan.passes.trace import LossFn, TracedProgram, trace_training_step
 from autoplan.planner import progress
 from autoplan.planner.ilp import Pins, ProfileChoice, open_profile, plan_traced
-from autoplan.planner.joint import estimate, plan_for_batch, trace_for_plan, trace_microbatch
+from autoplan.planner.joint import estimate, plan_for_batch
 from autoplan.planner.mesh import as_cluster, planning_mesh
 from autoplan.planner.plan import Plan
+from autoplan.planner.tracing import trace_for_plan, trace_microbatch
 from autoplan.runtime.codegen import generate_program
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel, build_pipeline
 
 log = logging.getLogger(__name__)
+
 
 def _check_optimizer(optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:

@@ -35,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
-from autoplan.planner.joint import SegmentCostModel, prepare_for_precision  # noqa: E402
 from autoplan.planner.search import SearchSpace, search  # noqa: E402
+from autoplan.planner.segment_model import SegmentCostModel  # noqa: E402
+from autoplan.planner.tracing import prepare_for_precision  # noqa: E402
 
 logging.getLogger("autoplan").setLevel(logging.WARNING)
 TRACED_BLOCKS = 2

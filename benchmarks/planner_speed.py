@@ -95,14 +95,15 @@ def lm_loss(out, labels):  # noqa: ANN001, ANN201
 def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
     """One case in this process; returns the row as a dict."""
     import autoplan
-    import autoplan.planner.joint as joint
+    import autoplan.planner.segment_model as segment_model
+    import autoplan.planner.tracing as tracing
     from autoplan.planner.solver import ShardingILP
 
     timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0, "prefetch_s": 0.0}
     real_trace, real_solve, real_prefetch = (
-        joint.trace_training_step,
+        tracing.trace_training_step,
         ShardingILP.solve,
-        joint.SegmentCostModel.prefetch,
+        segment_model.SegmentCostModel.prefetch,
     )
 
     def timed_prefetch(self, keys, **kwargs):  # noqa: ANN001, ANN003, ANN202
@@ -127,8 +128,8 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
             timers["solve_s"] += time.perf_counter() - t
             timers["ilps"] += 1
 
-    joint.trace_training_step = timed_trace  # type: ignore[assignment]
-    joint.SegmentCostModel.prefetch = timed_prefetch  # type: ignore[method-assign]
+    tracing.trace_training_step = timed_trace  # type: ignore[assignment]
+    segment_model.SegmentCostModel.prefetch = timed_prefetch  # type: ignore[method-assign]
     ShardingILP.solve = timed_solve  # type: ignore[method-assign]
     t0 = time.perf_counter()
     model, ids = build(case)
@@ -157,7 +158,7 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
         "solve_s": timers["solve_s"],
         "total_s": total,
         "prefetch_s": timers["prefetch_s"],
-        "workers": joint.default_workers(),
+        "workers": segment_model.default_workers(),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "worker_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
         "config": str(plan.config),

@@ -25,7 +25,7 @@ the gradients must keep their parameters' shapes and the loss must stay a scalar
 Why: tracing (export + the joint graph) costs about a second per micro-batch size on a
 two-block Llama; the derivation costs one pass of shape functions over the graph (0.08 s on
 Llama-3-8B's). The planner's per-(tensor-parallel degree, micro-batch) costs need 4-5 sizes
-(:mod:`autoplan.planner.joint`).
+(:mod:`autoplan.planner.segment_model`).
 """
 
 from __future__ import annotations

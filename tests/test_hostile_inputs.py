@@ -498,7 +498,7 @@ def test_the_plans_made_here_fit_their_models(mlp_plan, pipeline_plan):
     """The checks above refuse edits, not what the planner writes (both plans, through a file)."""
     from autoplan.passes.trace import trace_training_step
     from autoplan.planner.ilp import check_plan_fits
-    from autoplan.planner.joint import trace_for_plan
+    from autoplan.planner.tracing import trace_for_plan
 
     with torch.device("meta"):
         mlp, gpt2 = cli_models.mlp(), cli_models.gpt2_4_layers()

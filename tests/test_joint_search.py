@@ -10,8 +10,9 @@ import autoplan
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
-from autoplan.planner.joint import SegmentCostModel, estimate, search_config
+from autoplan.planner.joint import estimate, search_config
 from autoplan.planner.search import Candidate, SearchSpace, evaluate, search
+from autoplan.planner.segment_model import SegmentCostModel
 from tests.models import gpt2_tiny, lm_loss, token_batch
 
 CLUSTER = "2x4xA100-80GB"
@@ -184,7 +185,7 @@ def test_parallel_prefetch_gives_the_costs_of_solving_one_by_one():
 
 
 def test_workers_come_from_the_environment(monkeypatch):
-    from autoplan.planner.joint import default_workers
+    from autoplan.planner.segment_model import default_workers
 
     monkeypatch.setenv("AUTOPLAN_WORKERS", "3")
     assert default_workers() == 3

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from autoplan.api import plan
-from autoplan.planner import joint, plan_cache
+from autoplan.planner import joint, plan_cache, tracing
 from autoplan.planner.plan import Plan
 from autoplan.tools.loader import build_workload
 from autoplan.workload import Workload
@@ -75,7 +75,7 @@ def _plan(path: Path) -> tuple[Plan, Workload]:
 
 def _fingerprint_of_model(p: Plan, wl: Workload) -> str:
     """What ``parallelize`` / ``run --plan`` trace and compare with the plan's fingerprint."""
-    return joint.trace_for_plan(p, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn).fingerprint
+    return tracing.trace_for_plan(p, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn).fingerprint
 
 
 def test_editing_a_helper_that_forward_calls_misses_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

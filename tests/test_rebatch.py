@@ -12,8 +12,8 @@ import autoplan.passes.rebatch as rebatch_pass
 from autoplan.cost_models.cluster import Cluster
 from autoplan.passes.rebatch import rebatch
 from autoplan.passes.trace import TracedProgram, trace_training_step
-from autoplan.planner import joint
-from autoplan.planner.joint import SegmentCostModel
+from autoplan.planner import tracing
+from autoplan.planner.segment_model import SegmentCostModel
 from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
 
 
@@ -85,13 +85,13 @@ def test_segment_costs_with_derived_traces_are_those_of_traced_ones(monkeypatch)
     keys = [(2, 2), (2, 4), (2, 8), (4, 8)]
     derived = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=1, extrapolate_batch=False)
     exports: list[int] = []
-    real = joint.trace_microbatch
+    real = tracing.trace_microbatch
 
     def counted(*args: Any, **kwargs: Any) -> TracedProgram:
         exports.append(args[-1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(joint, "trace_microbatch", counted)
+    monkeypatch.setattr(tracing, "trace_microbatch", counted)
     got = {k: derived(*k) for k in keys}
     assert exports == [2, 4]  # 8 samples: derived from 2 and 4
     monkeypatch.setattr(SegmentCostModel, "_derived", lambda self, batch: None)
@@ -119,7 +119,7 @@ def test_a_one_sample_plan_is_made_on_the_graph_parallelize_traces() -> None:
     data-parallel micro-batch is one sample must be the traced one (parallelize checks the
     fingerprint)."""
     import autoplan
-    from autoplan.planner.joint import trace_for_plan
+    from autoplan.planner.tracing import trace_for_plan
 
     ids, labels = token_batch(batch=1)
     model = gpt2_tiny()

@@ -352,7 +352,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # check the plan fits this model before launching any rank (a meta trace is cheap)
         wl = build_workload(args.target, device="meta", seed=args.seed)
         if plan.config is not None:  # a plan for a global batch is made for one micro-batch's step
-            from autoplan.planner.joint import trace_for_plan
+            from autoplan.planner.tracing import trace_for_plan
 
             traced = trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
         else:

@@ -749,13 +749,13 @@ def export_onnx(plan: Plan, traced: TracedProgram, path: str | os.PathLike[str])
 
 def trace_plan_model(plan: Plan, target: str, *, seed: int = 0) -> TracedProgram:
     """Build ``target`` (``FILE.py:FUNCTION``) on ``meta`` and trace the step the plan is for
-    (:func:`autoplan.planner.joint.trace_for_plan` for plans made with a global batch)."""
+    (:func:`autoplan.planner.tracing.trace_for_plan` for plans made with a global batch)."""
     from autoplan.passes.trace import trace_training_step
     from autoplan.tools.loader import build_workload
 
     wl = build_workload(target, device="meta", seed=seed)
     if plan.config is not None:
-        from autoplan.planner.joint import trace_for_plan
+        from autoplan.planner.tracing import trace_for_plan
 
         return trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
     return trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)

@@ -1,0 +1,380 @@
+"""The segment-cost oracle of the joint search: ``(tp, microbatch_size) -> SegmentCosts`` of a
+model (:class:`SegmentCostModel`), traced once per micro-batch size (or derived,
+:mod:`autoplan.passes.rebatch`), the intra-operator ILP solved on a tensor-parallel group and
+summed per segment (:func:`autoplan.planner.segment_costs.segment_costs`); large micro-batches are
+priced by scaling a smaller one once the costs grow linearly (:func:`scale_costs`), and the ILPs
+the search will need are solved ahead in forked worker processes (:meth:`SegmentCostModel.prefetch`)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+import multiprocessing
+import multiprocessing.pool
+import os
+import queue
+import signal
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.profile_db import ProfileDB
+from autoplan.passes.costing import CostProblem, build_cost_problem
+from autoplan.passes.expand import block_multiplicity, scale_problem, twins
+from autoplan.passes.layers import Layering, find_layers
+from autoplan.passes.rebatch import MIN_BASE_BATCH, rebatch
+from autoplan.passes.strategies import build_strategy_table
+from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
+from autoplan.planner import progress
+from autoplan.planner.mesh import planning_mesh
+from autoplan.planner.search import expand_blocks, tp_cluster
+from autoplan.planner.segment_costs import SegmentCosts, segment_costs
+from autoplan.planner.solver import ShardingILP, SolverOptions
+from autoplan.planner.tracing import trace_repeated
+
+
+@dataclass(slots=True)
+class SegmentCostModel:
+    """``(tp, microbatch_size) -> SegmentCosts`` for a model: trace one micro-batch, solve the
+    intra-operator ILP on a tensor-parallel group, sum per segment (memoised)."""
+
+    model: torch.nn.Module
+    example_inputs: Sequence[torch.Tensor]
+    loss_fn: LossFn | None
+    example_targets: Sequence[torch.Tensor]
+    cluster: Cluster
+    optimizer: str = "adam"
+    profile: ProfileDB | None = None
+    time_limit_s: float = 60.0
+    reduce_repeated: bool = True
+    """Trace two blocks and price the rest from the last (autoplan.passes.depth); False: full depth."""
+    extrapolate_batch: bool = True
+    """Price large micro-batches by scaling a smaller one once the costs are seen to grow
+    linearly (see :meth:`__call__`); False: trace and solve every micro-batch size."""
+    workers: int | None = None
+    """Processes :meth:`prefetch` solves in (``None``: :func:`default_workers`; 1: this one)."""
+    num_blocks: int = 0
+    _traces: dict[int, tuple[TracedProgram, Layering]] = field(default_factory=dict)
+    _exported: set[int] = field(default_factory=set)
+    """Micro-batch sizes in ``_traces`` that were traced (the others were derived from them)."""
+    _costs: dict[tuple[int, int], SegmentCosts] = field(default_factory=dict)
+    _linear: dict[tuple[int, int], bool] = field(default_factory=dict)
+
+    def _traced(self, batch: int) -> tuple[TracedProgram, Layering]:
+        """The step of one micro-batch of ``batch`` samples, traced with the first
+        :data:`~autoplan.passes.depth.KEPT_BLOCKS` blocks only (:mod:`autoplan.passes.depth`; costs are expanded to
+        the full depth in :meth:`__call__`); derived from two exported sizes when it can be
+        (:mod:`autoplan.passes.rebatch`: the same graph, without another ``torch.export``).
+
+        A batch of one is always derived from 2 and 4 samples (exported first if needed): traced
+        on its own it gives a slightly different graph (a ``slice`` where larger batches
+        ``expand``), while the runtime runs the graph of the whole global batch, sharded, on
+        every device; the derived one is that graph at one sample. Traced directly only when it
+        cannot be derived."""
+        if batch not in self._traces:
+            if batch < MIN_BASE_BATCH:
+                for base in (MIN_BASE_BATCH, 2 * MIN_BASE_BATCH):
+                    self._traced(base)
+            derived = self._derived(batch)
+            if derived is not None:
+                self._traces[batch] = derived
+                return derived
+            progress.step(f"tracing the model for a micro-batch of {batch} (torch.export)")
+            traced, layering, self.num_blocks = trace_repeated(
+                self.model, self.example_inputs, self.example_targets, self.loss_fn, batch, reduce=self.reduce_repeated
+            )
+            self._traces[batch] = (traced, layering)
+            self._exported.add(batch)
+        return self._traces[batch]
+
+    def _derived(self, batch: int) -> tuple[TracedProgram, Layering] | None:
+        """The step of ``batch`` samples derived (:mod:`autoplan.passes.rebatch`, exact or ``None``) from
+        the two largest exported sizes below it, else the two smallest others, with its layering."""
+        exported = sorted(b for b in self._exported if b >= MIN_BASE_BATCH and b != batch)
+        below = [b for b in exported if b < batch]
+        bases = below[-2:] if len(below) >= 2 else exported[:2]
+        if len(bases) < 2:
+            return None
+        (first, _), (second, layering2) = self._traces[bases[0]], self._traces[bases[1]]
+        traced = rebatch(first, second, bases[0], bases[1], batch)
+        if traced is None:
+            return None
+        layering = find_layers(traced)
+        if layering.num_blocks != layering2.num_blocks:
+            return None
+        return traced, layering
+
+    def ready(self, tp: int, microbatch_size: int) -> bool:
+        """Whether ``(tp, microbatch_size)`` is answered without solving another ILP."""
+        return not self._missing(tp, microbatch_size)
+
+    def prefetch(self, keys: Iterable[tuple[int, int]], *, while_waiting: Callable[[], bool] | None = None) -> None:
+        """Solve the costs of every ``(tp, microbatch_size)`` in ``keys`` now, in forked worker
+        processes, so the search's later calls are cache hits.
+
+        The ILPs are independent; only *which* sizes need one depends on earlier results
+        (:meth:`__call__` scales a size instead once the smaller ones grow linearly). This
+        process keeps that decision (:meth:`_missing`): it hands out every ILP known to be
+        needed, the smallest micro-batch first (its candidates can be laid out while the rest
+        solve), at most one per worker, and decides again as results come in. The results are exactly those of calling :meth:`__call__` here, in any order.
+        The traces every worker needs (2 and 4 samples, the bases the other sizes are derived from,
+        :mod:`autoplan.passes.rebatch`, and 1 sample) are made here before forking; while this process
+        traces 4 and derives 1, a first worker already solves the ILPs of 2 samples. While it waits
+        for results, this process calls ``while_waiting()`` (the search lays out the candidates
+        whose costs are :meth:`ready`), checking for results between calls, until it returns False.
+        The objects alive at a fork are frozen out of the garbage collector (``gc.freeze``, as
+        the ``gc`` docs advise before ``fork``): a worker's collections then neither rescan the
+        model and traces nor copy their pages.
+        Runs in this process
+        when there is one worker, no ``fork`` start method (Windows), or a process group (inside
+        a job)."""
+        todo = sorted({k for k in keys if k not in self._costs})
+        workers = self.workers or default_workers()
+        # a forked copy of a process in a job would share its process group: solve here
+        if (
+            workers <= 1
+            or not todo
+            or "fork" not in multiprocessing.get_all_start_methods()
+            or torch.distributed.is_initialized()
+        ):
+            for tp, b in todo:
+                self(tp, b)
+            return
+        sizes = {b for _, b in todo}
+        if self.extrapolate_batch and max(sizes) > MIN_BASE_BATCH:
+            sizes |= {1, MIN_BASE_BATCH}  # the first linearity check (SegmentCostModel._missing)
+        done: queue.SimpleQueue[object] = queue.SimpleQueue()
+        running: set[tuple[int, int]] = set()
+        early: set[tuple[int, int]] = set()  # running in the first, one-process pool
+
+        def needed() -> set[tuple[int, int]]:
+            return {(tp, size) for tp, b in todo for size in self._missing(tp, b)} - running
+
+        def start(pool: multiprocessing.pool.Pool, key: tuple[int, int]) -> None:
+            pool.apply_async(_solve_pair, (key,), callback=done.put, error_callback=done.put)
+            running.add(key)
+
+        context = multiprocessing.get_context("fork")
+        try:
+            with contextlib.ExitStack() as pools:
+                self._traced(MIN_BASE_BATCH)  # every other size is derived with it (autoplan.passes.rebatch)
+                later = [2 * MIN_BASE_BATCH] if sizes - {MIN_BASE_BATCH} else []  # the second base
+                later += [1] if 1 in sizes else []  # derived from the two bases
+                if later:  # the ILPs of 2 samples run in one worker while this process traces the bases
+                    gc.freeze()
+                    first = pools.enter_context(context.Pool(1, initializer=_start_worker, initargs=(self,)))
+                    for key in sorted(k for k in needed() if k[1] in self._traces):
+                        start(first, key)
+                        early.add(key)
+                    for b in later:
+                        self._traced(b)
+                gc.freeze()
+                pool = pools.enter_context(context.Pool(workers, initializer=_start_worker, initargs=(self,)))
+                while True:
+                    # smallest micro-batch first: its candidates can be laid out while the rest solve
+                    for key in sorted(needed(), key=lambda k: (k[1], -k[0]))[: workers - len(running - early)]:
+                        start(pool, key)
+                    if not running:
+                        break
+                    try:
+                        result = done.get_nowait()
+                    except queue.Empty:
+                        if while_waiting is not None and while_waiting():
+                            continue
+                        result = done.get()  # nothing to do meanwhile until the next result
+                    if isinstance(result, BaseException):
+                        raise result
+                    solved: tuple[tuple[int, int], SegmentCosts] = result  # type: ignore[assignment]
+                    running.discard(solved[0])
+                    early.discard(solved[0])
+                    self._costs[solved[0]] = solved[1]
+        finally:
+            gc.unfreeze()
+        for tp, b in todo:  # every ILP is solved: the scaled sizes and linearity decisions
+            self(tp, b)
+
+    def _missing(self, tp: int, microbatch_size: int) -> set[int]:
+        """The micro-batch sizes whose ILPs :meth:`__call__` still needs to answer
+        ``(tp, microbatch_size)``, as far as the sizes solved so far decide; empty once it is
+        answered (a size that scales linearly is scaled and stored here, see :meth:`__call__`)."""
+        key = (tp, microbatch_size)
+        if key in self._costs:
+            return set()
+        if self.extrapolate_batch:
+            base = 2
+            while base < microbatch_size:
+                if (tp, base) not in self._linear:  # both sides solved exactly (bases below failed)
+                    need = self._missing(tp, base // 2) | self._missing(tp, base)
+                    if need:
+                        return need
+                    self._linear[(tp, base)] = _scales_linearly(self(tp, base // 2), self(tp, base), 2)
+                if self._linear[(tp, base)]:
+                    self._costs[key] = scale_costs(self(tp, base), microbatch_size / base)
+                    return set()
+                base *= 2
+        return {microbatch_size}
+
+    def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
+        """Costs of a micro-batch of ``microbatch_size`` samples on ``tp`` devices.
+
+        Large models run at their roofline already with one sample (thousands of tokens): the
+        costs of ``b`` samples are then ``b`` times those of one (times, activations, cuts and
+        FLOPs; parameters, gradient sync and optimizer unchanged), and efficiency only grows
+        with ``b``, so the scaled times are an upper bound. ``b`` samples are priced as
+        ``b / b0`` times the solved costs of ``b0 < b`` samples for the smallest ``b0`` in
+        2, 4, 8, ... whose solved costs are those of ``b0 / 2`` samples doubled within
+        :data:`LINEAR_TOLERANCE` (checked per ``tp``); otherwise ``b`` is traced and solved.
+        The ILPs :meth:`_missing` names are solved here, smallest first, until it has none left."""
+        key = (tp, microbatch_size)
+        while key not in self._costs:
+            for size in sorted(self._missing(tp, microbatch_size)):
+                self._costs[(tp, size)] = self._solve(tp, size)
+        return self._costs[key]
+
+    def _solve(self, tp: int, microbatch_size: int) -> SegmentCosts:
+        """The intra-operator ILP of ``microbatch_size`` samples on ``tp`` devices, summed per
+        segment and expanded to the model's depth."""
+        traced, layering = self._traced(microbatch_size)
+        progress.step(f"segment costs: ILP for tp={tp}, micro-batch {microbatch_size} ({len(self._costs) + 1} solved)")
+        sub = tp_cluster(self.cluster, tp)
+        with planning_mesh(sub) as mesh:
+            table = build_strategy_table(traced, mesh)
+            problem = build_cost_problem(traced, table, sub, optimizer=self.optimizer, profile=self.profile)
+            # memory is the outer search's constraint (it depends on stages and schedule)
+            problem.capacity_bytes = float("inf")
+            problem.memory_points = []
+            # the last traced block stands for all the later ones (autoplan.passes.expand)
+            mult = block_multiplicity(layering, self.num_blocks)
+            solution = ShardingILP(
+                scale_problem(memory_tie_break(problem), mult, twins(traced.graph_module, layering)),
+                SolverOptions(time_limit_s=self.time_limit_s),
+            ).solve()
+        costs = segment_costs(
+            traced.graph_module,
+            layering,
+            problem,
+            solution.choice,
+            param_nodes=[param_node_name(p) for p in traced.param_names],
+            trainable_param_nodes=[param_node_name(p) for p in traced.trainable_names],
+            optimizer=self.optimizer,
+        )
+        return expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
+
+
+def default_workers() -> int:
+    """Worker processes for :meth:`SegmentCostModel.prefetch`: ``AUTOPLAN_WORKERS`` if set (1:
+    solve everything in the planning process), else the CPU cores this process may run on."""
+    env = os.environ.get("AUTOPLAN_WORKERS", "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise ConfigError(f"AUTOPLAN_WORKERS={env!r} must be a positive integer (processes), e.g. 4")
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_WORKER_MODEL: SegmentCostModel | None = None
+"""In a :meth:`SegmentCostModel.prefetch` worker process only (set by :func:`_start_worker`, never in
+the planning process): the worker's copy of the cost model. A module global because a pool task
+(:func:`_solve_pair`) receives nothing but its pickled arguments, and the model (graphs, traces) must
+not be pickled: it reaches the worker through ``fork`` (a fork context's pool passes ``initargs``
+to the new process without pickling) and the task finds it here."""
+
+
+def _start_worker(model: SegmentCostModel) -> None:
+    """Initialiser of a :meth:`SegmentCostModel.prefetch` worker: signals (:func:`_quiet_on_signals`)
+    and the cost model its tasks solve with (:data:`_WORKER_MODEL`)."""
+    global _WORKER_MODEL  # noqa: PLW0603 - this worker process's cost model, see _WORKER_MODEL
+    _quiet_on_signals()
+    _WORKER_MODEL = model
+
+
+def _quiet_on_signals() -> None:
+    """In a forked worker: only the planning process stops it. The worker leaves the job's
+    process group, so a Ctrl-C (SIGINT) or a SIGTERM sent to the whole job reaches the planning
+    process alone, which stops the pool (``Pool.terminate``, SIGTERM to each worker: a worker
+    killed by the group signal itself could die holding the pool's queue lock, and the pool
+    would then wait for it forever). SIGTERM kills the worker without a traceback (the
+    inherited Python handlers would print one per worker); SIGINT is ignored; on Linux the
+    worker also dies with the planning process (``PR_SET_PDEATHSIG``), so none is left behind."""
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # out of the foreground group, it may still write to the terminal
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _solve_pair(key: tuple[int, int]) -> tuple[tuple[int, int], SegmentCosts]:
+    """In a forked worker: the ILP of one ``(tp, microbatch_size)``."""
+    model = _WORKER_MODEL
+    assert model is not None, "prefetch workers are started by SegmentCostModel.prefetch"
+    # the parent's OpenMP threads are not in this process: an op that forks work to them would
+    # wait forever (tracing a model on the CPU runs its ops); one thread runs them inline
+    torch.set_num_threads(1)
+    with progress.reporting(enabled=False):
+        return key, model._solve(*key)  # noqa: SLF001 - the worker's copy of the cost model
+
+
+LINEAR_TOLERANCE = 0.02
+"""Largest relative difference between the solved costs of 2 samples and twice those of 1
+sample (step time, saved activations, cut bytes; per segment for segments above 1% of the
+step) for which larger micro-batches are priced by scaling (:meth:`SegmentCostModel.__call__`)."""
+
+
+def scale_costs(costs: SegmentCosts, factor: float) -> SegmentCosts:
+    """``costs`` of one sample as those of ``factor`` samples: per-sample work and activations
+    scale, parameters, gradient synchronisation and the optimizer step do not."""
+    per_sample = ("fwd_s", "bwd_s", "bwd_weight_s", "fwd_comm_s", "bwd_comm_s", "selective_recompute_s",
+                  "saved_bytes", "saved_matmul_bytes", "input_bytes", "flops")  # fmt: skip
+    return dataclasses.replace(
+        costs,
+        segments=tuple(
+            dataclasses.replace(s, **{f: getattr(s, f) * factor for f in per_sample}) for s in costs.segments
+        ),
+        cut_bytes=tuple(c * factor for c in costs.cut_bytes),
+    )
+
+
+def _scales_linearly(one: SegmentCosts, many: SegmentCosts, factor: float) -> bool:
+    scaled = scale_costs(one, factor)
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= LINEAR_TOLERANCE * max(abs(b), 1e-30)
+
+    totals = [
+        (sum(s.fwd_s + s.bwd_s for s in c.segments), sum(s.saved_bytes for s in c.segments), sum(c.cut_bytes))
+        for c in (scaled, many)
+    ]
+    step = totals[1][0]
+    per_segment = all(
+        close(a.fwd_s + a.bwd_s, b.fwd_s + b.bwd_s)
+        for a, b in zip(scaled.segments, many.segments, strict=True)
+        if b.fwd_s + b.bwd_s > 0.01 * step
+    )
+    return per_segment and all(close(a, b) for a, b in zip(*totals, strict=True))
+
+
+TIE_BREAK_S_PER_BYTE = 1e-15
+"""Seconds the ILP is charged per byte a layout keeps (1 GB -> 1 us): among layouts of equal time
+it prefers the one with less memory, so equal problems (a deeper or shallower trace of the same
+blocks) get the same answer; far too small to trade real time for memory."""
+
+
+def memory_tie_break(problem: CostProblem) -> CostProblem:
+    """A copy of ``problem`` whose node times carry :data:`TIE_BREAK_S_PER_BYTE` per byte of the
+    node's outputs (and, for placeholders, of what they keep for the step)."""
+    times = {name: list(ts) for name, ts in problem.node_time_s.items()}
+    for ref, sizes in problem.value_bytes.items():
+        if ref.node in times:
+            times[ref.node] = [t + TIE_BREAK_S_PER_BYTE * b for t, b in zip(times[ref.node], sizes, strict=True)]
+    for name, sizes in problem.persistent_bytes.items():
+        if name in times:
+            times[name] = [t + TIE_BREAK_S_PER_BYTE * b for t, b in zip(times[name], sizes, strict=True)]
+    return dataclasses.replace(problem, node_time_s=times)
