@@ -224,10 +224,10 @@ def imports_of(source: str, path: Path) -> list[Import]:
         inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         if _is_type_checking(node):
             assert isinstance(node, ast.If)
-            for child in node.body:
-                visit(child, inner, True)
-            for child in node.orelse:
-                visit(child, inner, type_only)
+            for stmt in node.body:
+                visit(stmt, inner, True)
+            for stmt in node.orelse:
+                visit(stmt, inner, type_only)
             return
         for child in ast.iter_child_nodes(node):
             visit(child, inner, type_only)
@@ -249,8 +249,8 @@ def heavy_imports_at_module_level(path: Path) -> frozenset[str]:
             return
         if _is_type_checking(node):
             assert isinstance(node, ast.If)
-            for child in node.orelse:
-                visit(child)
+            for stmt in node.orelse:
+                visit(stmt)
             return
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
@@ -274,7 +274,7 @@ def heavy_on_import() -> dict[str, frozenset[str]]:
             edges[imp.source].add(imp.target)
     result: dict[str, frozenset[str]] = {}
     for module in MODULES:
-        seen, todo, heavy = {module}, [module], set()
+        seen, todo, heavy = {module}, [module], set[str]()
         while todo:
             current = todo.pop()
             heavy |= heavy_imports_at_module_level(MODULES[current])
@@ -414,7 +414,7 @@ def banned_imports(code: str, label: str) -> list[str]:
             names = [arg.value] if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else []
         for name in names:
             if name.split(".")[0] in BANNED_TOP_LEVEL:
-                found.append(f"{label}:{node.lineno}: imports {name!r}")
+                found.append(f"{label}:{getattr(node, 'lineno', 0)}: imports {name!r}")
     return found
 
 
