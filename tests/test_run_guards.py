@@ -34,7 +34,7 @@ import pytest
 
 from autoplan.cost_models.errors import ProfileError
 from autoplan.cost_models.profile_db import MAX_OP_TIME_S, DeviceKey, ProfileDB
-from autoplan.tools import cli, launch
+from autoplan.tools import launch, run
 from autoplan.tools.loader import TargetError, build_workload
 from tests.test_bad_inputs import assert_bad_input
 from tests.test_bad_inputs import cli as cli_main
@@ -154,13 +154,13 @@ def test_busy_master_port_of_calibrate_is_named_before_any_rank_starts(listening
 def test_busy_default_master_port_is_replaced_by_a_free_one():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
         try:
-            held.bind(("", cli.DEFAULT_MASTER_PORT))
+            held.bind(("", run.DEFAULT_MASTER_PORT))
             held.listen()
         except OSError:
             pass  # something else holds it already: busy either way
-        port = launch.master_port(None, default=cli.DEFAULT_MASTER_PORT)
+        port = launch.master_port(None, default=run.DEFAULT_MASTER_PORT)
 
-        assert port != cli.DEFAULT_MASTER_PORT
+        assert port != run.DEFAULT_MASTER_PORT
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind(("127.0.0.1", port))  # free
 

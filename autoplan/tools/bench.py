@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TextIO
+from typing import Any, Literal, TextIO
 
 from autoplan.cost_models.config import PRECISIONS
 from autoplan.cost_models.echo import clip
@@ -63,10 +63,9 @@ from autoplan.cost_models.files import (
     read_limited,
     refuse_overwriting_inputs,
 )
-from autoplan.tools import console
-
-if TYPE_CHECKING:
-    from autoplan.planner.plan import Plan
+from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.planner.plan import Plan, software_versions
+from autoplan.tools import common, console, planning
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +201,6 @@ class _CaseReader:
         return f"{path}:{func}"
 
     def cluster(self, mesh: str | None) -> str:
-        from autoplan.tools.cli import _cluster
-
         spec = self.text("cluster", required=True)
         assert spec is not None
         if Path(spec).suffix.lower() in (".yaml", ".yml", ".json"):
@@ -212,7 +209,7 @@ class _CaseReader:
                 raise self.error("cluster", f"cluster file {spec!r} does not exist: check the path")
             spec = str(path)
         try:
-            _cluster(spec, mesh)
+            common.cluster_from_args(spec, mesh)
         except PlanError as exc:
             raise self.error("cluster" if mesh is None else "cluster/mesh", str(exc)) from exc
         return spec
@@ -245,8 +242,6 @@ class _CaseReader:
         return value
 
     def config(self, global_batch_size: int | None) -> str | None:
-        from autoplan.tools.cli import _config
-
         value = self.values.get("config")
         if value is None:
             return None
@@ -257,7 +252,7 @@ class _CaseReader:
         if global_batch_size is None:
             raise self.error("config", "a configuration splits a global batch: add global_batch_size")
         try:
-            _config(value)
+            common.config_from_text(value)
         except PlanError as exc:
             raise self.error("config", str(exc)) from exc
         return value
@@ -274,9 +269,7 @@ class _CaseReader:
 
 def load_suite(path: str | os.PathLike[str]) -> list[Case]:
     """The cases of a suite file, every field checked (:class:`SuiteError` names the case and field)."""
-    import yaml
-
-    from autoplan.cost_models.memory import OPTIMIZERS
+    import yaml  # only for its error type; not loaded at CLI start-up (parse_yaml loads it)
 
     path = Path(path)
     where = f"suite file {str(path)!r}"
@@ -394,16 +387,21 @@ def case_result(case: Case, plan: Plan, plan_time_s: float) -> dict[str, Any]:
     }
 
 
+def _plan_parser() -> argparse.ArgumentParser:
+    """The parser of ``autoplan plan`` (and ``estimate``), as the CLI registers them."""
+    parser = common.BadInputParser(prog="autoplan")
+    planning.add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
 def run_case(case: Case) -> dict[str, Any]:
     """Plan ``case`` as ``autoplan plan`` does (plan cache off); a :class:`PlanError` while
     planning is recorded in the row (``"status": "error"``), not raised."""
-    from autoplan.tools import cli
-
-    args = cli.build_parser().parse_args(case.plan_argv())
+    args = _plan_parser().parse_args(case.plan_argv())
     t0 = time.perf_counter()
     try:
         with plan_cache_disabled():
-            plan = cli._make_plan(args)
+            plan = common.make_plan(args)
     except PlanError as exc:
         log.info("case %s failed to plan: %s", case.name, exc)
         return {
@@ -418,8 +416,6 @@ def run_case(case: Case) -> dict[str, Any]:
 
 def run_suite(cases: Sequence[Case], *, suite_name: str, progress: TextIO | None = None) -> dict[str, Any]:
     """Plan every case; the results document (see the module docstring)."""
-    from autoplan.planner.plan import software_versions
-
     rows = []
     for case in cases:
         if progress is not None:
@@ -706,7 +702,9 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
         "write the results (JSON) and, with --baseline, exit 1 when a case's estimated step time or peak "
         "memory per device got worse by more than --tolerance, or a baseline case is missing or fails to plan.",
     )
-    p.add_argument("suite", help="suite file (YAML): cases with name, model, cluster, ... (see autoplan/tools/bench.py)")
+    p.add_argument(
+        "suite", help="suite file (YAML): cases with name, model, cluster, ... (see autoplan/tools/bench.py)"
+    )
     p.add_argument("--out", "-o", help="results file to write (JSON); use it as a later --baseline")
     p.add_argument("--baseline", help="results file of an earlier run to compare with")
     p.add_argument(

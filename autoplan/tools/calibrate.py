@@ -29,13 +29,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from autoplan.tools import console, launch
+from autoplan.cost_models.cluster import Cluster, current_device_model
+from autoplan.cost_models.files import refuse_overwriting_inputs
+from autoplan.tools import common, console, launch
 
-if TYPE_CHECKING:  # torch and the cost models load when the command runs, not when the CLI starts
+if TYPE_CHECKING:  # autoplan.cost_models.calibration imports torch: loaded when the command runs
     from autoplan.cost_models.calibration import Sample, Sweep
-    from autoplan.cost_models.cluster import Cluster
-
-EXIT_BAD_INPUT = 2
 
 
 def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
@@ -65,10 +64,13 @@ _SWEEP_OPTIONS: tuple[str, ...] = ("min_bytes", "max_bytes", "repetitions", "war
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from autoplan.cost_models.calibration import CalibrationError, Sample, Sweep
-    from autoplan.cost_models.files import refuse_overwriting_inputs
+    # the calibration model and torch: loaded when the command runs, not at CLI start-up
+    import torch
 
-    cluster = _target_cluster(args.cluster, args.mesh)
+    from autoplan.cost_models.calibration import CalibrationError, Sample, Sweep
+
+    # the cluster to calibrate: a file's old links and calibration are dropped (they are redone)
+    cluster = common.cluster_from_args(args.cluster, args.mesh, recalibrate=True)
     sweep = Sweep(**{name: getattr(args, name) for name in _SWEEP_OPTIONS if getattr(args, name) is not None})
     out = Path(args.out)
     if out.suffix.lower() not in (".yaml", ".yml", ".json"):
@@ -86,8 +88,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"`torchrun --nnodes {cluster.num_nodes} --nproc-per-node {cluster.devices_per_node} "
             "--rdzv-backend c10d --rdzv-endpoint NODE0:29500 -m autoplan.tools.cli calibrate ...` on every node"
         )
-    import torch
-
     if cluster.backend == "nccl" and torch.cuda.device_count() < cluster.world_size:
         raise CalibrationError(
             f"cluster {cluster} needs {cluster.world_size} GPUs but this machine has {torch.cuda.device_count()}; "
@@ -107,14 +107,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 # --- Launcher --------------------------------------------------------------------------------------
-
-
-def _target_cluster(spec: str, mesh: str | None) -> Cluster:
-    """The cluster to calibrate; a file's old links and calibration are dropped (they are redone)."""
-    from autoplan.tools.cli import _cluster  # the CLI's --cluster/--mesh parsing (cli imports this module)
-
-    cluster: Cluster = _cluster(spec, mesh, recalibrate=True)
-    return cluster
 
 
 def _launched_by_torchrun() -> bool:
@@ -172,7 +164,7 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
 
 def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, out: Path, quiet: bool) -> None:
     """Fit, write the profile, print the table (unless ``quiet``) and the summary line."""
-    from autoplan.cost_models.calibration import build_profile, write_profile
+    from autoplan.cost_models.calibration import build_profile, write_profile  # torch: see cmd_calibrate
 
     profile = build_profile(cluster, samples, device_model=device_model)
     write_profile(profile, out)
@@ -190,7 +182,7 @@ def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, o
 
 def format_table(profile: Cluster, samples: Sequence[Sample]) -> str:
     """Measured and fitted time per axis, kind and size, with each fit's numbers."""
-    from autoplan.cost_models.calibration import fitted_time_s
+    from autoplan.cost_models.calibration import fitted_time_s  # torch: see cmd_calibrate
 
     lines = []
     for axis in profile.mesh_axis_names:
@@ -217,7 +209,6 @@ def _rank_main(args: argparse.Namespace, cluster: Cluster, sweep: Sweep) -> int:
     hands the samples to the launcher (``--samples-out``) or, run by hand on every node, fits
     and writes the profile itself."""
     # the collective benchmark runs torch.distributed: loaded on the ranks only
-    from autoplan.cost_models.cluster import current_device_model
     from autoplan.runtime.collective_bench import measure_on_ranks
 
     rank, samples = measure_on_ranks(cluster, sweep, verbose=bool(getattr(args, "verbose", False)))

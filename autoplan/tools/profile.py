@@ -24,14 +24,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.errors import PlanError, ProfileError
 from autoplan.cost_models.memory import OPTIMIZERS
-from autoplan.tools import console
+from autoplan.tools import common, console
 
-if TYPE_CHECKING:
-    from autoplan.cost_models.cluster import Cluster
+if TYPE_CHECKING:  # these import torch: loaded when the command runs, not at CLI start-up
     from autoplan.cost_models.profile_db import ProfileDB
     from autoplan.passes.strategies import StrategyTable
     from autoplan.passes.trace import TracedProgram
@@ -46,8 +52,6 @@ _OP_WIDTH = 96
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's private subparsers type
     """Register ``autoplan profile`` on the CLI's subparsers."""
-    from autoplan.tools.cli import _non_negative_int, _positive_int, _seed
-
     p = subparsers.add_parser("profile", help="time the ops of a workload on this machine's device")
     p.add_argument("target", help="FILE.py:FUNCTION returning autoplan.Workload")
     p.add_argument("--cluster", required=True, help="cluster whose mesh shape sets the shard shapes, e.g. 4xCPU")
@@ -56,16 +60,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's privat
     p.add_argument("--profile-db", metavar="PATH", help="database file (default: this machine's file in the cache)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer to time (default: the workload's)")
     p.add_argument(
-        "--repeats", type=_positive_int, default=5, help="timed rounds per op; the median is kept (default: 5)"
+        "--repeats", type=common.positive_int, default=5, help="timed rounds per op; the median is kept (default: 5)"
     )
     p.add_argument(
-        "--warmup", type=_non_negative_int, default=3, help="untimed calls per op before timing (default: 3)"
+        "--warmup", type=common.non_negative_int, default=3, help="untimed calls per op before timing (default: 3)"
     )
-    p.add_argument("--seed", type=_seed, default=0, help="random seed of the model's weights (0..2**63-1)")
+    p.add_argument("--seed", type=common.seed, default=0, help="random seed of the model's weights (0..2**63-1)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, print only the final line")
     p.add_argument(
         "--concurrent",
-        type=_positive_int,
+        type=common.positive_int,
         help="processes timing the same ops at once, as many as the ranks that will share this machine "
         "(default: the cluster's devices per node, capped at the CPU count, for cpu; 1 for cuda)",
     )
@@ -74,16 +78,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's privat
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from autoplan.cost_models.errors import PlanError
+    # tracing, strategies, the op profiler and the database import torch: loaded when the command runs
     from autoplan.cost_models.profile_db import ProfileDB
     from autoplan.passes.strategies import build_strategy_table
     from autoplan.passes.trace import trace_training_step
     from autoplan.planner.mesh import planning_mesh
     from autoplan.runtime.op_timing import profile_program
-    from autoplan.tools.cli import _cluster
     from autoplan.tools.loader import build_workload
 
-    cluster = _cluster(args.cluster, args.mesh)
+    cluster = common.cluster_from_args(args.cluster, args.mesh)
     concurrent = args.concurrent or (min(cluster.devices_per_node, os.cpu_count() or 1) if args.device == "cpu" else 1)
     if concurrent > 1:
         return _profile_concurrently(args, concurrent)
@@ -135,14 +138,7 @@ def _profile_concurrently(args: argparse.Namespace, num_procs: int) -> int:
     memory bandwidth and cores, so an op timed alone runs faster than in training (measured on a
     2-core VM: ~25% faster). The copies start from the same database so they time the same keys
     in the same order, side by side."""
-    import shutil
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from autoplan.cost_models.errors import ProfileError
-    from autoplan.cost_models.profile_db import ProfileDB
+    from autoplan.cost_models.profile_db import ProfileDB  # imports torch: see cmd_profile
 
     target = (
         ProfileDB.open_path(args.profile_db, args.device)
@@ -191,7 +187,7 @@ def _profile_concurrently(args: argparse.Namespace, num_procs: int) -> int:
 
 def _warn_if_busy() -> None:
     """CPU times of a busy machine are inflated (threads wait for cores other processes hold)."""
-    import torch
+    import torch  # heavy: see cmd_profile
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     num_cores = os.cpu_count() or 1
@@ -213,7 +209,7 @@ def _comparison(
     report: ProfileReport, traced: TracedProgram, table: StrategyTable, cluster: Cluster, optimizer: str
 ) -> list[Row]:
     """``(profiled_s, analytic_s, err_percent, key)`` for every key with a profiled time, slowest first."""
-    from autoplan.passes.costing import analytic_time_s
+    from autoplan.passes.costing import analytic_time_s  # imports torch: see cmd_profile
 
     node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
     rows: list[Row] = []

@@ -1,4 +1,5 @@
-"""Reading plans: ``autoplan show`` (tables), ``explain`` (one op's alternatives) and ``diff``.
+"""Reading plans: ``autoplan show`` (tables), ``explain`` (one op's alternatives) and ``diff``
+(the commands and the functions behind them).
 
 Everything here reads a :class:`~autoplan.planner.plan.Plan` and returns text (or a JSON-able dict for
 ``--json``); nothing is re-traced or re-solved. The text is terminal-safe: control characters in
@@ -9,7 +10,9 @@ same plan file always prints the same bytes (golden tests rely on it).
 
 from __future__ import annotations
 
+import argparse
 import difflib
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from autoplan.cost_models.errors import PlanError
 from autoplan.passes.explain import Alternative, NodeExplanation
 from autoplan.passes.plan_text import param_node_name
 from autoplan.planner.plan import GiB, Plan
+from autoplan.tools import common, console
 
 MiB = 1024**2
 _BLOCK_INDEX = re.compile(r"(?<=\.)(\d+)(?=\.)")
@@ -562,3 +566,57 @@ def diff_text(d: Mapping[str, Any], *, limit: int = 20) -> str:
             *table(("kind", "a", "b"), [(k, v["a"], v["b"]) for k, v in d["collectives"].items()]),
         ]
     return terminal_safe("\n".join(lines) + "\n")
+
+
+# -- commands ---------------------------------------------------------------------------------
+def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
+    """Register ``autoplan show``, ``explain`` and ``diff`` on the CLI's subparsers."""
+    p_show = subparsers.add_parser(
+        "show", help="print a plan file for review: mesh and stages, time, memory per device, placements, collectives"
+    )
+    p_show.add_argument("plan")
+    p_show.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    p_show.set_defaults(func=cmd_show)
+
+    p_explain = subparsers.add_parser(
+        "explain", help="the placements the solver considered for one op or parameter, their costs, and why one won"
+    )
+    p_explain.add_argument("plan")
+    p_explain.add_argument("--op", metavar="NAME", help="graph node name (see `autoplan show --json`, key nodes)")
+    p_explain.add_argument("--param", metavar="NAME", help="parameter name, e.g. transformer.h.0.attn.c_attn.weight")
+    p_explain.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p_explain.set_defaults(func=cmd_explain)
+
+    p_diff = subparsers.add_parser("diff", help="what changed between two plans, with the estimated effect")
+    p_diff.add_argument("a", help="plan file (before)")
+    p_diff.add_argument("b", help="plan file (after)")
+    p_diff.add_argument("--json", action="store_true", help="print the whole difference as JSON")
+    p_diff.add_argument("--limit", type=common.positive_int, default=20, help="changed placements listed (default 20)")
+    p_diff.set_defaults(func=cmd_diff)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1), file=console.stdout())
+    else:
+        console.stdout().write(show_text(plan))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    ex = explain(Plan.load(args.plan), op=args.op, param=args.param)
+    if args.json:
+        print(json.dumps(ex.to_dict(), indent=1), file=console.stdout())
+    else:
+        console.stdout().write(explain_text(ex))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    d = diff_plans(Plan.load(args.a), Plan.load(args.b))
+    if args.json:
+        print(json.dumps(d, indent=1), file=console.stdout())
+    else:
+        console.stdout().write(diff_text(d, limit=args.limit))
+    return 0
