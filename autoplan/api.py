@@ -215,7 +215,7 @@ def _parallelize_pipeline(
         stage_starts=layout.stage_starts,
         mesh=mesh,
         axis_names=layout.stage_axis_names,
-        schedule="gpipe" if cfg.pp == 1 else cfg.schedule,  # type: ignore[arg-type]
+        schedule=cfg.pipeline_schedule,
         num_microbatches=cfg.num_microbatches,
         virtual_stages=cfg.virtual_stages,
         fallback_nodes=frozenset(plan.fallback_ops),

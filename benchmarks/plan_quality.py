@@ -138,15 +138,17 @@ def main() -> int:
                 grid, _ = search(costs, cluster, space=GRID, **kw)  # type: ignore[arg-type]
                 ratio = grid.step_time_s / planner.step_time_s
                 ok_memory &= planner.peak_memory_bytes <= planner.capacity_bytes
-                c = planner.candidate
-                g = grid.candidate
+                c = planner.config
+                g = grid.config
                 rows.append((shape.name, device, gpus, planner, grid, ratio, t_plan))
                 print(
                     f"{shape.name:<11} {device:<9} {gpus:>5}  planner {planner.step_time_s:8.3f}s "
                     f"MFU {planner.mfu:5.1%} mem {planner.peak_memory_bytes / 2**30:5.1f}GiB "
-                    f"[dp{c.dp} tp{c.tp} pp{c.pp} mbs{c.microbatch_size}x{c.num_microbatches} {c.schedule}"
+                    f"[dp{c.dp} tp{c.tp} pp{c.pp} mbs{c.microbatch_size}x{c.num_microbatches} "
+                    f"{c.schedule if c.pp > 1 else 'none'}"
                     f"{'/v' + str(c.virtual_stages) if c.virtual_stages > 1 else ''} rc={c.recompute} z{c.zero_stage}]"
-                    f"  grid {grid.step_time_s:8.3f}s [dp{g.dp} tp{g.tp} pp{g.pp} mbs{g.microbatch_size} {g.schedule} "
+                    f"  grid {grid.step_time_s:8.3f}s [dp{g.dp} tp{g.tp} pp{g.pp} mbs{g.microbatch_size} "
+                    f"{g.schedule if g.pp > 1 else 'none'} "
                     f"rc={g.recompute} z{g.zero_stage}]  ratio {ratio:.3f}  search {t_plan:.1f}s",
                     flush=True,
                 )

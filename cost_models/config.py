@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from autoplan.cost_models.errors import ConfigError
 
@@ -28,9 +28,9 @@ Schedule = Literal["none"] | ScheduleName
 Recompute = Literal["none", "selective", "full"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
-SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
+SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 """The pipeline schedules, in the order of ``torch.distributed.pipelining``'s classes."""
-RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE: tuple[Recompute, ...] = get_args(Recompute)
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 
@@ -169,6 +169,27 @@ class ParallelConfig:
                     f"stage_dp {list(self.stage_dp)} must divide the {samples} samples of a micro-batch "
                     f"(dp*microbatch_size = {self.dp}*{self.microbatch_size})"
                 )
+
+    def dp_of(self, stage: int) -> int:
+        """Data-parallel degree of pipeline stage ``stage``: ``stage_dp[stage]``, else ``dp``."""
+        return self.stage_dp[stage] if self.stage_dp is not None else self.dp
+
+    @property
+    def pipeline_schedule(self) -> ScheduleName:
+        """The schedule the step runs: ``schedule``, and GPipe's order (gradient accumulation,
+        one micro-batch in flight) without a pipeline (``pp == 1``). ``"none"`` with ``pp > 1``
+        is a :class:`ConfigError` (:func:`check_schedule`)."""
+        if self.pp == 1:
+            return "gpipe"
+        check_schedule(
+            self.schedule, pp=self.pp, num_microbatches=self.num_microbatches, virtual_stages=self.virtual_stages
+        )
+        return cast(ScheduleName, self.schedule)
+
+    def canonical(self) -> ParallelConfig:
+        """This configuration as the search writes it (a plan's ``config``, an estimate's):
+        without a pipeline (``pp == 1``) the schedule is spelled ``"1f1b"``, the default."""
+        return self if self.pp > 1 or self.schedule == "1f1b" else dataclasses.replace(self, schedule="1f1b")
 
     @property
     def world_size(self) -> int:

@@ -21,7 +21,7 @@ import pytest
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
-from autoplan.planner.search import Candidate, SearchSpace, evaluate, hetero_layout, hetero_split, search
+from autoplan.planner.search import SearchSpace, evaluate, hetero_layout, hetero_split, search
 from autoplan.planner.segment_costs import SegmentCost, SegmentCosts
 
 UNIT_S = 1e-3
@@ -45,10 +45,10 @@ def _costs(b: int, weights: tuple[float, ...] = (0.1, 1, 1, 1, 1, 1, 1, 4)) -> S
 CLUSTER = Cluster.preset("1x8xH100")
 
 
-def _cand(**kw: object) -> Candidate:
+def _cand(**kw: object) -> ParallelConfig:
     base = dict(dp=2, tp=1, pp=4, microbatch_size=2, num_microbatches=8, schedule="1f1b", virtual_stages=1,
                 recompute="none", zero_stage=0)  # fmt: skip
-    return Candidate(**{**base, **kw})  # type: ignore[arg-type]
+    return ParallelConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
 def test_split_gives_the_heavy_stage_more_devices():
@@ -90,7 +90,7 @@ def test_hetero_layout_beats_uniform_and_prices_each_stage_on_its_devices():
     space = SearchSpace(microbatch_sizes=(1, 2, 4))
     hetero = hetero_layout(cand, _costs, CLUSTER, space=space, precision="fp32", tokens_per_sample=1)
     assert hetero is not None
-    stage_dp = hetero.candidate.stage_dp
+    stage_dp = hetero.config.stage_dp
     assert stage_dp is not None and sum(stage_dp) == 8 and stage_dp[-1] == 4
     uniform = evaluate(cand, _costs(2), CLUSTER, stage_starts=(0, 3, 5, 7))
     assert hetero.step_time_s < 0.8 * uniform.step_time_s
@@ -111,12 +111,12 @@ def test_search_uses_hetero_stages_only_when_allowed():
     best, _ = search(lambda tp, b: _costs(b), CLUSTER, num_blocks=6, global_batch_size=32, space=space)
     off = dataclasses.replace(space, hetero_stages=False)
     best_uniform, _ = search(lambda tp, b: _costs(b), CLUSTER, num_blocks=6, global_batch_size=32, space=off)
-    assert best_uniform.candidate.stage_dp is None
+    assert best_uniform.config.stage_dp is None
     assert best.step_time_s <= best_uniform.step_time_s
     # balanced model: no stage is heavier, so no sub-mesh differs from the uniform one
     flat = (1.0,) * 8
     even, _ = search(lambda tp, b: _costs(b, flat), CLUSTER, num_blocks=6, global_batch_size=32, space=space)
-    assert even.candidate.stage_dp is None or len(set(even.candidate.stage_dp)) == 1
+    assert even.config.stage_dp is None or len(set(even.config.stage_dp)) == 1
 
 
 class _ArrivingCosts:

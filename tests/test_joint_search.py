@@ -11,7 +11,7 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.planner.joint import estimate, search_config
-from autoplan.planner.search import Candidate, SearchSpace, evaluate, search
+from autoplan.planner.search import SearchSpace, evaluate, search
 from autoplan.planner.segment_model import SegmentCostModel
 from tests.models import gpt2_tiny, lm_loss, token_batch
 
@@ -82,19 +82,14 @@ def test_estimate_is_the_planners_own_price(costs):  # noqa: ANN001
     """autoplan.estimate of the planner's choice gives the planner's step time and memory."""
     cluster = Cluster.preset(CLUSTER)
     best, every = search(costs, cluster, num_blocks=4, global_batch_size=32, precision="fp32")
-    c = best.candidate
-    cfg = ParallelConfig(
-        dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size, num_microbatches=c.num_microbatches,
-        schedule=c.schedule if c.pp > 1 else "1f1b", virtual_stages=c.virtual_stages,
-        recompute=c.recompute, zero_stage=c.zero_stage,
-    )  # fmt: skip
+    c = best.config
     direct = evaluate(c, costs(c.tp, c.microbatch_size), cluster, stage_starts=best.stage_starts,
                       stage_recompute=[s.recompute for s in best.stages])  # fmt: skip
     assert direct.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
     assert direct.peak_memory_bytes == pytest.approx(best.peak_memory_bytes, rel=1e-12)
     assert len(every) > 50
     assert all(best.step_time_s <= e.step_time_s * (1 + 1e-12) for e in every if e.feasible)
-    assert cfg.global_batch_size == 32
+    assert c.global_batch_size == 32
 
 
 def test_planner_never_worse_than_uniform_grid(costs):  # noqa: ANN001
@@ -111,13 +106,13 @@ def test_pipeline_bubble_and_inflight_memory(costs):  # noqa: ANN001
     cluster = Cluster.preset(CLUSTER)
     kw = dict(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=8, virtual_stages=1, recompute="none", zero_stage=0)
     seg = costs(2, 1)
-    gpipe = evaluate(Candidate(schedule="gpipe", **kw), seg, cluster)
-    ofob = evaluate(Candidate(schedule="1f1b", **kw), seg, cluster)
+    gpipe = evaluate(ParallelConfig(schedule="gpipe", **kw), seg, cluster)
+    ofob = evaluate(ParallelConfig(schedule="1f1b", **kw), seg, cluster)
     act = [s.memory_parts["activations"] for s in gpipe.stages]
     act_1f1b = [s.memory_parts["activations"] for s in ofob.stages]
     assert act[0] == pytest.approx(4 * act_1f1b[0])  # m=8 in flight vs p-rank=2 on rank 0
     assert gpipe.bubble_s > 0 and ofob.bubble_s > 0
-    full = evaluate(Candidate(schedule="1f1b", **{**kw, "recompute": "full"}), seg, cluster)
+    full = evaluate(ParallelConfig(schedule="1f1b", **{**kw, "recompute": "full"}), seg, cluster)
     assert full.peak_memory_bytes < ofob.peak_memory_bytes and full.compute_s > ofob.compute_s
 
 

@@ -58,14 +58,8 @@ class TrainingEstimate:
 
 
 def to_training_estimate(est: PipelineEstimate, *, precision: str, num_blocks: int) -> TrainingEstimate:
-    c = est.candidate
-    config = ParallelConfig(
-        dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=c.microbatch_size, num_microbatches=c.num_microbatches,
-        schedule=c.schedule if c.pp > 1 else "1f1b", virtual_stages=c.virtual_stages,  # type: ignore[arg-type]
-        recompute=c.recompute, zero_stage=c.zero_stage, stage_dp=c.stage_dp,  # type: ignore[arg-type]
-    )  # fmt: skip
     return TrainingEstimate(
-        config=config,
+        config=est.config,
         step_time_s=est.step_time_s,
         compute_s=est.compute_s,
         exposed_comm_s=est.exposed_comm_s,

@@ -42,7 +42,6 @@ from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import as_cluster, planning_mesh, stage_axes, stage_cluster
 from autoplan.planner.plan import Estimate, PipelineLayout, Plan
 from autoplan.planner.search import (
-    Candidate,
     SearchSpace,
     evaluate,
     search,
@@ -87,12 +86,7 @@ def estimate(
     costs._traced(config.microbatch_size)  # noqa: SLF001 - learn the number of blocks before any ILP
     _check_config(config, cluster, costs.num_blocks, global_batch_size)
     seg = costs(config.tp, config.microbatch_size)
-    cand = Candidate(
-        dp=config.dp, tp=config.tp, pp=config.pp, microbatch_size=config.microbatch_size,
-        num_microbatches=config.num_microbatches, schedule=config.schedule if config.pp > 1 else "none",
-        virtual_stages=config.virtual_stages, recompute=config.recompute, zero_stage=config.zero_stage,
-        stage_dp=config.stage_dp,
-    )  # fmt: skip
+    cand = config.canonical()
     samples = config.dp * config.microbatch_size
     stage_costs = [costs(config.tp, samples // d) for d in config.stage_dp] if config.stage_dp else None
     est = evaluate(
@@ -241,9 +235,8 @@ def _space_for(config: ParallelConfig) -> SearchSpace:
         microbatch_sizes=(config.microbatch_size,),
         per_stage_recompute=False,
         hetero_stages=False,
-        fixed={"dp": config.dp, "tp": config.tp, "pp": config.pp, "num_microbatches": config.num_microbatches,
-               "schedule": schedule, "virtual_stages": config.virtual_stages},
-    )  # fmt: skip
+        fixed=config.canonical(),
+    )
 
 
 def plan_for_batch(

@@ -62,39 +62,18 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from autoplan.cost_models.cluster import Cluster, LinkSpec
 from autoplan.cost_models.comm import link_time_s, overlaps_compute
-from autoplan.cost_models.config import SCHEDULES, schedule_problem
+from autoplan.cost_models.config import RECOMPUTE, SCHEDULES, ParallelConfig, Recompute, Schedule, schedule_problem
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.cost_models.memory import precision_bytes
 from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
-from autoplan.planner.segment_costs import SegmentCost, SegmentCosts
+from autoplan.planner.segment_costs import SegmentCost, SegmentCostOracle, SegmentCosts
 
 SegmentCostFn = Callable[[int, int], SegmentCosts]
 """``(tp, microbatch_size) -> SegmentCosts`` of one micro-batch on a tensor-parallel group."""
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Candidate:
-    """One point of the search space (the degrees and knobs; stages chosen by the search)."""
-
-    dp: int
-    tp: int
-    pp: int
-    microbatch_size: int
-    num_microbatches: int
-    schedule: str
-    virtual_stages: int
-    recompute: str
-    zero_stage: int
-    stage_dp: tuple[int, ...] | None = None
-    """Heterogeneous sub-meshes: the data-parallel degree of each pipeline stage (``v == 1``);
-    ``None`` is ``dp`` on every stage. Stage ``k`` then holds ``stage_dp[k] * tp`` devices and
-    splits each micro-batch of ``dp * microbatch_size`` samples ``stage_dp[k]`` ways."""
-
-    def dp_of(self, stage: int) -> int:
-        return self.stage_dp[stage] if self.stage_dp is not None else self.dp
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -109,12 +88,12 @@ class StageEstimate:
     memory_bytes: float
     memory_parts: dict[str, float]
     dp: int = 1
-    """Data-parallel degree of the stage's sub-mesh (``stage_dp``; else the candidate's dp)."""
+    """Data-parallel degree of the stage's sub-mesh (``stage_dp``; else the configuration's dp)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineEstimate:
-    candidate: Candidate
+    config: ParallelConfig
     stages: tuple[StageEstimate, ...]
     step_time_s: float
     compute_s: float
@@ -144,16 +123,18 @@ class PipelineEstimate:
 class SearchSpace:
     """What the outer search may choose (defaults: everything)."""
 
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[Schedule, ...] = SCHEDULES
     virtual_stages: tuple[int, ...] = (2, 4)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    recompute: tuple[Recompute, ...] = RECOMPUTE
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     balanced_stages: bool = True
     per_stage_recompute: bool = True
     hetero_stages: bool = True
     """Also give stages sub-meshes of different sizes (:func:`hetero_layout`)."""
-    fixed: dict[str, object] = field(default_factory=dict)
+    fixed: ParallelConfig | None = None
+    """Only this configuration (as :meth:`ParallelConfig.canonical` writes it); the search then
+    places its stage boundaries."""
 
 
 # --- topology ---------------------------------------------------------------------------------
@@ -257,7 +238,7 @@ def _recompute_parts(seg: SegmentCost, recompute: str) -> tuple[float, float, fl
 
 
 def evaluate(
-    cand: Candidate,
+    cand: ParallelConfig,
     costs: SegmentCosts,
     cluster: Cluster,
     *,
@@ -343,8 +324,7 @@ def evaluate(
         sync_exposed.append((max(0.0, sync - last_bwd) if overlap else sync) + after)
         opt_s.append(sum(s.optimizer_s for s in part) * (precision_opt_factor(precision)) / (dp if z >= 1 else 1))
         rank = k % cand.pp
-        sched = cand.schedule if cand.pp > 1 else "gpipe"
-        inflight = inflight_microbatches(sched, rank, cand.pp, m, cand.virtual_stages)  # type: ignore[arg-type]
+        inflight = inflight_microbatches(cand.pipeline_schedule, rank, cand.pp, m, cand.virtual_stages)
         if cand.pp == 1:
             inflight = 1  # gradient accumulation: one micro-batch in flight at a time
         if cand.virtual_stages > 1:
@@ -378,7 +358,7 @@ def evaluate(
     capacity = float(device.mem_capacity_bytes)
     if memory_only:
         return PipelineEstimate(
-            candidate=cand, stages=tuple(stages), step_time_s=0.0, compute_s=0.0, bubble_s=0.0, p2p_exposed_s=0.0,
+            config=cand, stages=tuple(stages), step_time_s=0.0, compute_s=0.0, bubble_s=0.0, p2p_exposed_s=0.0,
             exposed_comm_s=0.0, optimizer_s=0.0, memory_per_rank_bytes=tuple(per_rank),
             peak_memory_bytes=max(per_rank), capacity_bytes=capacity, flops_per_step=0.0, mfu=0.0,
             tokens_per_s=0.0, feasible=max(per_rank) <= capacity,
@@ -389,8 +369,8 @@ def evaluate(
         busy[st.rank] += m * (st.fwd_s + st.bwd_s)
     if cand.pp > 1:
         kw = {"num_ranks": cand.pp, "virtual_stages": cand.virtual_stages}
-        makespan = fast_step_time(stage_times, cand.schedule, m, p2p_s=p2p, **kw)  # type: ignore[arg-type]
-        free_p2p = fast_step_time(stage_times, cand.schedule, m, p2p_s=0.0, **kw)  # type: ignore[arg-type]
+        makespan = fast_step_time(stage_times, cand.pipeline_schedule, m, p2p_s=p2p, **kw)
+        free_p2p = fast_step_time(stage_times, cand.pipeline_schedule, m, p2p_s=0.0, **kw)
         bubble = max(0.0, free_p2p - max(busy))
         p2p_exposed = max(0.0, makespan - free_p2p)
     else:
@@ -401,7 +381,7 @@ def evaluate(
     peak_flops = device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
     peak = max(per_rank)
     return PipelineEstimate(
-        candidate=cand,
+        config=cand,
         stages=tuple(stages),
         step_time_s=step,
         compute_s=max(busy),
@@ -428,7 +408,9 @@ def precision_opt_factor(precision: str) -> float:
     return 1.0 if precision == "fp32" else 1.1
 
 
-def _p2p_s(cand: Candidate, costs: SegmentCosts, cluster: Cluster, cut: int, stage: int, offsets: list[int]) -> float:
+def _p2p_s(
+    cand: ParallelConfig, costs: SegmentCosts, cluster: Cluster, cut: int, stage: int, offsets: list[int]
+) -> float:
     """Send of the activations crossing ``cut`` from ``stage`` to the next one: the micro-batch
     (``dp`` replicas' worth) goes from the ``d_k`` replicas of one stage to the ``d_k+1`` of
     the next, so the busiest link carries ``1 / min(d_k, d_k+1)`` of it (uniform: each
@@ -451,7 +433,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace) -> list[Candidate]:
+def candidates(
+    cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace
+) -> list[ParallelConfig]:
     """Every configuration of the search space that divides the cluster and the batch."""
     world = cluster.world_size
     out = []
@@ -468,9 +452,9 @@ def candidates(cluster: Cluster, *, num_blocks: int, global_batch_size: int, spa
                 m = global_batch_size // (dp * b)
                 if pp > 1 and m < pp:
                     continue  # fewer micro-batches than stages: the pipeline never fills
-                scheds: list[tuple[str, int]] = []
+                scheds: list[tuple[Schedule, int]] = []
                 if pp == 1:
-                    scheds = [("none", 1)]
+                    scheds = [("1f1b", 1)]  # no pipeline: ParallelConfig.canonical's spelling
                 else:
                     for sch in space.schedules:
                         if sch == "interleaved-1f1b":
@@ -486,7 +470,7 @@ def candidates(cluster: Cluster, *, num_blocks: int, global_batch_size: int, spa
                     if dp == 1 and z > 0:
                         continue  # nothing to shard over
                     out.append(
-                        Candidate(
+                        ParallelConfig(
                             dp=dp,
                             tp=tp,
                             pp=pp,
@@ -502,7 +486,7 @@ def candidates(cluster: Cluster, *, num_blocks: int, global_batch_size: int, spa
 
 
 def best_layout(
-    cand: Candidate,
+    cand: ParallelConfig,
     costs: SegmentCosts,
     cluster: Cluster,
     *,
@@ -538,7 +522,7 @@ def best_layout(
                 for level in levels
             }  # fmt: skip
             per_rank = list(est.memory_per_rank_bytes)
-            rec = [cand.recompute] * nstages
+            rec: list[str] = [cand.recompute] * nstages
             for k in range(nstages):
                 r = k % cand.pp
                 for level in levels:
@@ -619,7 +603,7 @@ def hetero_split(
 
 
 def hetero_layout(
-    cand: Candidate,
+    cand: ParallelConfig,
     cost_at: Callable[[int], SegmentCosts],
     cluster: Cluster,
     *,
@@ -675,7 +659,7 @@ def _key(e: PipelineEstimate) -> tuple[bool, float]:
 
 
 def search(
-    cost_fn: SegmentCostFn,
+    cost_fn: SegmentCostFn | SegmentCostOracle,
     cluster: Cluster,
     *,
     num_blocks: int,
@@ -688,7 +672,9 @@ def search(
     """The fastest feasible configuration, and every evaluated one (best layout each).
 
     ``cost_fn(tp, b)`` gives the segment costs of one micro-batch of ``b`` samples on a
-    tensor-parallel group of ``tp`` (memoised here). ``expand_to_blocks`` prices a model with
+    tensor-parallel group of ``tp`` (memoised here); a
+    :class:`~autoplan.planner.segment_costs.SegmentCostOracle` is asked to prefetch every key the
+    candidates need first, the ready ones laid out while it solves. ``expand_to_blocks`` prices a model with
     that many identical blocks from a trace with fewer (:func:`expand_blocks`)."""
     space = space or SearchSpace()
     blocks = expand_to_blocks or num_blocks
@@ -702,7 +688,7 @@ def search(
 
     splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
 
-    def layout(cand: Candidate, cost_at: SegmentCostFn) -> PipelineEstimate:
+    def layout(cand: ParallelConfig, cost_at: SegmentCostFn) -> PipelineEstimate:
         """The best layout of ``cand``: :func:`best_layout`, or :func:`hetero_layout` if faster."""
         est = best_layout(
             cand,
@@ -729,17 +715,13 @@ def search(
     todo = [
         c
         for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
-        if all(getattr(c, k) == v for k, v in space.fixed.items())
+        if space.fixed is None or c == space.fixed
     ]
     early: dict[int, PipelineEstimate] = {}
-    prefetch = getattr(cost_fn, "prefetch", None)
-    if prefetch is not None:  # a cost model that solves many (tp, b) at once (in parallel)
+    if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once (in parallel)
         keys = {(c.tp, c.microbatch_size) for c in todo}
-        ready = getattr(cost_fn, "ready", None)
-        if ready is None:
-            prefetch(keys)
-        else:  # lay out the candidates whose costs are in while the others are being solved
-            prefetch(keys, while_waiting=_EarlyLayouts(todo, ready, costs, layout, early))
+        # lay out the candidates whose costs are in while the others are being solved
+        cost_fn.prefetch(keys, while_waiting=_EarlyLayouts(todo, cost_fn.ready, costs, layout, early))
     # best-first: a candidate whose compute alone exceeds the best step found cannot win
     bounds = [lower_bound_s(c, costs(c.tp, c.microbatch_size)) for c in todo]
     results = []
@@ -761,7 +743,7 @@ def search(
         least = min(results, key=lambda r: r.peak_memory_bytes)
         raise InfeasiblePlanError(
             f"no configuration fits in {least.capacity_bytes / 2**30:.1f} GiB per device: the least memory-hungry "
-            f"({_describe(least.candidate)}) needs {least.peak_memory_bytes / 2**30:.1f} GiB; use more devices, "
+            f"({_describe(least.config)}) needs {least.peak_memory_bytes / 2**30:.1f} GiB; use more devices, "
             "a smaller global batch or a device with more memory"
         )
     return min(feasible, key=lambda r: r.step_time_s), results
@@ -785,10 +767,10 @@ class _EarlyLayouts:
 
     def __init__(
         self,
-        todo: Sequence[Candidate],
+        todo: Sequence[ParallelConfig],
         ready: Callable[[int, int], bool],
         costs: SegmentCostFn,
-        layout: Callable[[Candidate, SegmentCostFn], PipelineEstimate],
+        layout: Callable[[ParallelConfig, SegmentCostFn], PipelineEstimate],
         early: dict[int, PipelineEstimate],
     ) -> None:
         self.todo, self.ready, self.costs, self.layout, self.early = todo, ready, costs, layout, early
@@ -824,7 +806,7 @@ class _EarlyLayouts:
         return False
 
 
-def lower_bound_s(cand: Candidate, costs: SegmentCosts) -> float:
+def lower_bound_s(cand: ParallelConfig, costs: SegmentCosts) -> float:
     """A step time no layout of ``cand`` beats: its forward and backward work spread evenly over
     the pipeline ranks, with no bubble, recomputation, communication or optimizer
     (:func:`evaluate` adds only non-negative terms to this for uniform stages)."""
@@ -832,15 +814,15 @@ def lower_bound_s(cand: Candidate, costs: SegmentCosts) -> float:
     return cand.num_microbatches * work / cand.pp
 
 
-def _describe(c: Candidate) -> str:
+def _describe(c: ParallelConfig) -> str:
     return (
-        f"dp={c.dp} tp={c.tp} pp={c.pp} mbs={c.microbatch_size}x{c.num_microbatches} {c.schedule}"
+        f"dp={c.dp} tp={c.tp} pp={c.pp} mbs={c.microbatch_size}x{c.num_microbatches} "
+        f"{c.schedule if c.pp > 1 else 'none'}"
         f"{f'(v={c.virtual_stages})' if c.virtual_stages > 1 else ''} recompute={c.recompute} zero={c.zero_stage}"
     )
 
 
 __all__ = [
-    "Candidate",
     "PipelineEstimate",
     "SearchSpace",
     "StageEstimate",
