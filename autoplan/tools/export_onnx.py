@@ -76,11 +76,15 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.files import atomic_write, refuse_overwriting_inputs
+from autoplan.passes.layers import Layering, find_layers
 from autoplan.passes.placement import Spec, parse_spec, spec_strs
+from autoplan.passes.stages import stage_of_segment
 from autoplan.passes.strategies import tensor_args
-from autoplan.passes.trace import TracedProgram, param_node_name
+from autoplan.passes.trace import TracedProgram, param_node_name, trace_training_step
 from autoplan.planner.plan import Plan
+from autoplan.planner.tracing import trace_for_plan
 from autoplan.tools import console
+from autoplan.tools.loader import build_workload, target_file
 
 if TYPE_CHECKING:
     import onnx
@@ -482,9 +486,6 @@ class _Layout:
 def _stage_map(plan: Plan, traced: TracedProgram) -> tuple[dict[str, int], dict[str, str]]:
     """Node -> pipeline stage of its segment, and node -> the blocks it stands for (the last
     traced block of a depth-reduced plan)."""
-    from autoplan.passes.layers import Layering, find_layers
-    from autoplan.passes.stages import stage_of_segment
-
     layout = plan.pipeline
     assert layout is not None
     layering = find_layers(traced)
@@ -750,13 +751,8 @@ def export_onnx(plan: Plan, traced: TracedProgram, path: str | os.PathLike[str])
 def trace_plan_model(plan: Plan, target: str, *, seed: int = 0) -> TracedProgram:
     """Build ``target`` (``FILE.py:FUNCTION``) on ``meta`` and trace the step the plan is for
     (:func:`autoplan.planner.tracing.trace_for_plan` for plans made with a global batch)."""
-    from autoplan.passes.trace import trace_training_step
-    from autoplan.tools.loader import build_workload
-
     wl = build_workload(target, device="meta", seed=seed)
     if plan.config is not None:
-        from autoplan.planner.tracing import trace_for_plan
-
         return trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
     return trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)
 
@@ -770,8 +766,6 @@ def cmd_export_onnx(args: argparse.Namespace) -> int:
     target = args.model or plan.workload
     if not target:
         raise PlanError(f"plan file {args.plan!r} does not say which model it is for: pass --model FILE.py:FUNCTION")
-    from autoplan.tools.loader import target_file
-
     refuse_overwriting_inputs(args.out, {"plan file": args.plan, "model file": target_file(target)})
     model = export_onnx(plan, trace_plan_model(plan, target, seed=args.seed), args.out)
     if not args.quiet:

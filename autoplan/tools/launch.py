@@ -8,6 +8,8 @@ import socket
 import subprocess
 from typing import Any
 
+from autoplan.cost_models.errors import PlanError
+
 
 def _is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -31,8 +33,6 @@ def master_port(requested: int | None, *, default: int | None = None) -> int:
     if given and free, else one the OS picks."""
     if requested is not None:
         if not _is_free(requested):
-            from autoplan.cost_models.errors import PlanError
-
             raise PlanError(
                 f"--master-port {requested} is in use (another run or program listens on it): "
                 "give a free port, or drop --master-port to pick one"

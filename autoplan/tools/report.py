@@ -32,15 +32,13 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from autoplan.cost_models.config import SCHEDULES, ScheduleName
 from autoplan.cost_models.files import atomic_write, refuse_overwriting_inputs
 from autoplan.cost_models.schedule import PipelineTimeline, StageTimes, simulate
+from autoplan.planner.plan import CollectiveRecord, Plan
 from autoplan.tools import console
-
-if TYPE_CHECKING:  # autoplan.planner.plan imports torch: load it when a report is made, not at CLI start
-    from autoplan.planner.plan import CollectiveRecord, Plan
 
 CHART_WIDTH_PX = 960
 LABEL_WIDTH_PX = 110
@@ -823,8 +821,6 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from autoplan.planner.plan import Plan
-
     refuse_overwriting_inputs(args.out, {"plan file": args.plan})
     plan = Plan.load(args.plan)
     write_report(plan, args.out)
