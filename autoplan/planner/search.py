@@ -70,7 +70,7 @@ from autoplan.cost_models.config import RECOMPUTE, SCHEDULES, ParallelConfig, Re
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.cost_models.memory import precision_bytes
 from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
-from autoplan.planner.segment_costs import SegmentCost, SegmentCosts
+from autoplan.planner.segment_costs import SegmentCost, SegmentCostOracle, SegmentCosts
 
 SegmentCostFn = Callable[[int, int], SegmentCosts]
 """``(tp, microbatch_size) -> SegmentCosts`` of one micro-batch on a tensor-parallel group."""
@@ -659,7 +659,7 @@ def _key(e: PipelineEstimate) -> tuple[bool, float]:
 
 
 def search(
-    cost_fn: SegmentCostFn,
+    cost_fn: SegmentCostFn | SegmentCostOracle,
     cluster: Cluster,
     *,
     num_blocks: int,
@@ -672,7 +672,9 @@ def search(
     """The fastest feasible configuration, and every evaluated one (best layout each).
 
     ``cost_fn(tp, b)`` gives the segment costs of one micro-batch of ``b`` samples on a
-    tensor-parallel group of ``tp`` (memoised here). ``expand_to_blocks`` prices a model with
+    tensor-parallel group of ``tp`` (memoised here); a
+    :class:`~autoplan.planner.segment_costs.SegmentCostOracle` is asked to prefetch every key the
+    candidates need first, the ready ones laid out while it solves. ``expand_to_blocks`` prices a model with
     that many identical blocks from a trace with fewer (:func:`expand_blocks`)."""
     space = space or SearchSpace()
     blocks = expand_to_blocks or num_blocks
@@ -716,14 +718,10 @@ def search(
         if space.fixed is None or c == space.fixed
     ]
     early: dict[int, PipelineEstimate] = {}
-    prefetch = getattr(cost_fn, "prefetch", None)
-    if prefetch is not None:  # a cost model that solves many (tp, b) at once (in parallel)
+    if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once (in parallel)
         keys = {(c.tp, c.microbatch_size) for c in todo}
-        ready = getattr(cost_fn, "ready", None)
-        if ready is None:
-            prefetch(keys)
-        else:  # lay out the candidates whose costs are in while the others are being solved
-            prefetch(keys, while_waiting=_EarlyLayouts(todo, ready, costs, layout, early))
+        # lay out the candidates whose costs are in while the others are being solved
+        cost_fn.prefetch(keys, while_waiting=_EarlyLayouts(todo, cost_fn.ready, costs, layout, early))
     # best-first: a candidate whose compute alone exceeds the best step found cannot win
     bounds = [lower_bound_s(c, costs(c.tp, c.microbatch_size)) for c in todo]
     results = []

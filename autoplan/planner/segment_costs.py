@@ -22,8 +22,9 @@ are per micro-batch on one device of the stage mesh, except ``grad_sync_s`` and
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.fx as fx
@@ -76,6 +77,34 @@ class SegmentCosts:
     optimizer: str
     """The optimizer ``optimizer_s`` was priced for; its state's bytes per trainable element
     come from the same name (:func:`autoplan.cost_models.memory.precision_bytes`)."""
+
+
+@runtime_checkable
+class SegmentCostOracle(Protocol):
+    """The per-segment costs the joint search (:func:`autoplan.planner.search.search`) prices its
+    candidates with, keyed by ``(tp, microbatch_size)``, from an oracle that can compute many keys
+    at once and tell which are in. :class:`~autoplan.planner.segment_model.SegmentCostModel`
+    implements it; a plain ``Callable[[int, int], SegmentCosts]`` serves the search too (each key
+    then computed when first asked for, nothing ahead)."""
+
+    __slots__ = ()
+
+    def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
+        """The costs of one micro-batch of ``microbatch_size`` samples on a tensor-parallel group
+        of ``tp`` devices, computed now unless :meth:`ready`."""
+        ...
+
+    def ready(self, tp: int, microbatch_size: int) -> bool:
+        """Whether ``self(tp, microbatch_size)`` answers without computing anything more."""
+        ...
+
+    def prefetch(self, keys: Iterable[tuple[int, int]], *, while_waiting: Callable[[], bool] | None = None) -> None:
+        """Compute the costs of every key in ``keys`` now (in any order, in parallel where it can),
+        so that later calls are :meth:`ready`. While it waits for results it calls
+        ``while_waiting()`` (the search lays out the candidates whose costs are ready), between
+        results, until that returns False. The costs are those ``self(tp, microbatch_size)``
+        would give."""
+        ...
 
 
 def _chosen_specs(problem: CostProblem, choice: Mapping[str, int], edge: Edge) -> float:

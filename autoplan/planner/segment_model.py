@@ -34,15 +34,16 @@ from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import planning_mesh
 from autoplan.planner.search import expand_blocks, tp_cluster
-from autoplan.planner.segment_costs import SegmentCosts, segment_costs
+from autoplan.planner.segment_costs import SegmentCostOracle, SegmentCosts, segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions
 from autoplan.planner.tracing import trace_repeated
 
 
 @dataclass(slots=True)
-class SegmentCostModel:
+class SegmentCostModel(SegmentCostOracle):
     """``(tp, microbatch_size) -> SegmentCosts`` for a model: trace one micro-batch, solve the
-    intra-operator ILP on a tensor-parallel group, sum per segment (memoised)."""
+    intra-operator ILP on a tensor-parallel group, sum per segment (memoised): the joint search's
+    :class:`~autoplan.planner.segment_costs.SegmentCostOracle`."""
 
     model: torch.nn.Module
     example_inputs: Sequence[torch.Tensor]
