@@ -26,6 +26,7 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import PRECISIONS, ParallelConfig
 from autoplan.cost_models.errors import ConfigError, PlanError, PlanMismatchError
 from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.passes import pass_order
 from autoplan.passes.expand import expand_assignment
 from autoplan.passes.layers import find_layers
 from autoplan.passes.trace import LossFn, TracedProgram, trace_training_step
@@ -126,7 +127,7 @@ def plan(
                 "config= needs global_batch_size= (the configuration splits a global batch): pass both, or neither"
             )
         progress.step("tracing the model (torch.export)")
-        traced = trace_training_step(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
+        traced = pass_order.TRACE(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets)
         db = open_profile(cluster, profile)
         with planning_mesh(cluster) as mesh:
             return plan_traced(

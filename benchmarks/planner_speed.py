@@ -21,6 +21,7 @@ and prints both step times (the reduction must not be worse).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -95,13 +96,13 @@ def lm_loss(out, labels):  # noqa: ANN001, ANN201
 def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
     """One case in this process; returns the row as a dict."""
     import autoplan
+    import autoplan.passes.pass_order as pass_order
     import autoplan.planner.segment_model as segment_model
-    import autoplan.planner.tracing as tracing
     from autoplan.planner.solver import ShardingILP
 
     timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0, "prefetch_s": 0.0}
     real_trace, real_solve, real_prefetch = (
-        tracing.trace_training_step,
+        pass_order.TRACE.run,
         ShardingILP.solve,
         segment_model.SegmentCostModel.prefetch,
     )
@@ -128,7 +129,7 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
             timers["solve_s"] += time.perf_counter() - t
             timers["ilps"] += 1
 
-    tracing.trace_training_step = timed_trace  # type: ignore[assignment]
+    pass_order.TRACE = dataclasses.replace(pass_order.TRACE, run=timed_trace)  # the planner traces through it
     segment_model.SegmentCostModel.prefetch = timed_prefetch  # type: ignore[method-assign]
     ShardingILP.solve = timed_solve  # type: ignore[method-assign]
     t0 = time.perf_counter()

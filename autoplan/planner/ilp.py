@@ -19,12 +19,10 @@ from autoplan.cost_models.comm import overlaps_compute, transition_cost_s
 from autoplan.cost_models.compute import tensor_bytes
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
-from autoplan.passes import liveness
-from autoplan.passes.costing import CostProblem, build_cost_problem
-from autoplan.passes.explain import explain_choices
-from autoplan.passes.overlap import schedule_step
+from autoplan.passes import liveness, pass_order
+from autoplan.passes.costing import CostProblem
 from autoplan.passes.placement import parse_spec, spec_str, spec_strs
-from autoplan.passes.strategies import NodeStrategies, StrategyTable, ValueRef, build_strategy_table
+from autoplan.passes.strategies import NodeStrategies, StrategyTable, ValueRef
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import planning_mesh, stage_cluster
@@ -99,7 +97,7 @@ def check_plan_fits(plan: Plan, traced: TracedProgram) -> None:
     mesh_cluster = plan.cluster if plan.config is None else stage_cluster(plan.cluster, plan.config)
     plan.check_fits(traced)  # names, counts and ranks first: a table of a misfit plan means nothing
     with planning_mesh(mesh_cluster) as mesh:
-        table = build_strategy_table(traced, mesh)
+        table = pass_order.STRATEGIES(traced, mesh)
     plan.check_fits(traced, table=table)
 
 
@@ -147,12 +145,12 @@ def plan_traced(
     ``adjust`` may rewrite the cost problem before the ILP (e.g. repeated blocks' multiplicity)."""
     t0 = time.perf_counter()
     progress.step(f"placement strategies for {len(traced.graph_module.graph.nodes)} nodes")
-    table = build_strategy_table(traced, mesh)
+    table = pass_order.STRATEGIES(traced, mesh)
     apply_pins(table, traced, pins or {})
     if restrict is not None:
         restrict(table, traced)
     progress.step("pricing strategies and conversions")
-    problem = build_cost_problem(traced, table, cluster, optimizer=optimizer, profile=profile)
+    problem = pass_order.COSTING(traced, table, cluster, optimizer=optimizer, profile=profile)
     if adjust is not None:
         problem = adjust(problem)
     progress.step(f"solving the placement ILP ({sum(len(t) for t in problem.node_time_s.values()):,} choices)")
@@ -172,7 +170,7 @@ def plan_traced(
             t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
         times_s.append(t)
     chosen_time_s = {n: problem.node_time_s[n][s] for n, s in solution.choice.items()}
-    schedule = schedule_step(
+    schedule = pass_order.OVERLAP(
         gm,
         chosen_time_s,
         redistributions,
@@ -199,7 +197,7 @@ def plan_traced(
     frozen = {param_node_name(n) for n in traced.frozen_names}  # no optimizer step to time
     timed = sum(1 for n in solution.choice if table.nodes[n].kind in ("op", "fallback", "param") and n not in frozen)
     param_nodes = [param_node_name(n) for n in traced.param_names]
-    memory = liveness.peak_memory(
+    memory = pass_order.LIVENESS(
         gm,
         liveness.analyze(gm, [param_node_name(n) for n in traced.trainable_names]),
         assignment,
@@ -252,7 +250,7 @@ def plan_traced(
             "num_constraints": solution.num_constraints,
             "plan_time_s": round(time.perf_counter() - t0 + traced.trace_time_s, 3),
         },
-        alternatives=explain_choices(problem, solution.choice),
+        alternatives=pass_order.EXPLAIN(problem, solution.choice),
         versions=software_versions(),
     )
     log.info("plan %s: %s", plan.fingerprint, plan.parallelism())

@@ -31,8 +31,9 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import SCHEDULES, ParallelConfig
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.profile_db import ProfileDB
+from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
-from autoplan.passes.expand import block_multiplicity, scale_problem, twins
+from autoplan.passes.expand import block_multiplicity, twins
 from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.strategies import NodeStrategies, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
@@ -314,7 +315,7 @@ def plan_for_batch(
             edges=len(problem.edges),
             edges_full_depth=sum(mult.get(e.consumer, 1) for e in problem.edges),
         )
-        problem = scale_problem(memory_tie_break(problem), mult, twin)
+        problem = pass_order.EXPAND(memory_tie_break(problem), mult, twin)
         return dataclasses.replace(problem, capacity_bytes=float("inf"), memory_points=[])
 
     sub = stage_cluster(cluster, cfg)

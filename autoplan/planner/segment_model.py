@@ -25,11 +25,11 @@ import torch
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.profile_db import ProfileDB
-from autoplan.passes.costing import CostProblem, build_cost_problem
-from autoplan.passes.expand import block_multiplicity, scale_problem, twins
-from autoplan.passes.layers import Layering, find_layers
-from autoplan.passes.rebatch import MIN_BASE_BATCH, rebatch
-from autoplan.passes.strategies import build_strategy_table
+from autoplan.passes import pass_order
+from autoplan.passes.costing import CostProblem
+from autoplan.passes.expand import block_multiplicity, twins
+from autoplan.passes.layers import Layering
+from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import planning_mesh
@@ -103,10 +103,10 @@ class SegmentCostModel(SegmentCostOracle):
         if len(bases) < 2:
             return None
         (first, _), (second, layering2) = self._traces[bases[0]], self._traces[bases[1]]
-        traced = rebatch(first, second, bases[0], bases[1], batch)
+        traced = pass_order.REBATCH(first, second, bases[0], bases[1], batch)
         if traced is None:
             return None
-        layering = find_layers(traced)
+        layering = pass_order.LAYERS(traced)
         if layering.num_blocks != layering2.num_blocks:
             return None
         return traced, layering
@@ -245,15 +245,15 @@ class SegmentCostModel(SegmentCostOracle):
         progress.step(f"segment costs: ILP for tp={tp}, micro-batch {microbatch_size} ({len(self._costs) + 1} solved)")
         sub = tp_cluster(self.cluster, tp)
         with planning_mesh(sub) as mesh:
-            table = build_strategy_table(traced, mesh)
-            problem = build_cost_problem(traced, table, sub, optimizer=self.optimizer, profile=self.profile)
+            table = pass_order.STRATEGIES(traced, mesh)
+            problem = pass_order.COSTING(traced, table, sub, optimizer=self.optimizer, profile=self.profile)
             # memory is the outer search's constraint (it depends on stages and schedule)
             problem.capacity_bytes = float("inf")
             problem.memory_points = []
             # the last traced block stands for all the later ones (autoplan.passes.expand)
             mult = block_multiplicity(layering, self.num_blocks)
             solution = ShardingILP(
-                scale_problem(memory_tie_break(problem), mult, twins(traced.graph_module, layering)),
+                pass_order.EXPAND(memory_tie_break(problem), mult, twins(traced.graph_module, layering)),
                 SolverOptions(time_limit_s=self.time_limit_s),
             ).solve()
         costs = segment_costs(

@@ -16,9 +16,10 @@ import torch
 
 from autoplan.cost_models.config import PRECISIONS
 from autoplan.cost_models.errors import ConfigError, PlanMismatchError
-from autoplan.passes.depth import KEPT_BLOCKS, reduce_depth
-from autoplan.passes.layers import Layering, find_layers
-from autoplan.passes.trace import LossFn, TracedProgram, forward_fingerprint, trace_training_step
+from autoplan.passes import pass_order
+from autoplan.passes.depth import KEPT_BLOCKS
+from autoplan.passes.layers import Layering
+from autoplan.passes.trace import LossFn, TracedProgram, forward_fingerprint
 from autoplan.planner.plan import Plan
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -41,7 +42,7 @@ def trace_microbatch(
     batch: int,
 ) -> TracedProgram:
     """The training step of one micro-batch of ``batch`` samples (inputs resized along dim 0)."""
-    return trace_training_step(
+    return pass_order.TRACE(
         model,
         tuple(with_batch(t, batch) for t in inputs),
         loss_fn=loss_fn,
@@ -61,14 +62,14 @@ def trace_repeated(
     """One micro-batch's step traced with the first :data:`~autoplan.passes.depth.KEPT_BLOCKS` repeated
     blocks (``reduce``; :mod:`autoplan.passes.depth`), its layering, and the model's real number of
     blocks. Falls back to the full depth when the layering does not see the kept blocks."""
-    reduced = reduce_depth(model, KEPT_BLOCKS if reduce else sys.maxsize)
+    reduced = pass_order.DEPTH(model, KEPT_BLOCKS if reduce else sys.maxsize)
     traced = trace_microbatch(reduced.module, inputs, targets, loss_fn, batch)
-    layering = find_layers(traced)
+    layering = pass_order.LAYERS(traced)
     if reduced.reduced and layering.num_blocks == reduced.kept:
         return traced, layering, reduced.num_blocks
     if reduced.reduced:  # blocks not where the layering sees them: full depth
         traced = trace_microbatch(model, inputs, targets, loss_fn, batch)
-        layering = find_layers(traced)
+        layering = pass_order.LAYERS(traced)
     return traced, layering, layering.num_blocks
 
 
@@ -100,7 +101,7 @@ def _planned_step(plan: Plan, model: torch.nn.Module) -> tuple[torch.nn.Module, 
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
     if layout.reduced:
-        model = reduce_depth(model, layout.traced_blocks).module
+        model = pass_order.DEPTH(model, layout.traced_blocks).module
     return model, cfg.microbatch_size * cfg.dp
 
 
