@@ -13,7 +13,7 @@ and H100 clusters of 8 to 1024 GPUs, it prices
 * **planner**: ``autoplan.planner.search.search`` — the same configurations plus balanced stage
   boundaries (min-max over measured stage times) and per-stage recomputation,
 
-both with the same cost model (``autoplan.planner.search.evaluate`` over the ILP's per-segment
+both with the same cost model (``autoplan.cost_models.step.evaluate`` over the ILP's per-segment
 costs: one micro-batch traced on ``meta`` with two blocks, solved on the tensor-parallel group,
 and expanded to the model's depth). It prints one row per case and the final line
 ``plan_quality: cases=N never_worse=M best_ratio_min=X`` (ratio = grid-best step time / planner

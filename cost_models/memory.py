@@ -80,7 +80,9 @@ OPTIMIZER_STEP_BYTES_PER_ELEMENT: dict[str, int] = {
 }
 
 
-def param_training_bytes_by_part(numel: int, itemsize: int, optimizer: str, *, trainable: bool = True) -> dict[str, int]:
+def param_training_bytes_by_part(
+    numel: int, itemsize: int, optimizer: str, *, trainable: bool = True
+) -> dict[str, int]:
     """Bytes of ``numel`` parameter elements split into ``params``, ``grads`` and ``optimizer``
     (:func:`element_bytes`; a frozen parameter, ``trainable=False``, has weights only)."""
     b = element_bytes(optimizer, itemsize, trainable=trainable)
@@ -90,6 +92,48 @@ def param_training_bytes_by_part(numel: int, itemsize: int, optimizer: str, *, t
 def param_training_bytes(numel: int, itemsize: int, optimizer: str) -> int:
     """Bytes of one (unsharded) trainable parameter with its gradient and optimizer state."""
     return sum(param_training_bytes_by_part(numel, itemsize, optimizer).values())
+
+
+def stage_memory_parts(
+    *,
+    param_numel: int,
+    trainable_numel: int,
+    largest_segment_numel: int,
+    element: ElementBytes,
+    zero_stage: int,
+    dp: int,
+    saved_bytes: float,
+    inflight: int,
+    transient_bytes: float,
+) -> dict[str, float]:
+    """Bytes per device of one pipeline stage (:mod:`autoplan.cost_models.step`), by part::
+
+        weights     = P w     / dp if zero_stage >= 3         P parameter elements, T trainable;
+        grads       = T g     / dp if zero_stage >= 2         w, g, o: ``element`` (bytes per
+        optimizer   = T o     / dp if zero_stage >= 1         element, :func:`precision_bytes`)
+        activations = inflight * saved_bytes                  (micro-batches in flight x A_k)
+        transient   = transient_bytes + (2 P_max w if zero_stage >= 3)
+
+    ``transient_bytes`` is what recomputing one segment allocates; ZeRO-3 adds twice the
+    all-gathered parameters of the largest segment (``largest_segment_numel`` = P_max)."""
+    w, g, o = (
+        float(param_numel * element.weights),
+        float(trainable_numel * element.grads),
+        float(trainable_numel * element.optimizer),
+    )
+    o = o / dp if zero_stage >= 1 else o
+    g = g / dp if zero_stage >= 2 else g
+    gather = 0.0
+    if zero_stage >= 3:
+        w = w / dp
+        gather = 2 * largest_segment_numel * element.weights
+    return {
+        "weights": w,
+        "grads": g,
+        "optimizer": o,
+        "activations": inflight * saved_bytes,
+        "transient": transient_bytes + gather,
+    }
 
 
 def optimizer_temp_bytes(optimizer: str, max_param_bytes: float, total_param_bytes: float, device_kind: str) -> float:

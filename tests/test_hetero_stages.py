@@ -21,8 +21,8 @@ import pytest
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
-from autoplan.planner.search import SearchSpace, evaluate, hetero_layout, hetero_split, search
-from autoplan.planner.segment_costs import SegmentCost, SegmentCosts
+from autoplan.cost_models.step import SegmentCost, SegmentCosts, evaluate
+from autoplan.planner.search import SearchSpace, hetero_layout, hetero_split, search
 
 UNIT_S = 1e-3
 

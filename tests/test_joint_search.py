@@ -10,8 +10,9 @@ import autoplan
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
+from autoplan.cost_models.step import evaluate
 from autoplan.planner.joint import estimate, search_config
-from autoplan.planner.search import SearchSpace, evaluate, search
+from autoplan.planner.search import SearchSpace, search
 from autoplan.planner.segment_model import SegmentCostModel
 from tests.models import gpt2_tiny, lm_loss, token_batch
 

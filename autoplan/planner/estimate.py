@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.cost_models.config import ParallelConfig
-from autoplan.planner.search import PipelineEstimate
+from autoplan.cost_models.step import PipelineEstimate
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

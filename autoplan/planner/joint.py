@@ -7,7 +7,7 @@
     print(est.summary())
 
 Both the what-if estimate and the planner's search price a configuration with the same function
-(:func:`autoplan.planner.search.evaluate`) over the same per-segment costs: the intra-operator ILP
+(:func:`autoplan.cost_models.step.evaluate`) over the same per-segment costs: the intra-operator ILP
 solved for one micro-batch on the tensor-parallel group (:mod:`autoplan.planner.segment_costs`), so the
 planner's choice can be compared number for number with a hand-written configuration.
 
@@ -31,6 +31,7 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import SCHEDULES, ParallelConfig
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.profile_db import ProfileDB
+from autoplan.cost_models.step import evaluate
 from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
@@ -42,11 +43,7 @@ from autoplan.planner.estimate import TrainingEstimate, to_training_estimate
 from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import as_cluster, planning_mesh, stage_axes, stage_cluster
 from autoplan.planner.plan import Estimate, PipelineLayout, Plan
-from autoplan.planner.search import (
-    SearchSpace,
-    evaluate,
-    search,
-)
+from autoplan.planner.search import SearchSpace, search
 from autoplan.planner.segment_model import SegmentCostModel, memory_tie_break
 from autoplan.planner.tracing import plan_forward_fingerprint, prepare_for_precision, trace_repeated
 

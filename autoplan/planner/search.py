@@ -1,40 +1,9 @@
 r"""Pass — pipeline search: stages x schedule x micro-batches x recomputation x ZeRO, with the
 intra-operator ILP inside.
 
-Formulation
------------
-The device mesh is ``(pp, dp, tp)`` in Megatron's rank order (tp fastest, pp slowest), so a
-tensor-parallel group is ``tp`` consecutive ranks of one node, a data-parallel group has stride
-``tp`` and pipeline neighbours are ``dp * tp`` ranks apart. A configuration ``c`` fixes the
-degrees, the micro-batch size ``b`` (per data-parallel replica), the number of micro-batches
-``m`` (``B = dp * b * m``), the schedule with ``v`` virtual stages, recomputation and ZeRO stage.
-Stages are contiguous ranges of segments (:mod:`autoplan.passes.layers`: prologue, blocks, epilogue).
-
-Inside a stage, the per-operator sharding is the ILP of :mod:`autoplan.planner.solver` solved on the
-tensor-parallel group for one micro-batch of ``b`` samples (data parallelism splits the batch
-evenly and adds only the gradient synchronisation, priced here), and summed per segment by
-:mod:`autoplan.planner.segment_costs`. For stage ``k`` with segments ``K``::
-
-    F_k = sum_{j in K} fwd_s[j]
-    B_k = sum_{j in K} bwd_s[j] + R_k        R_k = 0 | sum selective_recompute_s | F_k   (recompute)
-    A_k = sum_{j in K} a_j                   a_j = saved_bytes | saved_matmul + input | input
-    S_k = P_k w + T_k (g + o)                P_k parameter elements, T_k of them trainable (not
-                                             frozen); w, g, o bytes per element of weights, grads
-                                             and optimizer state (autoplan.cost_models.memory, by precision
-                                             and optimizer)
-          / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w)
-    ZeRO-3: F_k, B_k += the parameter all-gather of the stage per micro-batch; where compute and
-          communication overlap, max(F_k, gather) + the gather of one segment (prefetch)
-    M_k = S_k + inflight_k(schedule, m, v) * A_k + T_k  <=  capacity          (memory)
-
-with ``T_k`` the transient of recomputing one segment (full recompute) and the ZeRO-3 gather
-buffer. The step time is the pipeline makespan of :mod:`autoplan.cost_models.schedule` over the
-``(F_k, B_k)`` with point-to-point transfers of ``cut_bytes`` between stages, plus per stage the
-exposed gradient synchronisation (all-reduce over dp, or reduce-scatter + per micro-batch
-all-gathers for ZeRO-3; on devices that overlap communication the part hidden behind the last
-micro-batch's backward is not counted) and the optimizer step::
-
-    T(c) = makespan(F, B, m, schedule, p2p) + max_k (exposed_sync_k + opt_k / dp^[zero>=1])
+Each configuration ``c`` is priced by :func:`autoplan.cost_models.step.evaluate` (the
+formulation of its step time ``T(c)`` and per-stage memory ``M_k`` is in that module's docstring)
+over the per-segment costs of the intra-operator ILP (:mod:`autoplan.planner.segment_costs`).
 
 Heterogeneous sub-meshes (Alpa's stage-to-mesh assignment, restricted to data parallelism):
 stage ``k`` may get ``d_k * tp`` devices with ``sum_k d_k = pp * dp`` and splits each micro-batch
@@ -60,63 +29,17 @@ import dataclasses
 import functools
 import heapq
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autoplan.cost_models.cluster import Cluster, LinkSpec
-from autoplan.cost_models.comm import link_time_s, overlaps_compute
+from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import RECOMPUTE, SCHEDULES, ParallelConfig, Recompute, Schedule, schedule_problem
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
-from autoplan.cost_models.memory import precision_bytes
-from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
-from autoplan.planner.segment_costs import SegmentCost, SegmentCostOracle, SegmentCosts
+from autoplan.cost_models.step import PipelineEstimate, SegmentCosts, evaluate, uniform_starts
+from autoplan.planner.segment_costs import SegmentCostOracle
 
 SegmentCostFn = Callable[[int, int], SegmentCosts]
 """``(tp, microbatch_size) -> SegmentCosts`` of one micro-batch on a tensor-parallel group."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class StageEstimate:
-    segments: tuple[int, int]
-    """``[first, last)`` segment indices of the stage."""
-    rank: int
-    """Pipeline rank holding the stage."""
-    fwd_s: float
-    bwd_s: float
-    recompute: str
-    memory_bytes: float
-    memory_parts: dict[str, float]
-    dp: int = 1
-    """Data-parallel degree of the stage's sub-mesh (``stage_dp``; else the configuration's dp)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineEstimate:
-    config: ParallelConfig
-    stages: tuple[StageEstimate, ...]
-    step_time_s: float
-    compute_s: float
-    """Busy compute time of the slowest pipeline rank (forward + backward + recompute)."""
-    bubble_s: float
-    p2p_exposed_s: float
-    exposed_comm_s: float
-    """Tensor-parallel collectives inside the stages + exposed gradient sync + p2p."""
-    optimizer_s: float
-    memory_per_rank_bytes: tuple[float, ...]
-    """Per pipeline rank: the memory of its stages (interleaving puts several on a rank)."""
-    peak_memory_bytes: float
-    """Largest per-device memory over the pipeline ranks."""
-    capacity_bytes: float
-    flops_per_step: float
-    mfu: float
-    tokens_per_s: float
-    feasible: bool
-    note: str = ""
-
-    @property
-    def stage_starts(self) -> tuple[int, ...]:
-        return tuple(s.segments[0] for s in self.stages)
 
 
 @dataclass(slots=True)
@@ -135,27 +58,6 @@ class SearchSpace:
     fixed: ParallelConfig | None = None
     """Only this configuration (as :meth:`ParallelConfig.canonical` writes it); the search then
     places its stage boundaries."""
-
-
-# --- topology ---------------------------------------------------------------------------------
-
-
-def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
-    """Link of a group of ``size`` ranks ``stride`` apart: network if it leaves a node."""
-    spans = cluster.num_nodes > 1 and stride * size > cluster.devices_per_node
-    if not spans and "intra" in cluster.links:
-        return cluster.links["intra"]
-    if spans and "inter" in cluster.links:
-        return cluster.links["inter"]
-    return cluster.catalog_link(spans_nodes=spans)
-
-
-def tp_cluster(cluster: Cluster, tp: int) -> Cluster:
-    """The tensor-parallel group as a one-node cluster (keeps a calibrated intra-node link)."""
-    links = {"intra": cluster.links["intra"]} if "intra" in cluster.links and tp > 1 else {}
-    return Cluster(
-        num_nodes=1, devices_per_node=tp, device=cluster.device, links=links, calibration=cluster.calibration
-    )
 
 
 # --- composing one configuration --------------------------------------------------------------
@@ -179,18 +81,6 @@ def expand_blocks(costs: SegmentCosts, num_blocks: int) -> SegmentCosts:
     mid_cut = cuts[-2] if len(cuts) >= 2 else cuts[0]
     new_cuts = [cuts[0]] + [mid_cut] * (num_blocks - 1) + [cuts[-1]]
     return dataclasses.replace(costs, segments=(segs[0], *blocks, segs[-1]), cut_bytes=tuple(new_cuts))
-
-
-def _uniform_starts(num_segments: int, num_stages: int) -> tuple[int, ...]:
-    """Megatron's split: blocks divided evenly; the prologue joins the first stage and the
-    epilogue the last."""
-    num_blocks = num_segments - 2
-    per, extra = divmod(num_blocks, num_stages)
-    starts, at = [0], 1
-    for k in range(num_stages - 1):
-        at += per + (1 if k < extra else 0)
-        starts.append(at)
-    return tuple(starts)
 
 
 def _balanced_starts(weights: Sequence[float], num_stages: int) -> tuple[int, ...]:
@@ -218,212 +108,13 @@ def _balanced_starts_cached(weights: tuple[float, ...], num_stages: int) -> tupl
                 if cost < best[k][j]:
                     best[k][j], arg[k][j] = cost, i
     if best[num_stages][n] == inf:
-        return _uniform_starts(n, num_stages)
+        return uniform_starts(n, num_stages)
     starts, j = [], n
     for k in range(num_stages, 0, -1):
         i = arg[k][j]
         starts.append(i)
         j = i
     return tuple(reversed(starts))
-
-
-def _recompute_parts(seg: SegmentCost, recompute: str) -> tuple[float, float, float]:
-    """(extra backward time, saved bytes per micro-batch, transient bytes) of one segment."""
-    if recompute == "none":
-        return 0.0, seg.saved_bytes, 0.0
-    if recompute == "selective":
-        kept = min(seg.saved_bytes, seg.saved_matmul_bytes + seg.input_bytes)
-        return seg.selective_recompute_s, kept, seg.saved_bytes - kept
-    return seg.fwd_s, min(seg.saved_bytes, seg.input_bytes), seg.saved_bytes
-
-
-def evaluate(
-    cand: ParallelConfig,
-    costs: SegmentCosts,
-    cluster: Cluster,
-    *,
-    stage_starts: Sequence[int] | None = None,
-    stage_recompute: Sequence[str] | None = None,
-    precision: str = "fp32",
-    tokens_per_sample: int = 1,
-    stage_costs: Sequence[SegmentCosts] | None = None,
-    memory_only: bool = False,
-) -> PipelineEstimate:
-    """Step time and memory of ``cand`` with ``costs`` of its (tp, microbatch size)
-    (``memory_only``: the memory and feasibility only, the times left at 0 — the search's
-    per-stage recomputation choice needs nothing else).
-
-    With heterogeneous sub-meshes (``cand.stage_dp``), ``stage_costs[k]`` are the segment costs
-    of stage ``k``'s per-device micro-batch (``dp * microbatch_size / stage_dp[k]`` samples)."""
-    segs = costs.segments
-    nstages = cand.pp * cand.virtual_stages
-    if nstages > len(segs) - 2 and nstages > 1:
-        raise ConfigError(f"{nstages} pipeline stages but the model has {len(segs) - 2} blocks: use fewer stages")
-    if cand.stage_dp is not None and (len(cand.stage_dp) != nstages or stage_costs is None):
-        raise ConfigError(f"stage_dp needs one degree per stage ({nstages}) and the costs of each stage")
-    starts = tuple(stage_starts) if stage_starts is not None else _uniform_starts(len(segs), nstages)
-    bounds = [*starts, len(segs)]
-    rec = list(stage_recompute) if stage_recompute is not None else [cand.recompute] * nstages
-    bpe = precision_bytes(costs.optimizer, precision)  # bytes per element: weights, grads, optimizer
-    m = cand.num_microbatches
-    device = cluster.device
-    overlap = overlaps_compute(device)
-    backend = cluster.backend
-    # first device of each stage's sub-mesh (Megatron order; stage sub-meshes are contiguous)
-    offsets = list(itertools.accumulate((cand.dp_of(k % cand.pp) * cand.tp for k in range(cand.pp)), initial=0))
-
-    stage_times: list[StageTimes] = []
-    stages: list[StageEstimate] = []
-    sync_exposed: list[float] = []
-    opt_s: list[float] = []
-    tp_comm = 0.0
-    for k in range(nstages):
-        dp = cand.dp_of(k % cand.pp)
-        dp_link = group_link(cluster, stride=cand.tp, size=dp)
-        part = (stage_costs[k].segments if stage_costs is not None else segs)[bounds[k] : bounds[k + 1]]
-        fwd = sum(s.fwd_s for s in part)
-        extra = saved = transient = 0.0
-        for s in part:
-            e, a, t = _recompute_parts(s, rec[k])
-            extra, saved, transient = extra + e, saved + a, max(transient, t)
-        bwd = sum(s.bwd_s for s in part) + extra
-        tp_comm = max(tp_comm, sum(s.fwd_comm_s + s.bwd_comm_s for s in part))
-        numel = sum(s.param_numel for s in part)
-        trained = sum(s.trainable_numel for s in part)  # frozen parameters: weights only
-        w, g, o = float(numel * bpe.weights), float(trained * bpe.grads), float(trained * bpe.optimizer)
-        z = cand.zero_stage
-        o = o / dp if z >= 1 else o
-        g = g / dp if z >= 2 else g
-        gather = 0.0
-        if z >= 3:
-            w = w / dp
-            gather = 2 * max((s.param_numel for s in part), default=0) * bpe.weights
-        grad_bytes = trained * bpe.grads
-        after = 0.0  # communication after the optimizer step (cannot hide behind the backward)
-        if dp > 1:
-            # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention)
-            if z == 0:
-                sync = link_time_s("all_reduce", grad_bytes, dp, dp_link, backend=backend)
-            else:  # gradients reduce-scattered; ZeRO 1-2 all-gather the updated weights after the step
-                sync = link_time_s("reduce_scatter", grad_bytes, dp, dp_link, backend=backend)
-                if z < 3:  # the updated (trainable) weights
-                    after = link_time_s("all_gather", trained * bpe.weights, dp, dp_link, backend=backend)
-            if z >= 3:  # parameters all-gathered before each micro-batch's forward and backward
-                ag = link_time_s("all_gather", numel * bpe.weights, dp, dp_link, backend=backend)
-                if overlap:
-                    # prefetching hides a segment's gather behind the previous segment's compute;
-                    # the first segment's gather of each pass has nothing to hide behind
-                    first = max((s.param_numel for s in part), default=0) * bpe.weights
-                    ag_first = link_time_s("all_gather", first, dp, dp_link, backend=backend)
-                    fwd, bwd = max(fwd, ag) + ag_first, max(bwd, ag) + ag_first
-                else:
-                    fwd, bwd = fwd + ag, bwd + ag
-        else:
-            sync = 0.0
-        last_bwd = sum(s.bwd_s for s in part)
-        sync_exposed.append((max(0.0, sync - last_bwd) if overlap else sync) + after)
-        opt_s.append(sum(s.optimizer_s for s in part) * (precision_opt_factor(precision)) / (dp if z >= 1 else 1))
-        rank = k % cand.pp
-        inflight = inflight_microbatches(cand.pipeline_schedule, rank, cand.pp, m, cand.virtual_stages)
-        if cand.pp == 1:
-            inflight = 1  # gradient accumulation: one micro-batch in flight at a time
-        if cand.virtual_stages > 1:
-            inflight = math.ceil(inflight / cand.virtual_stages)
-        parts = {
-            "weights": w,
-            "grads": g,
-            "optimizer": o,
-            "activations": inflight * saved,
-            "transient": transient + gather,
-        }
-        # W = the weight-gradient-only ops of the stage (plus recomputation lands in B)
-        w_s = min(bwd, sum(s.bwd_weight_s for s in part))
-        stage_times.append(StageTimes(fwd_s=fwd, bwd_input_s=bwd - w_s, bwd_weight_s=w_s))
-        stages.append(
-            StageEstimate(
-                segments=(bounds[k], bounds[k + 1]),
-                rank=rank,
-                fwd_s=fwd,
-                bwd_s=bwd,
-                recompute=rec[k],
-                memory_bytes=sum(parts.values()),
-                memory_parts=parts,
-                dp=dp,
-            )
-        )
-    # memory per pipeline rank: the sum of its stages (interleaving puts v stages on a rank)
-    per_rank = [0.0] * cand.pp
-    for st in stages:
-        per_rank[st.rank] += st.memory_bytes
-    capacity = float(device.mem_capacity_bytes)
-    if memory_only:
-        return PipelineEstimate(
-            config=cand, stages=tuple(stages), step_time_s=0.0, compute_s=0.0, bubble_s=0.0, p2p_exposed_s=0.0,
-            exposed_comm_s=0.0, optimizer_s=0.0, memory_per_rank_bytes=tuple(per_rank),
-            peak_memory_bytes=max(per_rank), capacity_bytes=capacity, flops_per_step=0.0, mfu=0.0,
-            tokens_per_s=0.0, feasible=max(per_rank) <= capacity,
-        )  # fmt: skip
-    p2p = [_p2p_s(cand, costs, cluster, bounds[k + 1] - 1, k, offsets) for k in range(nstages - 1)]
-    busy = [0.0] * cand.pp
-    for st in stages:
-        busy[st.rank] += m * (st.fwd_s + st.bwd_s)
-    if cand.pp > 1:
-        kw = {"num_ranks": cand.pp, "virtual_stages": cand.virtual_stages}
-        makespan = fast_step_time(stage_times, cand.pipeline_schedule, m, p2p_s=p2p, **kw)
-        free_p2p = fast_step_time(stage_times, cand.pipeline_schedule, m, p2p_s=0.0, **kw)
-        bubble = max(0.0, free_p2p - max(busy))
-        p2p_exposed = max(0.0, makespan - free_p2p)
-    else:
-        makespan, bubble, p2p_exposed = max(busy), 0.0, 0.0
-    tail = max(se + o for se, o in zip(sync_exposed, opt_s, strict=True))
-    step = makespan + tail
-    flops = sum(s.flops for s in segs) * m * cand.dp
-    peak_flops = device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
-    peak = max(per_rank)
-    return PipelineEstimate(
-        config=cand,
-        stages=tuple(stages),
-        step_time_s=step,
-        compute_s=max(busy),
-        bubble_s=bubble,
-        p2p_exposed_s=p2p_exposed,
-        exposed_comm_s=m * tp_comm + max(sync_exposed) + p2p_exposed,
-        optimizer_s=max(opt_s),
-        memory_per_rank_bytes=tuple(per_rank),
-        peak_memory_bytes=peak,
-        capacity_bytes=capacity,
-        flops_per_step=flops,
-        mfu=flops / (step * peak_flops) if step > 0 else 0.0,
-        tokens_per_s=cand.dp * cand.microbatch_size * m * tokens_per_sample / step if step > 0 else 0.0,
-        feasible=peak <= capacity,
-    )
-
-
-def precision_dtype(precision: str) -> str:
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
-
-
-def precision_opt_factor(precision: str) -> float:
-    """Optimizer step bytes relative to fp32 training (mixed precision also writes the bf16 copy)."""
-    return 1.0 if precision == "fp32" else 1.1
-
-
-def _p2p_s(
-    cand: ParallelConfig, costs: SegmentCosts, cluster: Cluster, cut: int, stage: int, offsets: list[int]
-) -> float:
-    """Send of the activations crossing ``cut`` from ``stage`` to the next one: the micro-batch
-    (``dp`` replicas' worth) goes from the ``d_k`` replicas of one stage to the ``d_k+1`` of
-    the next, so the busiest link carries ``1 / min(d_k, d_k+1)`` of it (uniform: each
-    replica sends its own ``b`` samples). The link is the network when the two stages'
-    devices (``offsets``: first device of each pipeline rank) are not on one node."""
-    a, b = stage % cand.pp, (stage + 1) % cand.pp
-    total = costs.cut_bytes[cut] * cand.dp
-    lo, hi = min(offsets[a], offsets[b]), max(offsets[a + 1], offsets[b + 1]) - 1
-    dpn = cluster.devices_per_node
-    spans = cluster.num_nodes > 1 and lo // dpn != hi // dpn
-    link = cluster.links.get("inter" if spans else "intra") or cluster.catalog_link(spans_nodes=spans)
-    share = total / min(cand.dp_of(a), cand.dp_of(b))
-    return link_time_s("send_recv", share, 2, link, backend=cluster.backend)
 
 
 # --- the outer search -------------------------------------------------------------------------
@@ -498,7 +189,7 @@ def best_layout(
     recomputation (the least per stage that fits) for ``cand``."""
     nseg = len(costs.segments)
     nstages = cand.pp * cand.virtual_stages
-    splits = {_uniform_starts(nseg, nstages)}
+    splits = {uniform_starts(nseg, nstages)}
     if space.balanced_stages and nstages > 1:
         splits.add(_balanced_starts([s.fwd_s + s.bwd_s for s in costs.segments], nstages))
     best: PipelineEstimate | None = None
@@ -823,12 +514,9 @@ def _describe(c: ParallelConfig) -> str:
 
 
 __all__ = [
-    "PipelineEstimate",
     "SearchSpace",
-    "StageEstimate",
     "best_layout",
     "candidates",
-    "evaluate",
     "expand_blocks",
     "hetero_layout",
     "hetero_split",

@@ -4,9 +4,10 @@ Contract
 --------
 Input: the traced joint graph of ONE micro-batch, its :class:`~autoplan.passes.layers.Layering`, the
 :class:`~autoplan.passes.costing.CostProblem` built for a stage mesh, and the ILP's chosen strategies.
-Output: :class:`SegmentCost` per segment (prologue, each block, epilogue) and the bytes that
-cross each cut between consecutive segments — the plain numbers the pipeline search composes
-into stages (``autoplan.planner.search``)::
+Output: :class:`~autoplan.cost_models.step.SegmentCost` per segment (prologue, each block,
+epilogue) and the bytes that cross each cut between consecutive segments — the plain numbers
+:func:`autoplan.cost_models.step.evaluate` composes into stages for the pipeline search
+(``autoplan.planner.search``)::
 
     fwd_s[k]   = sum_{v fwd op in k} t[v, s_v] + sum_{e into a fwd op of k} c[e, p_e, q_e]
     bwd_s[k]   = the same over backward ops
@@ -23,60 +24,18 @@ are per micro-batch on one device of the stage mesh, except ``grad_sync_s`` and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 import torch.fx as fx
 
 from autoplan.cost_models.compute import is_matmul, op_flops
+from autoplan.cost_models.step import SegmentCost, SegmentCosts
 from autoplan.passes import liveness
 from autoplan.passes.costing import CostProblem, Edge
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import local_numel
 from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SegmentCost:
-    """One segment's share of a micro-batch's step on one device (see the module docstring)."""
-
-    fwd_s: float
-    bwd_s: float
-    bwd_weight_s: float
-    """Part of ``bwd_s`` that only weight gradients need (no earlier segment waits for it): the
-    W of zero-bubble schedules."""
-    fwd_comm_s: float
-    """Part of ``fwd_s`` spent in collectives (tensor/sequence parallel conversions)."""
-    bwd_comm_s: float
-    selective_recompute_s: float
-    """Forward time of the non-matmul ops (what selective recomputation runs again)."""
-    grad_sync_s: float
-    """Gradient conversions of the segment's parameters, once per step."""
-    optimizer_s: float
-    param_numel: int
-    """Local parameter elements (after tensor-parallel sharding), frozen ones included."""
-    trainable_numel: int
-    """The part of ``param_numel`` that is trained (has a gradient and optimizer state)."""
-    param_itemsize: int
-    saved_bytes: float
-    """Activations saved for the backward, per micro-batch."""
-    saved_matmul_bytes: float
-    """Part of ``saved_bytes`` produced by matmul-family ops (kept by selective recompute)."""
-    input_bytes: float
-    """Bytes of the values entering the segment from earlier ones (kept by full recompute)."""
-    flops: float
-    """Forward + backward FLOPs of the segment's ops for the whole (unsharded) micro-batch."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SegmentCosts:
-    segments: tuple[SegmentCost, ...]
-    cut_bytes: tuple[float, ...]
-    """``cut_bytes[k]``: activation bytes per micro-batch crossing the cut after segment ``k``."""
-    optimizer: str
-    """The optimizer ``optimizer_s`` was priced for; its state's bytes per trainable element
-    come from the same name (:func:`autoplan.cost_models.memory.precision_bytes`)."""
 
 
 @runtime_checkable

@@ -25,6 +25,7 @@ import torch
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.profile_db import ProfileDB
+from autoplan.cost_models.step import SegmentCosts, tp_cluster
 from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
@@ -33,8 +34,8 @@ from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import planning_mesh
-from autoplan.planner.search import expand_blocks, tp_cluster
-from autoplan.planner.segment_costs import SegmentCostOracle, SegmentCosts, segment_costs
+from autoplan.planner.search import expand_blocks
+from autoplan.planner.segment_costs import SegmentCostOracle, segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions
 from autoplan.planner.tracing import trace_repeated
 
