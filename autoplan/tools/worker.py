@@ -29,6 +29,7 @@ from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.files import atomic_write
 from autoplan.planner.plan import Plan
 from autoplan.runtime import checkpoint
+from autoplan.runtime.checkpoint import ParallelizedModel
 from autoplan.runtime.teardown import destroy_process_groups
 from autoplan.tools import console
 from autoplan.tools.loader import build_workload
@@ -91,7 +92,7 @@ def _init_process_group(backend: str) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="autoplan.tools.worker")
     p.add_argument("target")
     p.add_argument("--plan", required=True)
@@ -102,8 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--save-final", metavar="PATH")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -112,73 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     _init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank()
     try:
-        plan = Plan.load(args.plan)
-        wl = build_workload(args.target, device="cpu", seed=args.seed)
-        reference = copy.deepcopy(wl.model) if args.compare else None
-        pm = parallelize(
-            wl.model,
-            plan.cluster,
-            example_inputs=wl.example_inputs,
-            loss_fn=wl.loss_fn,
-            example_targets=wl.example_targets,
-            plan=plan,
-        )
-        if rank == 0 and args.show_code:
-            print(pm.code, file=console.stdout())
-        opt = pm.make_optimizer(lr=wl.lr)
-        ref_opt = None
-        if reference is not None:
-            ref_opt = type(opt)(reference.parameters(), **opt.defaults)
-        start = 0
-        if args.checkpoint_dir is not None:
-            # the newest checkpoint that loads, the same on every rank (a damaged one is skipped, named)
-            resumed = checkpoint.resume(args.checkpoint_dir, pm, opt)
-            if resumed is not None:
-                latest, start = resumed
-                if reference is not None and ref_opt is not None:  # catch the single-device model up
-                    rng = torch.get_rng_state()  # the checkpoint's
-                    for step in range(latest.step):
-                        _reference_step(reference, ref_opt, wl, *_batch(wl, step))
-                    torch.set_rng_state(rng)
-                if rank == 0:
-                    print(f"resumed from checkpoint {latest}", file=console.stdout(), flush=True)
-        for step in range(start, args.steps):
-            inputs, targets = _batch(wl, step)
-            loss = pm.forward_backward(*inputs, targets=tuple(targets))
-            opt.step()
-            opt.zero_grad()
-            line = f"step {step + 1:>3}  loss {loss.item():.6f}"
-            if reference is not None and ref_opt is not None:
-                ref_loss = _reference_step(reference, ref_opt, wl, inputs, targets)
-                line += f"  single-device {ref_loss.item():.6f}  rel.diff {_rel(loss.item(), ref_loss.item()):.2e}"
-            if rank == 0:
-                print(line, file=console.stdout(), flush=True)
-            _inject_fault(step + 1, rank)
-            done = step + 1
-            if args.checkpoint_dir is not None and (
-                done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
-            ):
-                path = checkpoint.save(args.checkpoint_dir, done, pm, opt, plan=plan)
-                if rank == 0:
-                    print(f"saved checkpoint {path}", file=console.stdout(), flush=True)
-        if reference is not None:
-            full = pm.full_parameters()
-            ref = dict(reference.named_parameters())
-            worst = max(
-                ((full[n] - ref[n].detach()).norm() / ref[n].detach().norm().clamp_min(1e-12)).item() for n in full
-            )
-            if rank == 0:
-                print(
-                    f"parameters after {args.steps} steps: max relative error vs single device {worst:.2e}",
-                    file=console.stdout(),
-                    flush=True,
-                )
-        if args.save_final is not None:
-            final = pm.full_parameters()
-            if rank == 0:  # written whole or not at all (an existing file stays until the new one is complete)
-                buffer = io.BytesIO()
-                torch.save({n: t.detach().cpu() for n, t in final.items()}, buffer)
-                atomic_write(args.save_final, buffer.getvalue(), what="trained parameters")
+        _train(args, rank)
     except PlanError as exc:
         if rank == 0:
             print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
@@ -189,6 +127,103 @@ def main(argv: list[str] | None = None) -> int:
     # released here, not at interpreter exit (autoplan/runtime/teardown.py)
     destroy_process_groups()
     return 0
+
+
+def _train(args: argparse.Namespace, rank: int) -> None:
+    """Parallelize the workload with the plan, resume from a checkpoint if asked, train, and
+    report (``--compare``) and save (``--save-final``) the result."""
+    plan = Plan.load(args.plan)
+    wl = build_workload(args.target, device="cpu", seed=args.seed)
+    reference = copy.deepcopy(wl.model) if args.compare else None
+    pm = parallelize(
+        wl.model,
+        plan.cluster,
+        example_inputs=wl.example_inputs,
+        loss_fn=wl.loss_fn,
+        example_targets=wl.example_targets,
+        plan=plan,
+    )
+    if rank == 0 and args.show_code:
+        print(pm.code, file=console.stdout())
+    opt = pm.make_optimizer(lr=wl.lr)
+    ref_opt = None
+    if reference is not None:
+        ref_opt = type(opt)(reference.parameters(), **opt.defaults)
+    start = 0
+    if args.checkpoint_dir is not None:
+        start = _resume(args.checkpoint_dir, pm, opt, wl, reference, ref_opt, rank)
+    for step in range(start, args.steps):
+        inputs, targets = _batch(wl, step)
+        loss = pm.forward_backward(*inputs, targets=tuple(targets))
+        opt.step()
+        opt.zero_grad()
+        line = f"step {step + 1:>3}  loss {loss.item():.6f}"
+        if reference is not None and ref_opt is not None:
+            ref_loss = _reference_step(reference, ref_opt, wl, inputs, targets)
+            line += f"  single-device {ref_loss.item():.6f}  rel.diff {_rel(loss.item(), ref_loss.item()):.2e}"
+        if rank == 0:
+            print(line, file=console.stdout(), flush=True)
+        _inject_fault(step + 1, rank)
+        done = step + 1
+        if args.checkpoint_dir is not None and (
+            done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
+        ):
+            path = checkpoint.save(args.checkpoint_dir, done, pm, opt, plan=plan)
+            if rank == 0:
+                print(f"saved checkpoint {path}", file=console.stdout(), flush=True)
+    if reference is not None:
+        _print_comparison(pm, reference, args.steps, rank)
+    if args.save_final is not None:
+        _save_final(pm, args.save_final, rank)
+
+
+def _resume(
+    checkpoint_dir: str,
+    pm: ParallelizedModel,
+    opt: torch.optim.Optimizer,
+    wl: Workload,
+    reference: torch.nn.Module | None,
+    ref_opt: torch.optim.Optimizer | None,
+    rank: int,
+) -> int:
+    """Load the newest checkpoint that loads, the same on every rank (a damaged one is skipped,
+    named), and catch the single-device model up; returns the first step to train."""
+    resumed = checkpoint.resume(checkpoint_dir, pm, opt)
+    if resumed is None:
+        return 0
+    latest, start = resumed
+    if reference is not None and ref_opt is not None:  # catch the single-device model up
+        rng = torch.get_rng_state()  # the checkpoint's
+        for step in range(latest.step):
+            _reference_step(reference, ref_opt, wl, *_batch(wl, step))
+        torch.set_rng_state(rng)
+    if rank == 0:
+        print(f"resumed from checkpoint {latest}", file=console.stdout(), flush=True)
+    return start
+
+
+def _print_comparison(pm: ParallelizedModel, reference: torch.nn.Module, steps: int, rank: int) -> None:
+    """``--compare``: the largest relative error of the trained parameters against the
+    single-device model's (every rank gathers; rank 0 prints)."""
+    full = pm.full_parameters()
+    ref = dict(reference.named_parameters())
+    worst = max(((full[n] - ref[n].detach()).norm() / ref[n].detach().norm().clamp_min(1e-12)).item() for n in full)
+    if rank == 0:
+        print(
+            f"parameters after {steps} steps: max relative error vs single device {worst:.2e}",
+            file=console.stdout(),
+            flush=True,
+        )
+
+
+def _save_final(pm: ParallelizedModel, path: str, rank: int) -> None:
+    """``--save-final``: the full trained parameters (every rank gathers; rank 0 writes them
+    whole or not at all: an existing file stays until the new one is complete)."""
+    final = pm.full_parameters()
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save({n: t.detach().cpu() for n, t in final.items()}, buffer)
+        atomic_write(path, buffer.getvalue(), what="trained parameters")
 
 
 if __name__ == "__main__":
