@@ -142,46 +142,125 @@ def split_stages(
     """Split the generated program ``gm`` into stage programs (see the module docstring)."""
     stage_of_seg = stage_of_segment(layering, stage_starts)
     num_stages = len(stage_starts)
-    last = num_stages - 1
-    graph = gm.graph
-    nodes = list(graph.nodes)
+    prog = _read_program(gm, traced)
+    param_stages = _layer_param_stages(prog, layering, stage_of_seg)
+    removed, tied_leaves = _split_tied_accumulations(prog, traced, param_stages)
+    where = _place_forward_and_anchored(prog, layering, stage_of_seg, param_stages, removed)
+    _place_unanchored(prog, traced, param_stages, removed, where, last=num_stages - 1)
+    params_of, buffers_of, tied = _params_and_buffers_per_stage(prog, traced, where, removed, num_stages)
+    _check_reads(prog, where, removed)
+    requires_grad = _requires_grad(prog, traced)
+    describe = _Describer(prog, assignment, requires_grad, mesh_ndim=mesh_ndim)
+    fwd_out = _forward_boundaries(prog, where, num_stages)
+    grad_slot = _gradient_slots(prog, where, fwd_out, requires_grad, num_stages)
+    stages = tuple(
+        _stage_program(
+            gm,
+            prog,
+            traced,
+            where,
+            s=s,
+            last=num_stages - 1,
+            params=params_of[s],
+            buffers=buffers_of[s],
+            fwd_out=fwd_out,
+            grad_slot=grad_slot,
+            tied_leaves=tied_leaves,
+            describe=describe,
+        )
+        for s in range(num_stages)
+    )
+    return StageSplit(
+        stages=stages,
+        tied_params=tied,
+        stage_of={n.name: s for n, s in where.stage.items() if n.op != "placeholder"},
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Program:
+    """What every phase of :func:`split_stages` reads of the generated program, gathered once."""
+
+    nodes: list[fx.Node]
+    output: fx.Node
+    loss: fx.Node
+    grads: list[fx.Node | None]
+    """Per trainable parameter (``TracedProgram.trainable_names`` order): its gradient output."""
+    pname_of: dict[str, str]
+    """Parameter placeholder name -> FQN."""
+    bname_of: dict[str, str]
+    """Buffer placeholder name -> FQN."""
+    roots: list[fx.Node]
+    """The placeholders that are neither parameters nor buffers: model inputs and loss targets."""
+    ph_by_name: dict[str, fx.Node]
+    const: set[fx.Node]
+    """Nodes depending on no placeholder: recomputed by every program that reads them."""
+
+    def source(self, a: fx.Node) -> fx.Node:
+        """Look through inserted collectives to the value they convert."""
+        while a.op == "call_function" and not _is_original(a) and a not in self.const and a.all_input_nodes:
+            a = a.all_input_nodes[0]
+        return a
+
+
+@dataclass(frozen=True, slots=True)
+class _StageMap:
+    """Where each node runs, filled by :func:`_place_forward_and_anchored` then :func:`_place_unanchored`."""
+
+    stage: dict[fx.Node, int]
+    phase: dict[fx.Node, Phase]
+    anchored: set[fx.Node]
+    """Nodes whose stage is fixed by a forward value they read (or that are forward ops)."""
+    avail: dict[fx.Node, int]
+    """The earliest stage at which the node's value exists."""
+
+
+def _read_program(gm: fx.GraphModule, traced: TracedProgram) -> _Program:
+    """Generated program -> its nodes, loss and gradient outputs, placeholders by kind and constants."""
+    nodes = list(gm.graph.nodes)
     output = next(n for n in nodes if n.op == "output")
     loss_node, *grad_nodes = output.args[0]
     pname_of = {param_node_name(f): f for f in traced.param_names}
     bname_of = {"b_" + f.replace(".", "_"): f for f in traced.buffer_names}
-    roots = [n for n in nodes if n.op == "placeholder" and n.name not in pname_of and n.name not in bname_of]
-
-    # --- constants ---------------------------------------------------------------------------
     const: set[fx.Node] = set()
     for n in nodes:
         if n.op == "get_attr" or (n.op == "call_function" and all(a in const for a in n.all_input_nodes)):
             const.add(n)
+    return _Program(
+        nodes=nodes,
+        output=output,
+        loss=loss_node,
+        grads=grad_nodes,
+        pname_of=pname_of,
+        bname_of=bname_of,
+        roots=[n for n in nodes if n.op == "placeholder" and n.name not in pname_of and n.name not in bname_of],
+        ph_by_name={n.name: n for n in nodes if n.op == "placeholder"},
+        const=const,
+    )
 
-    def source(a: fx.Node) -> fx.Node:
-        """Look through inserted collectives to the value they convert."""
-        while a.op == "call_function" and not _is_original(a) and a not in const and a.all_input_nodes:
-            a = a.all_input_nodes[0]
-        return a
 
-    # --- parameters: single-stage ones anchor backward ops -----------------------------------
-    layer_param_stages = {
-        pname_of[p]: tuple(sorted({stage_of_seg(s) for s in segs}))
+def _layer_param_stages(
+    prog: _Program, layering: Layering, stage_of_seg: Callable[[int], int]
+) -> dict[str, tuple[int, ...]]:
+    """Layering -> per parameter FQN, the stages whose segments read it (a single-stage parameter
+    anchors the backward ops that read it)."""
+    return {
+        prog.pname_of[p]: tuple(sorted({stage_of_seg(s) for s in segs}))
         for p, segs in layering.param_segments.items()
-        if p in pname_of
+        if p in prog.pname_of
     }
 
-    stage: dict[fx.Node, int] = {}
-    phase: dict[fx.Node, Phase] = {}
-    for r in roots:
-        stage[r], phase[r] = 0, "fwd"
-    anchored: set[fx.Node] = set()
-    avail: dict[fx.Node, int] = {}
 
-    # tied parameters: split the gradient-accumulation add tree into per-stage contributions
+def _split_tied_accumulations(
+    prog: _Program, traced: TracedProgram, param_stages: Mapping[str, tuple[int, ...]]
+) -> tuple[set[fx.Node], dict[str, list[fx.Node]]]:
+    """Gradients of parameters read by several stages -> (the gradient-accumulation ``add`` nodes
+    and collectives joining the stages' contributions, removed from every program; per FQN the
+    contributions, each computed by one stage)."""
     removed: set[fx.Node] = set()
     tied_leaves: dict[str, list[fx.Node]] = {}
-    for fqn, g in zip(traced.trainable_names, grad_nodes, strict=True):
-        if len(layer_param_stages.get(fqn, ())) < 2 or not isinstance(g, fx.Node):
+    for fqn, g in zip(traced.trainable_names, prog.grads, strict=True):
+        if len(param_stages.get(fqn, ())) < 2 or not isinstance(g, fx.Node):
             continue
         leaves: list[fx.Node] = []
 
@@ -190,7 +269,7 @@ def split_stages(
                 removed.add(x)
                 for a in x.args[:2]:
                     if isinstance(a, fx.Node):
-                        src = source(a)
+                        src = prog.source(a)
                         removed.update(_chain(a, src))
                         expand(src)
             else:
@@ -198,10 +277,24 @@ def split_stages(
 
         expand(g)
         tied_leaves[fqn] = leaves
+    return removed, tied_leaves
 
-    # pass 1 (program order): forward ops, anchored backward ops, availability of the rest
-    for n in nodes:
-        if not _is_original(n) or n in const or n in removed:
+
+def _place_forward_and_anchored(
+    prog: _Program,
+    layering: Layering,
+    stage_of_seg: Callable[[int], int],
+    param_stages: Mapping[str, tuple[int, ...]],
+    removed: set[fx.Node],
+) -> _StageMap:
+    """Original ops in program order -> the stage of every forward op and anchored backward op,
+    and the stage where every other backward value becomes available."""
+    where = _StageMap(stage={}, phase={}, anchored=set(), avail={})
+    stage, phase, anchored, avail = where.stage, where.phase, where.anchored, where.avail
+    for r in prog.roots:
+        stage[r], phase[r] = 0, "fwd"
+    for n in prog.nodes:
+        if not _is_original(n) or n in prog.const or n in removed:
             continue
         ph: Phase = n.meta["autoplan.phase"]
         if n.target is operator.getitem:
@@ -221,15 +314,15 @@ def split_stages(
         fwd_stages: list[int] = []
         bwd_in: list[int] = []
         for a in n.all_input_nodes:
-            src = source(a)
-            if src in const:
+            src = prog.source(a)
+            if src in prog.const:
                 continue
-            if src.name in pname_of:
-                ps = layer_param_stages.get(pname_of[src.name], ())
+            if src.name in prog.pname_of:
+                ps = param_stages.get(prog.pname_of[src.name], ())
                 if len(ps) == 1:
                     fwd_stages.append(ps[0])
             elif src.op == "placeholder":
-                if src.name not in bname_of:
+                if src.name not in prog.bname_of:
                     fwd_stages.append(0)
             elif phase.get(src) == "fwd":
                 fwd_stages.append(stage[src])
@@ -240,21 +333,35 @@ def split_stages(
             anchored.add(n)
         else:
             avail[n] = min(bwd_in) if bwd_in else seg_stage
+    return where
 
-    # pass 2 (reverse): unanchored backward ops and inserted collectives
+
+def _place_unanchored(
+    prog: _Program,
+    traced: TracedProgram,
+    param_stages: Mapping[str, tuple[int, ...]],
+    removed: set[fx.Node],
+    where: _StageMap,
+    *,
+    last: int,
+) -> None:
+    """Completes ``where`` in reverse program order: unanchored backward ops (single input: the
+    latest stage of their consumers; several inputs: where they all exist) and inserted
+    collectives (their consumer's stage and phase), then the getitems of unanchored ops."""
+    stage, phase = where.stage, where.phase
     param_grad_stage: dict[fx.Node, int] = {}
-    for fqn, g in zip(traced.trainable_names, grad_nodes, strict=True):
-        ps = layer_param_stages.get(fqn, ())
+    for fqn, g in zip(traced.trainable_names, prog.grads, strict=True):
+        ps = param_stages.get(fqn, ())
         if isinstance(g, fx.Node) and len(ps) == 1:
             param_grad_stage[g] = ps[0]
-    for n in reversed(nodes):
-        if n.op != "call_function" or n in const or n in removed or n in anchored:
+    for n in reversed(prog.nodes):
+        if n.op != "call_function" or n in prog.const or n in removed or n in where.anchored:
             continue
         user_stages = [stage[u] for u in n.users if u in stage]
         if n in param_grad_stage:
             user_stages.append(param_grad_stage[n])
         if not _is_original(n):  # an inserted collective: its consumer's stage and phase
-            if output in n.users:
+            if prog.output in n.users:
                 stage[n], phase[n] = last, "fwd"
             else:
                 u = next(iter(n.users))
@@ -264,42 +371,53 @@ def split_stages(
             parent = n.args[0]
             assert isinstance(parent, fx.Node)
             continue  # resolved below with its parent
-        n_inputs = len({source(a) for a in n.all_input_nodes if source(a) not in const})
+        n_inputs = len({prog.source(a) for a in n.all_input_nodes if prog.source(a) not in prog.const})
         if n_inputs >= 2 or not user_stages:
-            stage[n] = avail[n]
+            stage[n] = where.avail[n]
         else:
             stage[n] = max(user_stages)
         phase[n] = "bwd"
-    for n in nodes:  # getitems of unanchored multi-output backward ops
+    for n in prog.nodes:  # getitems of unanchored multi-output backward ops
         if _is_original(n) and n.target is operator.getitem and n not in stage and n not in removed:
             parent = n.args[0]
             assert isinstance(parent, fx.Node)
             stage[n], phase[n] = stage[parent], phase[parent]
 
-    # --- parameters and buffers per stage ------------------------------------------------------
+
+def _params_and_buffers_per_stage(
+    prog: _Program, traced: TracedProgram, where: _StageMap, removed: set[fx.Node], num_stages: int
+) -> tuple[list[list[str]], list[list[str]], dict[str, tuple[int, ...]]]:
+    """Stage of every op -> per stage the parameter and buffer FQNs its ops read, and the tied
+    parameters (read by more than one stage) with their stages."""
+
     def readers_stages(p: fx.Node) -> set[int]:
-        return {stage[u] for u in p.users if u in stage and u not in removed}
+        return {where.stage[u] for u in p.users if u in where.stage and u not in removed}
 
     params_of: list[list[str]] = [[] for _ in range(num_stages)]
     buffers_of: list[list[str]] = [[] for _ in range(num_stages)]
     tied: dict[str, tuple[int, ...]] = {}
-    ph_by_name = {n.name: n for n in nodes if n.op == "placeholder"}
     for fqn in traced.param_names:
-        ss = sorted(readers_stages(ph_by_name[param_node_name(fqn)]))
+        ss = sorted(readers_stages(prog.ph_by_name[param_node_name(fqn)]))
         for s in ss:
             params_of[s].append(fqn)
         if len(ss) > 1:
             tied[fqn] = tuple(ss)
-    for bname, fqn in bname_of.items():
-        for s in sorted(readers_stages(ph_by_name[bname])):
+    for bname, fqn in prog.bname_of.items():
+        for s in sorted(readers_stages(prog.ph_by_name[bname])):
             buffers_of[s].append(fqn)
+    return params_of, buffers_of, tied
 
-    # --- check: every value read where it exists ----------------------------------------------
-    for n in nodes:
-        if n not in stage or n in const:
+
+def _check_reads(prog: _Program, where: _StageMap, removed: set[fx.Node]) -> None:
+    """Stage and phase of every op -> raises :class:`UnsupportedModelError` unless every value is
+    read where it exists (a forward value at its stage or later, a gradient in the backward of its
+    stage or earlier)."""
+    stage, phase = where.stage, where.phase
+    for n in prog.nodes:
+        if n not in stage or n in prog.const:
             continue
         for a in n.all_input_nodes:
-            if a in const or a.op == "placeholder" and a not in stage:
+            if a in prog.const or a.op == "placeholder" and a not in stage:
                 continue
             if a in removed:
                 raise UnsupportedModelError(f"{n.name} reads {a.name}, a split gradient accumulation")
@@ -312,22 +430,44 @@ def split_stages(
                     f"{n.name} (stage {stage[n]}, {phase[n]}) reads the gradient {a.name} of stage {stage[a]}"
                 )
 
-    # --- boundary values ------------------------------------------------------------------------
-    requires_grad: set[fx.Node] = {ph_by_name[param_node_name(f)] for f in traced.trainable_names}
-    for n in nodes:
+
+def _requires_grad(prog: _Program, traced: TracedProgram) -> set[fx.Node]:
+    """Trainable parameters -> the nodes computed from one of them (the values that need a gradient)."""
+    requires_grad: set[fx.Node] = {prog.ph_by_name[param_node_name(f)] for f in traced.trainable_names}
+    for n in prog.nodes:
         if n.op == "call_function" and any(a in requires_grad for a in n.all_input_nodes):
             requires_grad.add(n)
+    return requires_grad
 
-    def val(n: fx.Node) -> torch.Tensor:
-        v = n.meta.get("val")
-        if not isinstance(v, torch.Tensor):
-            raise UnsupportedModelError(f"{n.name} crosses a stage boundary but is not a tensor")
-        return v
 
-    def spec_of(n: fx.Node) -> Spec | None:
+def _tensor_val(n: fx.Node) -> torch.Tensor:
+    """The traced value of a node crossing a stage boundary, which must be a tensor."""
+    v = n.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        raise UnsupportedModelError(f"{n.name} crosses a stage boundary but is not a tensor")
+    return v
+
+
+class _Describer:
+    """Node -> the :class:`ValueInfo` a receiving program rebuilds it from."""
+
+    def __init__(
+        self,
+        prog: _Program,
+        assignment: Mapping[str, Strategy],
+        requires_grad: set[fx.Node],
+        *,
+        mesh_ndim: int,
+    ) -> None:
+        self.prog = prog
+        self.assignment = assignment
+        self.requires_grad = requires_grad
+        self.mesh_ndim = mesh_ndim
+
+    def spec_of(self, n: fx.Node) -> Spec | None:
         if n.op == "placeholder":
-            strat = assignment.get(n.name)
-            return strat.output_specs[0] if strat is not None else replicated(mesh_ndim)
+            strat = self.assignment.get(n.name)
+            return strat.output_specs[0] if strat is not None else replicated(self.mesh_ndim)
         if n.target is operator.getitem:
             parent, idx = n.args
             assert isinstance(parent, fx.Node) and isinstance(idx, int)
@@ -336,38 +476,57 @@ def split_stages(
         specs = n.meta.get("autoplan.output_specs")
         return specs[0] if specs else None
 
-    def info(n: fx.Node) -> ValueInfo:
+    def __call__(self, n: fx.Node) -> ValueInfo:
         # the loss after its conversion to replicated is the only inserted node that crosses
-        v = val(source(n))
-        spec = replicated(mesh_ndim) if n is loss_node and source(n) is not n else spec_of(n)
+        src = self.prog.source(n)
+        v = _tensor_val(src)
+        spec = replicated(self.mesh_ndim) if n is self.prog.loss and src is not n else self.spec_of(n)
         return ValueInfo(
             name=n.name,
             spec=spec,
             shape=tuple(v.shape),
             stride=tuple(v.stride()),
             dtype=v.dtype,
-            requires_grad=n in requires_grad and v.dtype.is_floating_point,
+            requires_grad=n in self.requires_grad and v.dtype.is_floating_point,
         )
 
+
+def _forward_boundaries(prog: _Program, where: _StageMap, num_stages: int) -> list[list[fx.Node]]:
+    """Stage of every op -> per boundary ``k`` (stage ``k`` -> ``k + 1``) the forward values
+    crossing it: those read by a later stage, passed through every stage in between."""
     fwd_out: list[list[fx.Node]] = [[] for _ in range(num_stages)]
-    for x in nodes:
-        if x not in stage or phase[x] != "fwd" or x in const:
+    for x in prog.nodes:
+        if x not in where.stage or where.phase[x] != "fwd" or x in prog.const:
             continue
-        far = max((stage[u] for u in x.users if u in stage), default=stage[x])
-        for k in range(stage[x], far):
+        far = max((where.stage[u] for u in x.users if u in where.stage), default=where.stage[x])
+        for k in range(where.stage[x], far):
             fwd_out[k].append(x)
-    # a gradient crossing boundary k (stage k+1 -> k) rides with the boundary value it belongs to
+    return fwd_out
+
+
+def _gradient_slots(
+    prog: _Program,
+    where: _StageMap,
+    fwd_out: Sequence[Sequence[fx.Node]],
+    requires_grad: set[fx.Node],
+    num_stages: int,
+) -> list[dict[fx.Node, fx.Node]]:
+    """Boundary values -> per boundary ``k`` the gradient crossing it (stage ``k + 1`` -> ``k``)
+    for each boundary value it belongs to (the one value of the same shape and dtype needing a
+    gradient; none or several is an :class:`UnsupportedModelError`)."""
     grad_slot: list[dict[fx.Node, fx.Node]] = [{} for _ in range(num_stages)]
-    for g in nodes:
-        if g not in stage or phase[g] != "bwd":
+    for g in prog.nodes:
+        if g not in where.stage or where.phase[g] != "bwd":
             continue
-        near = min((stage[u] for u in g.users if u in stage), default=stage[g])
-        for k in range(near, stage[g]):
-            gv = val(g)
+        near = min((where.stage[u] for u in g.users if u in where.stage), default=where.stage[g])
+        for k in range(near, where.stage[g]):
+            gv = _tensor_val(g)
             cands = [
                 v
                 for v in fwd_out[k]
-                if v in requires_grad and tuple(val(v).shape) == tuple(gv.shape) and val(v).dtype == gv.dtype
+                if v in requires_grad
+                and tuple(_tensor_val(v).shape) == tuple(gv.shape)
+                and _tensor_val(v).dtype == gv.dtype
             ]
             if len(cands) != 1:
                 raise UnsupportedModelError(
@@ -380,76 +539,98 @@ def split_stages(
                     f"two gradients ({prev.name}, {g.name}) of boundary value {cands[0].name} cross boundary {k}|{k + 1}"
                 )
             grad_slot[k][cands[0]] = g
+    return grad_slot
 
-    # --- programs -----------------------------------------------------------------------------------
-    stages_out = []
-    for s in range(num_stages):
-        fwd_in: list[fx.Node] = roots if s == 0 else fwd_out[s - 1]
-        body_f = [n for n in nodes if stage.get(n) == s and phase.get(n) == "fwd" and n.op != "placeholder"]
-        body_b = [n for n in nodes if stage.get(n) == s and phase.get(n) == "bwd"]
-        outs: list[fx.Node] = [loss_node] if s == last else fwd_out[s]
-        fwd_values = set(fwd_in) | set(body_f)
-        body_b_set = set(body_b)
-        saved = [x for x in nodes if x in fwd_values and any(u in body_b_set for u in x.users)]
-        out_grad_nodes = [None if s == last else grad_slot[s].get(v) for v in outs]
-        in_grad_nodes = [None if s == 0 else grad_slot[s - 1].get(v) for v in fwd_in]
-        pgrads: list[tuple[str, fx.Node]] = []
-        extra_adds: dict[str, list[fx.Node]] = {}
-        for fqn, g in zip(traced.trainable_names, grad_nodes, strict=True):
-            if not isinstance(g, fx.Node):
-                continue
-            if fqn in tied_leaves:
-                mine = [leaf for leaf in tied_leaves[fqn] if stage[leaf] == s]
-                if mine:
-                    extra_adds[fqn] = mine
-                    pgrads.append((fqn, mine[0]))
-            elif stage.get(g) == s and phase.get(g) == "bwd":
-                pgrads.append((fqn, g))
-        fwd_gm = _build(
-            gm,
-            inputs=[
-                *(ph_by_name[param_node_name(f)] for f in params_of[s]),
-                *(_buffer_node(ph_by_name, f) for f in buffers_of[s]),
-                *fwd_in,
-            ],
-            input_names=None,
-            body=body_f,
-            outputs=[*outs, *saved],
-            const=const,
-        )
-        grads_in_ph = [g for g in out_grad_nodes if g is not None]
-        bwd_gm, pgrad_infos = _build_backward(
-            gm,
-            params=[ph_by_name[param_node_name(f)] for f in params_of[s]],
-            buffers=[_buffer_node(ph_by_name, f) for f in buffers_of[s]],
-            saved=saved,
-            grads_in=grads_in_ph,
-            body=body_b,
-            input_grads=[g for g in in_grad_nodes if g is not None],
-            param_grads=pgrads,
-            extra_adds=extra_adds,
-            const=const,
-            info=info,
-        )
-        stages_out.append(
-            StageProgram(
-                index=s,
-                param_names=tuple(params_of[s]),
-                buffer_names=tuple(buffers_of[s]),
-                inputs=tuple(info(x) for x in fwd_in),
-                outputs=tuple(info(x) for x in outs),
-                saved=tuple(x.name for x in saved),
-                output_grads=tuple(None if g is None else info(g) for g in out_grad_nodes),
-                input_grads=tuple(None if g is None else info(g) for g in in_grad_nodes),
-                param_grads=tuple(pgrad_infos),
-                forward=fwd_gm,
-                backward=bwd_gm,
-            )
-        )
-    return StageSplit(
-        stages=tuple(stages_out),
-        tied_params=tied,
-        stage_of={n.name: s for n, s in stage.items() if n.op != "placeholder"},
+
+def _stage_param_grads(
+    prog: _Program,
+    traced: TracedProgram,
+    where: _StageMap,
+    tied_leaves: Mapping[str, list[fx.Node]],
+    s: int,
+) -> tuple[list[tuple[str, fx.Node]], dict[str, list[fx.Node]]]:
+    """Stage ``s`` -> the parameter gradients its backward returns (FQN, node), and per tied
+    parameter the contributions it sums into its partial gradient."""
+    pgrads: list[tuple[str, fx.Node]] = []
+    extra_adds: dict[str, list[fx.Node]] = {}
+    for fqn, g in zip(traced.trainable_names, prog.grads, strict=True):
+        if not isinstance(g, fx.Node):
+            continue
+        if fqn in tied_leaves:
+            mine = [leaf for leaf in tied_leaves[fqn] if where.stage[leaf] == s]
+            if mine:
+                extra_adds[fqn] = mine
+                pgrads.append((fqn, mine[0]))
+        elif where.stage.get(g) == s and where.phase.get(g) == "bwd":
+            pgrads.append((fqn, g))
+    return pgrads, extra_adds
+
+
+def _stage_program(
+    gm: fx.GraphModule,
+    prog: _Program,
+    traced: TracedProgram,
+    where: _StageMap,
+    *,
+    s: int,
+    last: int,
+    params: Sequence[str],
+    buffers: Sequence[str],
+    fwd_out: Sequence[list[fx.Node]],
+    grad_slot: Sequence[Mapping[fx.Node, fx.Node]],
+    tied_leaves: Mapping[str, list[fx.Node]],
+    describe: _Describer,
+) -> StageProgram:
+    """Stage ``s``'s ops, boundary values and gradients -> its forward and backward programs."""
+    nodes, stage, phase = prog.nodes, where.stage, where.phase
+    fwd_in: list[fx.Node] = prog.roots if s == 0 else fwd_out[s - 1]
+    body_f = [n for n in nodes if stage.get(n) == s and phase.get(n) == "fwd" and n.op != "placeholder"]
+    body_b = [n for n in nodes if stage.get(n) == s and phase.get(n) == "bwd"]
+    outs: list[fx.Node] = [prog.loss] if s == last else fwd_out[s]
+    fwd_values = set(fwd_in) | set(body_f)
+    body_b_set = set(body_b)
+    saved = [x for x in nodes if x in fwd_values and any(u in body_b_set for u in x.users)]
+    out_grad_nodes = [None if s == last else grad_slot[s].get(v) for v in outs]
+    in_grad_nodes = [None if s == 0 else grad_slot[s - 1].get(v) for v in fwd_in]
+    pgrads, extra_adds = _stage_param_grads(prog, traced, where, tied_leaves, s)
+    fwd_gm = _build(
+        gm,
+        inputs=[
+            *(prog.ph_by_name[param_node_name(f)] for f in params),
+            *(_buffer_node(prog.ph_by_name, f) for f in buffers),
+            *fwd_in,
+        ],
+        input_names=None,
+        body=body_f,
+        outputs=[*outs, *saved],
+        const=prog.const,
+    )
+    grads_in_ph = [g for g in out_grad_nodes if g is not None]
+    bwd_gm, pgrad_infos = _build_backward(
+        gm,
+        params=[prog.ph_by_name[param_node_name(f)] for f in params],
+        buffers=[_buffer_node(prog.ph_by_name, f) for f in buffers],
+        saved=saved,
+        grads_in=grads_in_ph,
+        body=body_b,
+        input_grads=[g for g in in_grad_nodes if g is not None],
+        param_grads=pgrads,
+        extra_adds=extra_adds,
+        const=prog.const,
+        info=describe,
+    )
+    return StageProgram(
+        index=s,
+        param_names=tuple(params),
+        buffer_names=tuple(buffers),
+        inputs=tuple(describe(x) for x in fwd_in),
+        outputs=tuple(describe(x) for x in outs),
+        saved=tuple(x.name for x in saved),
+        output_grads=tuple(None if g is None else describe(g) for g in out_grad_nodes),
+        input_grads=tuple(None if g is None else describe(g) for g in in_grad_nodes),
+        param_grads=tuple(pgrad_infos),
+        forward=fwd_gm,
+        backward=bwd_gm,
     )
 
 
