@@ -398,23 +398,9 @@ def build_pipeline(
     (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``)."""
     pp = mesh.size(0)
     num_stages = len(stage_starts)
-    if num_stages > layering.num_segments:
-        raise PlanError(
-            f"{num_stages} pipeline stages but the model has only {layering.num_segments} segments: "
-            "lower pp or virtual_stages"
-        )
-    if num_stages != pp * virtual_stages:
-        raise PlanError(
-            f"{num_stages} stage starts for pp={pp} x virtual_stages={virtual_stages}: give {pp * virtual_stages}"
-        )
+    _check_stage_count(num_stages, layering=layering, pp=pp, virtual_stages=virtual_stages)
     check_schedule(schedule, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages, executable=True)
-    recompute = list(stage_recompute) if stage_recompute is not None else ["none"] * num_stages
-    unsupported = sorted({r for r in recompute if r not in EXECUTABLE_RECOMPUTE})
-    if len(recompute) != num_stages or unsupported:
-        raise PlanError(
-            f"stage recomputation {recompute} cannot run: give one of {', '.join(EXECUTABLE_RECOMPUTE)} per stage "
-            f"({num_stages} stages)"
-        )
+    recompute = _stage_recompute(stage_recompute, num_stages)
     stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
     program = generate_program(
         traced_mb,
@@ -444,72 +430,19 @@ def build_pipeline(
         )  # fmt: skip
         for s in mine
     ]
-    stages = []
-    for mod in modules:
-        prog = mod.program
-        ins = tuple(
-            torch.zeros(
-                v.shape if prog.index == 0 else _local_shape(v, stage_mesh), dtype=v.dtype, device=device
-            ).requires_grad_(v.requires_grad and prog.index > 0)
-            for v in prog.inputs
+    stages = [
+        _pipeline_stage(
+            mod,
+            stage_mesh=stage_mesh,
+            num_stages=num_stages,
+            device=device,
+            pp_group=pp_group,
+            zero_bubble=schedule == "zero-bubble",
         )
-        outs = tuple(
-            torch.zeros(_local_shape(v, stage_mesh), dtype=v.dtype, device=device).requires_grad_(
-                v.requires_grad or mod.is_last
-            )
-            for v in prog.outputs
-        )
-        out_grads = tuple(
-            None if g is None else torch.zeros(_local_shape(g, stage_mesh), dtype=g.dtype, device=device)
-            for g in prog.output_grads
-        )
-        in_grads = tuple(
-            None if g is None else torch.zeros(_local_shape(g, stage_mesh), dtype=g.dtype, device=device)
-            for g in prog.input_grads
-        )
-        stages.append(
-            PipelineStage(
-                mod,
-                prog.index,
-                num_stages,
-                device,
-                input_args=ins,
-                output_args=outs[0] if mod.is_last else outs,
-                output_grads=None if mod.is_last else out_grads,
-                input_grads=in_grads,
-                group=pp_group,
-                dw_builder=_dw_builder(mod) if schedule == "zero-bubble" else None,
-            )
-        )
-
-    def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
-        return output  # the last stage's output is the micro-batch loss
-
-    kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
-    sched: Any
-    if schedule == "gpipe":
-        sched = ScheduleGPipe(stages[0], num_microbatches, **kw)
-    elif schedule == "1f1b":
-        sched = Schedule1F1B(stages[0], num_microbatches, **kw)
-    elif schedule == "zero-bubble":
-        sched = ScheduleInterleavedZeroBubble(list[Any](stages), num_microbatches, **kw)
-    else:
-        sched = ScheduleInterleaved1F1B(list[Any](stages), num_microbatches, **kw)
-
-    # tied parameters: one group per stage-mesh coordinate over the pipeline ranks holding a copy
-    # (a frozen tied parameter has no gradient to sum)
-    tied_groups: dict[str, tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
-    ranks_grid = mesh.mesh.reshape(pp, -1)
-    for fqn in sorted(set(split.tied_params) & set(traced_mb.trainable_names)):
-        pranks = tuple(sorted({s % pp for s in split.tied_params[fqn]}))
-        group = None
-        if len(pranks) > 1:
-            for col in range(ranks_grid.shape[1]):
-                ranks = [int(ranks_grid[r, col]) for r in pranks]
-                g = dist.new_group(ranks)
-                if dist.get_rank() in ranks:
-                    group = g
-        tied_groups[fqn] = (pranks, group)
+        for mod in modules
+    ]
+    sched = _make_schedule(schedule, stages, num_microbatches)
+    tied_groups = _tied_groups(split.tied_params, traced_mb.trainable_names, mesh)
     return PipelineModel(
         stages=modules,
         schedule=sched,
@@ -520,3 +453,116 @@ def build_pipeline(
         optimizer=optimizer,
         num_stages=num_stages,
     )
+
+
+def _check_stage_count(num_stages: int, *, layering: Layering, pp: int, virtual_stages: int) -> None:
+    """Raises :class:`PlanError` unless there are ``pp * virtual_stages`` stages, at most one per segment."""
+    if num_stages > layering.num_segments:
+        raise PlanError(
+            f"{num_stages} pipeline stages but the model has only {layering.num_segments} segments: "
+            "lower pp or virtual_stages"
+        )
+    if num_stages != pp * virtual_stages:
+        raise PlanError(
+            f"{num_stages} stage starts for pp={pp} x virtual_stages={virtual_stages}: give {pp * virtual_stages}"
+        )
+
+
+def _stage_recompute(stage_recompute: Sequence[str] | None, num_stages: int) -> list[str]:
+    """The plan's per-stage recomputation (``None``: none) -> one executable mode per stage, or
+    :class:`PlanError`."""
+    recompute = list(stage_recompute) if stage_recompute is not None else ["none"] * num_stages
+    unsupported = sorted({r for r in recompute if r not in EXECUTABLE_RECOMPUTE})
+    if len(recompute) != num_stages or unsupported:
+        raise PlanError(
+            f"stage recomputation {recompute} cannot run: give one of {', '.join(EXECUTABLE_RECOMPUTE)} per stage "
+            f"({num_stages} stages)"
+        )
+    return recompute
+
+
+def _pipeline_stage(
+    mod: StageModule,
+    *,
+    stage_mesh: DeviceMesh,
+    num_stages: int,
+    device: torch.device,
+    pp_group: dist.ProcessGroup,
+    zero_bubble: bool,
+) -> PipelineStage:
+    """A stage module -> the ``PipelineStage`` that runs it, with example tensors of the local
+    shapes its inputs, outputs and their gradients have on this rank (stage 0 receives the
+    micro-batch unsharded)."""
+    prog = mod.program
+    ins = tuple(
+        torch.zeros(
+            v.shape if prog.index == 0 else _local_shape(v, stage_mesh), dtype=v.dtype, device=device
+        ).requires_grad_(v.requires_grad and prog.index > 0)
+        for v in prog.inputs
+    )
+    outs = tuple(
+        torch.zeros(_local_shape(v, stage_mesh), dtype=v.dtype, device=device).requires_grad_(
+            v.requires_grad or mod.is_last
+        )
+        for v in prog.outputs
+    )
+    out_grads = tuple(
+        None if g is None else torch.zeros(_local_shape(g, stage_mesh), dtype=g.dtype, device=device)
+        for g in prog.output_grads
+    )
+    in_grads = tuple(
+        None if g is None else torch.zeros(_local_shape(g, stage_mesh), dtype=g.dtype, device=device)
+        for g in prog.input_grads
+    )
+    return PipelineStage(
+        mod,
+        prog.index,
+        num_stages,
+        device,
+        input_args=ins,
+        output_args=outs[0] if mod.is_last else outs,
+        output_grads=None if mod.is_last else out_grads,
+        input_grads=in_grads,
+        group=pp_group,
+        dw_builder=_dw_builder(mod) if zero_bubble else None,
+    )
+
+
+def _return_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
+    """The schedule's ``loss_fn``: the last stage's output is the micro-batch loss."""
+    return output
+
+
+def _make_schedule(schedule: ScheduleName, stages: Sequence[PipelineStage], num_microbatches: int) -> Any:
+    """Schedule name and this rank's pipeline stages -> the ``torch.distributed.pipelining`` schedule."""
+    kw: dict[str, Any] = {"loss_fn": _return_loss, "scale_grads": False}
+    if schedule == "gpipe":
+        return ScheduleGPipe(stages[0], num_microbatches, **kw)
+    if schedule == "1f1b":
+        return Schedule1F1B(stages[0], num_microbatches, **kw)
+    if schedule == "zero-bubble":
+        return ScheduleInterleavedZeroBubble(list[Any](stages), num_microbatches, **kw)
+    return ScheduleInterleaved1F1B(list[Any](stages), num_microbatches, **kw)
+
+
+def _tied_groups(
+    tied_params: Mapping[str, tuple[int, ...]], trainable_names: Sequence[str], mesh: DeviceMesh
+) -> dict[str, tuple[tuple[int, ...], dist.ProcessGroup | None]]:
+    """Trainable tied parameters (FQN -> stages holding a copy) -> per FQN the pipeline ranks
+    holding a copy and this rank's group summing their gradients: one group per stage-mesh
+    coordinate over those pipeline ranks (``None``: a single rank holds every copy). A frozen
+    tied parameter has no gradient to sum. Collective: every rank creates every group."""
+    pp = mesh.size(0)
+    tied_groups: dict[str, tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
+    ranks_grid = mesh.mesh.reshape(pp, -1)
+    for fqn in sorted(set(tied_params) & set(trainable_names)):
+        pranks = tuple(sorted({s % pp for s in tied_params[fqn]}))
+        group = None
+        if len(pranks) > 1:
+            for col in range(ranks_grid.shape[1]):
+                ranks = [int(ranks_grid[r, col]) for r in pranks]
+                g = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    group = g
+        tied_groups[fqn] = (pranks, group)
+    return tied_groups
