@@ -32,7 +32,7 @@ all-reduced in place.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -254,9 +254,22 @@ def peak_memory(
     ``redistributions`` are :class:`autoplan.runtime.codegen.Redistribution` values (duck-typed here to keep
     the dependency one way: apply imports liveness, not the reverse). ``param_nodes`` are every
     parameter, frozen ones included; those with a gradient in ``live.grads`` are trained."""
-    ndim = len(mesh_shape)
-    rep = replicated(ndim)
-    gm_targets = {n.name: n.target for n in gm.graph.nodes}
+    spec_of = _spec_lookup(assignment, replicated(len(mesh_shape)))
+    params = set(param_nodes)
+    fixed = _persistent_bytes(live, spec_of, params, optimizer=optimizer, mesh_shape=mesh_shape)
+    conv = _conversions(gm, live, redistributions, spec_of, params, mesh_shape=mesh_shape)
+    intervals = _storage_intervals(live, spec_of, conv.converted_after_production, mesh_shape=mesh_shape)
+    base = sum(fixed.persistent.values())
+    best, best_at, best_parts = _timeline_peak(live, base, [*intervals, *conv.intervals], conv.bucketed)
+    temp = optimizer_temp_bytes(optimizer, fixed.max_param_local, fixed.trained_param_bytes, device_kind)
+    if base + fixed.grads_final + temp > best:
+        best, best_at = base + fixed.grads_final + temp, "<optimizer>"
+        best_parts = {"grads": fixed.grads_final, "activations": temp}
+    return MemoryEstimate(peak_bytes=best, peak_at=best_at, breakdown={**fixed.persistent, **best_parts})
+
+
+def _spec_lookup(assignment: Mapping[str, Strategy], rep: Spec) -> Callable[[ValueRef], Spec]:
+    """Assignment -> the placement of a value (``rep`` where the assignment gives none)."""
 
     def spec_of(ref: ValueRef) -> Spec:
         strat = assignment.get(ref.node)
@@ -265,11 +278,33 @@ def peak_memory(
         spec = strat.output_specs[ref.index] if ref.index < len(strat.output_specs) else None
         return spec if spec is not None else rep
 
+    return spec_of
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Persistent:
+    persistent: dict[str, float]
+    """Bytes alive the whole step: params, optimizer, buffers, inputs."""
+    grads_final: float
+    """Bytes of the trained parameters' gradients at the optimizer step."""
+    max_param_local: int
+    """The largest trained parameter shard (the optimizer's temporaries are those of the parameters it updates)."""
+    trained_param_bytes: int
+
+
+def _persistent_bytes(
+    live: Liveness,
+    spec_of: Callable[[ValueRef], Spec],
+    params: set[str],
+    *,
+    optimizer: str,
+    mesh_shape: Sequence[int],
+) -> _Persistent:
+    """Placeholders -> the bytes alive the whole step by category, and what the optimizer step adds."""
     persistent: dict[str, float] = {"params": 0.0, "optimizer": 0.0, "buffers": 0.0, "inputs": 0.0}
     grads_final = 0.0
-    max_param_local = 0  # the optimizer's temporaries are those of the parameters it updates
+    max_param_local = 0
     trained_param_bytes = 0
-    params = set(param_nodes)
     for name in live.placeholders:
         val = live.value_shape.get(ValueRef(name))
         if val is None:
@@ -288,9 +323,36 @@ def peak_memory(
             persistent["inputs"] += nbytes
         else:
             persistent["buffers"] += nbytes
+    return _Persistent(
+        persistent=persistent,
+        grads_final=grads_final,
+        max_param_local=max_param_local,
+        trained_param_bytes=trained_param_bytes,
+    )
 
-    grad_storages = {live.storage_of[g] for g in live.grads.values()}
-    converted_after_production: set[Storage] = set()  # gradients converted right after production
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Conversions:
+    intervals: list[_Interval]
+    """Temporary buffers of operand conversions and of gradients converted right after production."""
+    converted_after_production: set[Storage]
+    """Gradient storages converted right after their producer (not bucketed)."""
+    bucketed: dict[str, float]
+    """Bucket -> bytes of its flat buffer, allocated at the end."""
+
+
+def _conversions(
+    gm: fx.GraphModule,
+    live: Liveness,
+    redistributions: Sequence[object],
+    spec_of: Callable[[ValueRef], Spec],
+    params: set[str],
+    *,
+    mesh_shape: Sequence[int],
+) -> _Conversions:
+    """Redistributions of the generated program -> the buffers their collectives allocate."""
+    gm_targets = {n.name: n.target for n in gm.graph.nodes}
+    converted_after_production: set[Storage] = set()
     bucketed: dict[str, float] = {}
     conversions: list[_Interval] = []
     for r in redistributions:
@@ -312,6 +374,19 @@ def peak_memory(
         # a view of a converted operand keeps the conversion's buffer alive
         stop = max(pos, live.value_last_use.get(ValueRef(consumer), pos)) if is_view_op(gm_targets[consumer]) else pos
         conversions.append(_Interval(pos - 0.5, stop, nbytes, "activations"))
+    return _Conversions(intervals=conversions, converted_after_production=converted_after_production, bucketed=bucketed)
+
+
+def _storage_intervals(
+    live: Liveness,
+    spec_of: Callable[[ValueRef], Spec],
+    converted_after_production: set[Storage],
+    *,
+    mesh_shape: Sequence[int],
+) -> list[_Interval]:
+    """Non-placeholder storages -> their lifetime and local bytes (program outputs read as they
+    are stay alive to the end)."""
+    grad_storages = {live.storage_of[g] for g in live.grads.values()}
     read_as_is = {live.storage_of[v] for v in live.output_values} - converted_after_production
     intervals: list[_Interval] = []
     for s in live.storages():
@@ -325,9 +400,16 @@ def peak_memory(
             last = max(last, born + 0.5)
         category = "grads" if s in grad_storages else "activations"
         intervals.append(_Interval(born, last, local_bytes(spec_of(s), live.value_shape[s], mesh_shape), category))
+    return intervals
 
+
+def _timeline_peak(
+    live: Liveness, base: float, intervals: Sequence[_Interval], bucketed: Mapping[str, float]
+) -> tuple[float, str, dict[str, float]]:
+    """Intervals over the persistent ``base`` -> the peak of the byte timeline, the node at which
+    it occurs and its gradient/activation bytes."""
     events: list[tuple[float, int, float, str]] = []  # (time, 0=alloc/1=free, bytes, category)
-    for iv in (*intervals, *conversions):
+    for iv in intervals:
         events.append((iv.start, 0, iv.nbytes, iv.category))
         events.append((iv.stop + 0.25, 1, -iv.nbytes, iv.category))
     # bucketed gradients: one flat buffer per bucket, concatenated and reduced at the end
@@ -335,7 +417,6 @@ def peak_memory(
         events.append((live.end, 0, bucket_bytes, "grads"))
         events.append((live.end + 0.25, 1, -bucket_bytes, "grads"))
     events.sort(key=lambda e: (e[0], e[1]))
-    base = sum(persistent.values())
     names = {v: k for k, v in live.position.items()}
     cur: dict[str, float] = {"grads": 0.0, "activations": 0.0}
     best: float = base
@@ -345,8 +426,4 @@ def peak_memory(
         if kind == 0 and base + sum(cur.values()) > best:
             best, best_parts = base + sum(cur.values()), dict(cur)
             best_at = names.get(int(t + 0.5), "<output>")  # a conversion at i - 1/2 belongs to node i
-    temp = optimizer_temp_bytes(optimizer, max_param_local, trained_param_bytes, device_kind)
-    if base + grads_final + temp > best:
-        best, best_at = base + grads_final + temp, "<optimizer>"
-        best_parts = {"grads": grads_final, "activations": temp}
-    return MemoryEstimate(peak_bytes=best, peak_at=best_at, breakdown={**persistent, **best_parts})
+    return best, best_at, best_parts
