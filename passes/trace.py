@@ -278,6 +278,41 @@ def trace_training_step(
 ) -> TracedProgram:
     """Trace one training step of ``model`` (see the module docstring for the contract)."""
     t0 = time.perf_counter()
+    inputs, targets = _check_example_args(model, example_inputs, example_targets)
+    _check_callables(model, loss_fn, num_inputs=len(inputs), num_targets=len(targets))
+    wrapper = _LossWrapper(model, loss_fn, len(inputs))
+    exported = _export(wrapper, inputs + targets)
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    param_names, buffer_names = tuple(params), tuple(buffers)
+    trainable_names = _trainable_names(params)
+    gm = _trace_joint(exported, params, buffers, inputs, targets, trainable_names)
+    _check_grads(gm, trainable_names)
+    _clean_graph(gm)
+    _canonicalize(gm)
+    _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))
+    _mark_phases(gm)
+    _mark_modules(gm)
+    fingerprint = graph_fingerprint(gm)
+    dt = time.perf_counter() - t0
+    log.info("traced %d nodes in %.2fs (fingerprint %s)", len(gm.graph.nodes), dt, fingerprint)
+    return TracedProgram(
+        graph_module=gm,
+        param_names=param_names,
+        trainable_names=trainable_names,
+        buffer_names=buffer_names,
+        num_inputs=len(inputs),
+        num_targets=len(targets),
+        fingerprint=fingerprint,
+        trace_time_s=dt,
+    )
+
+
+def _check_example_args(
+    model: object, example_inputs: object, example_targets: object
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """The user's model, example inputs and targets -> the inputs and targets as tuples of
+    distinct tensors, or :class:`UnsupportedModelError` naming what to pass instead."""
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(
             f"model must be a torch.nn.Module, got {type(model).__name__}: wrap the function in an nn.Module"
@@ -301,23 +336,27 @@ def trace_training_step(
                 f"example input/target #{i} has type {type(t).__name__}; autoplan needs tensors "
                 "(wrap Python values in torch.tensor or bind them into the model)"
             )
+    return inputs, targets
+
+
+def _check_callables(model: torch.nn.Module, loss_fn: LossFn | None, *, num_inputs: int, num_targets: int) -> None:
+    """Raises :class:`UnsupportedModelError` unless ``model.forward`` takes one argument per
+    example input and ``loss_fn`` the output and one argument per target."""
     _check_callable_with(
-        model.forward, len(inputs), f"{type(model).__name__}.forward", "pass one example tensor per forward argument"
+        model.forward, num_inputs, f"{type(model).__name__}.forward", "pass one example tensor per forward argument"
     )
     if loss_fn is not None:
         _check_callable_with(
             loss_fn,
-            1 + len(targets),
+            1 + num_targets,
             f"loss_fn {getattr(loss_fn, '__name__', type(loss_fn).__name__)}",
-            f"it is called as loss_fn(output, *example_targets) with {len(targets)} target(s): "
+            f"it is called as loss_fn(output, *example_targets) with {num_targets} target(s): "
             "pass the targets it needs in example_targets",
         )
-    wrapper = _LossWrapper(model, loss_fn, len(inputs))
-    exported = _export(wrapper, inputs + targets)
 
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    param_names, buffer_names = tuple(params), tuple(buffers)
+
+def _trainable_names(params: dict[str, torch.nn.Parameter]) -> tuple[str, ...]:
+    """Named parameters -> the FQNs of the trainable ones, or :class:`UnsupportedModelError` when none is."""
     trainable_names = tuple(n for n, p in params.items() if p.requires_grad)
     if not trainable_names:
         what = f"all {len(params)} have requires_grad=False" if params else "it has none"
@@ -325,6 +364,20 @@ def trace_training_step(
             f"the model has no trainable parameters ({what}): there is nothing to train; "
             "unfreeze some with requires_grad_(True) or add trainable parameters"
         )
+    return trainable_names
+
+
+def _trace_joint(
+    exported: fx.GraphModule,
+    params: dict[str, torch.nn.Parameter],
+    buffers: dict[str, torch.Tensor],
+    inputs: tuple[torch.Tensor, ...],
+    targets: tuple[torch.Tensor, ...],
+    trainable_names: tuple[str, ...],
+) -> fx.GraphModule:
+    """The exported forward + loss -> the raw joint graph ``step(*params, *buffers, *inputs,
+    *targets) -> (loss, *grads)`` built by ``make_fx`` over ``torch.autograd.grad``."""
+    param_names, buffer_names = tuple(params), tuple(buffers)
     full_param_names = ["model." + n for n in param_names]
     full_buffer_names = ["model." + n for n in buffer_names]
     num_p, num_b = len(param_names), len(buffer_names)
@@ -357,7 +410,7 @@ def trace_training_step(
             attention_as_single_op(),
             fx_traceback.preserve_node_meta(),
         ):
-            gm = make_fx(step)(*flat_args)
+            return make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
         where = _user_frame(exc)
         raise UnsupportedModelError(
@@ -365,26 +418,6 @@ def trace_training_step(
             f"{f' at {where}' if where else ''}; check that loss.backward() runs eagerly on this model "
             "(custom autograd Functions need a backward)"
         ) from exc
-
-    _check_grads(gm, trainable_names)
-    _clean_graph(gm)
-    _canonicalize(gm)
-    _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))
-    _mark_phases(gm)
-    _mark_modules(gm)
-    fingerprint = graph_fingerprint(gm)
-    dt = time.perf_counter() - t0
-    log.info("traced %d nodes in %.2fs (fingerprint %s)", len(gm.graph.nodes), dt, fingerprint)
-    return TracedProgram(
-        graph_module=gm,
-        param_names=param_names,
-        trainable_names=trainable_names,
-        buffer_names=buffer_names,
-        num_inputs=len(inputs),
-        num_targets=len(targets),
-        fingerprint=fingerprint,
-        trace_time_s=dt,
-    )
 
 
 def _check_grads(gm: fx.GraphModule, trainable_names: Sequence[str]) -> None:
