@@ -26,7 +26,7 @@ from autoplan.passes.placement import spec_str
 from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import trace_training_step
 from autoplan.planner.mesh import planning_mesh
-from tests.test_equivalence import Case, assert_trains_like_reference, run_case
+from tests.harness import Case, SeededBatches, assert_trains_like_reference, run_case
 
 B, H, T, D = 2, 4, 6, 8
 
@@ -268,9 +268,9 @@ def test_a_mask_without_batch_or_heads_dims_is_never_split(learned: bool) -> Non
 _t5_case = functools.partial(
     Case,
     build_model=T5StyleDecoder,
-    make_batch=t5_batch,
+    batches=SeededBatches(t5_batch),
     loss_fn=t5_loss,
-    num_devices=2,
+    preset="2xCPU",
     compute_slowdown=1e5,
     optimizer="sgd_momentum",
     lr=0.1,

@@ -6,8 +6,9 @@ process) it must return exit code 2 with exactly one stderr line ``autoplan: err
 traceback, and no partially written ``--out`` file. The last test checks that plan, profile and
 cluster files are read as data only (no pickle, eval or unsafe YAML anywhere in the packages).
 
-Models are the tiny ones of ``tests/cli_models.py`` on the ``meta`` device and meshes have 2
-devices (4 where a mismatch needs it), so the whole file runs in well under a minute.
+Models are the tiny ones of ``tests/zoo.py`` (named ``tests/cli_models.py:...`` on the command line)
+on the ``meta`` device and meshes have 2 devices (4 where a mismatch needs it), so the whole file
+runs in well under a minute.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import cli_models
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,20 +33,13 @@ import autoplan
 from autoplan.cost_models.errors import ProfileError
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from autoplan.tools.cli import main
+from tests import zoo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = Path(__file__).resolve().with_name("cli_models.py")
 ERROR_PREFIX = "autoplan: error: "
 
 # --- helpers ---------------------------------------------------------------------------------------
-
-
-def on_meta(build: object) -> autoplan.Workload:
-    with torch.device("meta"):
-        return build()  # type: ignore[operator]
-
-
-plan_workload = cli_models.plan_workload
 
 
 def one_line(info: pytest.ExceptionInfo[BaseException], *fragments: str) -> str:
@@ -101,8 +94,8 @@ def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def mlp_plan() -> autoplan.Plan:
-    """``cli_models.mlp`` planned for 2xCPU (SGD, as its Workload says)."""
-    return plan_workload(on_meta(cli_models.mlp))
+    """``zoo.cli_mlp`` planned for 2xCPU (SGD, as its Workload says)."""
+    return zoo.plan_workload(zoo.on_meta(zoo.cli_mlp))
 
 
 @pytest.fixture()
@@ -176,12 +169,12 @@ def bad_targets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_data_dependent_control_flow_names_the_user_line_and_torch_cond():
-    wl = on_meta(cli_models.data_dependent)
+    wl = zoo.on_meta(zoo.data_dependent)
 
     with pytest.raises(autoplan.UnsupportedModelError) as info:
-        plan_workload(wl)
+        zoo.plan_workload(wl)
 
-    one_line(info, "torch.export could not trace", "cli_models.py:", "if x.sum() > 0", "torch.cond")
+    one_line(info, "torch.export could not trace", "zoo.py:", "if x.sum() > 0", "torch.cond")
 
 
 def test_model_failing_on_its_example_inputs_asks_to_run_it_eagerly():
@@ -288,7 +281,7 @@ def test_zero_or_negative_parallel_degree_names_field_and_fix(field, value, fix)
 @pytest.mark.parametrize("global_batch_size", [0, -4])
 def test_zero_or_negative_global_batch_size_is_a_config_error(global_batch_size):
     with pytest.raises(autoplan.ConfigError) as info:
-        plan_workload(on_meta(cli_models.mlp), global_batch_size=global_batch_size)
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), global_batch_size=global_batch_size)
 
     one_line(info, "global_batch_size must be a positive integer", f"got {global_batch_size}")
 
@@ -297,7 +290,7 @@ def test_global_batch_not_divisible_by_the_configured_split_names_the_product():
     config = autoplan.ParallelConfig(dp=2)  # 2 replicas x 1 sample x 1 micro-batch = 2 != 3
 
     with pytest.raises(autoplan.ConfigError) as info:
-        plan_workload(on_meta(cli_models.mlp), global_batch_size=3, config=config)
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), global_batch_size=3, config=config)
 
     one_line(info, "= 2*1*1 = 2 but global_batch_size is 3", "make them equal")
 
@@ -316,7 +309,7 @@ def test_batch_smaller_than_the_ranks_a_pin_splits_it_over_names_shape_and_mesh(
 
 def test_config_without_global_batch_size_asks_for_both():
     with pytest.raises(autoplan.ConfigError) as info:
-        plan_workload(on_meta(cli_models.mlp), config=autoplan.ParallelConfig(dp=2))
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), config=autoplan.ParallelConfig(dp=2))
 
     one_line(info, "config= needs global_batch_size=")
 
@@ -350,7 +343,7 @@ def test_unknown_device_lists_the_catalog():
 
 def test_cluster_of_the_wrong_type_names_the_accepted_forms():
     with pytest.raises(autoplan.ClusterSpecError) as info:
-        plan_workload(on_meta(cli_models.mlp), cluster=4)
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), cluster=4)
 
     one_line(info, "got int 4", "'4xCPU'")
 
@@ -451,7 +444,7 @@ def test_malformed_plan_file_names_the_file_and_the_problem(case, plan_file):
 
 
 def test_plan_for_another_model_at_parallelize_names_both_fingerprints(mlp_plan):
-    wide = cli_models.mlp_wide()  # same structure, other sizes: another fingerprint
+    wide = zoo.cli_mlp_wide()  # same structure, other sizes: another fingerprint
 
     with fake_job(2), pytest.raises(autoplan.PlanMismatchError) as info:
         autoplan.parallelize(
@@ -463,7 +456,7 @@ def test_plan_for_another_model_at_parallelize_names_both_fingerprints(mlp_plan)
 
 
 def test_parallelize_in_a_job_of_another_size_names_both_sizes(mlp_plan):
-    wl = cli_models.mlp()
+    wl = zoo.cli_mlp()
 
     with fake_job(4), pytest.raises(autoplan.PlanMismatchError) as info:
         autoplan.parallelize(
@@ -475,7 +468,7 @@ def test_parallelize_in_a_job_of_another_size_names_both_sizes(mlp_plan):
 
 
 def test_parallelize_without_a_process_group_asks_for_torchrun(mlp_plan):
-    wl = cli_models.mlp()
+    wl = zoo.cli_mlp()
 
     with pytest.raises(autoplan.PlanMismatchError) as info:
         autoplan.parallelize(wl.model, "2xCPU", example_inputs=wl.example_inputs, loss_fn=wl.loss_fn, plan=mlp_plan)
@@ -485,7 +478,7 @@ def test_parallelize_without_a_process_group_asks_for_torchrun(mlp_plan):
 
 def test_planning_inside_a_job_of_another_size_names_both_sizes():
     with fake_job(4), pytest.raises(autoplan.PlanMismatchError) as info:
-        plan_workload(on_meta(cli_models.mlp))
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp))
 
     one_line(info, "cannot plan for 2 devices inside a 4-rank job", "outside torchrun")
 
@@ -496,7 +489,7 @@ def test_planning_inside_a_job_of_another_size_names_both_sizes():
 @pytest.mark.parametrize("global_batch_size", [None, 8], ids=["ilp", "joint_search"])
 def test_model_that_cannot_fit_names_the_memory_needed_and_the_fixes(global_batch_size):
     with pytest.raises(autoplan.InfeasiblePlanError) as info:
-        plan_workload(on_meta(cli_models.huge), global_batch_size=global_batch_size)
+        zoo.plan_workload(zoo.on_meta(zoo.huge), global_batch_size=global_batch_size)
 
     one_line(info, "GiB", "devices")
 
@@ -516,14 +509,14 @@ def test_solver_stopped_before_any_feasible_plan_raises_infeasible_plan_error(mo
     monkeypatch.setattr(solver, "_solve_highs", no_time)
 
     with pytest.raises(autoplan.InfeasiblePlanError) as info:
-        plan_workload(on_meta(cli_models.mlp))
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp))
 
     one_line(info, "without a feasible plan", "time limit", "--time-limit")
     assert "GiB" not in str(info.value)  # not mistaken for a memory shortfall
 
 
 def test_tiny_time_limit_still_gives_a_plan():
-    plan = plan_workload(on_meta(cli_models.mlp), time_limit_s=1e-3)
+    plan = zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), time_limit_s=1e-3)
 
     assert plan.world_size == 2
 
@@ -531,7 +524,7 @@ def test_tiny_time_limit_still_gives_a_plan():
 @pytest.mark.parametrize("time_limit_s", [0, -1.0, float("nan")])
 def test_zero_or_negative_time_limit_is_a_plan_error(time_limit_s):
     with pytest.raises(autoplan.PlanError) as info:
-        plan_workload(on_meta(cli_models.mlp), time_limit_s=time_limit_s)
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), time_limit_s=time_limit_s)
 
     one_line(info, "time_limit_s must be a positive number of seconds")
 
@@ -541,21 +534,21 @@ def test_zero_or_negative_time_limit_is_a_plan_error(time_limit_s):
 
 def test_unknown_optimizer_lists_the_known_ones():
     with pytest.raises(autoplan.PlanError) as info:
-        plan_workload(on_meta(cli_models.mlp), optimizer="lion")
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), optimizer="lion")
 
     one_line(info, "unknown optimizer 'lion'", "adamw")
 
 
 def test_unknown_precision_lists_the_known_ones():
     with pytest.raises(autoplan.ConfigError) as info:
-        plan_workload(on_meta(cli_models.mlp), precision="fp8")
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), precision="fp8")
 
     one_line(info, "unknown precision 'fp8'", "bf16")
 
 
 def test_unknown_solver_backend_lists_the_known_ones():
     with pytest.raises(autoplan.PlanError) as info:
-        plan_workload(on_meta(cli_models.mlp), solver="gurobi")
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), solver="gurobi")
 
     one_line(info, "unknown solver backend 'gurobi'", "'highs'")
 
@@ -572,7 +565,7 @@ def test_unknown_solver_backend_lists_the_known_ones():
 )
 def test_malformed_pin_names_the_pin_and_the_expected_form(pins, fragment):
     with pytest.raises(autoplan.PlanError) as info:
-        plan_workload(on_meta(cli_models.mlp), pins=pins)
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), pins=pins)
 
     one_line(info, f"pin {next(iter(pins))!r}", fragment)
 
@@ -603,7 +596,7 @@ def test_corrupted_profile_database_names_the_file_and_is_left_untouched(case, t
         path.write_text(content)
 
     with pytest.raises(ProfileError) as info:
-        plan_workload(on_meta(cli_models.mlp), profile=path)
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), profile=path)
 
     one_line(info, "db.json", fragment)
     assert (path.read_bytes() if path.exists() else None) == (content.encode() if isinstance(content, str) else content)
@@ -615,7 +608,7 @@ def test_profile_database_measured_with_other_threads_suggests_omp_num_threads(t
     ProfileDB(default_db_path(here), other).save()  # this machine's file, written with other threads
 
     with pytest.raises(ProfileError) as info:
-        plan_workload(on_meta(cli_models.mlp))  # profile="auto" reads this machine's file
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp))  # profile="auto" reads this machine's file
 
     one_line(info, f"OMP_NUM_THREADS={here.num_threads + 7}")
 
@@ -637,7 +630,7 @@ def test_cli_untraceable_model_names_the_line_and_writes_no_file(capfd, tmp_path
 
     result = cli(capfd, "plan", target("data_dependent"), "--cluster", "2xCPU", "--out", out)
 
-    assert_bad_input(result, "cli_models.py:", "if x.sum() > 0")
+    assert_bad_input(result, "zoo.py:", "if x.sum() > 0")
     assert not out.exists()
 
 

@@ -32,7 +32,7 @@ from autoplan import ParallelConfig
 from autoplan.errors import CheckpointError, CorruptCheckpointError
 from autoplan.runtime import checkpoint
 from autoplan.tools.loader import build_workload
-from tests.dist_utils import free_port
+from tests.harness import free_port
 from tests.test_cli import assert_bad_input, run_cli, target
 
 STEPS = 6

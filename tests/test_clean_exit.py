@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_utils import free_port
+from tests.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CRASH_MARKERS = (

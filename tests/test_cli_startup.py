@@ -9,7 +9,7 @@ against the same function called in this (torch-loaded) process, so the torch-fr
 the same bytes.
 
 Two plan files are made once per module: an ILP plan of the ``mlp`` on 2 CPU ranks and a
-global-batch pipeline plan of ``gpt2_4_layers`` (``cli_models.ilp_and_pipeline_plans``). The
+global-batch pipeline plan of ``gpt2_4_layers`` (``tests.zoo.ilp_and_pipeline_plans``). The
 times are measured by ``benchmarks/cli_startup.py``, never here.
 """
 
@@ -27,7 +27,7 @@ from autoplan.planner.plan import Plan
 from autoplan.tools import report
 from autoplan.tools.cli import build_parser
 from autoplan.tools.review import diff_plans, diff_text, explain, explain_text, show_text
-from tests import cli_models
+from tests import zoo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 HEAVY_MODULES = ("torch", "numpy", "sympy", "transformers", "highspy", "scipy", "pulp")
@@ -68,7 +68,7 @@ def subcommands() -> list[str]:
 def plan_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("startup")
     out = {}
-    for kind, plan in cli_models.ilp_and_pipeline_plans().items():
+    for kind, plan in zoo.ilp_and_pipeline_plans().items():
         out[kind] = tmp / f"{kind}.json"
         plan.save(out[kind])
     return out

@@ -16,8 +16,8 @@ import torch
 
 import autoplan
 from autoplan.runtime import collectives as runtime
-from tests.dist_utils import run_ranks
-from tests.models import gpt2_tiny, lm_loss, mlp, mlp_batch, mse_loss, token_batch
+from tests.harness import run_ranks
+from tests.zoo import gpt2_tiny, lm_loss, mlp, mlp_batch, mse_loss, token_batch
 
 _COLLECTIVE_FNS = {
     runtime.all_gather: "all_gather",

@@ -21,7 +21,7 @@ from autoplan.api import plan as make_plan
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError, PlanFileError
 from autoplan.planner import joint
-from tests.models import gpt2_tiny, lm_loss, token_batch
+from tests.zoo import gpt2_tiny, lm_loss, token_batch
 
 BASE = ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=4, schedule="1f1b")
 """8 devices (1x8xH100), GPT-2 tiny with 4 blocks."""

@@ -26,8 +26,8 @@ from autoplan.planner.mesh import planning_mesh
 from autoplan.planner.search import expand_blocks
 from autoplan.planner.segment_costs import segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions, objective_of
-from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
-from tests.test_equivalence import cpu_cluster
+from tests.harness import cpu_cluster
+from tests.zoo import gpt2_tiny, llama_tiny, lm_loss, token_batch
 
 NUM_LAYERS = 5
 
@@ -62,7 +62,7 @@ def test_shared_block_variables_keep_the_optimum(builder):  # noqa: ANN001
     model = builder(num_layers=NUM_LAYERS)
     # 4 CPU ranks with compute 1e5x slower, so that splitting the work pays for its
     # communication and the plan is not all-replicated (tests/test_equivalence.py does the same)
-    cluster = cpu_cluster(4, mesh_shape=None, compute_slowdown=1e5)
+    cluster = cpu_cluster("4xCPU", compute_slowdown=1e5)
     full = trace_training_step(model, (ids,), loss_fn=lm_loss, example_targets=(labels,))
     short = trace_training_step(reduce_depth(model).module, (ids,), loss_fn=lm_loss, example_targets=(labels,))
     f_lay, s_lay = find_layers(full), find_layers(short)

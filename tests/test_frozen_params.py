@@ -28,12 +28,9 @@ import autoplan
 from autoplan.api import plan as make_plan
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.passes.trace import trace_training_step
-from tests import models
-from tests.dist_utils import run_ranks
-from tests.test_equivalence import cpu_cluster
+from tests import zoo
+from tests.harness import NUM_STEPS, REL_TOL, assert_trains_like_reference, cpu_cluster, run_ranks, train_both
 
-REL_TOL = 1e-5
-NUM_STEPS = 3
 VOCAB, DIM, HIDDEN, SEQ = 16, 8, 32, 8
 
 
@@ -135,17 +132,19 @@ def test_plan_memory_counts_weights_of_frozen_parameters_but_no_gradient_or_opti
     assert mem["optimizer"] == 8 * trainable
     # no collective carries a frozen parameter's gradient
     assert not [c for c in plan.collectives if c.consumer in ("p_tok_weight", "p_pos")]
-    assert {c.consumer for c in plan.collectives if c.arg_index == -1} <= {f"p_{n.replace('.', '_')}" for n in TRAINABLE}
+    assert {c.consumer for c in plan.collectives if c.arg_index == -1} <= {
+        f"p_{n.replace('.', '_')}" for n in TRAINABLE
+    }
 
 
 def test_joint_estimate_counts_weights_of_frozen_parameters_but_no_gradient_or_optimizer_state():
-    model = models.gpt2_tiny()
+    model = zoo.gpt2_tiny()
     frozen = ("transformer.wte.weight", "transformer.wpe.weight")  # wte is tied to lm_head
     for name in frozen:
         model.get_parameter(name).requires_grad_(False)
-    ids, labels = models.token_batch(batch=4)
+    ids, labels = zoo.token_batch(batch=4)
     est = autoplan.estimate(
-        model, "2xCPU", (ids,), loss_fn=models.lm_loss, example_targets=(labels,), global_batch_size=4,
+        model, "2xCPU", (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,), global_batch_size=4,
         config=ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=2, num_microbatches=1), optimizer="adam",
     )  # fmt: skip
     all_numel = sum(p.numel() for p in model.parameters())
@@ -197,29 +196,23 @@ def train_frozen_lm(rank: int, world_size: int, optimizer: str, pins: dict[str, 
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = lm_batch(seed=1)
     pm = autoplan.parallelize(
-        model, cpu_cluster(world_size, mesh_shape=None, compute_slowdown=1e5), example_inputs=(x,),
+        model, cpu_cluster(f"{world_size}xCPU", compute_slowdown=1e5), example_inputs=(x,),
         loss_fn=token_loss, example_targets=(y,), optimizer=optimizer, pins=pins,
     )  # fmt: skip
     opt = pm.make_optimizer(lr=1e-2)
-    ref_opt = type(opt)(reference.parameters(), **opt.defaults)
     sharded = dict(pm.named_sharded_parameters())
-    losses, ref_losses, frozen_grads = [], [], []
-    for step in range(NUM_STEPS):
-        x, y = lm_batch(seed=step + 1)
-        losses.append(pm.forward_backward(x, targets=(y,), check=True).item())
-        frozen_grads += [n for n in FROZEN if sharded[n].grad is not None]
-        opt.step()
-        opt.zero_grad()
-        ref_loss = token_loss(reference(x), y)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": pm.full_parameters(),
-        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+    frozen_grads: list[str] = []
+    result = train_both(
+        pm,
+        reference,
+        batches=lambda step: tuple((t,) for t in lm_batch(seed=step + 1)),
+        loss_fn=token_loss,
+        opt=opt,
+        ref_opt=type(opt)(reference.parameters(), **opt.defaults),
+        num_steps=NUM_STEPS,
+        after_backward=lambda: frozen_grads.extend(n for n in FROZEN if sharded[n].grad is not None),
+    )
+    return result | {
         "initial": initial,
         "frozen_grads": frozen_grads,
         "frozen_state": [n for n in FROZEN if sharded[n] in opt.state],
@@ -230,16 +223,13 @@ def train_frozen_lm(rank: int, world_size: int, optimizer: str, pins: dict[str, 
 
 
 def assert_frozen_and_trained_like_reference(results: list[dict[str, Any]]) -> None:
+    assert_trains_like_reference(results, rel_tol=REL_TOL, atol=1e-7, loss_atol=0.0)
     for rank, r in enumerate(results):
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=REL_TOL, atol=0)
         for name in FROZEN:
             assert torch.equal(r["params"][name], r["initial"][name]), f"rank {rank}: frozen {name} changed"
             assert torch.equal(r["ref_params"][name], r["initial"][name])
         for name in TRAINABLE:
             assert not torch.equal(r["params"][name], r["initial"][name]), f"rank {rank}: {name} was not trained"
-            torch.testing.assert_close(
-                r["params"][name], r["ref_params"][name], rtol=REL_TOL, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
-            )
         assert r["frozen_grads"] == [], f"rank {rank}: frozen parameters got a gradient: {r['frozen_grads']}"
         assert r["frozen_state"] == [], f"rank {rank}: optimizer state for frozen {r['frozen_state']}"
         assert r["frozen_requires_grad"] == []
@@ -265,7 +255,7 @@ stage) and its learned position table."""
 
 
 def frozen_gpt2() -> nn.Module:
-    model = models.gpt2_tiny(num_layers=4)
+    model = zoo.gpt2_tiny(num_layers=4)
     for name in PIPE_FROZEN:
         model.get_parameter(name).requires_grad_(False)
     return model
@@ -278,35 +268,30 @@ def train_frozen_gpt2_pipeline(rank: int, world_size: int, plan_json: str) -> di
     model = frozen_gpt2()
     reference = copy.deepcopy(model)
     initial = {n: model.get_parameter(n).detach().clone() for n in PIPE_FROZEN}
-    ids, labels = models.token_batch(batch=PIPE_BATCH, seed=1)
+    ids, labels = zoo.token_batch(batch=PIPE_BATCH, seed=1)
     pm = autoplan.parallelize(
-        model, plan.cluster, example_inputs=(ids,), loss_fn=models.lm_loss, example_targets=(labels,), plan=plan
+        model, plan.cluster, example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(labels,), plan=plan
     )
     opt = pm.make_optimizer(lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     frozen_copies = [
         p for st in pm.stage_modules for n, p in zip(st.program.param_names, st.params, strict=True) if n in PIPE_FROZEN
     ]
-    losses, ref_losses, frozen_grads = [], [], 0
-    for step in range(NUM_STEPS):
-        ids, labels = models.token_batch(batch=PIPE_BATCH, seed=step + 1)
-        losses.append(pm.forward_backward(ids, targets=(labels,)).item())
-        frozen_grads += sum(p.grad is not None for p in frozen_copies)
-        opt.step()
-        opt.zero_grad()
-        ref_loss = models.lm_loss(reference(ids), labels)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": pm.full_parameters(),
-        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+    frozen_grads: list[int] = []
+    result = train_both(
+        pm,
+        reference,
+        batches=lambda step: tuple((t,) for t in zoo.token_batch(batch=PIPE_BATCH, seed=step + 1)),
+        loss_fn=zoo.lm_loss,
+        opt=opt,
+        ref_opt=torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
+        num_steps=NUM_STEPS,
+        check=False,
+        after_backward=lambda: frozen_grads.append(sum(p.grad is not None for p in frozen_copies)),
+    )
+    return result | {
         "initial": initial,
         "frozen_copies": len(frozen_copies),
-        "frozen_grads": frozen_grads,
+        "frozen_grads": sum(frozen_grads),
         "frozen_state": sum(p in opt.state for p in frozen_copies),
     }
 
@@ -317,20 +302,16 @@ def test_frozen_tied_embedding_stays_bit_identical_in_a_two_stage_pipeline():
         dp=1, tp=1, pp=2, microbatch_size=PIPE_BATCH // PIPE_MICROBATCHES, num_microbatches=PIPE_MICROBATCHES,
         schedule="1f1b",
     )  # fmt: skip
-    ids, labels = models.token_batch(batch=PIPE_BATCH, seed=1)
+    ids, labels = zoo.token_batch(batch=PIPE_BATCH, seed=1)
     plan = make_plan(
-        frozen_gpt2(), "1x2xCPU", example_inputs=(ids,), loss_fn=models.lm_loss, example_targets=(labels,),
+        frozen_gpt2(), "1x2xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
         optimizer="sgd_momentum", global_batch_size=PIPE_BATCH, config=config,
     )  # fmt: skip
     assert plan.config == config
     results = run_ranks(train_frozen_gpt2_pipeline, 2, json.dumps(plan.to_dict()), timeout_s=900)
     assert sum(r["frozen_copies"] for r in results) >= 3  # wte on both stages, wpe on the first
+    assert_trains_like_reference(results, rel_tol=REL_TOL, atol=1e-6)
     for rank, r in enumerate(results):
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=REL_TOL, atol=1e-6)
         for name in PIPE_FROZEN:
             assert torch.equal(r["params"][name], r["initial"][name]), f"rank {rank}: frozen {name} changed"
-        for name, p in r["params"].items():
-            torch.testing.assert_close(
-                p, r["ref_params"][name], rtol=REL_TOL, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
-            )
         assert r["frozen_grads"] == 0 and r["frozen_state"] == 0

@@ -174,7 +174,7 @@ def test_estimate_prices_stage_dp_on_a_real_model():
     exactly like the uniform config; a heterogeneous config prices each stage on its own share;
     the planner refuses to run it (estimate only)."""
     import autoplan
-    from tests.models import gpt2_tiny, lm_loss, token_batch
+    from tests.zoo import gpt2_tiny, lm_loss, token_batch
 
     ids, labels = token_batch()
     model = gpt2_tiny(num_layers=4)

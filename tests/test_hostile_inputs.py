@@ -27,7 +27,6 @@ import threading
 import time
 from pathlib import Path
 
-import cli_models
 import pytest
 import torch
 
@@ -42,10 +41,11 @@ from autoplan.cost_models.files import (
     read_limited,
     refuse_overwriting_inputs,
 )
+from tests import zoo
 from tests.test_bad_inputs import assert_bad_input as assert_one_error_line
 from tests.test_bad_inputs import cli
 
-MODELS = Path(cli_models.__file__).resolve()
+MODELS = Path(__file__).resolve().with_name("cli_models.py")
 ESC = "\x1b"
 
 # --- helpers ---------------------------------------------------------------------------------------
@@ -71,16 +71,16 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 
 @pytest.fixture(scope="module")
 def mlp_plan() -> autoplan.Plan:
-    """``cli_models.mlp`` on 2xCPU, its input pinned batch-sharded (so the plan has collectives)."""
-    plan = cli_models.plan_on_meta(cli_models.mlp, pins={"input_0": "S(0)"})
+    """``zoo.cli_mlp`` on 2xCPU, its input pinned batch-sharded (so the plan has collectives)."""
+    plan = zoo.plan_on_meta(zoo.cli_mlp, pins={"input_0": "S(0)"})
     assert plan.collectives, "the edits below need a plan with collectives"
     return plan
 
 
 @pytest.fixture(scope="module")
 def pipeline_plan() -> autoplan.Plan:
-    """GPT-2 (4 layers) in 2 pipeline stages (``cli_models.ilp_and_pipeline_plans``)."""
-    return cli_models.ilp_and_pipeline_plans()["pipeline"]
+    """GPT-2 (4 layers) in 2 pipeline stages (``zoo.ilp_and_pipeline_plans``)."""
+    return zoo.ilp_and_pipeline_plans()["pipeline"]
 
 
 @pytest.fixture()
@@ -428,7 +428,7 @@ def test_parallelize_names_a_hand_edited_entry_too(mlp_plan):
     data = mlp_plan.to_dict()
     _edit(data, "shard_dim_beyond_rank")
     plan = autoplan.Plan.from_dict(data)
-    wl = cli_models.mlp()
+    wl = zoo.cli_mlp()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -501,7 +501,7 @@ def test_the_plans_made_here_fit_their_models(mlp_plan, pipeline_plan):
     from autoplan.planner.tracing import trace_for_plan
 
     with torch.device("meta"):
-        mlp, gpt2 = cli_models.mlp(), cli_models.gpt2_4_layers()
+        mlp, gpt2 = zoo.cli_mlp(), zoo.gpt2_4_layers()
     traced = trace_training_step(
         mlp.model, mlp.example_inputs, loss_fn=mlp.loss_fn, example_targets=mlp.example_targets
     )

@@ -14,8 +14,6 @@ the program generator refuses any plan that would still convert a mutated argume
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.nn as nn
@@ -27,7 +25,7 @@ from autoplan.errors import PlanError
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, trace_training_step
 from autoplan.runtime.codegen import generate_program
-from tests.test_equivalence import Case, assert_trains_like_reference, run_case
+from tests.harness import Case, SeededBatches, assert_trains_like_reference, run_case
 
 WIDTH = 8
 HALF = WIDTH // 2
@@ -127,9 +125,9 @@ def test_in_place_assembly_trains_like_single_device_on_2_ranks():
     case = Case(
         name="inplace-assembly-dp-2",
         build_model=build_model,
-        make_batch=functools.partial(make_batch, batch=32),
+        batches=SeededBatches(make_batch, {"batch": 32}),
         loss_fn=F.mse_loss,
-        num_devices=2,
+        preset="2xCPU",
         compute_slowdown=1e5,
         pins={"input_0": "S(0)", "target_0": "S(0)"},
         optimizer="sgd_momentum",

@@ -14,7 +14,7 @@ from autoplan.cost_models.step import evaluate
 from autoplan.planner.joint import estimate, search_config
 from autoplan.planner.search import SearchSpace, search
 from autoplan.planner.segment_model import SegmentCostModel
-from tests.models import gpt2_tiny, lm_loss, token_batch
+from tests.zoo import gpt2_tiny, lm_loss, token_batch
 
 CLUSTER = "2x4xA100-80GB"
 

@@ -6,7 +6,7 @@ import pytest
 
 from autoplan.passes.layers import find_layers
 from autoplan.passes.trace import trace_training_step
-from tests.models import gpt2_tiny, llama_tiny, lm_loss, mlp, mlp_batch, mse_loss, token_batch
+from tests.zoo import gpt2_tiny, llama_tiny, lm_loss, mlp, mlp_batch, mse_loss, token_batch
 
 
 @pytest.mark.parametrize(("build", "prefix"), [(gpt2_tiny, "transformer.h"), (llama_tiny, "model.layers")])

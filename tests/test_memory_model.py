@@ -7,8 +7,8 @@ import torch
 
 import autoplan
 from autoplan.runtime.step_timing import LiveTensorBytes, measure_training_step
-from tests.dist_utils import run_ranks
-from tests.models import gpt2_tiny, lm_loss, token_batch
+from tests.harness import run_ranks
+from tests.zoo import gpt2_tiny, lm_loss, token_batch
 
 PLANS = {
     "data-parallel": {"input_0": "S(0)", "target_0": "S(0)", "*": "R"},

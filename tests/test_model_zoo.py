@@ -11,7 +11,7 @@ a copy as the single-device reference, and::
         loss = pm.forward_backward(*inputs, targets=targets, check=True); opt.step(); opt.zero_grad()
         ref_loss = loss_fn(reference(*inputs), *targets); ref_loss.backward(); ref_opt.step(); ...
 
-The test then requires on every rank, with ``tests/test_equivalence.py``'s tolerance,
+The test then requires on every rank, with the tolerance of ``tests/harness.py``,
 
     |loss - ref_loss| <= REL_TOL * |ref_loss|                     at every step
     ||full(p) - p_ref|| / ||p_ref|| <= REL_TOL                    for every parameter after the last step
@@ -40,8 +40,8 @@ import torch
 
 import autoplan
 from examples.hf_models import ZOO
-from tests.dist_utils import run_ranks
-from tests.test_equivalence import NUM_STEPS, REL_TOL, _rel_err
+from tests import zoo
+from tests.harness import mismatches, param_errors, run_ranks, train_both
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # spawned ranks inherit it: nothing is downloaded
 
@@ -95,14 +95,7 @@ def plan_one(name: str) -> dict[str, Any]:
     start = time.perf_counter()
     try:
         wl, _ = build(name, device="meta")
-        plan = autoplan.plan(
-            wl.model,
-            CLUSTER,
-            example_inputs=wl.example_inputs,
-            loss_fn=wl.loss_fn,
-            example_targets=wl.example_targets,
-            optimizer=wl.optimizer,
-        )
+        plan = zoo.plan_workload(wl, CLUSTER)
     except Exception:  # noqa: BLE001 - a model the planner refuses is that model's result
         error = traceback.format_exc()
         return {"name": name, "failed_at": "plan", "error": error, "plan_seconds": time.perf_counter() - start}
@@ -126,28 +119,13 @@ def train_one(name: str, plan: Mapping[str, Any]) -> dict[str, Any]:
     )
     opt = pm.make_optimizer(lr=wl.lr)
     ref_opt = type(opt)(reference.parameters(), **opt.defaults)
-    losses, ref_losses = [], []
-    for step in range(NUM_STEPS):
-        inputs, targets = wl.batches(step)
-        losses.append(pm.forward_backward(*inputs, targets=tuple(targets), check=True).item())
-        opt.step()
-        opt.zero_grad()
-        ref_loss = wl.loss_fn(reference(*inputs), *targets)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    full = pm.full_parameters()
-    ref_params = dict(reference.named_parameters())
-    return {
+    result = train_both(pm, reference, batches=wl.batches, loss_fn=wl.loss_fn, opt=opt, ref_opt=ref_opt)
+    full, ref_params = result["params"], result["ref_params"]
+    return result | {
         "name": name,
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "param_rel_err": {n: _rel_err(full[n], ref_params[n]) for n in full},
-        "ref_param_names": sorted(ref_params),
         "frozen": frozen,
         "frozen_identical": {
-            n: torch.equal(full[n], initial[n]) and torch.equal(ref_params[n].detach(), initial[n]) for n in frozen
+            n: torch.equal(full[n], initial[n]) and torch.equal(ref_params[n], initial[n]) for n in frozen
         },
         "num_params": sum(p.numel() for p in ref_params.values()),
         "num_ops": len(pm.plan.nodes),
@@ -195,19 +173,11 @@ def failures(results: Sequence[Mapping[str, Any]]) -> list[str]:
     """What differs from the single-device run, on any rank (empty: the model trains alike)."""
     if results[0].get("failed_at") == "plan":
         return [f"autoplan.plan raised:\n{results[0]['error']}"]
-    problems = []
+    problems = [f"rank {rank} raised:\n{r['error']}" for rank, r in enumerate(results) if "error" in r]
+    if problems:
+        return problems
+    problems = mismatches(results)
     for rank, r in enumerate(results):
-        if "error" in r:
-            problems.append(f"rank {rank} raised:\n{r['error']}")
-            continue
-        if set(r["param_rel_err"]) != set(r["ref_param_names"]):
-            problems.append(f"rank {rank}: sharded and reference parameter sets differ")
-        for step, (loss, ref) in enumerate(zip(r["losses"], r["ref_losses"], strict=True)):
-            if not (math.isfinite(loss) and abs(loss - ref) <= REL_TOL * abs(ref)):
-                problems.append(f"rank {rank} step {step}: loss {loss!r} != single device {ref!r}")
-        bad = {n: f"{e:.2e}" for n, e in r["param_rel_err"].items() if not e <= REL_TOL}
-        if bad:
-            problems.append(f"rank {rank}: parameters differ after {NUM_STEPS} steps (relative error): {bad}")
         if not r["frozen"]:
             problems.append(f"rank {rank}: no parameter is frozen")
         moved = [n for n, same in r["frozen_identical"].items() if not same]
@@ -241,7 +211,7 @@ def summary(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "max_loss_rel_err": _worst(
             abs(a - b) / abs(b) for r in results for a, b in zip(r["losses"], r["ref_losses"], strict=True)
         ),
-        "max_param_rel_err": _worst(e for r in results for e in r["param_rel_err"].values()),
+        "max_param_rel_err": _worst(e for r in results for e in param_errors(r).values()),
         "num_frozen": len(first["frozen"]),
         "frozen_identical": all(all(r["frozen_identical"].values()) for r in results),
     }
@@ -278,7 +248,14 @@ def zoo_runs(request: pytest.FixtureRequest) -> ZooRuns:
 
 def test_zoo_has_20_architectures_of_every_kind():
     assert len(ZOO) >= 20
-    assert {e.kind for e in ZOO.values()} == {"decoder", "MoE decoder", "encoder", "encoder-decoder", "vision", "speech"}
+    assert {e.kind for e in ZOO.values()} == {
+        "decoder",
+        "MoE decoder",
+        "encoder",
+        "encoder-decoder",
+        "vision",
+        "speech",
+    }
     assert set(FAST) <= set(ZOO)
 
 

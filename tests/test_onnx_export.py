@@ -11,7 +11,6 @@ import dataclasses
 import math
 from pathlib import Path
 
-import cli_models
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ import autoplan
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.passes.placement import parse_spec
 from autoplan.tools import export_onnx as onnx_export
+from tests import zoo
 
 onnx = pytest.importorskip("onnx")
 
@@ -40,14 +40,14 @@ def _plan(build: object, cluster: autoplan.Cluster, target: str, **kwargs: objec
 @pytest.fixture(scope="module")
 def mlp_plan() -> autoplan.Plan:
     pins = {"input_0": "S(0),R", "0.weight": "S(0),S(1)"}
-    return _plan(cli_models.mlp, autoplan.Cluster.preset("4xCPU", mesh_shape=(2, 2)), MLP_TARGET, pins=pins)
+    return _plan(zoo.cli_mlp, autoplan.Cluster.preset("4xCPU", mesh_shape=(2, 2)), MLP_TARGET, pins=pins)
 
 
 @pytest.fixture(scope="module")
 def gpt_plan() -> autoplan.Plan:
     config = ParallelConfig(dp=1, tp=2, pp=2, microbatch_size=2, num_microbatches=4)
     return _plan(
-        cli_models.gpt2_4_layers, autoplan.Cluster.preset("4xCPU"), GPT_TARGET, global_batch_size=8, config=config
+        zoo.gpt2_4_layers, autoplan.Cluster.preset("4xCPU"), GPT_TARGET, global_batch_size=8, config=config
     )
 
 

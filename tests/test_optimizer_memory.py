@@ -20,7 +20,7 @@ import autoplan
 from autoplan.api import plan as make_plan
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.memory import OPTIMIZERS, element_bytes, precision_bytes
-from tests import models
+from tests import zoo
 
 STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 CONFIG = ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=2, num_microbatches=1)
@@ -41,15 +41,15 @@ def test_memory_model_table_restates_the_formula():
 
 
 def _estimate(optimizer: str, precision: str = "fp32") -> autoplan.TrainingEstimate:
-    ids, labels = models.token_batch(batch=BATCH)
+    ids, labels = zoo.token_batch(batch=BATCH)
     return autoplan.estimate(
-        models.gpt2_tiny(), "2xCPU", (ids,), loss_fn=models.lm_loss, example_targets=(labels,),
+        zoo.gpt2_tiny(), "2xCPU", (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
         global_batch_size=BATCH, config=CONFIG, optimizer=optimizer, precision=precision,
     )  # fmt: skip
 
 
 def test_estimate_prices_optimizer_state_by_optimizer_zero_one_two_fp32_states():
-    numel = sum(p.numel() for p in models.gpt2_tiny().parameters())
+    numel = sum(p.numel() for p in zoo.gpt2_tiny().parameters())
     parts = {name: _estimate(name).memory_parts_bytes[0] for name in ("sgd", "sgd_momentum", "adam")}
     # data parallel, ZeRO 0: every device holds every element; optimizer = 4 B x states x elements
     assert parts["sgd"]["optimizer"] == 0
@@ -61,25 +61,25 @@ def test_estimate_prices_optimizer_state_by_optimizer_zero_one_two_fp32_states()
 
 
 def test_mixed_precision_estimate_adds_the_fp32_master_copy_to_every_optimizer():
-    numel = sum(p.numel() for p in models.gpt2_tiny().parameters())
+    numel = sum(p.numel() for p in zoo.gpt2_tiny().parameters())
     parts = _estimate("sgd", precision="bf16").memory_parts_bytes[0]
     # bf16 weights and gradients, fp32 master copy, no state: 2 + 2 + (0 + 4) bytes per element
     assert (parts["weights"], parts["grads"], parts["optimizer"]) == (2 * numel, 2 * numel, 4 * numel)
 
 
 def test_plans_report_the_optimizer_bytes_of_the_estimate():
-    ids, labels = models.token_batch(batch=BATCH)
+    ids, labels = zoo.token_batch(batch=BATCH)
     est = _estimate("sgd_momentum")
     # the joint search's plan carries the estimate's breakdown for its worst stage
     joint = make_plan(
-        models.gpt2_tiny(), "2xCPU", example_inputs=(ids,), loss_fn=models.lm_loss, example_targets=(labels,),
+        zoo.gpt2_tiny(), "2xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
         optimizer="sgd_momentum", global_batch_size=BATCH, config=CONFIG,
     )  # fmt: skip
     assert joint.estimate.memory_bytes == pytest.approx({**est.memory_parts_bytes[0], "total": est.peak_memory_bytes})
     # the per-operator ILP's plan (no global batch), parameters replicated as under data parallelism,
     # prices the same optimizer state per element
     ilp = make_plan(
-        models.gpt2_tiny(), "2xCPU", example_inputs=(ids,), loss_fn=models.lm_loss, example_targets=(labels,),
+        zoo.gpt2_tiny(), "2xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
         optimizer="sgd_momentum", pins={"transformer.*": "R", "input_0": "S(0)", "target_0": "S(0)"},
     )  # fmt: skip
     assert ilp.estimate.memory_bytes["optimizer"] == est.memory_parts_bytes[0]["optimizer"]

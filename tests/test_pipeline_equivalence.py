@@ -7,7 +7,7 @@ tests/test_equivalence.py) on a global batch of 8 split into 4 micro-batches. Th
 planned for one micro-batch on the stage mesh with pins forcing data parallelism ("dp") or
 Megatron tensor parallelism ("tp"). Required on every rank: the loss at every step and every
 parameter after the last step equal the single-device fp32 run
-(``torch.testing.assert_close(rtol=1e-5, atol=1e-6)``).
+(elementwise, ``tests.harness.assert_trains_like_reference(rel_tol=1e-5, atol=1e-6)``).
 
 Single-process cases check the stage split itself: every op in exactly one stage program,
 boundary values, pass-through of values that skip stages, tied-parameter copies.
@@ -16,7 +16,6 @@ boundary values, pass-through of values that skip stages, tied-parameter copies.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,26 +32,17 @@ from autoplan.passes.trace import trace_training_step
 from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import planning_mesh
 from autoplan.runtime.codegen import generate_program
-from tests import models
-from tests.dist_utils import run_ranks
-from tests.test_equivalence import LLAMA_TP_PINS as LLAMA_MEGATRON_PINS
+from tests import zoo
+from tests.harness import NUM_STEPS, assert_trains_like_reference, cpu_cluster, run_ranks, train_both
 
 GLOBAL_BATCH = 8
 NUM_MICROBATCHES = 4
-NUM_STEPS = 3
 NUM_LAYERS = 4
 
-GPT2_TP_PINS = {
-    "input_0": "R",
-    "target_0": "R",
-    "*mlp.c_fc.weight": "S(1)",
-    "*mlp.c_proj.weight": "S(0)",
-    "*attn.c_attn.weight": "S(1)",
-    "*attn.c_proj.weight": "S(0)",
-}
-LLAMA_TP_PINS = {"input_0": "R", "target_0": "R"} | LLAMA_MEGATRON_PINS
+GPT2_TP_PINS = {"input_0": "R", "target_0": "R"} | zoo.GPT2_TP_PINS
+LLAMA_TP_PINS = {"input_0": "R", "target_0": "R"} | zoo.LLAMA_TP_PINS
 DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
-BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {"gpt2": models.gpt2_tiny, "llama": models.llama_tiny}
+BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {"gpt2": zoo.gpt2_tiny, "llama": zoo.llama_tiny}
 PINS: dict[tuple[str, str], Mapping[str, str]] = {
     ("gpt2", "dp"): DP_PINS,
     ("llama", "dp"): DP_PINS,
@@ -80,21 +70,8 @@ def _stage_starts(num_segments: int, num_stages: int) -> list[int]:
     return [0] + [1 + per * k for k in range(1, num_stages)]
 
 
-def _slow_cluster(n: int) -> Cluster:
-    """The ``nxCPU`` preset with compute 1e5x slower, so a pinned split is not undone by the ILP."""
-    cluster = Cluster.preset(f"{n}xCPU")
-    cpu = cluster.device
-    slow = dataclasses.replace(
-        cpu,
-        peak_flops={k: v / 1e5 for k, v in cpu.peak_flops.items()},
-        mem_bw_GBps=cpu.mem_bw_GBps / 1e5,
-        sources=(*cpu.sources, "tests: compute 1e5x slower"),
-    )
-    return dataclasses.replace(cluster, device=slow)
-
-
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return models.token_batch(batch=GLOBAL_BATCH, seed=step + 1)
+    return zoo.token_batch(batch=GLOBAL_BATCH, seed=step + 1)
 
 
 def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, plan_json: str) -> dict[str, object]:
@@ -107,7 +84,7 @@ def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, pla
     reference = copy.deepcopy(model)
     ids, labels = _batch(0)
     mb = GLOBAL_BATCH // NUM_MICROBATCHES
-    traced = trace_training_step(model, (ids[:mb],), loss_fn=models.lm_loss, example_targets=(labels[:mb],))
+    traced = trace_training_step(model, (ids[:mb],), loss_fn=zoo.lm_loss, example_targets=(labels[:mb],))
     layering = find_layers(traced)
     mesh = init_device_mesh("cpu", (case.pp, case.stage_size), mesh_dim_names=("pp", "x"))
     plan = Plan.from_dict(json.loads(plan_json))  # one plan for every rank, as `autoplan run` does
@@ -132,25 +109,16 @@ def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, pla
 
 def _train_both(pm: Any, reference: torch.nn.Module) -> dict[str, object]:
     """NUM_STEPS SGD-with-momentum steps of the pipeline and of the single-device reference."""
-    opt = pm.make_optimizer(lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    losses, ref_losses = [], []
-    for step in range(NUM_STEPS):
-        ids, labels = _batch(step)
-        losses.append(pm.forward_backward(ids, targets=(labels,)).item())
-        opt.step()
-        opt.zero_grad()
-        ref_loss = models.lm_loss(reference(ids), labels)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": pm.full_parameters(),
-        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
-    }
+    return train_both(
+        pm,
+        reference,
+        batches=lambda step: tuple((t,) for t in _batch(step)),
+        loss_fn=zoo.lm_loss,
+        opt=pm.make_optimizer(lr=0.1),
+        ref_opt=torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
+        num_steps=NUM_STEPS,
+        check=False,
+    )
 
 
 def _plan_json(case: PipeCase) -> str:
@@ -159,8 +127,8 @@ def _plan_json(case: PipeCase) -> str:
     model = BUILDERS[case.model](num_layers=NUM_LAYERS)
     ids, labels = _batch(0)
     mb = GLOBAL_BATCH // NUM_MICROBATCHES
-    traced = trace_training_step(model, (ids[:mb],), loss_fn=models.lm_loss, example_targets=(labels[:mb],))
-    cluster = _slow_cluster(case.stage_size)
+    traced = trace_training_step(model, (ids[:mb],), loss_fn=zoo.lm_loss, example_targets=(labels[:mb],))
+    cluster = cpu_cluster(f"{case.stage_size}xCPU", compute_slowdown=1e5)  # a pinned split is not undone
     with planning_mesh(cluster) as mesh:
         plan = plan_traced(
             traced, cluster, mesh=mesh, pins=dict(PINS[case.model, case.layout]), optimizer="sgd_momentum"
@@ -170,13 +138,7 @@ def _plan_json(case: PipeCase) -> str:
 
 def run_pipeline_case(case: PipeCase) -> None:
     results = run_ranks(train_pipeline_and_reference, case.pp * case.stage_size, case, _plan_json(case), timeout_s=600)
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
-        assert set(r["params"]) == set(r["ref_params"])
-        for name, p in r["params"].items():
-            torch.testing.assert_close(
-                p, r["ref_params"][name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
-            )
+    assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
 # --- multi-process equivalence -------------------------------------------------------------------
@@ -216,8 +178,8 @@ def test_pipeline_trains_like_single_device(model: str, layout: str, schedule: s
 
 def _split(model: str, stage_starts: list[int]):  # noqa: ANN202
     net = BUILDERS[model](num_layers=NUM_LAYERS)
-    ids, labels = models.token_batch(batch=2)
-    traced = trace_training_step(net, (ids,), loss_fn=models.lm_loss, example_targets=(labels,))
+    ids, labels = zoo.token_batch(batch=2)
+    traced = trace_training_step(net, (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,))
     layering = find_layers(traced)
     cluster = Cluster.preset("2xCPU")
     with planning_mesh(cluster) as mesh:
@@ -302,7 +264,7 @@ def _train_public(rank: int, world_size: int, model_name: str, config: object, p
     reference = copy.deepcopy(model)
     ids, labels = _batch(0)
     pm = autoplan.parallelize(
-        model, plan.cluster, example_inputs=(ids,), loss_fn=models.lm_loss, example_targets=(labels,), plan=plan
+        model, plan.cluster, example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(labels,), plan=plan
     )
     return _train_both(pm, reference)
 
@@ -332,19 +294,14 @@ def test_planned_pipeline_runs_like_single_device(
     ids, labels = _batch(0)
     world = 2 * dp * tp
     plan = autoplan.plan(
-        BUILDERS[model_name](num_layers=NUM_LAYERS), f"1x{world}xCPU", example_inputs=(ids,), loss_fn=models.lm_loss,
+        BUILDERS[model_name](num_layers=NUM_LAYERS), f"1x{world}xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss,
         example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
     )  # fmt: skip
     assert plan.config == cfg and plan.pipeline is not None and len(plan.pipeline.stage_starts) == 2
     # planned on 2 traced blocks (autoplan.passes.depth), the later blocks take block 1's placements
     assert plan.pipeline.traced_blocks == 2 and len(plan.pipeline.segment_names) == NUM_LAYERS + 2
     results = run_ranks(_train_public, world, model_name, cfg, json.dumps(plan.to_dict()), timeout_s=900)
-    for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-5, atol=1e-6)
-        for name, p in r["params"].items():
-            torch.testing.assert_close(
-                p, r["ref_params"][name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
-            )
+    assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
 def test_backward_splits_into_input_and_weight_gradient_programs() -> None:

@@ -8,7 +8,7 @@ import time
 from autoplan.api import plan
 from autoplan.cost_models.cluster import Cluster
 from autoplan.planner import plan_cache
-from tests.models import gpt2_tiny, lm_loss, token_batch
+from tests.zoo import gpt2_tiny, lm_loss, token_batch
 
 
 def _plan(model, **kw):  # noqa: ANN001, ANN003, ANN202

@@ -8,37 +8,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import cli_models
 import pytest
-import torch
 
 import autoplan
 from autoplan.passes.trace import trace_training_step
+from tests import zoo
 
 SOLVER_TIMING_KEYS = ("solve_time_s", "plan_time_s")
 """Wall-clock fields under "solver": the only parts of a plan that may differ between two runs."""
 
 
-def build_on_meta(build: object) -> autoplan.Workload:
-    with torch.device("meta"):
-        return build()
-
-
-def plan_workload(wl: autoplan.Workload, **kwargs: object) -> autoplan.Plan:
-    return autoplan.plan(
-        wl.model,
-        autoplan.Cluster.preset("2xCPU"),
-        example_inputs=wl.example_inputs,
-        loss_fn=wl.loss_fn,
-        example_targets=wl.example_targets,
-        optimizer=wl.optimizer,
-        **kwargs,
-    )
 
 
 @pytest.fixture(scope="module")
 def mlp_plan() -> autoplan.Plan:
-    return plan_workload(build_on_meta(cli_models.mlp))
+    return zoo.plan_workload(zoo.on_meta(zoo.cli_mlp))
 
 
 @pytest.fixture()
@@ -68,7 +52,7 @@ def test_saving_twice_writes_identical_bytes(mlp_plan, tmp_path):
 
 
 def test_planning_twice_gives_identical_json_and_timings_only_on_request(mlp_plan):
-    again = plan_workload(build_on_meta(cli_models.mlp))
+    again = zoo.plan_workload(zoo.on_meta(zoo.cli_mlp))
 
     assert json.dumps(mlp_plan.to_dict(), indent=1) == json.dumps(again.to_dict(), indent=1)
     assert set(mlp_plan.to_dict(timings=True)["solver"]) - set(mlp_plan.to_dict()["solver"]) == set(SOLVER_TIMING_KEYS)
@@ -88,7 +72,7 @@ def test_two_processes_write_byte_identical_plan_files(tmp_path, extra):  # noqa
     import sys
 
     env = {**os.environ, "AUTOPLAN_NO_PLAN_CACHE": "1"}
-    target = f"{Path(cli_models.__file__)}:gpt2_4_layers"
+    target = f"{Path(__file__).resolve().with_name('cli_models.py')}:gpt2_4_layers"
     outs = []
     for name in ("a.json", "b.json"):
         cmd = [
@@ -168,7 +152,7 @@ def test_plan_for_another_world_size_names_both_sizes(mlp_plan):
 
 
 def test_plan_for_another_model_names_both_fingerprints(mlp_plan):
-    wide = build_on_meta(cli_models.mlp_wide)
+    wide = zoo.on_meta(zoo.cli_mlp_wide)
     other = trace_training_step(
         wide.model, wide.example_inputs, loss_fn=wide.loss_fn, example_targets=wide.example_targets
     ).fingerprint
@@ -188,7 +172,7 @@ def test_plan_applies_to_its_own_model_and_world_size(mlp_plan):
 
 
 def test_pinning_input_0_to_batch_sharding_is_obeyed():
-    plan = plan_workload(build_on_meta(cli_models.mlp), pins={"input_0": "S(0)"})
+    plan = zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), pins={"input_0": "S(0)"})
 
     assert plan.input_specs[0] == ("S(0)",)
 
@@ -205,7 +189,7 @@ def test_pinning_input_0_to_batch_sharding_is_obeyed():
 )
 def test_bad_pin_raises_plan_error_naming_the_pin(pins, message):
     with pytest.raises(autoplan.PlanError, match=message) as info:
-        plan_workload(build_on_meta(cli_models.mlp), pins=pins)
+        zoo.plan_workload(zoo.on_meta(zoo.cli_mlp), pins=pins)
     assert repr(next(iter(pins))) in str(info.value)
 
 
@@ -214,5 +198,5 @@ def test_bad_pin_raises_plan_error_naming_the_pin(pins, message):
 
 def test_model_that_cannot_fit_raises_infeasible_plan_error_in_gib():
     with pytest.raises(autoplan.InfeasiblePlanError, match="GiB") as info:
-        plan_workload(build_on_meta(cli_models.huge))
+        zoo.plan_workload(zoo.on_meta(zoo.huge))
     assert "2 devices" in str(info.value)

@@ -10,14 +10,14 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests import cli_models
+from tests import zoo
 
 SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "plan.schema.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, dict]:
-    made = cli_models.ilp_and_pipeline_plans()
+    made = zoo.ilp_and_pipeline_plans()
     return {"ilp": made["ilp"].to_dict(timings=True), "pipeline": made["pipeline"].to_dict()}
 
 

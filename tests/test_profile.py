@@ -1,7 +1,7 @@
 """Profiled mode: the profile database file, op keys, ``profile_program`` and ``autoplan profile``.
 
 Everything runs in one process on a fake 2-rank mesh (``planning_mesh(Cluster.preset("2xCPU"))``)
-with the small MLP of ``tests/models.py``; ``AUTOPLAN_CACHE_DIR`` points into ``tmp_path`` so the
+with the small MLP of ``tests/zoo.py``; ``AUTOPLAN_CACHE_DIR`` points into ``tmp_path`` so the
 real home cache is never touched.
 """
 
@@ -27,7 +27,7 @@ from autoplan.passes.trace import TracedProgram, trace_training_step
 from autoplan.planner.mesh import planning_mesh
 from autoplan.runtime.op_timing import _interleaved_times_s, profile_program
 from autoplan.tools.cli import main
-from tests.models import mlp, mlp_batch, mse_loss
+from tests.zoo import mlp, mlp_batch, mse_loss
 
 CLI_MODELS = Path(__file__).resolve().with_name("cli_models.py")
 FAST = {"warmup": 1, "repeats": 2}

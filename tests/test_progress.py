@@ -49,7 +49,7 @@ def test_planning_reports_its_steps_on_a_terminal(monkeypatch):
     import torch
 
     import autoplan
-    from tests.models import mlp, mlp_batch
+    from tests.zoo import mlp, mlp_batch
 
     monkeypatch.setenv("AUTOPLAN_NO_PLAN_CACHE", "1")  # a cached plan skips the steps
     x, y = mlp_batch()

@@ -14,7 +14,7 @@ from autoplan.passes.rebatch import rebatch
 from autoplan.passes.trace import TracedProgram, trace_training_step
 from autoplan.planner import tracing
 from autoplan.planner.segment_model import SegmentCostModel
-from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
+from tests.zoo import gpt2_tiny, llama_tiny, lm_loss, token_batch
 
 
 def _trace(model: torch.nn.Module, batch: int) -> TracedProgram:

@@ -24,7 +24,7 @@ import pytest
 from autoplan.cost_models.errors import PlanFileError
 from autoplan.planner.plan import Plan
 from autoplan.tools import report
-from tests import cli_models
+from tests import zoo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("summary", "placements", "schedule", "memory", "time")
@@ -43,7 +43,7 @@ CHROMIUM_FLAGS = [
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, Plan]:
-    return cli_models.ilp_and_pipeline_plans()
+    return zoo.ilp_and_pipeline_plans()
 
 
 def _with_schedule(plan: Plan, schedule: str, *, virtual_stages: int = 1, num_microbatches: int = 4) -> Plan:
@@ -110,7 +110,7 @@ def test_report_command_in_another_process_writes_the_same_bytes(plans, tmp_path
     """Through ``add_parser`` as the CLI wires it, with another string-hash seed."""
     plans["pipeline"].save(tmp_path / "plan.json")
     script = (
-        "import argparse, sys; from autoplan import report; p = argparse.ArgumentParser(); "
+        "import argparse, sys; from autoplan.tools import report; p = argparse.ArgumentParser(); "
         "report.add_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}

@@ -11,7 +11,7 @@ from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import trace_training_step
 from autoplan.planner.mesh import planning_mesh
 from autoplan.planner.solver import ShardingILP, SolverOptions, objective_of
-from tests.models import gpt2_tiny, lm_loss, token_batch
+from tests.zoo import gpt2_tiny, lm_loss, token_batch
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,8 @@ def test_the_solver_prints_nothing_to_stdout_from_the_python_api():
     """The banner is discarded where the solver is built, so API users' stdout stays theirs too."""
     r = _run_python(
         """
-        import tests.cli_models as m
-        m.plan_workload(m.mlp())
+        from tests import zoo
+        zoo.plan_workload(zoo.cli_mlp())
         """
     )
     assert r.returncode == 0, r.stderr

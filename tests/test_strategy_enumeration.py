@@ -22,7 +22,7 @@ from autoplan.passes.placement import replicated
 from autoplan.passes.strategies import _output_meta, _single, _strategy_key, build_strategy_table, tensor_args
 from autoplan.passes.trace import trace_training_step
 from autoplan.planner.mesh import planning_mesh
-from tests.models import gpt2_tiny, llama_tiny, lm_loss, token_batch
+from tests.zoo import gpt2_tiny, llama_tiny, lm_loss, token_batch
 
 
 def _propagated_meta(node: fx.Node, mesh: DeviceMesh) -> object:

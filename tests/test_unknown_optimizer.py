@@ -13,7 +13,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import cli_models
 import pytest
 import torch
 
@@ -23,12 +22,13 @@ from autoplan.cost_models.errors import PlanError, PlanFileError
 from autoplan.cost_models.memory import OPTIMIZERS
 from autoplan.runtime.optimizers import make_torch_optimizer
 from autoplan.tools.cli import main
-from tests.test_bad_inputs import assert_bad_input, fake_job, on_meta
+from tests import zoo
+from tests.test_bad_inputs import assert_bad_input, fake_job
 
 
 @pytest.fixture(scope="module")
 def mlp_plan() -> autoplan.Plan:
-    wl = on_meta(cli_models.mlp)
+    wl = zoo.on_meta(zoo.cli_mlp)
     return plan(
         wl.model, "2xCPU", example_inputs=wl.example_inputs, loss_fn=wl.loss_fn,
         example_targets=wl.example_targets, optimizer=wl.optimizer,
@@ -64,7 +64,7 @@ def test_cli_run_of_a_plan_with_an_unknown_optimizer_launches_nothing(
 
     monkeypatch.setattr(subprocess, "run", no_launch)
     monkeypatch.setattr(subprocess, "Popen", no_launch)
-    rc = main(["run", f"{cli_models.__file__}:mlp", "--plan", str(lion_plan_file), "--steps", "1"])
+    rc = main(["run", f"{Path(__file__).resolve().with_name('cli_models.py')}:mlp", "--plan", str(lion_plan_file), "--steps", "1"])
     out, err = capfd.readouterr()
     assert_bad_input((rc, out, err), "unknown optimizer 'lion'", "lion.json")
 
@@ -79,7 +79,7 @@ def test_every_known_optimizer_is_constructed(name: str) -> None:
 
 
 def test_runtime_refuses_an_unknown_optimizer_of_an_in_memory_plan(mlp_plan: autoplan.Plan) -> None:
-    wl = cli_models.mlp()
+    wl = zoo.cli_mlp()
     lion = dataclasses.replace(mlp_plan, optimizer="lion")
     with fake_job(2):
         pm = parallelize(

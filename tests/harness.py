@@ -1,0 +1,481 @@
+"""The one equivalence harness: a parallelized program trains exactly like the single-device model.
+
+Every equivalence test (``test_equivalence``, ``test_pipeline_equivalence``, ``test_fuzz_equivalence``,
+``test_model_zoo``, ``test_frozen_params``, ``test_attention_mask_grad``, ``test_inplace_ops``) runs
+the same experiment on N CPU ranks joined by gloo: each rank builds the same seeded model, keeps a
+deep copy as the single-device reference, parallelizes the original, then for K steps::
+
+    sharded:   loss = pm.forward_backward(*inputs, targets=targets); opt.step(); opt.zero_grad()
+    reference: loss = loss_fn(ref(*inputs), *targets); loss.backward(); ref_opt.step(); ref_opt.zero_grad()
+
+and requires on every rank, in fp32 (:func:`assert_trains_like_reference`):
+
+  * equal losses at every step:            |loss - ref_loss| <= rel_tol * |ref_loss|   (+ atol)
+  * equal parameters after the last step:  ||full(p) - p_ref|| / ||p_ref|| <= rel_tol  for every p
+    (or, with ``atol``, elementwise |full(p) - p_ref| <= atol + rel_tol * |p_ref|)
+
+The pieces, each defined once:
+
+  * :class:`Case` (what to train and how to plan it) and :func:`run_case` (N ranks, K steps);
+  * :func:`cpu_cluster`: a CPU preset with compute made slower and memory made smaller, so that a
+    pinned split is not undone by the planner (tiny models are so cheap to compute that the
+    optimum often gathers everything) and the planner has to shard;
+  * :func:`train_both` (the K steps on both sides) and :func:`reference_optimizer`;
+  * :func:`mismatches` / :func:`assert_trains_like_reference` (the one comparison; the message
+    names the worst parameter and its difference);
+  * :class:`RankPool` / :func:`run_ranks`: run a function on N spawned gloo ranks (a pool keeps
+    its ranks for many jobs; ``run_ranks`` is a pool of one job).
+
+Functions sent to ranks are pickled by reference: they must be module-level, and so must a
+case's model builder, batch maker and loss.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import json
+import math
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import autoplan
+
+REL_TOL = 1e-5
+"""Relative tolerance of losses and parameters (fp32, three steps)."""
+NUM_STEPS = 3
+
+Batch = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]
+"""``(inputs, targets)`` of one step."""
+
+
+# --- clusters and optimizers ---------------------------------------------------------------------
+
+
+def cpu_cluster(
+    preset: str,
+    *,
+    mesh_shape: tuple[int, ...] | None = None,
+    compute_slowdown: float = 1.0,
+    capacity_bytes: int | None = None,
+) -> autoplan.Cluster:
+    """The CPU ``preset`` (``"2xCPU"``, ``"2x1xCPU"``, ...), its peak FLOP/s and memory bandwidth
+    divided by ``compute_slowdown`` (links unchanged) and, if given, its per-device memory
+    ``capacity_bytes``."""
+    cluster = autoplan.Cluster.preset(preset, mesh_shape=mesh_shape)
+    if compute_slowdown == 1.0 and capacity_bytes is None:
+        return cluster
+    cpu = cluster.device
+    device = dataclasses.replace(
+        cpu,
+        peak_flops={k: v / compute_slowdown for k, v in cpu.peak_flops.items()},
+        mem_bw_GBps=cpu.mem_bw_GBps / compute_slowdown,
+        mem_capacity_bytes=cpu.mem_capacity_bytes if capacity_bytes is None else capacity_bytes,
+        sources=(
+            *cpu.sources,
+            f"tests: compute {compute_slowdown:g}x slower than the CPU preset"
+            + ("" if capacity_bytes is None else f", memory {capacity_bytes} B"),
+        ),
+    )
+    return dataclasses.replace(cluster, device=device)
+
+
+def reference_optimizer(name: str, params: Sequence[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The single-device optimizer ``ParallelModel.make_optimizer(lr=lr)`` must match, written
+    out here (not taken from autoplan) so the reference is independent of the code under test."""
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+# --- one case: what to train, how to plan it ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SeededBatches:
+    """``batches(step) = make(seed=step + 1, **kwargs)``: a picklable batch schedule for batch
+    makers with a ``seed=`` keyword (step 0 uses seed 1, the example batch)."""
+
+    make: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.make(seed=step + 1, **self.kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case:
+    """One equivalence run: a model, its batches and loss, a cluster, the plan's constraints."""
+
+    name: str
+    build_model: Callable[[], torch.nn.Module]
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+    """``batches(step) -> (input, target)``; step 0's batch is also the planning example."""
+    loss_fn: Callable[..., torch.Tensor]
+    preset: str
+    """A CPU preset; its device count is the number of ranks."""
+    mesh_shape: tuple[int, ...] | None = None
+    """``None``: the preset's mesh."""
+    compute_slowdown: float = 1.0
+    capacity_bytes: int | None = None
+    """Per-device memory; ``None``: the preset's. See :func:`cpu_cluster`."""
+    pins: Mapping[str, str] = field(default_factory=dict)
+    optimizer: str
+    """What the plan is costed for and what both sides run (:func:`reference_optimizer`)."""
+    lr: float
+    profile: str | None = "auto"
+    """``parallelize(profile=...)``: ``None`` plans from the analytic cost model only."""
+    num_steps: int = NUM_STEPS
+
+    @property
+    def num_devices(self) -> int:
+        return self.cluster().world_size
+
+    def cluster(self) -> autoplan.Cluster:
+        return cpu_cluster(
+            self.preset,
+            mesh_shape=self.mesh_shape,
+            compute_slowdown=self.compute_slowdown,
+            capacity_bytes=self.capacity_bytes,
+        )
+
+
+def _plan_key(plan: autoplan.Plan) -> str:
+    d = plan.to_dict()
+    return json.dumps({k: d[k] for k in ("placements", "nodes", "collectives")}, sort_keys=True)
+
+
+def train_both(
+    pm: Any,
+    reference: torch.nn.Module,
+    *,
+    batches: Callable[[int], Batch],
+    loss_fn: Callable[..., torch.Tensor],
+    opt: torch.optim.Optimizer,
+    ref_opt: torch.optim.Optimizer,
+    num_steps: int = NUM_STEPS,
+    check: bool = True,
+    after_backward: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """``num_steps`` steps of the parallel model ``pm`` (a ``ParallelModel`` or a pipeline) and of
+    the single-device ``reference``, step ``k`` on ``batches(k) = (inputs, targets)``;
+    ``check=True`` also asserts every op output has its planned placement (not for pipelines);
+    ``after_backward()`` runs after each sharded backward, before the optimizer step. Returns the
+    losses of both sides and the full parameters after the last step."""
+    losses, ref_losses = [], []
+    for step in range(num_steps):
+        inputs, targets = batches(step)
+        kwargs = {"check": True} if check else {}
+        losses.append(pm.forward_backward(*inputs, targets=tuple(targets), **kwargs).item())
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(reference(*inputs), *targets)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
+        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+    }
+
+
+def _as_batch(pair: tuple[torch.Tensor, torch.Tensor]) -> Batch:
+    x, y = pair
+    return (x,), (y,)
+
+
+def train_case(rank: int, world_size: int, case: Case) -> dict[str, Any]:
+    """Rank body of :func:`run_case`: plan ``case`` (rank 0 solves), check every rank got the
+    same plan, train both sides. Rank 0's result adds the plan."""
+    model = case.build_model()
+    reference = copy.deepcopy(model)
+    x, y = case.batches(0)
+    pm = autoplan.parallelize(
+        model,
+        case.cluster(),
+        example_inputs=(x,),
+        loss_fn=case.loss_fn,
+        example_targets=(y,),
+        pins=dict(case.pins),
+        optimizer=case.optimizer,
+        profile=case.profile,
+    )
+    # All ranks must run one plan: a disagreement should fail here, not hang in a collective.
+    keys: list[str | None] = [None] * world_size
+    dist.all_gather_object(keys, _plan_key(pm.plan))
+    assert all(k == keys[0] for k in keys), f"ranks planned differently: {[hash(k) for k in keys]}"
+    result = train_both(
+        pm,
+        reference,
+        batches=lambda step: _as_batch(case.batches(step)),
+        loss_fn=case.loss_fn,
+        opt=pm.make_optimizer(lr=case.lr),
+        ref_opt=reference_optimizer(case.optimizer, list(reference.parameters()), case.lr),
+        num_steps=case.num_steps,
+    )
+    return result | {"rank": rank, "plan": pm.plan if rank == 0 else None}
+
+
+def run_case(case: Case, *, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Run ``case`` on its ranks (:func:`train_case`); return the per-rank results."""
+    return run_ranks(train_case, case.num_devices, case, timeout_s=timeout_s)
+
+
+# --- the comparison --------------------------------------------------------------------------------
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (absolute error if b is all zeros)."""
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    diff = (a - b).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def param_errors(result: Mapping[str, Any]) -> dict[str, float]:
+    """Each parameter's relative error (:func:`rel_err`) after the last step, on one rank."""
+    return {n: rel_err(p, result["ref_params"][n]) for n, p in result["params"].items()}
+
+
+def _elementwise_excess(a: torch.Tensor, b: torch.Tensor, *, rel_tol: float, atol: float) -> float:
+    """max(|a - b| - (atol + rel_tol * |b|)): positive where ``a`` and ``b`` differ by more."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).abs() - (atol + rel_tol * b.abs())).max().item() if a.numel() else -math.inf
+
+
+def mismatches(
+    results: Sequence[Mapping[str, Any]],
+    *,
+    rel_tol: float = REL_TOL,
+    atol: float | None = None,
+    loss_atol: float | None = None,
+) -> list[str]:
+    """What differs from the single-device run, on any rank (empty: it trains alike). Losses and
+    parameters are compared as the module docstring says: relative to the reference's norm, or,
+    with ``atol``, elementwise; a loss may differ by ``loss_atol`` more (default: ``atol``, or 0).
+    A failing rank's line names its worst parameter and the error."""
+    loss_atol = (atol or 0.0) if loss_atol is None else loss_atol
+    problems = []
+    for rank, r in enumerate(results):
+        if set(r["params"]) != set(r["ref_params"]):
+            problems.append(f"rank {rank}: sharded and reference parameter sets differ")
+            continue
+        shapes = {n: (tuple(p.shape), tuple(r["ref_params"][n].shape)) for n, p in r["params"].items()}
+        if any(a != b for a, b in shapes.values()):
+            problems.append(
+                f"rank {rank}: parameter shapes differ: { {n: s for n, s in shapes.items() if s[0] != s[1]} }"
+            )
+            continue
+        for step, (loss, ref) in enumerate(zip(r["losses"], r["ref_losses"], strict=True)):
+            bound = rel_tol * abs(ref) + loss_atol
+            if not (math.isfinite(loss) and math.isfinite(ref) and abs(loss - ref) <= bound):
+                problems.append(f"rank {rank} step {step}: loss {loss!r} != single device {ref!r}")
+        if atol is None:
+            errors = param_errors(r)
+            bad = {n: e for n, e in errors.items() if not e <= rel_tol}
+            what = "relative error ||p - p_ref|| / ||p_ref||"
+        else:
+            errors = {
+                n: _elementwise_excess(p, r["ref_params"][n], rel_tol=rel_tol, atol=atol)
+                for n, p in r["params"].items()
+            }
+            bad = {n: e for n, e in errors.items() if not e <= 0.0}
+            what = f"largest |p - p_ref| beyond {atol:g} + {rel_tol:g} * |p_ref|"
+        if bad:
+            worst = max(bad, key=lambda n: math.inf if math.isnan(bad[n]) else bad[n])
+            problems.append(
+                f"rank {rank}: {len(bad)} parameter(s) differ after {len(r['losses'])} steps, worst {worst!r} "
+                f"({what}: {bad[worst]:.3e}); all: {', '.join(f'{n} {e:.2e}' for n, e in sorted(bad.items()))}"
+            )
+    return problems
+
+
+def assert_trains_like_reference(
+    results: Sequence[Mapping[str, Any]],
+    *,
+    rel_tol: float = REL_TOL,
+    atol: float | None = None,
+    loss_atol: float | None = None,
+) -> None:
+    """On every rank: equal losses at every step, equal parameters after the last step
+    (:func:`mismatches`)."""
+    problems = mismatches(results, rel_tol=rel_tol, atol=atol, loss_atol=loss_atol)
+    assert not problems, "\n".join(problems)
+
+
+# --- N ranks -----------------------------------------------------------------------------------------
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, crashed or timed out; the message holds their tracebacks."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, jobs: Any, results: Any) -> None:
+    """A pool rank: join the gloo group, then run ``fn(rank, world_size, *args)`` for each job
+    until ``None`` arrives; every result or traceback goes back with its job id."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except BaseException:  # noqa: BLE001 - the test gets the traceback
+        results.put((None, rank, "error", traceback.format_exc()))
+        return
+    try:
+        while (item := jobs.get()) is not None:
+            job_id, fn, args = item
+            try:
+                # Plain pickle (not torch's shared-memory reductions): the bytes outlive this process.
+                results.put((job_id, rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
+            except BaseException:  # noqa: BLE001 - every failure goes back to the test with its traceback
+                results.put((job_id, rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` spawned gloo ranks that run jobs ``fn(rank, world_size, *args)`` (spawning
+    costs seconds of imports; a pool pays them once). A job that fails on any rank, or gives no
+    result within ``timeout_s``, raises :class:`RankFailure` and stops the ranks (one may be left
+    inside a collective); the next job starts fresh ones."""
+
+    def __init__(self, world_size: int, *, timeout_s: float = 300.0) -> None:
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.num_starts = 0
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._next_id = 0
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        port = free_port()
+        self._jobs = [self._ctx.Queue() for _ in range(self.world_size)]
+        self._results = self._ctx.Queue()
+        self._procs = [
+            self._ctx.Process(
+                target=_rank_main,
+                args=(r, self.world_size, port, self.timeout_s, self._jobs[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.num_starts += 1
+
+    def stop(self, *, graceful: bool = True) -> None:
+        """End the ranks: ask them to leave (``graceful``) or kill them, then release the queues."""
+        if not self._procs:
+            return
+        if graceful:
+            for q, p in zip(self._jobs, self._procs, strict=True):
+                if p.is_alive():
+                    q.put(None)
+            for p in self._procs:
+                p.join(timeout=10.0)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        for q in (*self._jobs, self._results):
+            q.close()
+            if not graceful:
+                q.cancel_join_thread()  # a killed reader never drains its pipe
+        self._procs = []
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; the per-rank results in rank order."""
+        if not self._procs:
+            self._start()
+        job_id, self._next_id = self._next_id, self._next_id + 1
+        for q in self._jobs:
+            q.put((job_id, fn, args))
+        values, errors = self._collect(job_id)
+        if errors:
+            self.stop(graceful=False)
+            text = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            raise RankFailure(f"{len(errors)} of {self.world_size} ranks failed:\n{text}")
+        return [values[r] for r in range(self.world_size)]
+
+    def _collect(self, job_id: int) -> tuple[dict[int, Any], dict[int, str]]:
+        """Wait for every rank's result of ``job_id``. A rank that exited without one is given
+        2 s for its message to arrive; after a failure the others get 5 s to report theirs (they
+        may be blocked in a collective with the failed rank)."""
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        dead_since: dict[int, float] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(values) + len(errors) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                jid, rank, status, payload = self._results.get(timeout=min(0.5, deadline - now))
+            except queue.Empty:
+                for r, p in enumerate(self._procs):
+                    if r not in values and r not in errors and p.exitcode is not None:
+                        if now - dead_since.setdefault(r, now) > 2.0:
+                            errors[r] = f"rank {r} exited with code {p.exitcode} without a result"
+                            deadline = min(deadline, now + 5.0)
+                continue
+            assert jid in (job_id, None), f"result of job {jid} while running job {job_id}"  # each job is awaited
+            if status == "ok":
+                values[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                deadline = min(deadline, time.monotonic() + 5.0)
+        for r in range(self.world_size):
+            if r not in values and r not in errors:
+                errors[r] = (
+                    f"rank {r} gave no result within the time limit "
+                    f"({self.timeout_s:.0f} s, or 5 s after another rank failed)"
+                )
+        return values, errors
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` once on ``world_size`` fresh gloo ranks; the per-rank
+    results in rank order, or :class:`RankFailure` with each failing rank's traceback."""
+    with RankPool(world_size, timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args)
