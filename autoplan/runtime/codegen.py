@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -217,98 +217,145 @@ def generate_program(
     ``defer_grad_conversions=True`` returns every parameter gradient as its producer made it (no
     conversion, no bucket): the caller runs the gradient :class:`Redistribution` steps itself,
     e.g. once after accumulating micro-batches (exact: every step is linear)."""
-    mesh_ndim = len(axis_names)
     src_gm = traced.graph_module
-    redistributions = edge_redistributions(traced, assignment, mesh_ndim)
-    by_edge = {(r.consumer, r.arg_index): r for r in redistributions}
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    mesh_node: fx.Node | None = None
-    # gradients that are not bucketed are converted right after they are produced, so a partial
-    # (full-size) gradient is freed at once instead of living to the end of the backward
-    output_node = next(n for n in src_gm.graph.nodes if n.op == "output")
-    grad_conversions: dict[fx.Node, list[tuple[int, Redistribution]]] = {}
-    for i, (pname, g) in enumerate(zip(traced.trainable_names, output_node.args[0][1:], strict=True)):
-        r = by_edge.get((param_node_name(pname), -1))
-        if r is not None and r.bucket is None and not defer_grad_conversions:
-            grad_conversions.setdefault(g, []).append((i, r))
-    converted_grads: dict[int, fx.Node] = {}
-
-    def convert_grads(node: fx.Node) -> None:
-        for i, r in grad_conversions.get(node, ()):
-            converted_grads[i] = _emit_steps(graph, env[node], r.steps, axis_names)
-
+    redistributions = edge_redistributions(traced, assignment, len(axis_names))
+    emit = _ProgramEmitter(
+        traced,
+        assignment,
+        {(r.consumer, r.arg_index): r for r in redistributions},
+        fallback_nodes=fallback_nodes,
+        axis_names=axis_names,
+        device=device,
+        defer_grad_conversions=defer_grad_conversions,
+    )
     for node in src_gm.graph.nodes:
         if node.op == "output":
-            loss, *grads = node.args[0]
-            new_loss = env[loss]
-            r = by_edge.get((OUTPUT, -1))
-            if r is not None:
-                new_loss = _emit_steps(graph, new_loss, r.steps, axis_names)
-            new_grads: list[fx.Node] = []
-            buckets: dict[str, list[int]] = {}
-            for i, (pname, g) in enumerate(zip(traced.trainable_names, grads, strict=True)):
-                r = by_edge.get((param_node_name(pname), -1))
-                if r is not None and r.bucket is not None and not defer_grad_conversions:
-                    buckets.setdefault(r.bucket, []).append(i)
-                new_grads.append(converted_grads.get(i, env[g]))
-            for members in buckets.values():
-                r = by_edge[(param_node_name(traced.trainable_names[members[0]]), -1)]
-                group = [new_grads[i] for i in members]
-                for st in r.steps:
-                    red = graph.create_node(
-                        "call_function",
-                        runtime.all_reduce_coalesced,
-                        (tuple(group),),
-                        {"axis": st.axis},
-                        name=f"all_reduce_coalesced_{axis_names[st.axis]}",
-                    )
-                    group = [graph.call_function(operator.getitem, (red, j)) for j in range(len(members))]
-                for i, node in zip(members, group, strict=True):
-                    new_grads[i] = node
-            graph.output((new_loss, *new_grads))
-            continue
-        if node.op != "call_function" or node.target is operator.getitem or node.name not in assignment:
-            new = graph.node_copy(node, lambda n: env[n])
-            if node.op == "call_function":
-                new.kwargs = _fix_device(dict(new.kwargs), device)
-            env[node] = new
-            convert_grads(node)
-            continue
-        targs = tensor_args(node)
+            emit.output(node)
+        elif node.op != "call_function" or node.target is operator.getitem or node.name not in assignment:
+            emit.copy(node)
+        else:
+            emit.planned_op(node)
+    root = torch.nn.Module()
+    for n in emit.graph.nodes:
+        if n.op == "get_attr" and n.target != "device_mesh":
+            setattr(root, n.target, getattr(src_gm, n.target))
+    root.device_mesh = mesh  # type: ignore[assignment]  # read by the program's get_attr
+    gm = fx.GraphModule(root, emit.graph, class_name="AutoplanStep")
+    gm.recompile()
+    return GeneratedProgram(graph_module=gm, redistributions=tuple(redistributions))
+
+
+class _ProgramEmitter:
+    """Builds the generated graph node by node, in the traced program's order: each node is
+    copied (:meth:`copy`), emitted with the conversions of its arguments (:meth:`planned_op`), or,
+    for the output, with the loss and gradient conversions (:meth:`output`)."""
+
+    def __init__(
+        self,
+        traced: TracedProgram,
+        assignment: Mapping[str, Strategy],
+        by_edge: Mapping[tuple[str, int], Redistribution],
+        *,
+        fallback_nodes: frozenset[str],
+        axis_names: tuple[str, ...],
+        device: torch.device,
+        defer_grad_conversions: bool,
+    ) -> None:
+        self.traced = traced
+        self.assignment = assignment
+        self.by_edge = by_edge
+        self.fallback_nodes = fallback_nodes
+        self.axis_names = axis_names
+        self.device = device
+        self.defer_grad_conversions = defer_grad_conversions
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.mesh_node: fx.Node | None = None
+        # gradients that are not bucketed are converted right after they are produced, so a partial
+        # (full-size) gradient is freed at once instead of living to the end of the backward
+        output_node = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
+        self.grad_conversions: dict[fx.Node, list[tuple[int, Redistribution]]] = {}
+        for i, (pname, g) in enumerate(zip(traced.trainable_names, output_node.args[0][1:], strict=True)):
+            r = by_edge.get((param_node_name(pname), -1))
+            if r is not None and r.bucket is None and not defer_grad_conversions:
+                self.grad_conversions.setdefault(g, []).append((i, r))
+        self.converted_grads: dict[int, fx.Node] = {}
+        """Trainable parameter index -> its gradient converted right after production."""
+
+    def _convert_grads(self, node: fx.Node) -> None:
+        for i, r in self.grad_conversions.get(node, ()):
+            self.converted_grads[i] = _emit_steps(self.graph, self.env[node], r.steps, self.axis_names)
+
+    def copy(self, node: fx.Node) -> None:
+        """A placeholder, constant, ``getitem`` or unplanned op: copied as it is (on ``device``)."""
+        new = self.graph.node_copy(node, lambda n: self.env[n])
+        if node.op == "call_function":
+            new.kwargs = _fix_device(dict(new.kwargs), self.device)
+        self.env[node] = new
+        self._convert_grads(node)
+
+    def planned_op(self, node: fx.Node) -> None:
+        """A planned op: its arguments converted to the placements its strategy needs, then the op
+        (run on the replicated values for a fallback node), tagged with its output placements."""
+        graph, env = self.graph, self.env
         converted: list[fx.Node] = []
-        for i, a in enumerate(targs):
-            r = by_edge.get((node.name, i))
+        for i, a in enumerate(tensor_args(node)):
+            r = self.by_edge.get((node.name, i))
             x = env[a]
-            if r is not None and resolve_value(a).node not in assignment and not _is_dtensor_input(a):
+            if r is not None and resolve_value(a).node not in self.assignment and not _is_dtensor_input(a):
                 # a constant (plain tensor, same on every rank) needed sharded: wrap, then slice
-                if mesh_node is None:
-                    mesh_node = graph.get_attr("device_mesh")
+                if self.mesh_node is None:
+                    self.mesh_node = graph.get_attr("device_mesh")
                 x = graph.create_node(
-                    "call_function", runtime.replicate, (x, mesh_node), {}, name=f"{a.name}_replicated"
+                    "call_function", runtime.replicate, (x, self.mesh_node), {}, name=f"{a.name}_replicated"
                 )
-            converted.append(_emit_steps(graph, x, r.steps, axis_names) if r is not None else x)
+            converted.append(_emit_steps(graph, x, r.steps, self.axis_names) if r is not None else x)
         new_args = _replace_tensor_args(node.args, iter(converted), env)
-        new_kwargs = _fix_device(dict(fx.node.map_arg(node.kwargs, lambda n: env[n])), device)
-        if node.name in fallback_nodes:
+        new_kwargs = _fix_device(dict(fx.node.map_arg(node.kwargs, lambda n: env[n])), self.device)
+        if node.name in self.fallback_nodes:
+            op = cast(Argument, node.target)  # an OpOverload: fx passes a callable argument through as it is
             new = graph.create_node(
-                "call_function", runtime.replicated_call, (node.target, *new_args), new_kwargs, name=node.name
+                "call_function", runtime.replicated_call, (op, *new_args), new_kwargs, name=node.name
             )
         else:
             new = graph.create_node("call_function", node.target, tuple(new_args), new_kwargs, name=node.name)
         new.meta = dict(node.meta)
-        strat = assignment[node.name]
+        strat = self.assignment[node.name]
         new.meta["autoplan.output_specs"] = strat.output_specs
         env[node] = new
-        convert_grads(node)
-    root = torch.nn.Module()
-    for n in graph.nodes:
-        if n.op == "get_attr" and n.target != "device_mesh":
-            setattr(root, n.target, getattr(src_gm, n.target))
-    root.device_mesh = mesh  # type: ignore[assignment]  # read by the program's get_attr
-    gm = fx.GraphModule(root, graph, class_name="AutoplanStep")
-    gm.recompile()
-    return GeneratedProgram(graph_module=gm, redistributions=tuple(redistributions))
+        self._convert_grads(node)
+
+    def output(self, node: fx.Node) -> None:
+        """The output: the loss converted to replicated, each gradient converted (already, right
+        after production, or here in coalesced all-reduces per bucket)."""
+        graph, env, trainable_names = self.graph, self.env, self.traced.trainable_names
+        loss, *grads = cast("tuple[fx.Node, ...]", node.args[0])
+        new_loss = env[loss]
+        r = self.by_edge.get((OUTPUT, -1))
+        if r is not None:
+            new_loss = _emit_steps(graph, new_loss, r.steps, self.axis_names)
+        new_grads: list[fx.Node] = []
+        buckets: dict[str, list[int]] = {}
+        for i, (pname, g) in enumerate(zip(trainable_names, grads, strict=True)):
+            r = self.by_edge.get((param_node_name(pname), -1))
+            if r is not None and r.bucket is not None and not self.defer_grad_conversions:
+                buckets.setdefault(r.bucket, []).append(i)
+            new_grads.append(self.converted_grads.get(i, env[g]))
+        for members in buckets.values():
+            r = self.by_edge[(param_node_name(trainable_names[members[0]]), -1)]
+            group = [new_grads[i] for i in members]
+            for st in r.steps:
+                red = graph.create_node(
+                    "call_function",
+                    runtime.all_reduce_coalesced,
+                    (tuple(group),),
+                    {"axis": st.axis},
+                    name=f"all_reduce_coalesced_{self.axis_names[st.axis]}",
+                )
+                group = [graph.call_function(operator.getitem, (red, j)) for j in range(len(members))]
+            for i, reduced in zip(members, group, strict=True):
+                new_grads[i] = reduced
+        graph.output((new_loss, *new_grads))
 
 
 def expected_output_placements(gm: fx.GraphModule) -> dict[str, Spec]:
