@@ -26,7 +26,7 @@ _EXPORTS = {
     "PlanMismatchError": "autoplan.errors",
     "UnknownDeviceError": "autoplan.errors",
     "UnsupportedModelError": "autoplan.errors",
-    "TrainingEstimate": "autoplan.planner.estimate",
+    "TrainingEstimate": "autoplan.cost_models.step",
     "estimate": "autoplan.api",
     "ParallelModel": "autoplan.runtime.parallel",
     "Plan": "autoplan.planner.plan",
@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from autoplan.cost_models.cluster import Cluster
     from autoplan.cost_models.config import ParallelConfig
     from autoplan.cost_models.hardware import DeviceSpec
+    from autoplan.cost_models.step import TrainingEstimate
     from autoplan.errors import (
         ClusterSpecError,
         ConfigError,
@@ -80,7 +81,6 @@ if TYPE_CHECKING:
         UnknownDeviceError,
         UnsupportedModelError,
     )
-    from autoplan.planner.estimate import TrainingEstimate
     from autoplan.planner.plan import Plan
     from autoplan.runtime.parallel import ParallelModel
     from autoplan.workload import Workload

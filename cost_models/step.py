@@ -2,7 +2,7 @@ r"""The training step of one configuration: per-stage time and memory, composed 
 
 Input: a :class:`~autoplan.cost_models.config.ParallelConfig`, the :class:`SegmentCosts` of its
 micro-batch on its tensor-parallel group (the intra-operator ILP summed per layer segment by
-:mod:`autoplan.planner.segment_costs`) and the cluster. Output: a :class:`PipelineEstimate`. The
+:mod:`autoplan.planner.segment_costs`) and the cluster. Output: a :class:`TrainingEstimate`. The
 joint search (:mod:`autoplan.planner.search`) and ``autoplan.estimate`` price every configuration
 with :func:`evaluate`.
 
@@ -54,6 +54,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autoplan.cost_models.cluster import Cluster, LinkSpec
 from autoplan.cost_models.comm import link_time_s, overlaps_compute
@@ -127,31 +128,93 @@ class StageEstimate:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineEstimate:
+class TrainingEstimate:
+    """Estimated training step of one configuration on a cluster (per device where it says):
+    what ``autoplan.estimate`` returns and what the joint search compares, with the per-stage
+    detail in ``stages``."""
+
     config: ParallelConfig
-    stages: tuple[StageEstimate, ...]
     step_time_s: float
     compute_s: float
-    """Busy compute time of the slowest pipeline rank (forward + backward + recompute)."""
-    bubble_s: float
-    p2p_exposed_s: float
+    """Busy compute of the slowest pipeline rank (forward, backward, recomputation)."""
     exposed_comm_s: float
-    """Tensor-parallel collectives inside the stages + exposed gradient sync + p2p."""
+    """Communication not hidden behind compute: tensor-parallel collectives, exposed gradient
+    synchronisation, pipeline point-to-point."""
+    bubble_s: float
+    """Idle time of the pipeline schedule (0 without pipeline parallelism)."""
     optimizer_s: float
-    memory_per_rank_bytes: tuple[float, ...]
-    """Per pipeline rank: the memory of its stages (interleaving puts several on a rank)."""
-    peak_memory_bytes: float
-    """Largest per-device memory over the pipeline ranks."""
+    memory_per_device_bytes: tuple[float, ...]
+    """Peak bytes per device of each pipeline rank (devices of one rank are alike; interleaving
+    puts several stages on a rank)."""
     capacity_bytes: float
-    flops_per_step: float
-    mfu: float
     tokens_per_s: float
+    mfu: float
+    """Model FLOPs utilisation: model FLOPs per step / (step time x devices x peak FLOP/s)."""
     feasible: bool
-    note: str = ""
+    precision: str
+    num_blocks: int
+    """Repeated blocks of the model priced (segments: prologue, the blocks, epilogue)."""
+    stages: tuple[StageEstimate, ...]
+    """Per pipeline stage: segments, rank, times, recomputation and memory by part."""
+    p2p_exposed_s: float
+    """Pipeline point-to-point time not hidden by the schedule (part of ``exposed_comm_s``)."""
+    flops_per_step: float
+
+    @property
+    def peak_memory_bytes(self) -> float:
+        """Largest per-device memory over the pipeline ranks."""
+        return max(self.memory_per_device_bytes)
+
+    @property
+    def memory_parts_bytes(self) -> tuple[dict[str, float], ...]:
+        """Per pipeline stage: weights, grads, optimizer, activations, transient."""
+        return tuple(dict(st.memory_parts) for st in self.stages)
 
     @property
     def stage_starts(self) -> tuple[int, ...]:
+        """First segment of each stage (segment 0 = prologue, 1..L = blocks, L+1 = epilogue)."""
         return tuple(s.segments[0] for s in self.stages)
+
+    @property
+    def stage_recompute(self) -> tuple[str, ...]:
+        return tuple(st.recompute for st in self.stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The estimate as plain values (``autoplan estimate --json``): the fields a user reads,
+        per-stage memory and layout instead of the stage objects."""
+        return {
+            "config": self.config.to_dict(),
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "bubble_s": self.bubble_s,
+            "optimizer_s": self.optimizer_s,
+            "memory_per_device_bytes": self.memory_per_device_bytes,
+            "memory_parts_bytes": self.memory_parts_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "stage_starts": self.stage_starts,
+            "stage_recompute": self.stage_recompute,
+            "feasible": self.feasible,
+            "precision": self.precision,
+            "num_blocks": self.num_blocks,
+        }
+
+    def summary(self) -> str:
+        gib = 2**30
+        lines = [
+            f"config: {self.config}",
+            f"step time {self.step_time_s * 1e3:.1f} ms = compute {self.compute_s * 1e3:.1f} ms "
+            f"+ exposed comm {self.exposed_comm_s * 1e3:.1f} ms + bubble {self.bubble_s * 1e3:.1f} ms "
+            f"+ optimizer {self.optimizer_s * 1e3:.1f} ms (parts overlap)",
+            f"throughput {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}",
+            f"peak memory per device {self.peak_memory_bytes / gib:.2f} GiB of {self.capacity_bytes / gib:.1f} GiB"
+            + ("" if self.feasible else "  (DOES NOT FIT)"),
+        ]
+        if self.config.pp > 1:
+            lines.append(f"stages start at segments {list(self.stage_starts)}, recompute {list(self.stage_recompute)}")
+        return "\n".join(lines)
 
 
 # --- topology ---------------------------------------------------------------------------------
@@ -390,7 +453,7 @@ def evaluate(
     tokens_per_sample: int = 1,
     stage_costs: Sequence[SegmentCosts] | None = None,
     memory_only: bool = False,
-) -> PipelineEstimate:
+) -> TrainingEstimate:
     """Step time and memory of ``config`` with ``costs`` of its (tp, microbatch size)
     (``memory_only``: the memory and feasibility only, the times left at 0 — the search's
     per-stage recomputation choice needs nothing else).
@@ -428,43 +491,44 @@ def evaluate(
     capacity = float(cluster.device.mem_capacity_bytes)
     peak = max(per_rank)
     if memory_only:
-        return PipelineEstimate(
-            config=config, stages=stages, step_time_s=0.0, compute_s=0.0, bubble_s=0.0, p2p_exposed_s=0.0,
-            exposed_comm_s=0.0, optimizer_s=0.0, memory_per_rank_bytes=tuple(per_rank),
-            peak_memory_bytes=peak, capacity_bytes=capacity, flops_per_step=0.0, mfu=0.0,
-            tokens_per_s=0.0, feasible=peak <= capacity,
+        return TrainingEstimate(
+            config=config, step_time_s=0.0, compute_s=0.0, exposed_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
+            memory_per_device_bytes=tuple(per_rank), capacity_bytes=capacity, tokens_per_s=0.0, mfu=0.0,
+            feasible=peak <= capacity, precision=precision, num_blocks=len(segs) - 2, stages=stages,
+            p2p_exposed_s=0.0, flops_per_step=0.0,
         )  # fmt: skip
     makespan, compute, bubble, p2p_exposed = _pipeline_times(config, costs, cluster, priced, bounds)
     step = makespan + max(p.sync_exposed_s + p.optimizer_s for p in priced)
     m = config.num_microbatches
     flops = sum(s.flops for s in segs) * m * config.dp
     peak_flops = cluster.device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
-    return PipelineEstimate(
+    return TrainingEstimate(
         config=config,
-        stages=stages,
         step_time_s=step,
         compute_s=compute,
-        bubble_s=bubble,
-        p2p_exposed_s=p2p_exposed,
         exposed_comm_s=m * max(0.0, *(p.tp_comm_s for p in priced))
         + max(p.sync_exposed_s for p in priced)
         + p2p_exposed,
+        bubble_s=bubble,
         optimizer_s=max(p.optimizer_s for p in priced),
-        memory_per_rank_bytes=tuple(per_rank),
-        peak_memory_bytes=peak,
+        memory_per_device_bytes=tuple(per_rank),
         capacity_bytes=capacity,
-        flops_per_step=flops,
-        mfu=flops / (step * peak_flops) if step > 0 else 0.0,
         tokens_per_s=config.dp * config.microbatch_size * m * tokens_per_sample / step if step > 0 else 0.0,
+        mfu=flops / (step * peak_flops) if step > 0 else 0.0,
         feasible=peak <= capacity,
+        precision=precision,
+        num_blocks=len(segs) - 2,
+        stages=stages,
+        p2p_exposed_s=p2p_exposed,
+        flops_per_step=flops,
     )
 
 
 __all__ = [
-    "PipelineEstimate",
     "SegmentCost",
     "SegmentCosts",
     "StageEstimate",
+    "TrainingEstimate",
     "evaluate",
     "group_link",
     "recompute_parts",

@@ -72,7 +72,7 @@ _TORCH_FREE = "torch-free: "
 FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
     # The package: `import autoplan`, `autoplan --help` and the review commands load no torch.
     ("autoplan", "autoplan.api"): f"{_TORCH_FREE}{_LAZY}",
-    ("autoplan", "autoplan.planner.estimate"): f"{_TORCH_FREE}{_LAZY}",
+    ("autoplan", "autoplan.cost_models.step"): f"{_TORCH_FREE}{_LAZY}",
     ("autoplan", "autoplan.runtime.parallel"): f"{_TORCH_FREE}{_LAZY}",
     ("autoplan", "autoplan.workload"): f"{_TORCH_FREE}{_LAZY}",
     ("autoplan", "autoplan.cost_models.cluster"): f"{_LAZY}: every public name resolves through the one table",

@@ -81,7 +81,7 @@ def test_uniform_degrees_reproduce_the_uniform_estimate():
         stage_costs=[_costs(2)] * 4,
     )  # fmt: skip
     assert same.step_time_s == pytest.approx(uniform.step_time_s, rel=1e-12)
-    assert same.memory_per_rank_bytes == pytest.approx(uniform.memory_per_rank_bytes, rel=1e-12)
+    assert same.memory_per_device_bytes == pytest.approx(uniform.memory_per_device_bytes, rel=1e-12)
     assert same.mfu == pytest.approx(uniform.mfu, rel=1e-12)
 
 

@@ -31,7 +31,7 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import SCHEDULES, ParallelConfig
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.profile_db import ProfileDB
-from autoplan.cost_models.step import evaluate
+from autoplan.cost_models.step import TrainingEstimate, evaluate
 from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
@@ -39,7 +39,6 @@ from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.strategies import NodeStrategies, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
 from autoplan.planner import plan_cache, progress
-from autoplan.planner.estimate import TrainingEstimate, to_training_estimate
 from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import as_cluster, planning_mesh, stage_axes, stage_cluster
 from autoplan.planner.plan import Estimate, PipelineLayout, Plan
@@ -84,13 +83,12 @@ def estimate(
     costs._traced(config.microbatch_size)  # noqa: SLF001 - learn the number of blocks before any ILP
     _check_config(config, cluster, costs.num_blocks, global_batch_size)
     seg = costs(config.tp, config.microbatch_size)
-    cand = config.canonical()
     samples = config.dp * config.microbatch_size
     stage_costs = [costs(config.tp, samples // d) for d in config.stage_dp] if config.stage_dp else None
-    est = evaluate(
-        cand, seg, cluster, precision=precision, tokens_per_sample=_tokens_per_sample(inputs), stage_costs=stage_costs
-    )
-    return to_training_estimate(est, precision=precision, num_blocks=costs.num_blocks)
+    return evaluate(
+        config.canonical(), seg, cluster, precision=precision, tokens_per_sample=_tokens_per_sample(inputs),
+        stage_costs=stage_costs,
+    )  # fmt: skip
 
 
 def search_config(
@@ -158,8 +156,7 @@ def _search(
         precision=precision,
         tokens_per_sample=_tokens_per_sample(inputs),
     )
-    conv = [to_training_estimate(e, precision=precision, num_blocks=costs.num_blocks) for e in every]
-    return to_training_estimate(best, precision=precision, num_blocks=costs.num_blocks), conv, costs
+    return best, every, costs
 
 
 __all__ = ["SegmentCostModel", "estimate", "plan_for_batch", "search_config"]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import RECOMPUTE, SCHEDULES, ParallelConfig, Recompute, Schedule, schedule_problem
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
-from autoplan.cost_models.step import PipelineEstimate, SegmentCosts, evaluate, uniform_starts
+from autoplan.cost_models.step import SegmentCosts, TrainingEstimate, evaluate, uniform_starts
 from autoplan.planner.segment_costs import SegmentCostOracle
 
 SegmentCostFn = Callable[[int, int], SegmentCosts]
@@ -184,7 +184,7 @@ def best_layout(
     space: SearchSpace,
     precision: str,
     tokens_per_sample: int,
-) -> PipelineEstimate:
+) -> TrainingEstimate:
     """The best stage split (uniform, or balanced by the min-max partition) and per-stage
     recomputation (the least per stage that fits) for ``cand``."""
     nseg = len(costs.segments)
@@ -192,7 +192,7 @@ def best_layout(
     splits = {uniform_starts(nseg, nstages)}
     if space.balanced_stages and nstages > 1:
         splits.add(_balanced_starts([s.fwd_s + s.bwd_s for s in costs.segments], nstages))
-    best: PipelineEstimate | None = None
+    best: TrainingEstimate | None = None
     for starts in sorted(splits):
         est = evaluate(
             cand, costs, cluster, stage_starts=starts, precision=precision, tokens_per_sample=tokens_per_sample
@@ -212,7 +212,7 @@ def best_layout(
                 ]
                 for level in levels
             }  # fmt: skip
-            per_rank = list(est.memory_per_rank_bytes)
+            per_rank = list(est.memory_per_device_bytes)
             rec: list[str] = [cand.recompute] * nstages
             for k in range(nstages):
                 r = k % cand.pp
@@ -302,7 +302,7 @@ def hetero_layout(
     precision: str,
     tokens_per_sample: int,
     memo: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] | None = None,
-) -> PipelineEstimate | None:
+) -> TrainingEstimate | None:
     """``cand`` with sub-meshes of different sizes per stage: a heavy stage gets more
     data-parallel replicas (and a light one fewer) instead of leaving the pipeline unbalanced.
 
@@ -345,7 +345,7 @@ def hetero_layout(
     )
 
 
-def _key(e: PipelineEstimate) -> tuple[bool, float]:
+def _key(e: TrainingEstimate) -> tuple[bool, float]:
     return (not e.feasible, e.step_time_s if e.feasible else e.peak_memory_bytes)
 
 
@@ -359,7 +359,7 @@ def search(
     precision: str = "fp32",
     tokens_per_sample: int = 1,
     expand_to_blocks: int | None = None,
-) -> tuple[PipelineEstimate, list[PipelineEstimate]]:
+) -> tuple[TrainingEstimate, list[TrainingEstimate]]:
     """The fastest feasible configuration, and every evaluated one (best layout each).
 
     ``cost_fn(tp, b)`` gives the segment costs of one micro-batch of ``b`` samples on a
@@ -379,7 +379,7 @@ def search(
 
     splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
 
-    def layout(cand: ParallelConfig, cost_at: SegmentCostFn) -> PipelineEstimate:
+    def layout(cand: ParallelConfig, cost_at: SegmentCostFn) -> TrainingEstimate:
         """The best layout of ``cand``: :func:`best_layout`, or :func:`hetero_layout` if faster."""
         est = best_layout(
             cand,
@@ -408,7 +408,7 @@ def search(
         for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
         if space.fixed is None or c == space.fixed
     ]
-    early: dict[int, PipelineEstimate] = {}
+    early: dict[int, TrainingEstimate] = {}
     if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once (in parallel)
         keys = {(c.tp, c.microbatch_size) for c in todo}
         # lay out the candidates whose costs are in while the others are being solved
@@ -461,8 +461,8 @@ class _EarlyLayouts:
         todo: Sequence[ParallelConfig],
         ready: Callable[[int, int], bool],
         costs: SegmentCostFn,
-        layout: Callable[[ParallelConfig, SegmentCostFn], PipelineEstimate],
-        early: dict[int, PipelineEstimate],
+        layout: Callable[[ParallelConfig, SegmentCostFn], TrainingEstimate],
+        early: dict[int, TrainingEstimate],
     ) -> None:
         self.todo, self.ready, self.costs, self.layout, self.early = todo, ready, costs, layout, early
         self.waiting: dict[tuple[int, int], list[int]] = {}

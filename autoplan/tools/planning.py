@@ -64,7 +64,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         precision=args.precision, optimizer=args.optimizer or wl.optimizer,
     )  # fmt: skip
     if args.json:
-        d = dataclasses.asdict(est)
+        d = est.to_dict()
         d["config"] = config.to_dict()
         print(json.dumps(d), file=console.stdout())
     else:
