@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+import autoplan.cost_models as _cost_models_pkg
+import autoplan.passes as _passes_pkg
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.profile_db import ProfileDB, default_cache_dir
@@ -46,17 +48,27 @@ from autoplan.planner.plan import Plan
 
 log = logging.getLogger(__name__)
 
-_PACKAGES = ("autoplan", "passes", "cost_models")
+_PACKAGE_DIRS = (
+    Path(__file__).resolve().parent.parent,  # autoplan/ (its subpackages planner, runtime, tools included)
+    Path(_passes_pkg.__file__).resolve().parent,  # passes/ (autoplan/passes is a link to it in a checkout)
+    Path(_cost_models_pkg.__file__).resolve().parent,  # cost_models/
+)
+
+
+def source_files() -> list[Path]:
+    """Every source file of autoplan, each once. ``rglob`` does not follow the checkout's links
+    autoplan/passes and autoplan/cost_models: those folders are listed themselves (an installed
+    wheel holds them as real folders; resolving counts a file once either way)."""
+    return sorted({f.resolve() for root in _PACKAGE_DIRS for f in root.rglob("*.py")})
 
 
 @functools.cache
 def _source_digest() -> str:
-    root = Path(__file__).resolve().parent.parent
+    """A digest of every source file of autoplan, so a cached plan made by other code is a miss."""
     h = hashlib.sha256()
-    for pkg in _PACKAGES:
-        for f in sorted((root / pkg).glob("*.py")):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
+    for f in source_files():
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
     return h.hexdigest()
 
 

@@ -151,7 +151,7 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
     if not verbose:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.setdefault("LOGLEVEL", "ERROR")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the autoplan package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if not args.quiet:
         print(

@@ -223,7 +223,7 @@ def _rank_environment(args: argparse.Namespace) -> dict[str, str]:
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         env.setdefault("LOGLEVEL", "ERROR")
         env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding the autoplan package
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
