@@ -16,19 +16,21 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import overlaps_compute, transition_cost_s
-from autoplan.cost_models.compute import tensor_bytes
 from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.memory import tensor_bytes
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from autoplan.passes import liveness, pass_order
 from autoplan.passes.costing import CostProblem
+from autoplan.passes.liveness import MemoryEstimate
+from autoplan.passes.overlap import StepSchedule
 from autoplan.passes.placement import parse_spec, spec_str, spec_strs
-from autoplan.passes.strategies import NodeStrategies, StrategyTable, ValueRef
+from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, ValueRef
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import planning_mesh, stage_cluster
 from autoplan.planner.plan import CollectiveRecord, Estimate, Plan, software_versions
-from autoplan.planner.solver import ShardingILP, SolverOptions
-from autoplan.runtime.codegen import edge_redistributions
+from autoplan.planner.solver import ShardingILP, Solution, SolverOptions
+from autoplan.runtime.codegen import Redistribution, edge_redistributions
 
 log = logging.getLogger(__name__)
 
@@ -142,81 +144,40 @@ def plan_traced(
     """Plan an already traced training step on ``mesh`` (the cluster's shape); op times come
     from ``profile`` where it has them (see :func:`open_profile`). ``restrict`` may remove
     strategies from the table after the pins (e.g. the data-parallel layout a configuration fixes);
-    ``adjust`` may rewrite the cost problem before the ILP (e.g. repeated blocks' multiplicity)."""
+    ``adjust`` may rewrite the cost problem before the ILP (e.g. repeated blocks' multiplicity).
+
+    Phases: price the strategies (:func:`_price`), solve the ILP, then analyse the chosen program
+    (its collectives :func:`_collective_times`, overlap, memory :func:`_peak_memory`) into the plan."""
     t0 = time.perf_counter()
-    progress.step(f"placement strategies for {len(traced.graph_module.graph.nodes)} nodes")
-    table = pass_order.STRATEGIES(traced, mesh)
-    apply_pins(table, traced, pins or {})
-    if restrict is not None:
-        restrict(table, traced)
-    progress.step("pricing strategies and conversions")
-    problem = pass_order.COSTING(traced, table, cluster, optimizer=optimizer, profile=profile)
-    if adjust is not None:
-        problem = adjust(problem)
+    table, problem = _price(
+        traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, profile=profile, restrict=restrict, adjust=adjust
+    )
     progress.step(f"solving the placement ILP ({sum(len(t) for t in problem.node_time_s.values()):,} choices)")
     solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
 
-    gm = traced.graph_module
-    node_by_name = {n.name: n for n in gm.graph.nodes}
     redistributions = edge_redistributions(traced, assignment, cluster.mesh_ndim)
-    times_s = []
-    buckets_seen: set[str] = set()
-    for r in redistributions:
-        nbytes = _value_bytes(node_by_name, r.producer)
-        t = transition_cost_s(r.src, r.dst, nbytes, cluster, include_latency=r.bucket is None)
-        if r.bucket is not None and r.bucket not in buckets_seen:
-            buckets_seen.add(r.bucket)
-            t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
-        times_s.append(t)
+    times_s = _collective_times(traced, redistributions, cluster)
     chosen_time_s = {n: problem.node_time_s[n][s] for n, s in solution.choice.items()}
     schedule = pass_order.OVERLAP(
-        gm,
+        traced.graph_module,
         chosen_time_s,
         redistributions,
         times_s,
         param_nodes=[param_node_name(n) for n in traced.param_names],
         device_overlaps=overlaps_compute(cluster.device),
     )
-    collectives = tuple(
-        CollectiveRecord(
-            producer=str(r.producer),
-            consumer=r.consumer,
-            arg_index=r.arg_index,
-            src=tuple(spec_strs(r.src)),
-            dst=tuple(spec_strs(r.dst)),
-            steps=tuple((s.kind, s.axis) for s in r.steps),
-            time_s=t,
-            bucket=r.bucket,
-            overlappable=sc.overlappable,
-            exposed_s=sc.exposed_s,
-        )
-        for r, t, sc in zip(redistributions, times_s, schedule.collectives, strict=True)
+    memory = _peak_memory(traced, assignment, redistributions, cluster, optimizer)
+    estimate = Estimate(
+        step_time_s=schedule.step_time_s,
+        compute_s=schedule.compute_s,
+        comm_s=schedule.comm_s,
+        exposed_comm_s=schedule.exposed_comm_s,
+        compute_sources=_compute_sources(traced, table, problem, solution),
+        memory_bytes=memory.as_dict(),
+        memory_peak_at=memory.peak_at,
+        capacity_bytes=float(cluster.device.mem_capacity_bytes),
     )
-    profiled = sum(problem.node_time_profiled[n][s] for n, s in solution.choice.items())
-    frozen = {param_node_name(n) for n in traced.frozen_names}  # no optimizer step to time
-    timed = sum(1 for n in solution.choice if table.nodes[n].kind in ("op", "fallback", "param") and n not in frozen)
-    param_nodes = [param_node_name(n) for n in traced.param_names]
-    memory = pass_order.LIVENESS(
-        gm,
-        liveness.analyze(gm, [param_node_name(n) for n in traced.trainable_names]),
-        assignment,
-        redistributions,
-        mesh_shape=cluster.mesh_shape,
-        optimizer=optimizer,
-        param_nodes=param_nodes,
-        device_kind="cpu" if cluster.device.name == "CPU" else "cuda",
-    )
-    nodes = {}
-    for name, strat in assignment.items():
-        ns = table.nodes[name]
-        if ns.kind in ("op", "fallback"):
-            nodes[name] = {
-                "op": str(node_by_name[name].target),
-                "out": [spec_strs(s) if s is not None else None for s in strat.output_specs],
-                "in": [spec_strs(s) for s in strat.input_specs],
-            }
-    param_specs = {n: tuple(spec_strs(assignment[param_node_name(n)].output_specs[0])) for n in traced.param_names}
     plan = Plan(
         fingerprint=traced.fingerprint,
         cluster=cluster,
@@ -226,20 +187,11 @@ def plan_traced(
         target_specs=tuple(
             tuple(spec_strs(assignment[f"target_{i}"].output_specs[0])) for i in range(traced.num_targets)
         ),
-        param_specs=param_specs,
-        nodes=nodes,
+        param_specs={n: tuple(spec_strs(assignment[param_node_name(n)].output_specs[0])) for n in traced.param_names},
+        nodes=_node_records(traced, table, assignment),
         fallback_ops=dict(table.fallback_ops),
-        collectives=collectives,
-        estimate=Estimate(
-            step_time_s=schedule.step_time_s,
-            compute_s=schedule.compute_s,
-            comm_s=schedule.comm_s,
-            exposed_comm_s=schedule.exposed_comm_s,
-            compute_sources={"profiled": profiled, "analytic": timed - profiled},
-            memory_bytes=memory.as_dict(),
-            memory_peak_at=memory.peak_at,
-            capacity_bytes=float(cluster.device.mem_capacity_bytes),
-        ),
+        collectives=_collective_records(redistributions, times_s, schedule),
+        estimate=estimate,
         solver={
             "status": solution.status,
             "method": solution.method,
@@ -255,6 +207,116 @@ def plan_traced(
     )
     log.info("plan %s: %s", plan.fingerprint, plan.parallelism())
     return plan
+
+
+def _price(
+    traced: TracedProgram,
+    cluster: Cluster,
+    *,
+    mesh: DeviceMesh,
+    optimizer: str,
+    pins: Pins | None,
+    profile: ProfileDB | None,
+    restrict: Callable[[StrategyTable, TracedProgram], None] | None,
+    adjust: Callable[[CostProblem], CostProblem] | None,
+) -> tuple[StrategyTable, CostProblem]:
+    """The strategy table (pinned, restricted) and the cost problem the ILP solves."""
+    progress.step(f"placement strategies for {len(traced.graph_module.graph.nodes)} nodes")
+    table = pass_order.STRATEGIES(traced, mesh)
+    apply_pins(table, traced, pins or {})
+    if restrict is not None:
+        restrict(table, traced)
+    progress.step("pricing strategies and conversions")
+    problem = pass_order.COSTING(traced, table, cluster, optimizer=optimizer, profile=profile)
+    if adjust is not None:
+        problem = adjust(problem)
+    return table, problem
+
+
+def _collective_times(
+    traced: TracedProgram, redistributions: Sequence[Redistribution], cluster: Cluster
+) -> list[float]:
+    """Seconds of each redistribution; a bucket of coalesced gradients pays its latency once."""
+    node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
+    times_s = []
+    buckets_seen: set[str] = set()
+    for r in redistributions:
+        nbytes = _value_bytes(node_by_name, r.producer)
+        t = transition_cost_s(r.src, r.dst, nbytes, cluster, include_latency=r.bucket is None)
+        if r.bucket is not None and r.bucket not in buckets_seen:
+            buckets_seen.add(r.bucket)
+            t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
+        times_s.append(t)
+    return times_s
+
+
+def _collective_records(
+    redistributions: Sequence[Redistribution], times_s: Sequence[float], schedule: StepSchedule
+) -> tuple[CollectiveRecord, ...]:
+    """The plan's record of each redistribution: layouts, steps, time and how much is exposed."""
+    return tuple(
+        CollectiveRecord(
+            producer=str(r.producer),
+            consumer=r.consumer,
+            arg_index=r.arg_index,
+            src=tuple(spec_strs(r.src)),
+            dst=tuple(spec_strs(r.dst)),
+            steps=tuple((s.kind, s.axis) for s in r.steps),
+            time_s=t,
+            bucket=r.bucket,
+            overlappable=sc.overlappable,
+            exposed_s=sc.exposed_s,
+        )
+        for r, t, sc in zip(redistributions, times_s, schedule.collectives, strict=True)
+    )
+
+
+def _peak_memory(
+    traced: TracedProgram,
+    assignment: Mapping[str, Strategy],
+    redistributions: Sequence[Redistribution],
+    cluster: Cluster,
+    optimizer: str,
+) -> MemoryEstimate:
+    """Peak bytes per device of the chosen program (:mod:`autoplan.passes.liveness`)."""
+    gm = traced.graph_module
+    return pass_order.LIVENESS(
+        gm,
+        liveness.analyze(gm, [param_node_name(n) for n in traced.trainable_names]),
+        assignment,
+        redistributions,
+        mesh_shape=cluster.mesh_shape,
+        optimizer=optimizer,
+        param_nodes=[param_node_name(n) for n in traced.param_names],
+        device_kind="cpu" if cluster.device.name == "CPU" else "cuda",
+    )
+
+
+def _compute_sources(
+    traced: TracedProgram, table: StrategyTable, problem: CostProblem, solution: Solution
+) -> dict[str, int]:
+    """How many of the chosen node times were measured (profile) and how many are analytic."""
+    profiled = sum(problem.node_time_profiled[n][s] for n, s in solution.choice.items())
+    frozen = {param_node_name(n) for n in traced.frozen_names}  # no optimizer step to time
+    timed = sum(1 for n in solution.choice if table.nodes[n].kind in ("op", "fallback", "param") and n not in frozen)
+    return {"profiled": profiled, "analytic": timed - profiled}
+
+
+def _node_records(
+    traced: TracedProgram, table: StrategyTable, assignment: Mapping[str, Strategy]
+) -> dict[str, dict[str, object]]:
+    """The plan's entry of each operator node: its target and chosen output and input layouts."""
+    node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
+    nodes: dict[str, dict[str, object]] = {}
+    for name, strat in assignment.items():
+        ns = table.nodes[name]
+        if ns.kind in ("op", "fallback"):
+            nodes[name] = {
+                "op": str(node_by_name[name].target),
+                "out": [spec_strs(s) if s is not None else None for s in strat.output_specs],
+                "in": [spec_strs(s) for s in strat.input_specs],
+            }
+    return nodes
 
 
 def _value_bytes(node_by_name: Mapping[str, torch.fx.Node], ref: ValueRef) -> int:

@@ -20,6 +20,7 @@ micro-batch size the search tries (:mod:`autoplan.planner.tracing`); the per-seg
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -35,6 +36,7 @@ from autoplan.cost_models.step import TrainingEstimate, evaluate
 from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
+from autoplan.passes.layers import Layering
 from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.strategies import NodeStrategies, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
@@ -266,74 +268,25 @@ def plan_for_batch(
         "reduce_repeated": reduce_repeated,
     }  # fmt: skip
     key = plan_cache.plan_key(model, example_inputs, example_targets, loss_fn, cluster, options, profile)
-    cached = plan_cache.load(key)
-    if cached is not None and cached.plan.config is not None and cached.plan.pipeline is not None:
-        # the key sees the forward of every module class, not the helpers they call: the entry
-        # counts only if the model still exports to the graph the plan was made for
-        now = plan_forward_fingerprint(cached.plan, model, example_inputs, example_targets, loss_fn)
-        if now == cached.forward_fingerprint:
-            log.info("plan cache hit (forward fingerprint %s)", now)
-            return cached.plan
-        log.info("stale plan cache entry (forward %s, now %s): re-planning", cached.forward_fingerprint, now)
+    cached = _cached_plan(key, model, example_inputs, example_targets, loss_fn)
+    if cached is not None:
+        return cached
     best, _, costs = _search(
         model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
         example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
         config=config, reduce_repeated=reduce_repeated,
     )  # fmt: skip
     cfg = best.config
-    # the stage program with the repeated blocks traced once (autoplan.passes.depth), solved with the
-    # copies' variables shared (autoplan.passes.expand); memory is the outer search's constraint. It must
-    # be the graph parallelize traces (trace_for_plan): from 2 samples on, the cost model's
-    # derived traces are that graph exactly (autoplan.passes.rebatch); one sample is traced on its own
-    samples = cfg.microbatch_size * cfg.dp
-    if samples >= MIN_BASE_BATCH:
-        traced, layering = costs._traced(samples)  # noqa: SLF001
-        num_blocks = costs.num_blocks
-    else:
-        traced, layering, num_blocks = trace_repeated(
-            costs.model, costs.example_inputs, costs.example_targets, loss_fn, samples, reduce=reduce_repeated
-        )
-    mult = block_multiplicity(layering, num_blocks)
-    twin = twins(traced.graph_module, layering)
+    traced, layering, num_blocks = _stage_program(costs, cfg, loss_fn, reduce_repeated=reduce_repeated)
     reduction: dict[str, int] = {}
-
-    def adjust(problem: CostProblem) -> CostProblem:
-        # decision variables (one per node and strategy) and edges, solved vs standing for
-        reduction.update(
-            traced_blocks=layering.num_blocks,
-            num_blocks=num_blocks,
-            nodes=len(problem.node_time_s),
-            nodes_full_depth=sum(mult.get(n, 1) for n in problem.node_time_s),
-            x_variables=sum(len(t) for t in problem.node_time_s.values()),
-            x_variables_full_depth=sum(len(t) * mult.get(n, 1) for n, t in problem.node_time_s.items()),
-            edges=len(problem.edges),
-            edges_full_depth=sum(mult.get(e.consumer, 1) for e in problem.edges),
-        )
-        problem = pass_order.EXPAND(memory_tie_break(problem), mult, twin)
-        return dataclasses.replace(problem, capacity_bytes=float("inf"), memory_points=[])
-
     sub = stage_cluster(cluster, cfg)
     with planning_mesh(sub) as mesh:
         stage = plan_traced(
             traced, sub, mesh=mesh, optimizer=optimizer, time_limit_s=time_limit_s, solver=solver, profile=profile,
-            restrict=lambda table, tr: _restrict_for_config(table, tr, cfg), adjust=adjust,
+            restrict=lambda table, tr: _restrict_for_config(table, tr, cfg),
+            adjust=functools.partial(_full_depth, traced=traced, layering=layering, num_blocks=num_blocks,
+                                     reduction=reduction),
         )  # fmt: skip
-    worst = max(range(len(best.memory_parts_bytes)), key=lambda k: sum(best.memory_parts_bytes[k].values()))
-    parts = dict(best.memory_parts_bytes[worst])
-    estimate = Estimate(
-        step_time_s=best.step_time_s,
-        compute_s=best.compute_s,
-        comm_s=best.exposed_comm_s,
-        memory_bytes={**parts, "total": best.peak_memory_bytes},
-        capacity_bytes=best.capacity_bytes,
-        memory_peak_at=f"stage {worst}",
-        compute_sources=stage.estimate.compute_sources,
-        exposed_comm_s=best.exposed_comm_s,
-        bubble_s=best.bubble_s,
-        mfu=best.mfu,
-        tokens_per_s=best.tokens_per_s,
-        memory_per_device_bytes=best.memory_per_device_bytes,
-    )
     layout = PipelineLayout(
         stage_starts=best.stage_starts,
         stage_recompute=best.stage_recompute,
@@ -347,9 +300,93 @@ def plan_for_batch(
     )
     solver_info = {**stage.solver, "plan_time_s": round(time.perf_counter() - t0, 3), "reduction": reduction}
     result = dataclasses.replace(
-        stage, cluster=cluster, estimate=estimate, config=cfg, pipeline=layout, solver=solver_info
+        stage, cluster=cluster, estimate=_stage_estimate(best, stage), config=cfg, pipeline=layout, solver=solver_info
     )
     if plan_cache.enabled():
         forward = plan_forward_fingerprint(result, model, example_inputs, example_targets, loss_fn)
         plan_cache.store(key, plan_cache.CacheEntry(plan=result, forward_fingerprint=forward))
     return result
+
+
+def _cached_plan(
+    key: str,
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    example_targets: Sequence[torch.Tensor],
+    loss_fn: LossFn | None,
+) -> Plan | None:
+    """The plan cache's entry for ``key`` if the model still exports to the graph it was made for."""
+    cached = plan_cache.load(key)
+    if cached is None or cached.plan.config is None or cached.plan.pipeline is None:
+        return None
+    # the key sees the forward of every module class, not the helpers they call: the entry
+    # counts only if the model still exports to the graph the plan was made for
+    now = plan_forward_fingerprint(cached.plan, model, example_inputs, example_targets, loss_fn)
+    if now == cached.forward_fingerprint:
+        log.info("plan cache hit (forward fingerprint %s)", now)
+        return cached.plan
+    log.info("stale plan cache entry (forward %s, now %s): re-planning", cached.forward_fingerprint, now)
+    return None
+
+
+def _stage_program(
+    costs: SegmentCostModel, cfg: ParallelConfig, loss_fn: LossFn | None, *, reduce_repeated: bool
+) -> tuple[TracedProgram, Layering, int]:
+    """The program of one stage's micro-batch (``dp * microbatch_size`` samples), its layering and
+    the model's number of blocks.
+
+    The repeated blocks are traced once (autoplan.passes.depth) and solved with the copies'
+    variables shared (autoplan.passes.expand). It must be the graph parallelize traces
+    (trace_for_plan): from 2 samples on, the cost model's derived traces are that graph exactly
+    (autoplan.passes.rebatch); one sample is traced on its own."""
+    samples = cfg.microbatch_size * cfg.dp
+    if samples >= MIN_BASE_BATCH:
+        traced, layering = costs._traced(samples)  # noqa: SLF001
+        return traced, layering, costs.num_blocks
+    return trace_repeated(
+        costs.model, costs.example_inputs, costs.example_targets, loss_fn, samples, reduce=reduce_repeated
+    )
+
+
+def _full_depth(
+    problem: CostProblem, *, traced: TracedProgram, layering: Layering, num_blocks: int, reduction: dict[str, int]
+) -> CostProblem:
+    """The stage ILP's ``adjust``: the traced blocks stand for all ``num_blocks``
+    (autoplan.passes.expand), with the memory tie-break; memory is the outer search's constraint.
+    Records in ``reduction`` the decision variables (one per node and strategy) and edges, solved
+    vs standing for."""
+    mult = block_multiplicity(layering, num_blocks)
+    twin = twins(traced.graph_module, layering)
+    reduction.update(
+        traced_blocks=layering.num_blocks,
+        num_blocks=num_blocks,
+        nodes=len(problem.node_time_s),
+        nodes_full_depth=sum(mult.get(n, 1) for n in problem.node_time_s),
+        x_variables=sum(len(t) for t in problem.node_time_s.values()),
+        x_variables_full_depth=sum(len(t) * mult.get(n, 1) for n, t in problem.node_time_s.items()),
+        edges=len(problem.edges),
+        edges_full_depth=sum(mult.get(e.consumer, 1) for e in problem.edges),
+    )
+    problem = pass_order.EXPAND(memory_tie_break(problem), mult, twin)
+    return dataclasses.replace(problem, capacity_bytes=float("inf"), memory_points=[])
+
+
+def _stage_estimate(best: TrainingEstimate, stage: Plan) -> Estimate:
+    """The plan's estimate: the search's numbers for the whole pipeline, memory of its fullest
+    stage, and the stage ILP's count of profiled op times."""
+    worst = max(range(len(best.memory_parts_bytes)), key=lambda k: sum(best.memory_parts_bytes[k].values()))
+    parts = dict(best.memory_parts_bytes[worst])
+    return Estimate(
+        step_time_s=best.step_time_s,
+        compute_s=best.compute_s,
+        comm_s=best.exposed_comm_s,
+        memory_bytes={**parts, "total": best.peak_memory_bytes},
+        capacity_bytes=best.capacity_bytes,
+        memory_peak_at=f"stage {worst}",
+        compute_sources=stage.estimate.compute_sources,
+        exposed_comm_s=best.exposed_comm_s,
+        bubble_s=best.bubble_s,
+        mfu=best.mfu,
+        tokens_per_s=best.tokens_per_s,
+        memory_per_device_bytes=best.memory_per_device_bytes,
+    )

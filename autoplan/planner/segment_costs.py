@@ -24,6 +24,7 @@ are per micro-batch on one device of the stage mesh, except ``grad_sync_s`` and
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -90,30 +91,86 @@ def segment_costs(
     optimizer: str,
 ) -> SegmentCosts:
     """Sum the chosen plan's costs per segment (see the module docstring). ``param_nodes`` are
-    every parameter placeholder, ``trainable_param_nodes`` those the step returns a gradient for."""
-    nseg = layering.num_segments
+    every parameter placeholder, ``trainable_param_nodes`` those the step returns a gradient for.
+
+    Phases, each adding to the same per-segment sums in this order: node times
+    (:func:`_add_node_times`), conversions (:func:`_add_conversions`), activations
+    (:func:`_add_activations`)."""
     seg_of = dict(layering.segment_of)
     for p, segs in layering.param_segments.items():
         seg_of[p] = segs[0]
-    nodes = {n.name: n for n in gm.graph.nodes}
     phase = {n.name: n.meta.get("autoplan.phase") for n in gm.graph.nodes}
-    mesh_shape = problem.cluster.mesh_shape
+    sums = _Sums.zeros(layering.num_segments)
+    feeds_earlier = _feeds_earlier(gm, phase, seg_of)
+    _add_node_times(
+        sums, gm, problem, choice, seg_of, phase, feeds_earlier,
+        param_nodes=param_nodes, trainable=set(trainable_param_nodes),
+    )  # fmt: skip
+    _add_conversions(sums, problem, choice, seg_of, phase, feeds_earlier)
+    _add_activations(sums, gm, problem, choice, seg_of, phase, trainable_param_nodes)
+    return sums.costs(optimizer)
 
-    fwd = [0.0] * nseg
-    bwd = [0.0] * nseg
-    bwd_w = [0.0] * nseg
-    fwd_comm = [0.0] * nseg
-    bwd_comm = [0.0] * nseg
-    selective = [0.0] * nseg
-    grad_sync = [0.0] * nseg
-    opt = [0.0] * nseg
-    numel = [0] * nseg
-    trainable_numel = [0] * nseg
-    trainable = set(trainable_param_nodes)
-    itemsize = [4] * nseg
-    flops = [0.0] * nseg
 
-    # backward ops on the input-gradient path: those an earlier segment's backward waits for
+@dataclass(slots=True)
+class _Sums:
+    """The per-segment sums :func:`segment_costs` accumulates (one entry per segment; ``cut`` one
+    per cut between consecutive segments)."""
+
+    fwd: list[float]
+    bwd: list[float]
+    bwd_w: list[float]
+    fwd_comm: list[float]
+    bwd_comm: list[float]
+    selective: list[float]
+    grad_sync: list[float]
+    opt: list[float]
+    numel: list[int]
+    trainable_numel: list[int]
+    itemsize: list[int]
+    flops: list[float]
+    saved: list[float]
+    saved_mm: list[float]
+    inputs: list[float]
+    cut: list[float]
+
+    @classmethod
+    def zeros(cls, nseg: int) -> _Sums:
+        return cls(
+            fwd=[0.0] * nseg, bwd=[0.0] * nseg, bwd_w=[0.0] * nseg, fwd_comm=[0.0] * nseg, bwd_comm=[0.0] * nseg,
+            selective=[0.0] * nseg, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
+            trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
+            saved_mm=[0.0] * nseg, inputs=[0.0] * nseg, cut=[0.0] * max(nseg - 1, 0),
+        )  # fmt: skip
+
+    def costs(self, optimizer: str) -> SegmentCosts:
+        return SegmentCosts(
+            segments=tuple(
+                SegmentCost(
+                    fwd_s=self.fwd[k],
+                    bwd_s=self.bwd[k],
+                    bwd_weight_s=self.bwd_w[k],
+                    fwd_comm_s=self.fwd_comm[k],
+                    bwd_comm_s=self.bwd_comm[k],
+                    selective_recompute_s=self.selective[k],
+                    grad_sync_s=self.grad_sync[k],
+                    optimizer_s=self.opt[k],
+                    param_numel=self.numel[k],
+                    trainable_numel=self.trainable_numel[k],
+                    param_itemsize=self.itemsize[k],
+                    saved_bytes=self.saved[k],
+                    saved_matmul_bytes=self.saved_mm[k],
+                    input_bytes=self.inputs[k],
+                    flops=self.flops[k],
+                )
+                for k in range(len(self.fwd))
+            ),
+            cut_bytes=tuple(self.cut),
+            optimizer=optimizer,
+        )
+
+
+def _feeds_earlier(gm: fx.GraphModule, phase: Mapping[str, object], seg_of: Mapping[str, int]) -> dict[str, bool]:
+    """Backward ops on the input-gradient path: those an earlier segment's backward waits for."""
     feeds_earlier: dict[str, bool] = {}
     for n in reversed(list(gm.graph.nodes)):
         if phase.get(n.name) != "bwd" or n.name not in seg_of:
@@ -123,7 +180,25 @@ def segment_costs(
             phase.get(u.name) == "bwd" and u.name in seg_of and (seg_of[u.name] < k or feeds_earlier.get(u.name, False))
             for u in n.users
         )
+    return feeds_earlier
 
+
+def _add_node_times(
+    sums: _Sums,
+    gm: fx.GraphModule,
+    problem: CostProblem,
+    choice: Mapping[str, int],
+    seg_of: Mapping[str, int],
+    phase: Mapping[str, object],
+    feeds_earlier: Mapping[str, bool],
+    *,
+    param_nodes: Sequence[str],
+    trainable: set[str],
+) -> None:
+    """Each chosen node's time: operators into forward / backward (and FLOPs), parameters into
+    the optimizer step (and their local elements)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    mesh_shape = problem.cluster.mesh_shape
     for name, times in problem.node_time_s.items():
         if name not in choice or name not in seg_of:
             continue
@@ -131,50 +206,68 @@ def segment_costs(
         node = nodes[name]
         if node.op == "placeholder":
             if name in param_nodes:
-                opt[k] += t
+                sums.opt[k] += t
                 val = node.meta["val"]
                 spec = problem.table.nodes[name].strategies[choice[name]].output_specs[0]
                 local = local_numel(spec, val.shape, mesh_shape)
-                numel[k] += local
-                trainable_numel[k] += local if name in trainable else 0
-                itemsize[k] = val.element_size()
+                sums.numel[k] += local
+                sums.trainable_numel[k] += local if name in trainable else 0
+                sums.itemsize[k] = val.element_size()
             continue
         ins = [a.meta["val"] for a in tensor_args(node)]
         out = node.meta.get("val")
         outs = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
-        flops[k] += op_flops(node.target, ins, outs)
+        sums.flops[k] += op_flops(node.target, ins, outs)
         if phase[name] == "fwd":
-            fwd[k] += t
+            sums.fwd[k] += t
             if not is_matmul(node.target):
-                selective[k] += t
+                sums.selective[k] += t
         else:
-            bwd[k] += t
+            sums.bwd[k] += t
             if not feeds_earlier.get(name, False):
-                bwd_w[k] += t
+                sums.bwd_w[k] += t
 
+
+def _add_conversions(
+    sums: _Sums,
+    problem: CostProblem,
+    choice: Mapping[str, int],
+    seg_of: Mapping[str, int],
+    phase: Mapping[str, object],
+    feeds_earlier: Mapping[str, bool],
+) -> None:
+    """Each chosen conversion's time: gradient synchronisation, or the consumer's forward /
+    backward communication."""
     for e in problem.edges:
         c = _chosen_specs(problem, choice, e)
         if not c:
             continue
         if e.arg_index == -1 and e.consumer in seg_of:  # gradient -> parameter layout
-            grad_sync[seg_of[e.consumer]] += c
+            sums.grad_sync[seg_of[e.consumer]] += c
         elif e.consumer in seg_of:
             k = seg_of[e.consumer]
             if phase.get(e.consumer) == "fwd":
-                fwd[k] += c
-                fwd_comm[k] += c
+                sums.fwd[k] += c
+                sums.fwd_comm[k] += c
             else:
-                bwd[k] += c
-                bwd_comm[k] += c
+                sums.bwd[k] += c
+                sums.bwd_comm[k] += c
                 if not feeds_earlier.get(e.consumer, False):
-                    bwd_w[k] += c
+                    sums.bwd_w[k] += c
 
-    # activations: storages born in the forward and read by the backward; values crossing cuts
+
+def _add_activations(
+    sums: _Sums,
+    gm: fx.GraphModule,
+    problem: CostProblem,
+    choice: Mapping[str, int],
+    seg_of: Mapping[str, int],
+    phase: Mapping[str, object],
+    trainable_param_nodes: Sequence[str],
+) -> None:
+    """Activations: storages born in the forward and read by the backward; values crossing cuts."""
+    nodes = {n.name: n for n in gm.graph.nodes}
     live = liveness.analyze(gm, list(trainable_param_nodes))
-    saved = [0.0] * nseg
-    saved_mm = [0.0] * nseg
-    inputs = [0.0] * nseg
-    cut = [0.0] * max(nseg - 1, 0)
 
     def local_bytes(ref: ValueRef) -> float:
         storage = live.storage_of.get(ref, ref)
@@ -194,38 +287,13 @@ def segment_costs(
             if storage not in counted:
                 counted.add(storage)
                 b = local_bytes(storage)
-                saved[k] += b
+                sums.saved[k] += b
                 if is_matmul(nodes[storage.node].target):
-                    saved_mm[k] += b
+                    sums.saved_mm[k] += b
         later = [seg_of[u.name] for u in readers if phase.get(u.name) == "fwd" and seg_of.get(u.name, k) > k]
         if later:
             b = local_bytes(resolve_value(n))
             for j in range(k, max(later)):
-                cut[j] += b
+                sums.cut[j] += b
             for j in sorted(set(later)):
-                inputs[j] += b
-
-    return SegmentCosts(
-        segments=tuple(
-            SegmentCost(
-                fwd_s=fwd[k],
-                bwd_s=bwd[k],
-                bwd_weight_s=bwd_w[k],
-                fwd_comm_s=fwd_comm[k],
-                bwd_comm_s=bwd_comm[k],
-                selective_recompute_s=selective[k],
-                grad_sync_s=grad_sync[k],
-                optimizer_s=opt[k],
-                param_numel=numel[k],
-                trainable_numel=trainable_numel[k],
-                param_itemsize=itemsize[k],
-                saved_bytes=saved[k],
-                saved_matmul_bytes=saved_mm[k],
-                input_bytes=inputs[k],
-                flops=flops[k],
-            )
-            for k in range(nseg)
-        ),
-        cut_bytes=tuple(cut),
-        optimizer=optimizer,
-    )
+                sums.inputs[j] += b
