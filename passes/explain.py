@@ -159,6 +159,7 @@ def explain_choices(
 ) -> dict[str, NodeExplanation]:
     """Per node with more than one strategy: the chosen one and the ``keep`` next cheapest, with the
     formula of the module docstring (tied followers: the producer they follow)."""
+    # both import torch; this module is imported without torch by the review commands (see above)
     from autoplan.passes.costing import OUTPUT_CONSUMER
     from autoplan.passes.placement import spec_strs
 

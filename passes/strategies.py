@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
+from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
 from torch.utils import _pytree as pytree
 
 from autoplan.passes.placement import Spec, is_shardable, is_supported, replicated, spec_str
@@ -246,8 +247,6 @@ class _Enumerator:
         schema_info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
         strat_schema = OpSchema(op, args_strat, dict(node.kwargs), schema_info=schema_info)
         if single_dim is not None:
-            from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
-
             fn = _expand_single_dim_strategy_to_mesh(mesh, strat_schema, single_dim, _output_meta(node))
             result = fn(op, strat_schema.args_meta, strat_schema.kwargs_meta)
         elif op in prop.op_strategy_funcs:

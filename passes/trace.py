@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.cost_models.errors import UnsupportedModelError
@@ -136,8 +137,6 @@ def _first_line(exc: BaseException) -> str:
 
 def _is_data_dependent(exc: BaseException) -> bool:
     """torch.export stopped on Python control flow or a conversion that reads a tensor's value."""
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
     return isinstance(exc, GuardOnDataDependentSymNode) or "data-dependent" in str(exc)
 
 
