@@ -46,6 +46,7 @@ from typing import TypeVar
 import torch
 
 from autoplan.cost_models.hardware import DeviceSpec
+from autoplan.cost_models.memory import tensor_bytes
 
 aten = torch.ops.aten
 
@@ -144,10 +145,6 @@ def register_bytes(*ops: object) -> Callable[[BytesFn], BytesFn]:
 def register_matmul_shapes(*ops: object) -> Callable[[GemmFn], GemmFn]:
     """Register ``fn(inputs, outputs) -> tuple[Gemm, ...]``: the GEMMs ``ops`` run (marks them matmuls)."""
     return _register_in(_GEMM_REGISTRY, ops)
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return prod(t.shape) * t.element_size()
 
 
 def _sum_bytes(tensors: Tensors) -> int:

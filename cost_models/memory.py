@@ -15,13 +15,21 @@ so fp32 Adam costs 4 + 4 + 8 bytes, mixed-precision Adam 2 + 2 + 12 (the paper's
 SGD 4 + 4 + 0. A frozen parameter (``requires_grad=False``) is never updated: weights only.
 
 Activations saved for backward are forward values read by the backward; each costs its local
-bytes (``P`` keeps a full-size buffer); :mod:`autoplan.passes.liveness` times their lifetimes.
+bytes (elements x item size, :func:`tensor_bytes` at full size; ``P`` keeps a full-size buffer).
+Two measures use these rules: the per-operator peak of the ILP and its plan
+(:mod:`autoplan.passes.liveness` times the values' lifetimes) and the per-stage memory of the
+joint search and ``autoplan.estimate`` (:func:`stage_memory_parts`, summed per pipeline rank by
+:mod:`autoplan.cost_models.step`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from math import prod
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # annotations only: this module stays torch-free (plan review tools load it)
+    import torch
 
 OptimizerName = Literal["adam", "adamw", "sgd", "sgd_momentum"]
 
@@ -41,6 +49,13 @@ PRECISION_ITEMSIZE: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_STATES)
 """Optimizer names the memory and time model knows."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a full-size (unsharded) tensor: its elements times its dtype's item size, the rule
+    every activation and transfer byte count uses (:mod:`autoplan.passes.liveness`, the
+    communication edges of :mod:`autoplan.passes.costing`, :mod:`autoplan.cost_models.compute`)."""
+    return prod(t.shape) * t.element_size()
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,9 @@ import torch.fx as fx
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import is_coalescable, plan_transition, transition_cost_s
-from autoplan.cost_models.compute import is_matmul, roofline_time_s, tensor_bytes
+from autoplan.cost_models.compute import is_matmul, roofline_time_s
 from autoplan.cost_models.hardware import DeviceSpec
-from autoplan.cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part
+from autoplan.cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part, tensor_bytes
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.passes import liveness
 from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key

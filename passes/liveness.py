@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autoplan.cost_models.compute import tensor_bytes
-from autoplan.cost_models.memory import optimizer_temp_bytes, param_training_bytes_by_part
+from autoplan.cost_models.memory import optimizer_temp_bytes, param_training_bytes_by_part, tensor_bytes
 from autoplan.passes.placement import Spec, local_numel, replicated
 from autoplan.passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
 
