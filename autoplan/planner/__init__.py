@@ -6,8 +6,9 @@ cluster argument and planning meshes (``mesh``), the tracing the planner prices 
 per-segment costs that the joint search reads (``segment_costs``, with the ``SegmentCostOracle``
 protocol, and ``segment_model``: the oracle with its forked workers), the joint search over
 data/tensor/pipeline degrees, micro-batches, schedule, recomputation and ZeRO (``search``,
-``joint``), the estimate of one configuration (``estimate``), the plan value itself (``plan``) and
-its cache (``plan_cache``). Graph passes run through :mod:`autoplan.passes.pass_order`. Depends on
+``joint``; each configuration priced by :mod:`autoplan.cost_models.step`), the plan value itself
+(``plan``) and its cache
+(``plan_cache``). Graph passes run through :mod:`autoplan.passes.pass_order`. Depends on
 the cost models and graph passes, never on the tools; on the runtime only for
 ``runtime.codegen.edge_redistributions`` (the conversions the chosen program performs, priced by
 ``ilp``), which belongs among the passes.
