@@ -250,7 +250,7 @@ def peak_memory(
 ) -> MemoryEstimate:
     """Exact byte timeline of the generated program for ``assignment`` (see the module docstring).
 
-    ``redistributions`` are :class:`autoplan.runtime.codegen.Redistribution` values (duck-typed here to keep
+    ``redistributions`` are :class:`autoplan.passes.redistribute.Redistribution` values (duck-typed here to keep
     the dependency one way: apply imports liveness, not the reverse). ``param_nodes`` are every
     parameter, frozen ones included; those with a gradient in ``live.grads`` are trained."""
     spec_of = _spec_lookup(assignment, replicated(len(mesh_shape)))

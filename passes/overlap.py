@@ -62,7 +62,7 @@ def schedule_step(
 ) -> StepSchedule:
     """Replay the step on a compute and a communication stream (see the module docstring).
 
-    ``redistributions`` are :class:`autoplan.runtime.codegen.Redistribution` values (duck-typed: ``apply``
+    ``redistributions`` are :class:`autoplan.passes.redistribute.Redistribution` values (duck-typed: ``apply``
     depends on this module's package, not the reverse); ``comm_time_s[i]`` is the time of the
     ``i``-th. Parameter nodes' times (their optimizer step) run after the graph."""
     params = set(param_nodes)

@@ -5,7 +5,7 @@
       --layers--> Layering --strategies--> StrategyTable --costing--> CostProblem
       --expand--> CostProblem standing for every block
       == the planner's ILP picks one strategy per node (autoplan.planner.solver) ==
-      --overlap--> StepSchedule --liveness--> MemoryEstimate --explain--> runner-up per node
+      --redistribute--> the conversions it implies --overlap--> StepSchedule --liveness--> MemoryEstimate --explain--> runner-up per node
       == the runtime generates each rank's program (autoplan.runtime.codegen; pipeline stages:
          autoplan.passes.stages) ==
 
@@ -32,6 +32,7 @@ from autoplan.passes.layers import find_layers
 from autoplan.passes.liveness import peak_memory
 from autoplan.passes.overlap import schedule_step
 from autoplan.passes.rebatch import rebatch
+from autoplan.passes.redistribute import edge_redistributions
 from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import trace_training_step
 
@@ -75,6 +76,11 @@ EXPAND = GraphPass(
     scale_problem,
     "CostProblem of the traced blocks + multiplicities -> CostProblem standing for every block",
 )
+REDISTRIBUTE = GraphPass(
+    "redistribute",
+    edge_redistributions,
+    "TracedProgram + chosen strategies -> Redistributions: every conversion the program performs",
+)
 OVERLAP = GraphPass(
     "overlap",
     schedule_step,
@@ -96,6 +102,7 @@ PASS_ORDER: tuple[GraphPass, ...] = (
     COSTING,
     EXPAND,
     # the ILP (autoplan.planner.solver) chooses here
+    REDISTRIBUTE,
     OVERLAP,
     LIVENESS,
     EXPLAIN,

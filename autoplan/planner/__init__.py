@@ -9,7 +9,5 @@ data/tensor/pipeline degrees, micro-batches, schedule, recomputation and ZeRO (`
 ``joint``; each configuration priced by :mod:`autoplan.cost_models.step`), the plan value itself
 (``plan``) and its cache
 (``plan_cache``). Graph passes run through :mod:`autoplan.passes.pass_order`. Depends on
-the cost models and graph passes, never on the tools; on the runtime only for
-``runtime.codegen.edge_redistributions`` (the conversions the chosen program performs, priced by
-``ilp``), which belongs among the passes.
+the cost models and graph passes; never on the runtime or the tools.
 """

@@ -24,13 +24,13 @@ from autoplan.passes.costing import CostProblem
 from autoplan.passes.liveness import MemoryEstimate
 from autoplan.passes.overlap import StepSchedule
 from autoplan.passes.placement import parse_spec, spec_str, spec_strs
+from autoplan.passes.redistribute import Redistribution
 from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, ValueRef
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import planning_mesh, stage_cluster
 from autoplan.planner.plan import CollectiveRecord, Estimate, Plan, software_versions
 from autoplan.planner.solver import ShardingILP, Solution, SolverOptions
-from autoplan.runtime.codegen import Redistribution, edge_redistributions
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def plan_traced(
     solution = ShardingILP(problem, SolverOptions(time_limit_s=time_limit_s, backend=solver)).solve()
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
 
-    redistributions = edge_redistributions(traced, assignment, cluster.mesh_ndim)
+    redistributions = pass_order.REDISTRIBUTE(traced, assignment, cluster.mesh_ndim)
     times_s = _collective_times(traced, redistributions, cluster)
     chosen_time_s = {n: problem.node_time_s[n][s] for n, s in solution.choice.items()}
     schedule = pass_order.OVERLAP(
