@@ -26,6 +26,7 @@ from autoplan.passes.placement import spec_str
 from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import trace_training_step
 from autoplan.planner.mesh import planning_mesh
+from tests import zoo
 from tests.harness import Case, SeededBatches, assert_trains_like_reference, run_case
 
 B, H, T, D = 2, 4, 6, 8
@@ -169,14 +170,9 @@ class T5StyleDecoder(nn.Module):
         return self.head(x)
 
 
-def t5_batch(batch: int = 8, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=g)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def t5_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+t5_batch = functools.partial(zoo.token_batch, seq=SEQ, vocab=VOCAB)
+"""``t5_batch(batch=8, seed=1) -> (ids, labels)``: next-token pairs over the T5-style vocabulary."""
+t5_loss = zoo.cross_entropy_mean
 
 
 def _mask_grad_node(traced: autoplan.Plan | object) -> str:

@@ -73,8 +73,7 @@ def lm_batch(batch: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor
     return torch.randint(0, VOCAB, (batch, SEQ), generator=g), torch.randint(0, VOCAB, (batch, SEQ), generator=g)
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+token_loss = zoo.cross_entropy_mean
 
 
 def numel(model: nn.Module, names: tuple[str, ...]) -> int:

@@ -33,7 +33,14 @@ from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import planning_mesh
 from autoplan.runtime.codegen import generate_program
 from tests import zoo
-from tests.harness import NUM_STEPS, assert_trains_like_reference, cpu_cluster, run_ranks, train_both
+from tests.harness import (
+    NUM_STEPS,
+    SeededBatches,
+    assert_trains_like_reference,
+    cpu_cluster,
+    run_ranks,
+    train_both,
+)
 
 GLOBAL_BATCH = 8
 NUM_MICROBATCHES = 4
@@ -70,8 +77,8 @@ def _stage_starts(num_segments: int, num_stages: int) -> list[int]:
     return [0] + [1 + per * k for k in range(1, num_stages)]
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return zoo.token_batch(batch=GLOBAL_BATCH, seed=step + 1)
+_batch = SeededBatches(zoo.token_batch, {"batch": GLOBAL_BATCH})
+"""Step ``k``'s global batch (seed ``k + 1``)."""
 
 
 def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, plan_json: str) -> dict[str, object]:

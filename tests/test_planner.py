@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import autoplan
+from tests import zoo
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,10 +29,6 @@ def _gpt2(n_embd: int, n_layer: int, batch: int, seq: int, vocab: int = 1024):
     return model, ids
 
 
-def _lm_loss(out, labels):
-    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-
-
 def _block_matrices(plan: autoplan.Plan) -> dict[str, tuple[str, ...]]:
     return {
         n: s for n, s in plan.param_specs.items() if ".h." in n and n.endswith("weight") and ("attn" in n or "mlp" in n)
@@ -44,14 +40,14 @@ def big_transformer_plan() -> autoplan.Plan:
     # 3 layers of width 12288: 3 * 12 * 12288^2 = 5.4e9 parameters. Under pure data parallelism
     # each H100 would hold weights + grads + 2 Adam states = 16 B/param = 87 GB > 80 GB.
     model, ids = _gpt2(12288, 3, batch=64, seq=256)
-    return autoplan.plan(model, "8x8xH100", example_inputs=(ids,), loss_fn=_lm_loss, example_targets=(ids,))
+    return autoplan.plan(model, "8x8xH100", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,))
 
 
 def test_big_transformer_does_not_fit_under_pure_data_parallelism() -> None:
     model, ids = _gpt2(12288, 3, batch=64, seq=256)
     pins = {"*": "R,R", "input_0": "S(0),S(0)", "target_0": "S(0),S(0)"}
     with pytest.raises(autoplan.InfeasiblePlanError, match=r"GiB per device"):
-        autoplan.plan(model, "8x8xH100", example_inputs=(ids,), loss_fn=_lm_loss, example_targets=(ids,), pins=pins)
+        autoplan.plan(model, "8x8xH100", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,), pins=pins)
 
 
 def test_solver_picks_tensor_parallel_inside_node_and_data_parallel_across_nodes(big_transformer_plan) -> None:
@@ -69,7 +65,7 @@ def test_solver_picks_tensor_parallel_inside_node_and_data_parallel_across_nodes
 
 def test_solver_picks_pure_data_parallel_for_a_small_model() -> None:
     model, ids = _gpt2(256, 2, batch=256, seq=128)
-    plan = autoplan.plan(model, "8x8xH100", example_inputs=(ids,), loss_fn=_lm_loss, example_targets=(ids,))
+    plan = autoplan.plan(model, "8x8xH100", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,))
     assert plan.parallelism() == {"inter": "data", "intra": "data"}
     assert all(spec == ("R", "R") for spec in plan.param_specs.values()), plan.param_specs
     # data parallelism communicates only gradient (and loss) all-reduces
@@ -78,7 +74,7 @@ def test_solver_picks_pure_data_parallel_for_a_small_model() -> None:
 
 def test_planning_for_1024_devices_works_on_a_fake_process_group() -> None:
     model, ids = _gpt2(1024, 1, batch=1024, seq=64)
-    plan = autoplan.plan(model, "128x8xH100", example_inputs=(ids,), loss_fn=_lm_loss, example_targets=(ids,))
+    plan = autoplan.plan(model, "128x8xH100", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,))
     assert plan.world_size == 1024
     assert plan.cluster.mesh_shape == (128, 8)
     assert plan.input_specs[0][0] == "S(0)"
@@ -114,7 +110,7 @@ def test_infeasible_plan_names_needed_and_available_memory() -> None:
 
 def test_cbc_and_highs_find_the_same_optimum() -> None:
     model, ids = _gpt2(256, 1, batch=64, seq=32)
-    kwargs = dict(example_inputs=(ids,), loss_fn=_lm_loss, example_targets=(ids,))
+    kwargs = dict(example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,))
     highs = autoplan.plan(model, "2x4xH100", solver="highs", **kwargs)
     cbc = autoplan.plan(model, "2x4xH100", solver="cbc", **kwargs)
     assert cbc.solver["status"] == highs.solver["status"] == "Optimal"

@@ -138,10 +138,10 @@ LLAMA_TP_PINS = {
 """Megatron tensor parallelism of :func:`llama_tiny` as ``parallelize`` pins (weights only)."""
 
 
-def token_batch(batch: int = 8, seq: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, labels)``, both (B, T) int64 in [0, 128); labels are the next tokens."""
+def token_batch(batch: int = 8, seq: int = 16, seed: int = 1, vocab: int = VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)``, both (B, T) int64 in [0, vocab); labels are the next tokens."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=g)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
