@@ -46,7 +46,7 @@ class GeneratedProgram:
     redistributions: tuple[Redistribution, ...]
 
 
-_STEP_FN: dict[str, Callable[..., Any]] = {
+STEP_FN: dict[str, Callable[..., Any]] = {
     "all_gather": runtime.all_gather,
     "all_reduce": runtime.all_reduce,
     "reduce_scatter": runtime.reduce_scatter,
@@ -54,6 +54,7 @@ _STEP_FN: dict[str, Callable[..., Any]] = {
     "shard": runtime.shard,
     "to_partial": runtime.to_partial,
 }
+"""Transition step kind (:class:`~autoplan.cost_models.comm.TransitionStep`) -> the collective that runs it."""
 
 
 def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], axis_names: tuple[str, ...]) -> fx.Node:
@@ -63,7 +64,7 @@ def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], 
             kwargs["dim"] = st.dst.dim
         if st.kind == "to_partial" and isinstance(st.dst, Partial) and st.dst.reduce_op != "sum":
             kwargs["reduce_op"] = st.dst.reduce_op
-        x = graph.create_node("call_function", _STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}")
+        x = graph.create_node("call_function", STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}")
     return x
 
 

@@ -49,7 +49,7 @@ from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, spli
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
-from autoplan.runtime.codegen import _STEP_FN, generate_program
+from autoplan.runtime.codegen import STEP_FN, generate_program
 from autoplan.runtime.optimizers import make_torch_optimizer
 
 
@@ -366,7 +366,7 @@ def _run_steps(g: torch.Tensor, steps: Sequence[Any]) -> torch.Tensor:
         kwargs: dict[str, Any] = {"axis": st.axis}
         if st.kind in ("reduce_scatter", "all_to_all", "shard"):
             kwargs["dim"] = st.dst.dim
-        g = _STEP_FN[st.kind](g, **kwargs)
+        g = STEP_FN[st.kind](g, **kwargs)
     return g
 
 
