@@ -6,11 +6,11 @@ print(plan.summary()); plan.save("plan.json")
 pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=..., plan=plan)
 """
 
-__version__ = "0.1.0"
-
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from autoplan.cost_models.version import __version__ as __version__
 
 # Public names, imported on first use (PEP 562): ``autoplan --help`` and the review commands must
 # not pay for importing torch.

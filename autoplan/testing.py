@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+import autoplan
+
 if TYPE_CHECKING:
     import torch
 
@@ -157,9 +159,7 @@ def autoplan_plan(autoplan_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
         cluster: Cluster | str = "4xCPU",
         **options: Any,
     ) -> Plan:
-        import torch
-
-        import autoplan
+        import torch  # heavy: the plugin is loaded by every pytest run, torch only when a test plans
 
         example_inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         return autoplan.plan(model, cluster, example_inputs=example_inputs, **options)

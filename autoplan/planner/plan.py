@@ -21,7 +21,15 @@ from autoplan.cost_models.cluster import COLLECTIVE_KINDS, LOCAL_KINDS, Cluster
 from autoplan.cost_models.config import PRECISIONS, RECOMPUTE, ParallelConfig, field_name_problem
 from autoplan.cost_models.echo import clip, clip_text, terminal_safe
 from autoplan.cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
+from autoplan.cost_models.files import (
+    MAX_PLAN_FILE_BYTES,
+    InputLimitError,
+    atomic_write,
+    parse_json,
+    read_limited,
+)
 from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.version import __version__
 from autoplan.passes.explain import NodeExplanation
 from autoplan.passes.plan_text import param_node_name, spec_text
 
@@ -469,8 +477,6 @@ class Plan:
     def save(self, path: str | os.PathLike[str], *, timings: bool = False) -> None:
         """Write the plan as JSON, atomically (a temporary file renamed into place). Without
         ``timings`` the file holds no wall-clock values: the same inputs give the same bytes."""
-        from autoplan.cost_models.files import atomic_write
-
         text = json.dumps(self.to_dict(timings=timings), indent=1, sort_keys=False) + "\n"
         atomic_write(path, text, what="plan file")
 
@@ -478,8 +484,6 @@ class Plan:
     def load(path: str | os.PathLike[str]) -> Plan:
         """Read a plan file: at most ``MAX_PLAN_FILE_BYTES``, nesting and numbers within Python's
         JSON limits (``autoplan.cost_models.files``); every problem is a one-line :class:`PlanFileError`."""
-        from autoplan.cost_models.files import MAX_PLAN_FILE_BYTES, InputLimitError, parse_json, read_limited
-
         path = Path(path)
         try:
             text = read_limited(path, max_bytes=MAX_PLAN_FILE_BYTES).decode("utf-8")
@@ -732,8 +736,6 @@ def _check_pipeline_layout(plan: Plan) -> None:
 
 
 def software_versions() -> dict[str, str]:
-    import torch
-
-    from autoplan import __version__
+    import torch  # heavy: plan.py is loaded without torch by the review commands
 
     return {"autoplan": __version__, "torch": torch.__version__}

@@ -43,6 +43,7 @@ import autoplan.cost_models as _cost_models_pkg
 import autoplan.passes as _passes_pkg
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.files import MAX_PLAN_FILE_BYTES, atomic_write, parse_json, read_limited
 from autoplan.cost_models.profile_db import ProfileDB, default_cache_dir
 from autoplan.planner.plan import Plan
 
@@ -135,7 +136,6 @@ def load(key: str) -> CacheEntry | None:
     path = _path(key)
     if not enabled() or not path.exists():
         return None
-    from autoplan.cost_models.files import MAX_PLAN_FILE_BYTES, parse_json, read_limited
 
     try:
         data = parse_json(read_limited(path, max_bytes=MAX_PLAN_FILE_BYTES))
@@ -155,7 +155,6 @@ def load(key: str) -> CacheEntry | None:
 def store(key: str, entry: CacheEntry) -> None:
     if not enabled():
         return
-    from autoplan.cost_models.files import atomic_write
 
     path = _path(key)
     data = {"format": ENTRY_FORMAT, "forward_fingerprint": entry.forward_fingerprint, "plan": entry.plan.to_dict()}
