@@ -117,7 +117,11 @@ class _LossWrapper(torch.nn.Module):
 
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_OUR_DIRS = tuple(str(Path(__file__).resolve().parent.parent / d) for d in ("autoplan", "passes", "cost_models"))
+_OUR_DIRS = (
+    str(Path(__file__).parent.parent.resolve()),  # the autoplan package (planner, runtime, tools, public API)
+    str(Path(__file__).resolve().parent),  # passes/ (linked as, or installed as, autoplan/passes)
+    str(Path(__file__).resolve().parent.parent / "cost_models"),  # cost_models/ beside it, likewise
+)
 
 
 def _user_frame(exc: BaseException) -> str | None:

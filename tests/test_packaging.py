@@ -111,3 +111,25 @@ def test_only_the_autoplan_names_import_from_the_installed_wheel(unpacked, tmp_p
         assert Path(file).is_relative_to(unpacked), f"{name} came from {file}, not from the unpacked wheel"
     assert files["autoplan.passes.trace"] == str(unpacked / "autoplan" / "passes" / "trace.py")
     assert not (unpacked / "autoplan" / "passes").is_symlink()
+
+
+_OWN_CODE_PROBE = """
+import autoplan.api, autoplan.planner.joint, autoplan.passes.trace as trace, autoplan.cost_models.cluster
+for module in (autoplan.api, autoplan.planner.joint, trace, autoplan.cost_models.cluster):
+    print(module.__name__, str(__import__("pathlib").Path(module.__file__).resolve()).startswith(trace._OUR_DIRS))
+"""
+
+
+def test_an_installed_wheel_tells_its_own_frames_from_the_users(unpacked, tmp_path):
+    """A failing trace names the user's innermost frame, skipping autoplan's own
+    (``passes.trace._OUR_DIRS``): installed, autoplan's folders are autoplan/, autoplan/passes and
+    autoplan/cost_models, not three folders side by side as in the checkout."""
+    env = {**os.environ, "PYTHONPATH": str(unpacked)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _OWN_CODE_PROBE], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [
+        "autoplan.api", "True", "autoplan.planner.joint", "True",
+        "autoplan.passes.trace", "True", "autoplan.cost_models.cluster", "True",
+    ]  # fmt: skip
