@@ -6,8 +6,6 @@ print(plan.summary()); plan.save("plan.json")
 pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=..., plan=plan)
 """
 
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from autoplan.cost_models.version import __version__ as __version__
@@ -49,20 +47,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
-
-
-class _Package(types.ModuleType):
-    """Keeps a public name what ``_EXPORTS`` says: importing the submodule ``autoplan.plan``
-    (``from autoplan.planner.plan import Plan``, as the review commands do) makes the import system set the
-    package attribute ``plan`` to that module, which would hide the function ``autoplan.plan``."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
