@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+
+from tests.zoo import gpt2_lm, lm_loss  # noqa: E402
 
 VOCAB, BATCH, SEQ = 2048, 8, 128
 MiB = 2**20
@@ -80,21 +81,12 @@ Pins on parameters and inputs do not force the operators: a plan pinned "all rep
 still free to shard activations, which is why there is no separate replicated baseline."""
 
 
-def workload():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def workload():  # noqa: ANN201 - (model, ids)
+    """``tests.zoo``'s GPT-2 (2 layers, 256 wide, 4 heads), seeded, and a (BATCH, SEQ) batch of token ids."""
     torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=2, n_embd=256, n_head=4, vocab_size=VOCAB, n_positions=SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-    )  # fmt: skip
-    model = GPT2LMHeadModel(cfg)
+    model = gpt2_lm(layers=2, hidden=256, heads=4, vocab=VOCAB, positions=SEQ)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return model, ids
-
-
-def lm_loss(out, labels):  # noqa: ANN001, ANN201
-    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
 
 # --- one rank of one plan (under torchrun) ---------------------------------------------------

@@ -38,6 +38,7 @@ from autoplan.cost_models.cluster import Cluster  # noqa: E402
 from autoplan.planner.search import SearchSpace, search  # noqa: E402
 from autoplan.planner.segment_model import SegmentCostModel  # noqa: E402
 from autoplan.planner.tracing import prepare_for_precision  # noqa: E402
+from tests import zoo  # noqa: E402
 
 logging.getLogger("autoplan").setLevel(logging.WARNING)
 TRACED_BLOCKS = 2
@@ -78,32 +79,16 @@ QUICK = {"gpt3-1.3b": (8, 64), "llama2-7b": (8,)}
 
 
 def build(shape: Shape) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The model with TRACED_BLOCKS blocks on ``meta`` and one sample of token ids."""
-    if shape.family == "gpt":
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(
-            n_layer=TRACED_BLOCKS, n_embd=shape.hidden, n_head=shape.heads, vocab_size=shape.vocab,
-            n_positions=shape.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-        )  # fmt: skip
-        with torch.device("meta"):
-            model = GPT2LMHeadModel(cfg)
-    else:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        cfg = LlamaConfig(
-            num_hidden_layers=TRACED_BLOCKS, hidden_size=shape.hidden, intermediate_size=shape.ffn,
-            num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab,
-            max_position_embeddings=shape.seq, use_cache=False,
-        )  # fmt: skip
-        with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+    """``tests.zoo``'s GPT-2 or Llama of the shape with TRACED_BLOCKS blocks on ``meta`` and one sample of token ids."""
+    with torch.device("meta"):
+        if shape.family == "gpt":
+            model = zoo.gpt2_lm(layers=TRACED_BLOCKS, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
+                                positions=shape.seq)  # fmt: skip
+        else:
+            model = zoo.llama_lm(layers=TRACED_BLOCKS, hidden=shape.hidden, heads=shape.heads,
+                                 kv_heads=shape.kv_heads, ffn=shape.ffn, vocab=shape.vocab, positions=shape.seq)  # fmt: skip
     ids = torch.empty((1, shape.seq), dtype=torch.long, device="meta")
     return model, ids
-
-
-def lm_loss(out, labels):  # noqa: ANN001, ANN201
-    return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
 
 
 GRID = SearchSpace(balanced_stages=False, per_stage_recompute=False, microbatch_sizes=(1, 2, 4, 8))
@@ -128,7 +113,7 @@ def main() -> int:
             for gpus in cases[shape.name]:
                 nodes = max(1, gpus // 8)
                 cluster = Cluster(num_nodes=nodes, devices_per_node=min(8, gpus), device=device)
-                costs = SegmentCostModel(model, inputs, lm_loss, targets, cluster, optimizer="adam")
+                costs = SegmentCostModel(model, inputs, zoo.lm_loss, targets, cluster, optimizer="adam")
                 costs._traces = traces  # noqa: SLF001 - traces depend on the model only: share them
                 t0 = time.perf_counter()
                 kw = dict(num_blocks=TRACED_BLOCKS, global_batch_size=shape.global_batch, precision="bf16",

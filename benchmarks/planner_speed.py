@@ -36,6 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import torch  # noqa: E402
+
+from tests.zoo import gpt2_lm, llama_lm, lm_loss  # noqa: E402 - lm_loss: also read as planner_speed.lm_loss
+
 
 @dataclass(frozen=True)
 class Case:
@@ -65,32 +69,16 @@ MID_CASES = [  # small enough to plan at full depth too
 
 
 def build(case: Case):  # noqa: ANN201 - (model, ids)
-    import torch
-
+    """The case's model (``tests.zoo``'s GPT-2 or Llama) and one sample of token ids, on ``meta``."""
     with torch.device("meta"):
         ids = torch.randint(0, case.vocab, (1, case.seq))
         if case.family == "llama":
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            cfg = LlamaConfig(
-                num_hidden_layers=case.layers, hidden_size=case.hidden, intermediate_size=case.ffn,
-                num_attention_heads=case.heads, num_key_value_heads=case.kv_heads, vocab_size=case.vocab,
-                max_position_embeddings=case.seq, use_cache=False,
-            )  # fmt: skip
-            return LlamaForCausalLM(cfg), ids
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(
-            n_layer=case.layers, n_embd=case.hidden, n_head=case.heads, n_inner=case.ffn, vocab_size=case.vocab,
-            n_positions=case.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-        )  # fmt: skip
-        return GPT2LMHeadModel(cfg), ids
-
-
-def lm_loss(out, labels):  # noqa: ANN001, ANN201
-    import torch.nn.functional as F
-
-    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+            model = llama_lm(layers=case.layers, hidden=case.hidden, heads=case.heads, kv_heads=case.kv_heads,
+                             ffn=case.ffn, vocab=case.vocab, positions=case.seq)  # fmt: skip
+        else:
+            model = gpt2_lm(layers=case.layers, hidden=case.hidden, heads=case.heads, ffn=case.ffn,
+                            vocab=case.vocab, positions=case.seq)  # fmt: skip
+        return model, ids
 
 
 def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:

@@ -16,30 +16,21 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import autoplan  # noqa: E402
 from autoplan.tools.loader import build_workload  # noqa: E402
+from tests import zoo  # noqa: E402
 
 
 def _gpt2(n_embd: int, n_layer: int, batch: int, seq: int) -> autoplan.Workload:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        n_layer=n_layer, n_embd=n_embd, n_head=32, vocab_size=1024, n_positions=seq,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-    )  # fmt: skip
+    """``tests.zoo``'s GPT-2 with 32 heads and a 1024-token vocabulary, on ``meta``."""
     with torch.device("meta"):
         ids = torch.randint(0, 1024, (batch, seq))
-        model = GPT2LMHeadModel(cfg)
-
-    def loss(out, labels):  # noqa: ANN001
-        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
-
-    return autoplan.Workload(model=model, example_inputs=(ids,), loss_fn=loss, example_targets=(ids,))
+        model = zoo.gpt2_lm(layers=n_layer, hidden=n_embd, heads=32, vocab=1024, positions=seq)
+    return autoplan.Workload(model=model, example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,))
 
 
 def cases() -> list[tuple[str, autoplan.Workload, autoplan.Cluster]]:

@@ -8,23 +8,13 @@ import torch
 import autoplan
 from tests import zoo
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 
 def _gpt2(n_embd: int, n_layer: int, batch: int, seq: int, vocab: int = 1024):
-    cfg = transformers.GPT2Config(
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=32,
-        vocab_size=vocab,
-        n_positions=seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-    )
+    """``zoo.gpt2_lm`` with 32 heads (as in ``benchmarks/planning_time.py``) and ``(batch, seq)`` token ids, on ``meta``."""
     with torch.device("meta"):
-        model = transformers.GPT2LMHeadModel(cfg)
+        model = zoo.gpt2_lm(layers=n_layer, hidden=n_embd, heads=32, vocab=vocab, positions=seq)
         ids = torch.randint(0, vocab, (batch, seq))
     return model, ids
 

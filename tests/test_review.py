@@ -50,6 +50,7 @@ import autoplan
 from autoplan.passes.trace import param_node_name
 from autoplan.tools.cli import main as autoplan_main
 from autoplan.tools.review import diff_plans, diff_text, explain, explain_text, show_text
+from tests.zoo import on_meta, plan_workload
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -67,24 +68,6 @@ EMBEDDING_TOKENS = 8192
 TIGHT_CAPACITY_BYTES = 54 * 2**20
 """Fits the plan only with the (8192, 256) target sharded: experimentally the embedding case plans
 at 52.1..56 MiB and is infeasible below; unconstrained its peak is 104 MiB (target replicated)."""
-
-
-def build_on_meta(build: object) -> autoplan.Workload:
-    with torch.device("meta"):
-        return build()
-
-
-def plan_workload(wl: autoplan.Workload, cluster: autoplan.Cluster, **kwargs: object) -> autoplan.Plan:
-    return autoplan.plan(
-        wl.model,
-        cluster,
-        example_inputs=wl.example_inputs,
-        loss_fn=wl.loss_fn,
-        example_targets=wl.example_targets,
-        optimizer=wl.optimizer,
-        profile=None,
-        **kwargs,
-    )
 
 
 def embedding_workload() -> autoplan.Workload:
@@ -163,7 +146,7 @@ def mlp_cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[byt
 def gpt2_plan() -> autoplan.Plan:
     """GPT-2 (4 layers, width 32) on 4 CPU ranks as a 2x2 mesh: many nodes with real choices."""
     cluster = autoplan.Cluster.preset("4xCPU", mesh_shape=(2, 2))
-    return plan_workload(build_on_meta(cli_models.gpt2_4_layers), cluster)
+    return plan_workload(on_meta(cli_models.gpt2_4_layers), cluster, profile=None)
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +161,9 @@ def embedding_plans() -> dict[str, autoplan.Plan]:
     """The embedding case: unconstrained, at 54 MiB per device, and unconstrained with the weight pinned."""
     wl = embedding_workload()
     return {
-        "free": plan_workload(wl, two_cpus()),
-        "tight": plan_workload(wl, two_cpus(mem_capacity_bytes=TIGHT_CAPACITY_BYTES)),
-        "pinned": plan_workload(wl, two_cpus(), pins={"0.weight": "S(0)"}),
+        "free": plan_workload(wl, two_cpus(), profile=None),
+        "tight": plan_workload(wl, two_cpus(mem_capacity_bytes=TIGHT_CAPACITY_BYTES), profile=None),
+        "pinned": plan_workload(wl, two_cpus(), profile=None, pins={"0.weight": "S(0)"}),
     }
 
 
@@ -188,8 +171,8 @@ def embedding_plans() -> dict[str, autoplan.Plan]:
 def pipeline_plan() -> autoplan.Plan:
     """``--cluster 2x4xH100 --global-batch-size 32 --config dp=2,tp=2,pp=2,microbatch_size=2,num_microbatches=8,schedule=1f1b``."""
     config = autoplan.ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=2, num_microbatches=8, schedule="1f1b")
-    wl = build_on_meta(cli_models.gpt2_4_layers)
-    return plan_workload(wl, autoplan.Cluster.preset("2x4xH100"), global_batch_size=32, config=config)
+    wl = on_meta(cli_models.gpt2_4_layers)
+    return plan_workload(wl, autoplan.Cluster.preset("2x4xH100"), profile=None, global_batch_size=32, config=config)
 
 
 def chosen_placement(plan: autoplan.Plan, node: str) -> tuple[tuple, tuple]:
@@ -424,7 +407,7 @@ def test_explain_prices_a_parameter_together_with_its_tied_transpose():
         model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))
         x, y = torch.randn(16384, 1024), torch.randn(16384, 1024)  # (B, C)
     wl = autoplan.Workload(model=model, example_inputs=(x,), loss_fn=F.mse_loss, example_targets=(y,), optimizer="adam")
-    plan = plan_workload(wl, two_cpus())
+    plan = plan_workload(wl, two_cpus(), profile=None)
     assert plan.solver["gap"] == 0.0
 
     cheaper = [

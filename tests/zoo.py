@@ -3,7 +3,8 @@ its batches and its loss, deterministic (seeded) so each rank of a job builds th
 
 Sections:
   * modules: an MLP, Hugging Face GPT-2 and Llama (grouped-query attention) of a few layers, their
-    batches and losses (what the equivalence tests train);
+    batches and losses (what the equivalence tests train); GPT-2 and Llama of any shape
+    (:func:`gpt2_lm`, :func:`llama_lm`: the benchmarks' models, up to 175B parameters, on ``meta`` to plan);
   * workloads: ``autoplan.Workload`` build functions, what ``autoplan plan FILE.py:FUNCTION``
     calls (on ``meta`` to plan, on CPU to run): MLPs, a model ``torch.export`` cannot trace, a
     17e9-parameter MLP (meta only), a 4-layer HF GPT-2, GPT-2 small's widths in nanoGPT's layout;
@@ -114,6 +115,31 @@ def llama_tiny(seed: int = 0, num_layers: int = 2) -> nn.Module:
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
+
+
+def gpt2_lm(*, layers: int, hidden: int, heads: int, vocab: int, positions: int, ffn: int | None = None) -> nn.Module:
+    """HF GPT-2 (``GPT2LMHeadModel``, tied lm_head) of any shape (the benchmarks' GPT-2 and GPT-3
+    shapes), no dropout, no KV cache; ``ffn`` None is 4 x ``hidden``. Unseeded: build it on
+    ``meta`` to plan, or seed first."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=layers, n_embd=hidden, n_head=heads, n_inner=ffn, vocab_size=vocab, n_positions=positions,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def llama_lm(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, positions: int) -> nn.Module:
+    """HF Llama (``LlamaForCausalLM``, ``kv_heads`` key/value heads) of any shape (the benchmarks'
+    Llama 2/3 shapes), no KV cache. Unseeded: build it on ``meta`` to plan."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions, use_cache=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
 
 
 GPT2_TP_PINS = {
