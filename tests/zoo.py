@@ -245,17 +245,14 @@ def huge() -> autoplan.Workload:
 def gpt2_4_layers() -> autoplan.Workload:
     """Hugging Face GPT-2 with 4 layers of width 32 (enough blocks for the repeated-block
     reduction of global-batch plans), batch 8 x 16 tokens, next-token loss."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=128, n_positions=32, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # fmt: skip
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (8, 16))
 
     def loss(out, labels):  # noqa: ANN001, ANN202
         return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
-    return autoplan.Workload(model=GPT2LMHeadModel(cfg), example_inputs=(ids,), loss_fn=loss, example_targets=(ids,))
+    model = gpt2_lm(layers=4, hidden=32, heads=4, vocab=128, positions=32)
+    return autoplan.Workload(model=model, example_inputs=(ids,), loss_fn=loss, example_targets=(ids,))
 
 
 def plan_workload(wl: autoplan.Workload, cluster: object = "2xCPU", **kwargs: object) -> autoplan.Plan:
