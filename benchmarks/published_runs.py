@@ -1,0 +1,213 @@
+"""Published large-scale training runs, priced with the planner's cost model (issue #19, item 6).
+
+    python benchmarks/published_runs.py
+
+Each run is a configuration someone ran and published, with its measured throughput: build the
+model on ``meta`` (``tests.zoo.llama_lm``, no weights) and price exactly that configuration with
+``autoplan.estimate`` (no search). Prints per run: model, configuration, predicted and published
+tokens/s per GPU and their error (predicted / published - 1), predicted and published MFU, the
+predicted peak memory per device and whether the cost model calls it feasible; then
+``published: runs=N err_median=X% err_max=Y% mem_err_max=Z%`` (median and max of |error| over the
+runs; ``mem_err_max`` over the runs with a published peak memory, ``n/a`` when none has one).
+
+Source of every row: ``shared/published_runs.md`` (torchtitan, FSDP2 on 64 A100 80GB,
+pytorch/torchtitan docs/performance.md, 2024). Add runs as rows of ``RUNS`` with their source.
+
+Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.recompute``):
+
+- ``none`` -> ``none``; ``full`` -> ``full`` (every block keeps only its input): exact.
+- ``selective, per op`` -> ``selective`` (autoplan keeps matmul outputs, recomputes the cheap ops
+  between them). Approximate: torchtitan's op policy saves only every other ``mm`` output (plus
+  attention outputs) and recomputes the other matmuls, so it recomputes more than autoplan prices.
+- ``selective, per layer`` (full recomputation of every other block) has no single autoplan
+  value: priced as the mean of the ``none`` and ``full`` estimates (step time and peak memory
+  both linear in the number of recomputed blocks). Approximate: the peak is not exactly the mean.
+
+MFU: autoplan's (model FLOPs of its trace / step time / peak) against torchtitan's
+(6·N·tokens + 12·L·H·Q·T attention FLOPs, non-causal, over 312 TFLOP/s); the two FLOP counts
+need not agree, so compare the tokens/s error first.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+import autoplan  # noqa: E402
+from tests.zoo import llama_lm, lm_loss  # noqa: E402
+
+TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shape:
+    """A Llama decoder's shape (HF ``LlamaConfig`` fields)."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+
+LLAMA3_8B = Shape(name="Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+LLAMA3_70B = Shape(name="Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+LLAMA2_13B = Shape(name="Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
+LLAMA2_70B = Shape(name="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PublishedRun:
+    """One published training run: its conditions and what it measured."""
+
+    shape: Shape
+    cluster: str
+    """autoplan cluster preset of the machines it ran on."""
+    seq_len: int
+    local_batch: int
+    """Samples per GPU per step (global batch = local batch x data-parallel degree)."""
+    activation_checkpointing: str
+    """As published: ``none``, ``full``, ``selective, per op``, ``selective, per layer``."""
+    zero_stage: int
+    dp: int
+    tokens_per_s_per_gpu: float
+    mfu: float
+    peak_memory_gib: float | None = None
+    """Published peak memory per GPU; ``None`` where the source gives none."""
+    source: str
+
+    @property
+    def global_batch(self) -> int:
+        return self.local_batch * self.dp
+
+
+def _tt(shape: Shape, seq: int, batch: int, ac: str, wps: float, mfu: float) -> PublishedRun:
+    """A torchtitan FSDP2 row: 8 nodes x 8 A100 80GB, FSDP2 (ZeRO-3) over all 64, no TP/PP."""
+    return PublishedRun(
+        shape=shape, cluster="8x8xA100-80GB", seq_len=seq, local_batch=batch, activation_checkpointing=ac,
+        zero_stage=3, dp=64, tokens_per_s_per_gpu=wps, mfu=mfu, source=TORCHTITAN_A100,
+    )  # fmt: skip
+
+
+RUNS = [
+    _tt(LLAMA3_8B, 8192, 1, "selective, per layer", 2904, 0.568),
+    _tt(LLAMA3_8B, 8192, 1, "selective, per op", 2973, 0.582),
+    _tt(LLAMA3_70B, 8192, 1, "full", 331, 0.517),
+    _tt(LLAMA2_13B, 4096, 2, "none", 2162, 0.611),
+    _tt(LLAMA2_13B, 4096, 2, "selective, per layer", 1914, 0.541),
+    _tt(LLAMA2_13B, 4096, 2, "selective, per op", 1904, 0.538),
+    _tt(LLAMA2_70B, 4096, 1, "selective, per op", 355, 0.508),
+    _tt(LLAMA2_70B, 4096, 2, "full", 353, 0.505),
+]
+
+RECOMPUTE_MIX: dict[str, dict[str, float]] = {
+    # published policy -> {autoplan recompute: weight}; see the module docstring for what is approximate
+    "none": {"none": 1.0},
+    "full": {"full": 1.0},
+    "selective, per op": {"selective": 1.0},
+    "selective, per layer": {"none": 0.5, "full": 0.5},
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Priced:
+    """What the cost model predicts for one run."""
+
+    config: str
+    tokens_per_s_per_gpu: float
+    mfu: float
+    peak_memory_gib: float
+    feasible: bool
+    published_mfu_check: float
+    """The published tokens/s through torchtitan's MFU formula: equals the published MFU when
+    the row's shape and numbers are encoded as torchtitan ran them."""
+
+
+def price(run: PublishedRun) -> Priced:
+    """``autoplan.estimate`` of the run's configuration (a weighted mean over ``RECOMPUTE_MIX``)."""
+    s = run.shape
+    with torch.device("meta"):
+        model = llama_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn,
+                         vocab=s.vocab, positions=run.seq_len)  # fmt: skip
+        ids = torch.randint(0, s.vocab, (1, run.seq_len))
+    step_s = mfu_step = peak = 0.0
+    capacity, configs = 0.0, []
+    for recompute, weight in RECOMPUTE_MIX[run.activation_checkpointing].items():
+        config = autoplan.ParallelConfig(
+            dp=run.dp, tp=1, pp=1, microbatch_size=run.local_batch, num_microbatches=1,
+            recompute=recompute, zero_stage=run.zero_stage,
+        )  # fmt: skip
+        est = autoplan.estimate(
+            model, run.cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
+            global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
+        )  # fmt: skip
+        step_s += weight * est.step_time_s
+        mfu_step += weight * est.mfu * est.step_time_s  # MFU x step time = FLOPs / peak: the same for both
+        peak += weight * est.peak_memory_bytes
+        capacity = est.capacity_bytes
+        configs.append(str(config) if weight == 1.0 else f"{weight:g}x[{config}]")
+    tokens = run.global_batch * run.seq_len
+    num_params = sum(p.numel() for p in model.parameters())
+    return Priced(
+        config=" + ".join(configs), tokens_per_s_per_gpu=tokens / step_s / run.dp, mfu=mfu_step / step_s,
+        peak_memory_gib=peak / GiB, feasible=peak <= capacity,
+        published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu),
+    )  # fmt: skip
+
+
+def torchtitan_mfu(run: PublishedRun, num_params: int, tokens_per_s_per_gpu: float) -> float:
+    """MFU as torchtitan computes it: (6·N + 12·L·H·Q·T) FLOPs per token (N all parameters,
+    attention non-causal) over the A100's 312 TFLOP/s bf16 peak (A100 datasheet)."""
+    s = run.shape
+    flops_per_token = 6 * num_params + 12 * s.layers * s.heads * (s.hidden // s.heads) * run.seq_len
+    return tokens_per_s_per_gpu * flops_per_token / 312e12
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    head = ("model", "seq", "local batch", "AC (published)", "autoplan config", "pred tok/s/GPU", "published",
+            "error", "pred MFU", "pub MFU", "pred peak GiB", "feasible")  # fmt: skip
+    print(" | ".join(head))
+    errors, mem_errors, encoding = [], [], []
+    for run in RUNS:
+        p = price(run)
+        err = p.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu - 1
+        errors.append(abs(err))
+        encoding.append(abs(p.published_mfu_check - run.mfu))
+        if run.peak_memory_gib is not None:
+            mem_errors.append(abs(p.peak_memory_gib / run.peak_memory_gib - 1))
+        print(
+            f"{run.shape.name} | {run.seq_len} | {run.local_batch} | {run.activation_checkpointing} | {p.config} | "
+            f"{p.tokens_per_s_per_gpu:,.0f} | {run.tokens_per_s_per_gpu:,.0f} | {err:+.1%} | {p.mfu:.1%} | "
+            f"{run.mfu:.1%} | {p.peak_memory_gib:.1f} | {'yes' if p.feasible else 'NO'}",
+            flush=True,
+        )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"encoding check: published MFU vs torchtitan's formula on published tok/s, max |diff| "
+          f"{max(encoding) * 100:.2f} points")  # fmt: skip
+    print(f"sources: {'; '.join(sorted({r.source for r in RUNS}))}")
+    print(f"time {time.perf_counter() - t0:.1f} s, peak RSS {rss:.0f} MiB")
+    mem = f"{max(mem_errors):.1%}" if mem_errors else "n/a"
+    print(
+        f"published: runs={len(RUNS)} err_median={statistics.median(errors):.1%} "
+        f"err_max={max(errors):.1%} mem_err_max={mem}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
