@@ -146,13 +146,7 @@ def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> i
         str(samples_path),
         *(["--mesh", args.mesh] if args.mesh else []),
     ]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if not verbose:
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        env.setdefault("LOGLEVEL", "ERROR")
-    root = str(Path(__file__).resolve().parents[2])  # the folder holding the autoplan package
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env = launch.rank_environment(verbose=verbose)
     if not args.quiet:
         print(
             f"calibrating {cluster} on {cluster.world_size} {cluster.backend} ranks ...",

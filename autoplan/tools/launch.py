@@ -3,9 +3,11 @@ its rendezvous store and the wait for it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+from pathlib import Path
 from typing import Any
 
 from autoplan.cost_models.errors import PlanError
@@ -41,6 +43,20 @@ def master_port(requested: int | None, *, default: int | None = None) -> int:
     if default is not None and _is_free(default):
         return default
     return free_port()
+
+
+def rank_environment(*, verbose: bool) -> dict[str, str]:
+    """This process's environment for the ranks: one thread per CPU rank, torch's C++ and
+    torchrun's logging quiet (unless ``verbose``) and the folder holding this autoplan package
+    first on ``PYTHONPATH``, so the ranks import the same autoplan as the command."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if not verbose:
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        env.setdefault("LOGLEVEL", "ERROR")
+    root = str(Path(__file__).resolve().parents[2])  # autoplan/tools/launch.py -> the folder holding autoplan
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def call_torchrun(cmd: list[str], **kwargs: Any) -> int:

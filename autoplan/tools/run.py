@@ -217,14 +217,9 @@ def _torchrun_command(args: argparse.Namespace, plan: Plan, plan_path: str, mast
 def _rank_environment(args: argparse.Namespace) -> dict[str, str]:
     """This process's environment with one thread per CPU rank, quiet libraries (unless
     ``--verbose``) and this checkout's package directory first on ``PYTHONPATH``."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = launch.rank_environment(verbose=args.verbose)
     if not args.verbose:
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        env.setdefault("LOGLEVEL", "ERROR")
         env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    root = str(Path(__file__).resolve().parents[2])  # the folder holding the autoplan package
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
