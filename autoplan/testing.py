@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from autoplan.cost_models.cluster import Cluster
     from autoplan.planner.plan import Plan
+    from autoplan.workload import Workload
 
 AXIS_KINDS = ("data", "tensor", "data+tensor", "replicated")
 """What a mesh axis can be asked to do in ``parallelism=`` (see :meth:`Plan.parallelism`)."""
@@ -167,4 +168,26 @@ def autoplan_plan(autoplan_cache_dir: Path, monkeypatch: pytest.MonkeyPatch) -> 
     return plan
 
 
-__all__ = ["assert_plan", "autoplan_cache_dir", "autoplan_plan"]
+def generated_program(workload: Workload, cluster: Cluster, plan: Plan, *, rank: int) -> str:
+    """The per-rank program :func:`autoplan.parallelize` generates from ``plan`` for ``rank``,
+    built on a fake process group of the cluster's size (nothing is communicated while the program
+    is generated), which is destroyed afterwards. For snapshots of generated code without ranks."""
+    import torch.distributed as dist  # heavy: the plugin is loaded by every pytest run
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cluster.world_size)
+    try:
+        model = autoplan.parallelize(
+            workload.model,
+            cluster,
+            example_inputs=workload.example_inputs,
+            loss_fn=workload.loss_fn,
+            example_targets=workload.example_targets,
+            plan=plan,
+        )
+        return model.code
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = ["assert_plan", "autoplan_cache_dir", "autoplan_plan", "generated_program"]

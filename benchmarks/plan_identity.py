@@ -167,31 +167,22 @@ def _plan_case(case: Case, out: Path) -> Path:
 
 
 def _code_case(case: Case, plan_path: Path, out: Path) -> list[Path]:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import autoplan
+    from autoplan.testing import generated_program
     from autoplan.tools.loader import build_workload
 
     plan = autoplan.Plan.load(str(plan_path))
     cluster_arg = case.cli[case.cli.index("--cluster") + 1]
     mesh = tuple(int(x) for x in case.cli[case.cli.index("--mesh") + 1].split(",")) if "--mesh" in case.cli else None
     cluster = autoplan.Cluster.preset(cluster_arg, mesh_shape=mesh) if mesh else autoplan.Cluster.preset(cluster_arg)
+    assert cluster.world_size == case.world_size
     paths = []
     for rank in case.code_ranks:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=case.world_size)
-        try:
-            wl = build_workload(case.code_model, device="cpu")
-            with _quiet():
-                pm = autoplan.parallelize(
-                    wl.model, cluster, example_inputs=wl.example_inputs, loss_fn=wl.loss_fn,
-                    example_targets=wl.example_targets, plan=plan,
-                )  # fmt: skip
-            path = out / f"{case.name}.rank{rank}.py"
-            path.write_text(pm.code)
-            paths.append(path)
-        finally:
-            dist.destroy_process_group()
+        with _quiet():
+            code = generated_program(build_workload(case.code_model, device="cpu"), cluster, plan, rank=rank)
+        path = out / f"{case.name}.rank{rank}.py"
+        path.write_text(code)
+        paths.append(path)
     return paths
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import pytest
 
 import autoplan
+from autoplan.testing import generated_program
 from autoplan.tools.cli import main as autoplan_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,29 +137,14 @@ def plan_text(case: GoldenCase, out: Path) -> str:
 
 def rank_code(case: GoldenCase, plan_file: Path, rank: int) -> str:
     """The program ``autoplan.parallelize`` generates for ``rank`` on a fake process group."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from autoplan.tools.loader import build_workload
 
     plan = autoplan.Plan.load(str(plan_file))
     cluster = autoplan.Cluster.preset("4xCPU", mesh_shape=case.mesh_shape) if case.mesh_shape else None
     cluster = cluster or autoplan.Cluster.preset("4xCPU")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD_SIZE)
-    try:
-        with _at_repository_root():
-            wl = build_workload(case.target, device="cpu")
-            model = autoplan.parallelize(
-                wl.model,
-                cluster,
-                example_inputs=wl.example_inputs,
-                loss_fn=wl.loss_fn,
-                example_targets=wl.example_targets,
-                plan=plan,
-            )
-        return model.code
-    finally:
-        dist.destroy_process_group()
+    assert cluster.world_size == WORLD_SIZE
+    with _at_repository_root():
+        return generated_program(build_workload(case.target, device="cpu"), cluster, plan, rank=rank)
 
 
 @pytest.fixture(scope="module")
