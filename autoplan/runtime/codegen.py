@@ -33,6 +33,9 @@ from torch.fx.node import Argument
 from torch.utils import _pytree as pytree
 
 from autoplan.cost_models.comm import TransitionStep
+from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
+from autoplan.passes.comm_order import START, CommSchedule, schedule_collectives
+from autoplan.passes.layers import Layering, find_layers
 from autoplan.passes.placement import Spec
 from autoplan.passes.redistribute import OUTPUT, Redistribution, edge_redistributions
 from autoplan.passes.strategies import Strategy, resolve_value, tensor_args
@@ -44,6 +47,8 @@ from autoplan.runtime import collectives as runtime
 class GeneratedProgram:
     graph_module: fx.GraphModule
     redistributions: tuple[Redistribution, ...]
+    schedule: CommSchedule
+    """Where each redistribution is issued and waited for (what the planner prices)."""
 
 
 STEP_FN: dict[str, Callable[..., Any]] = {
@@ -100,6 +105,8 @@ def generate_program(
     device: torch.device,
     mesh: DeviceMesh | None = None,
     defer_grad_conversions: bool = False,
+    layering: Layering | None = None,
+    policy: OverlapPolicy = DEFAULT_POLICY,
 ) -> GeneratedProgram:
     """Build the per-rank program (see the module docstring).
 
@@ -108,10 +115,20 @@ def generate_program(
     e.g. once after accumulating micro-batches (exact: every step is linear)."""
     src_gm = traced.graph_module
     redistributions = edge_redistributions(traced, assignment, len(axis_names))
+    if layering is None:
+        layering = find_layers(traced)
+    schedule = schedule_collectives(
+        src_gm,
+        redistributions,
+        layering.segment_of,
+        mesh_shape=tuple(mesh.shape) if mesh is not None else (),
+        policy=policy,
+    )
     emit = _ProgramEmitter(
         traced,
         assignment,
-        {(r.consumer, r.arg_index): r for r in redistributions},
+        redistributions,
+        schedule,
         fallback_nodes=fallback_nodes,
         axis_names=axis_names,
         device=device,
@@ -131,19 +148,21 @@ def generate_program(
     root.device_mesh = mesh  # type: ignore[assignment]  # read by the program's get_attr
     gm = fx.GraphModule(root, emit.graph, class_name="AutoplanStep")
     gm.recompile()
-    return GeneratedProgram(graph_module=gm, redistributions=tuple(redistributions))
+    return GeneratedProgram(graph_module=gm, redistributions=tuple(redistributions), schedule=schedule)
 
 
 class _ProgramEmitter:
     """Builds the generated graph node by node, in the traced program's order: each node is
-    copied (:meth:`copy`), emitted with the conversions of its arguments (:meth:`planned_op`), or,
-    for the output, with the loss and gradient conversions (:meth:`output`)."""
+    copied (:meth:`copy`) or emitted with its converted arguments (:meth:`planned_op`); after each
+    node, the conversions the :class:`~autoplan.passes.comm_order.CommSchedule` issues there are
+    emitted (:meth:`_issue`); the output gets the converted loss and gradients (:meth:`output`)."""
 
     def __init__(
         self,
         traced: TracedProgram,
         assignment: Mapping[str, Strategy],
-        by_edge: Mapping[tuple[str, int], Redistribution],
+        redistributions: list[Redistribution],
+        schedule: CommSchedule,
         *,
         fallback_nodes: frozenset[str],
         axis_names: tuple[str, ...],
@@ -152,7 +171,10 @@ class _ProgramEmitter:
     ) -> None:
         self.traced = traced
         self.assignment = assignment
-        self.by_edge = by_edge
+        self.redistributions = redistributions
+        self.by_edge = {(r.consumer, r.arg_index): r for r in redistributions}
+        self.schedule = schedule
+        self.issue_after = schedule.issued_after()
         self.fallback_nodes = fallback_nodes
         self.axis_names = axis_names
         self.device = device
@@ -160,45 +182,89 @@ class _ProgramEmitter:
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}
         self.mesh_node: fx.Node | None = None
-        # gradients that are not bucketed are converted right after they are produced, so a partial
-        # (full-size) gradient is freed at once instead of living to the end of the backward
+        self.node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
         output_node = next(n for n in traced.graph_module.graph.nodes if n.op == "output")
-        self.grad_conversions: dict[fx.Node, list[tuple[int, Redistribution]]] = {}
-        for i, (pname, g) in enumerate(zip(traced.trainable_names, output_node.args[0][1:], strict=True)):
-            r = by_edge.get((param_node_name(pname), -1))
-            if r is not None and r.bucket is None and not defer_grad_conversions:
-                self.grad_conversions.setdefault(g, []).append((i, r))
+        self.grad_nodes: list[fx.Node] = list(output_node.args[0][1:])
+        self.grad_index = {param_node_name(p): i for i, p in enumerate(traced.trainable_names)}
+        self.converted: dict[tuple[str, int], fx.Node] = {}
+        """(consumer, argument index) -> the argument converted at its issue point."""
         self.converted_grads: dict[int, fx.Node] = {}
-        """Trainable parameter index -> its gradient converted right after production."""
+        """Trainable parameter index -> its gradient converted at its issue point."""
+        self.converted_loss: fx.Node | None = None
+        self.started = False
 
-    def _convert_grads(self, node: fx.Node) -> None:
-        for i, r in self.grad_conversions.get(node, ()):
-            self.converted_grads[i] = _emit_steps(self.graph, self.env[node], r.steps, self.axis_names)
+    def _needs_replicate(self, a: fx.Node) -> bool:
+        """A constant (plain tensor, same on every rank) that a consumer needs converted."""
+        return resolve_value(a).node not in self.assignment and not _is_dtensor_input(a)
+
+    def _issue(self, name: str) -> None:
+        """Emit the conversions the schedule issues right after node ``name``."""
+        for slot in self.issue_after.get(name, ()):
+            r = self.redistributions[slot.index]
+            if r.consumer == OUTPUT:
+                self.converted_loss = _emit_steps(self.graph, self.env[self.node_by_name[slot.issue_after]], r.steps, self.axis_names)
+            elif r.arg_index >= 0:
+                a = tensor_args(self.node_by_name[r.consumer])[r.arg_index]
+                if not self._needs_replicate(a):  # (constants are wrapped and converted at the consumer)
+                    self.converted[(r.consumer, r.arg_index)] = _emit_steps(self.graph, self.env[a], r.steps, self.axis_names)
+            elif not self.defer_grad_conversions:
+                if slot.bucket is None:
+                    i = self.grad_index[r.consumer]
+                    self.converted_grads[i] = _emit_steps(self.graph, self.env[self.grad_nodes[i]], r.steps, self.axis_names)
+                else:
+                    self._emit_bucket(self.schedule.buckets[slot.bucket])
+
+    def _emit_bucket(self, members: tuple[int, ...]) -> None:
+        """One coalesced all-reduce per step of the members' (common) transition."""
+        idx = [self.grad_index[self.redistributions[m].consumer] for m in members]
+        group = [self.env[self.grad_nodes[i]] for i in idx]
+        for st in self.redistributions[members[0]].steps:
+            red = self.graph.create_node(
+                "call_function",
+                runtime.all_reduce_coalesced,
+                (tuple(group),),
+                {"axis": st.axis},
+                name=f"all_reduce_coalesced_{self.axis_names[st.axis]}",
+            )
+            group = [self.graph.call_function(operator.getitem, (red, j)) for j in range(len(idx))]
+        for i, reduced in zip(idx, group, strict=True):
+            self.converted_grads[i] = reduced
+
+    def _start(self, node: fx.Node) -> None:
+        if not self.started and node.op != "placeholder":
+            self.started = True
+            self._issue(START)
 
     def copy(self, node: fx.Node) -> None:
         """A placeholder, constant, ``getitem`` or unplanned op: copied as it is (on ``device``)."""
+        self._start(node)
         new = self.graph.node_copy(node, lambda n: self.env[n])
         if node.op == "call_function":
             new.kwargs = _fix_device(dict(new.kwargs), self.device)
         self.env[node] = new
-        self._convert_grads(node)
+        self._issue(node.name)
 
     def planned_op(self, node: fx.Node) -> None:
         """A planned op: its arguments converted to the placements its strategy needs, then the op
         (run on the replicated values for a fallback node), tagged with its output placements."""
+        self._start(node)
         graph, env = self.graph, self.env
         converted: list[fx.Node] = []
         for i, a in enumerate(tensor_args(node)):
             r = self.by_edge.get((node.name, i))
             x = env[a]
-            if r is not None and resolve_value(a).node not in self.assignment and not _is_dtensor_input(a):
-                # a constant (plain tensor, same on every rank) needed sharded: wrap, then slice
-                if self.mesh_node is None:
-                    self.mesh_node = graph.get_attr("device_mesh")
-                x = graph.create_node(
-                    "call_function", runtime.replicate, (x, self.mesh_node), {}, name=f"{a.name}_replicated"
-                )
-            converted.append(_emit_steps(graph, x, r.steps, self.axis_names) if r is not None else x)
+            if (node.name, i) in self.converted:
+                x = self.converted[(node.name, i)]
+            elif r is not None:
+                if self._needs_replicate(a):
+                    # a constant (plain tensor, same on every rank) needed sharded: wrap, then slice
+                    if self.mesh_node is None:
+                        self.mesh_node = graph.get_attr("device_mesh")
+                    x = graph.create_node(
+                        "call_function", runtime.replicate, (x, self.mesh_node), {}, name=f"{a.name}_replicated"
+                    )
+                x = _emit_steps(graph, x, r.steps, self.axis_names)
+            converted.append(x)
         new_args = _replace_tensor_args(node.args, iter(converted), env)
         new_kwargs = _fix_device(dict(fx.node.map_arg(node.kwargs, lambda n: env[n])), self.device)
         if node.name in self.fallback_nodes:
@@ -212,39 +278,14 @@ class _ProgramEmitter:
         strat = self.assignment[node.name]
         new.meta["autoplan.output_specs"] = strat.output_specs
         env[node] = new
-        self._convert_grads(node)
+        self._issue(node.name)
 
     def output(self, node: fx.Node) -> None:
-        """The output: the loss converted to replicated, each gradient converted (already, right
-        after production, or here in coalesced all-reduces per bucket)."""
-        graph, env, trainable_names = self.graph, self.env, self.traced.trainable_names
+        """The output: the loss and each gradient as converted at their issue points."""
         loss, *grads = cast("tuple[fx.Node, ...]", node.args[0])
-        new_loss = env[loss]
-        r = self.by_edge.get((OUTPUT, -1))
-        if r is not None:
-            new_loss = _emit_steps(graph, new_loss, r.steps, self.axis_names)
-        new_grads: list[fx.Node] = []
-        buckets: dict[str, list[int]] = {}
-        for i, (pname, g) in enumerate(zip(trainable_names, grads, strict=True)):
-            r = self.by_edge.get((param_node_name(pname), -1))
-            if r is not None and r.bucket is not None and not self.defer_grad_conversions:
-                buckets.setdefault(r.bucket, []).append(i)
-            new_grads.append(self.converted_grads.get(i, env[g]))
-        for members in buckets.values():
-            r = self.by_edge[(param_node_name(trainable_names[members[0]]), -1)]
-            group = [new_grads[i] for i in members]
-            for st in r.steps:
-                red = graph.create_node(
-                    "call_function",
-                    runtime.all_reduce_coalesced,
-                    (tuple(group),),
-                    {"axis": st.axis},
-                    name=f"all_reduce_coalesced_{self.axis_names[st.axis]}",
-                )
-                group = [graph.call_function(operator.getitem, (red, j)) for j in range(len(members))]
-            for i, reduced in zip(members, group, strict=True):
-                new_grads[i] = reduced
-        graph.output((new_loss, *new_grads))
+        new_loss = self.converted_loss if self.converted_loss is not None else self.env[loss]
+        new_grads = [self.converted_grads.get(i, self.env[g]) for i, g in enumerate(grads)]
+        self.graph.output((new_loss, *new_grads))
 
 
 def expected_output_placements(gm: fx.GraphModule) -> dict[str, Spec]:

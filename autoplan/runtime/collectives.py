@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
@@ -85,12 +85,13 @@ def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
         raise TypeError("all_reduce_coalesced expects tensors with the same Partial placement on that axis")
     locals_ = [x.to_local() for x in xs]
     flat = torch.cat([t.reshape(-1) for t in locals_])
-    # in place on the flat buffer: one extra copy of the bucket, not two
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group(axis))
-    if partial.reduce_op == "avg":
-        flat.div_(mesh.size(axis))
-    elif partial.reduce_op != "sum":
+    if partial.reduce_op not in ("sum", "avg"):
         raise TypeError(f"all_reduce_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
+    # a functional collective: asynchronous (waited where a reduced gradient is first read; in
+    # the lowered program that is the optimizer step, autoplan.runtime.lowering)
+    flat = funcol.all_reduce(flat, "sum", mesh.get_group(axis))  # (gloo has no AVG)
+    if partial.reduce_op == "avg":
+        flat = flat / mesh.size(axis)
     out = []
     offset = 0
     for x, t in zip(xs, locals_, strict=True):

@@ -15,6 +15,7 @@ from autoplan.passes.placement import parse_spec, spec_str
 from autoplan.passes.trace import TracedProgram
 from autoplan.planner.plan import Plan
 from autoplan.runtime.codegen import GeneratedProgram, expected_output_placements
+from autoplan.runtime.lowering import LocalProgram, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
 
@@ -84,6 +85,9 @@ class ParallelModel(torch.nn.Module):
         ]
         self._input_specs = [parse_spec(s) for s in plan.input_specs]
         self._target_specs = [parse_spec(s) for s in plan.target_specs]
+        self.schedule = program.schedule
+        self._local: LocalProgram | None = None
+        """The program lowered to local tensors (autoplan.runtime.lowering), built at the first step."""
 
     # -- parameters -------------------------------------------------------------------------
     def named_sharded_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -107,8 +111,29 @@ class ParallelModel(torch.nn.Module):
 
     @property
     def code(self) -> str:
-        """The generated per-rank program as readable Python."""
+        """The generated per-rank program as readable Python (over DTensors, with the plan's
+        explicit collectives; :attr:`local_code` is what runs)."""
         return self.program.code
+
+    @property
+    def local_code(self) -> str:
+        """The program that runs: local tensors, functional collectives and their waits."""
+        return self.lowered().code
+
+    def lowered(self) -> LocalProgram:
+        """The program lowered to this rank's local tensors (traced once, on fake tensors)."""
+        if self._local is None:
+            self._local = lower_to_local(self.program, self._example_args())
+        return self._local
+
+    def _example_args(self) -> list[DTensor]:
+        """Arguments shaped as the traced step's (the batch's values do not matter: the lowering
+        traces on fake tensors)."""
+        placeholders = [n for n in self._traced.graph_module.graph.nodes if n.op == "placeholder"]
+        batch = placeholders[len(placeholders) - len(self._input_specs) - len(self._target_specs) :]
+        zeros = [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype) for n in batch]
+        args = [p.detach() for p in self._params] + list(self._buffers_list)
+        return args + self._distribute(zeros, [*self._input_specs, *self._target_specs])
 
     def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer the plan was costed for, over the sharded trainable parameters."""
@@ -137,8 +162,12 @@ class ParallelModel(torch.nn.Module):
             )
         args = [p.detach() for p in self._params] + list(self._buffers_list)
         args += self._distribute(inputs, self._input_specs) + self._distribute(targets, self._target_specs)
-        with torch.no_grad(), implicit_replication():
-            outs = _CheckedInterpreter(self.program).run(*args) if check else self.program(*args)
+        if check:
+            with torch.no_grad(), implicit_replication():
+                outs = _CheckedInterpreter(self.program).run(*args)
+        else:
+            with torch.no_grad():
+                outs = self.lowered()(*args)
         loss, *grads = outs
         for p, g in zip(self._trainable, grads, strict=True):
             p.grad = g

@@ -1,0 +1,181 @@
+"""Pass — communication order: where the generated program issues each collective and where it
+waits for it. The one schedule that :mod:`autoplan.runtime.codegen` emits and
+:mod:`autoplan.passes.overlap` prices (issue #19, "priced = executed").
+
+Contract
+--------
+Input: the traced joint graph, the program's :class:`~autoplan.passes.redistribute.Redistribution`
+list (graph order), the segment of every node (:class:`~autoplan.passes.layers.Layering`), the
+mesh shape and the :class:`~autoplan.cost_models.comm_schedule.OverlapPolicy`.
+Output: a :class:`CommSchedule`: for every redistribution the node after which it is issued and
+the node before which its result must have arrived, and the gradient buckets.
+
+Rules (the policy's DDP / FSDP2 behaviour, :mod:`autoplan.cost_models.comm_schedule`):
+
+* **Windows.** The graph's ops, in program order, form *runs* of consecutive ops of one segment
+  (a block's forward, a block's backward, ...). An operand conversion of a consumer in run ``r``
+  is issued as early as its value exists, but not before run ``r - prefetch_blocks`` starts:
+  a sharded parameter (ZeRO-3) is gathered while the previous block computes (FSDP2's forward
+  and backward prefetch), a tensor-parallel conversion right after its producer. It is waited
+  for right before its consumer. The window bounds memory: a gathered copy lives at most
+  ``prefetch_blocks + 1`` runs.
+* **Gradients.** A gradient conversion is issued right after the gradient exists and waited for
+  before the optimizer step (the program's output). Gradients whose conversion is a plain
+  all-reduce (``Redistribution.bucket``: same transition) are grouped, in the order the backward
+  produces them, by :func:`~autoplan.cost_models.comm_schedule.gradient_buckets`; a bucket is
+  one coalesced all-reduce issued after its last gradient.
+* **The loss** is reduced after it is computed and waited for at the output.
+
+``issue_after`` is never before the value's producer nor before the last placeholder (so the
+program's inputs stay first), and never after ``wait_before``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy, gradient_buckets
+from autoplan.passes.placement import Spec
+from autoplan.passes.redistribute import OUTPUT, Redistribution
+from autoplan.passes.strategies import resolve_value, tensor_args
+
+START = "<start>"
+"""``issue_after`` of a conversion issued before the first op."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveSlot:
+    """Where one redistribution (or gradient bucket) is issued and waited for."""
+
+    index: int
+    """Index into the redistributions the schedule was made for."""
+    issue_after: str
+    """Node after which the program issues it (:data:`START`: before the first op)."""
+    wait_before: str
+    """Node before which its result is needed (:data:`~autoplan.passes.redistribute.OUTPUT`:
+    the step's output, i.e. before the optimizer step)."""
+    bucket: int | None = None
+    """Index into :attr:`CommSchedule.buckets` for a coalesced gradient all-reduce."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CommSchedule:
+    slots: tuple[CollectiveSlot, ...]
+    """One per redistribution, same order."""
+    buckets: tuple[tuple[int, ...], ...]
+    """Redistribution indices of each coalesced gradient all-reduce, in issue order."""
+    policy: OverlapPolicy
+
+    def issued_after(self) -> dict[str, list[CollectiveSlot]]:
+        """Node name -> slots issued right after it (bucket members: only the bucket's first
+        member's slot stands for the bucket), in issue order."""
+        out: dict[str, list[CollectiveSlot]] = {}
+        for s in self.slots:
+            if s.bucket is not None and self.buckets[s.bucket][0] != s.index:
+                continue
+            out.setdefault(s.issue_after, []).append(s)
+        return out
+
+
+def _local_bytes(node: fx.Node, spec: Spec, mesh_shape: Sequence[int]) -> float:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    nbytes = float(val.numel() * val.element_size())
+    for axis, p in enumerate(spec):
+        if isinstance(p, Shard) and axis < len(mesh_shape):
+            nbytes /= mesh_shape[axis]
+    return nbytes
+
+
+def _runs(nodes: Sequence[fx.Node], segment_of: Mapping[str, int]) -> dict[str, int]:
+    """Op name -> index of its run of consecutive same-segment ops."""
+    run_of: dict[str, int] = {}
+    run, last = -1, None
+    for n in nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        seg = segment_of.get(n.name, last)
+        if seg != last or run < 0:
+            run += 1
+            last = seg
+        run_of[n.name] = run
+    return run_of
+
+
+def schedule_collectives(
+    gm: fx.GraphModule,
+    redistributions: Sequence[Redistribution],
+    segment_of: Mapping[str, int],
+    *,
+    mesh_shape: Sequence[int],
+    policy: OverlapPolicy = DEFAULT_POLICY,
+) -> CommSchedule:
+    """The program's communication order (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n.name: i for i, n in enumerate(nodes)}
+    by_name = {n.name: n for n in nodes}
+    last_placeholder = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
+    output = next(n for n in nodes if n.op == "output")
+    run_of = _runs(nodes, segment_of)
+    run_start: dict[int, int] = {}
+    for name, r in run_of.items():
+        run_start.setdefault(r, pos[name])
+
+    def after(index: int) -> str:
+        return START if index < 0 else nodes[index].name
+
+    # the output's own argument nodes (a ``getitem`` of a multi-output producer: the value exists
+    # once that node has run)
+    out_node = {resolve_value(a): a.name for a in output.args[0] if isinstance(a, fx.Node)}  # type: ignore[union-attr]
+    slots: list[CollectiveSlot | None] = [None] * len(redistributions)
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(redistributions):
+        if r.consumer == OUTPUT:
+            slots[i] = CollectiveSlot(index=i, issue_after=out_node[r.producer], wait_before=OUTPUT)
+        elif r.arg_index == -1:
+            if r.bucket is not None:
+                groups.setdefault(r.bucket, []).append(i)
+            else:
+                slots[i] = CollectiveSlot(index=i, issue_after=out_node[r.producer], wait_before=OUTPUT)
+        else:
+            consumer = by_name[r.consumer]
+            arg = tensor_args(consumer)[r.arg_index]
+            window = run_of[r.consumer] - policy.prefetch_blocks
+            earliest = run_start.get(max(window, 0), pos[r.consumer]) - 1
+            issue = max(pos[arg.name], earliest, last_placeholder)
+            issue = min(issue, pos[r.consumer] - 1)
+            slots[i] = CollectiveSlot(index=i, issue_after=after(issue), wait_before=r.consumer)
+    buckets: list[tuple[int, ...]] = []
+    for members in groups.values():
+        ordered = sorted(members, key=lambda i: pos[out_node[redistributions[i].producer]])
+        sizes = [
+            _local_bytes(by_name[redistributions[i].producer.node], redistributions[i].src, mesh_shape)
+            for i in ordered
+        ]
+        for b in gradient_buckets(sizes, policy):
+            members_b = tuple(ordered[k] for k in b)
+            last = max(pos[out_node[redistributions[i].producer]] for i in members_b)
+            for i in members_b:
+                slots[i] = CollectiveSlot(index=i, issue_after=nodes[last].name, wait_before=OUTPUT, bucket=len(buckets))
+            buckets.append(members_b)
+    # buckets in issue order (the program emits them as their last gradient appears)
+    order = sorted(range(len(buckets)), key=lambda b: pos[slots[buckets[b][0]].issue_after])  # type: ignore[union-attr]
+    renumber = {old: new for new, old in enumerate(order)}
+    final = tuple(
+        s if s is None or s.bucket is None else CollectiveSlot(
+            index=s.index, issue_after=s.issue_after, wait_before=s.wait_before, bucket=renumber[s.bucket]
+        )
+        for s in slots
+    )
+    assert all(s is not None for s in final)
+    return CommSchedule(
+        slots=tuple(s for s in final if s is not None),
+        buckets=tuple(buckets[b] for b in order),
+        policy=policy,
+    )
