@@ -154,16 +154,26 @@ def stage_memory_parts(
 def optimizer_temp_bytes(optimizer: str, max_param_bytes: float, total_param_bytes: float, device_kind: str) -> float:
     """Temporary bytes one optimizer step allocates on top of parameters, gradients and states.
 
-    ``torch.optim`` uses its single-tensor loop on CPU and the foreach (multi-tensor) kernels on
-    CUDA (``torch.optim.optimizer._default_to_fused_or_foreach``). Adam's step computes
-    ``denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)``: single-tensor, the
-    ``sqrt`` and the division's result briefly coexist (two temporaries of the parameter's size);
-    foreach, ``_foreach_sqrt`` allocates one per parameter, all at once, then divides in place.
-    SGD with or without momentum updates in place::
+    The runtime builds every optimizer with ``foreach=True`` on every device
+    (``autoplan.runtime.optimizers.make_torch_optimizer``), so the step runs torch's multi-tensor
+    kernels, which materialise whole lists of intermediates: one tensor per parameter of a
+    (device, dtype) group, all alive at once. In ``torch.optim.adam._multi_tensor_adam`` (torch
+    2.13, default arguments: not capturable, no amsgrad, a float beta2) the only list allocated is
+    ``exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)``, then divided and offset in place and
+    consumed by ``_foreach_addcdiv_`` (one parameter-sized temporary per parameter: the group's
+    parameter bytes). Adam's coupled weight decay (``_foreach_add(grads, params)``) allocates a
+    list of the same size, deleted (``del device_grads``) before the square root, so the two never
+    coexist; AdamW decays in place. ``_multi_tensor_sgd`` updates in place (momentum buffers are
+    state). One dtype group holds every trained parameter; with several groups a list outlives
+    its group by one ``_foreach_sqrt`` call, bounded by the total::
 
-        adam, adamw   single-tensor: 2 * max_param_bytes      foreach: total_param_bytes
+        adam, adamw   total_param_bytes   (the single-tensor loop, foreach=False, kept 2 * max_param_bytes)
         sgd*          0
+
+    ``max_param_bytes`` and ``device_kind`` are what the single-tensor loop's price depended on;
+    both paths are priced alike on CPU and CUDA now.
     """
+    del max_param_bytes, device_kind  # the foreach price depends on neither (docstring)
     if optimizer in ("adam", "adamw"):
-        return float(total_param_bytes if device_kind == "cuda" else 2 * max_param_bytes)
+        return float(total_param_bytes)
     return 0.0
