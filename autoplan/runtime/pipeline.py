@@ -51,6 +51,7 @@ from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
 from autoplan.runtime.codegen import STEP_FN, generate_program
+from autoplan.runtime.lowering import LocalProgram, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
 
@@ -152,6 +153,9 @@ class StageModule(torch.nn.Module):
         rep = runtime.replicate
         self._buffers_list = [rep(buffers[n].detach().to(device), mesh) for n in program.buffer_names]
         self.anchor = torch.ones((), device=device, requires_grad=True)
+        self.lowered: dict[str, LocalProgram] = {}
+        """The forward and backward programs lowered to local tensors (autoplan.runtime.lowering),
+        traced at their first call."""
         self.grad_acc: dict[str, torch.Tensor] = {}
         """FQN -> local raw gradient summed over this step's micro-batches."""
 
@@ -171,8 +175,7 @@ class StageModule(torch.nn.Module):
             ]
         else:
             args = [_wrap(x, v, self.mesh) for x, v in zip(inputs, prog.inputs, strict=True)]
-        with torch.no_grad(), implicit_replication():
-            res = prog.forward(*self._args(), *args)
+        res = self._run("forward", prog.forward, [*self._args(), *args])
         n_out = len(prog.outputs)
         return [_unwrap(o) for o in res[:n_out]], list(res[n_out:])
 
@@ -184,11 +187,11 @@ class StageModule(torch.nn.Module):
             if v is not None
         ]
         n_in = sum(1 for v in prog.input_grads if v is not None)
-        with torch.no_grad(), implicit_replication():
-            if self.split is None:
-                res = prog.backward(*self._args(), *saved, *grads)
-                param_grads = res[n_in:]
-            else:  # B now; W later, when the schedule calls the runner dw_builder hands it
+        if self.split is None:
+            res = self._run("backward", prog.backward, [*self._args(), *saved, *grads])
+            param_grads = res[n_in:]
+        else:  # B now; W later, when the schedule calls the runner dw_builder hands it
+            with torch.no_grad(), implicit_replication():
                 res = self.split[0](*self._args(), *saved, *grads)
                 carry = res[n_in:]
                 self.pending_w.append(lambda: self._weight_grads(carry))
@@ -198,6 +201,14 @@ class StageModule(torch.nn.Module):
         if self.split is None:
             self._accumulate(param_grads)
         return in_grads
+
+    def _run(self, which: str, program: torch.fx.GraphModule, args: list[Any]) -> tuple[Any, ...]:
+        """Run a stage program lowered to local tensors (lowered at its first call)."""
+        local = self.lowered.get(which)
+        if local is None:
+            local = self.lowered[which] = lower_to_local(program, args)
+        with torch.no_grad():
+            return local(*args)
 
     def _weight_grads(self, carry: Sequence[Any]) -> None:
         assert self.split is not None
