@@ -26,19 +26,29 @@ model", CACM 2009) plus a per-op overhead::
     time_s    = max(compute_s, memory_s) + overhead
 
 Matmuls run at ``device.peak_flops_for(dtype)`` (tensor cores for 16-bit dtypes; float32 is the
-non-TF32 rate) times the shape-dependent ``matmul_efficiency`` (small matmuls do not reach
-peak); every other op runs on the vector units
+non-TF32 rate) times the shape-dependent ``matmul_efficiency``: a per-device curve whose asymptote
+is the measured best large-GEMM fraction of peak (``DeviceSpec.matmul_peak_fraction``, e.g. 86.9%
+on A100 and 80.3% on H100 in bf16) and whose shape dependence is the tile/wave/K-loop model below
+(small and skinny matmuls do not reach it); every other op runs on the vector units
 (the float32 rate, efficiency 1) and is memory bound at a few FLOPs per element. An op whose
 work is split ``work_divisor`` ways (sharded) has its flops and bytes divided, and its matmul
 efficiency is that of the per-device GEMM (``local_gemm``). Measured (profiled) times replace
 these estimates where a profile exists.
+
+Some ops do different work for the same shapes depending on a non-tensor argument: causal fused
+attention (``is_causal=True``) skips the score tiles above the diagonal. ``register_variant``
+names such calls, ``cost_key(op, args, kwargs)`` gives the registry key of one call
+(``"autoplan.sdpa.default[causal]"``), and the formulas are registered under that key.
+
+Compute beside communication: ``concurrent_compute_factor(device)`` is how much longer compute
+takes while a collective runs on the same device (``DeviceSpec.comm_compute_slowdown``).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import ceil, prod
 from typing import TypeVar
@@ -51,12 +61,13 @@ from autoplan.cost_models.memory import tensor_bytes
 aten = torch.ops.aten
 
 MATMUL_EFFICIENCY = 0.7
-"""Cap on ``matmul_efficiency``: the fraction of the dense peak a large, well-shaped matmul
-sustains. Assumption typical of cuBLAS/oneDNN (large bf16 GEMMs on A100/H100 measure 70-80% of
-the dense peak)."""
+"""Default cap on ``matmul_efficiency`` for a device (or dtype) without a measured
+``DeviceSpec.matmul_peak_fraction``: the fraction of the dense peak a large, well-shaped matmul
+sustains. Assumption (the CPU preset and custom devices); catalog GPUs carry measured values
+(A100 86.9%, H100 80.3%, B200 77.6% in bf16, see ``hardware._MAMF_TABLE``)."""
 UTILIZATION_AT_CAP = 0.9
 """Modelled matmul utilisation at which the cap is reached (assumption). The large GEMMs that
-define the cap lose a few percent to the effects modelled here themselves (8192^3 on an H100:
+define the cap (the best shapes of a benchmark sweep) lose a few percent to the effects modelled here themselves (8192^3 on an H100:
 4096 tiles on 132 SMs = 31.03 waves, 97% wave utilisation), and cuBLAS recovers some
 quantisation loss by picking other tile shapes, so utilisation within 10% of perfect counts as
 the cap."""
@@ -84,6 +95,13 @@ GPU_KERNEL_OVERHEAD_US = 4.0
 """Launch + tail latency of one GPU kernel, order of magnitude from CUDA launch benchmarks."""
 CPU_OP_OVERHEAD_US = 10.0
 """Per-op dispatch overhead of eager PyTorch on CPU (DTensor dispatch adds more)."""
+ATTENTION_BLOCK = 128
+"""Query and key block of a fused attention kernel: FlashAttention-2 (T. Dao, "FlashAttention-2:
+Faster Attention with Better Parallelism and Work Partitioning", 2023, section 3.3) picks block
+sizes in {64, 128} x {64, 128}; 128 for the head dims of large models. With ``is_causal`` a block
+whose keys all lie after its queries is skipped (section 3.1.1, "Causal masking": about half of
+the blocks for long sequences, a 1.7-1.8x speedup over non-causal attention), so causal attention
+does ``causal_block_fraction(T, S)`` of the non-causal work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +112,18 @@ class Gemm:
     m: int
     k: int
     n: int
+    fraction: float = 1.0
+    """Fraction of the (M, N) output tiles computed: 1 for a GEMM; causal attention skips the
+    tiles above the diagonal (``causal_block_fraction``). Efficiency is that of the full shape."""
 
     @property
     def flops(self) -> float:
-        """2*B*M*K*N: a multiply-accumulate is two FLOPs."""
-        return 2.0 * self.batch * self.m * self.k * self.n
+        """2*B*M*K*N * fraction: a multiply-accumulate is two FLOPs."""
+        return 2.0 * self.batch * self.m * self.k * self.n * self.fraction
 
     def __str__(self) -> str:
-        return f"{self.batch}x({self.m},{self.k})@({self.k},{self.n})"
+        tiles = "" if self.fraction == 1.0 else f"[{self.fraction:.3g} of tiles]"
+        return f"{self.batch}x({self.m},{self.k})@({self.k},{self.n}){tiles}"
 
 
 Tensors = Sequence[torch.Tensor]
@@ -109,14 +131,22 @@ FlopFn = Callable[[Tensors, Tensors], float]
 BytesFn = Callable[[Tensors, Tensors], float]
 GemmFn = Callable[[Tensors, Tensors], tuple[Gemm, ...]]
 
+VariantFn = Callable[[Sequence[object], Mapping[str, object]], str | None]
+
 _FLOP_REGISTRY: dict[str, FlopFn] = {}
 _BYTES_REGISTRY: dict[str, BytesFn] = {}
 _GEMM_REGISTRY: dict[str, GemmFn] = {}
+_VARIANT_REGISTRY: dict[str, VariantFn] = {}
 
 
 def _op_key(op: object) -> str:
     """Registry key: the qualified name (``aten.mm.default``); a string is taken as the name."""
     return op if isinstance(op, str) else str(op)
+
+
+def _base_key(key: str) -> str:
+    """``"autoplan.sdpa.default[causal]"`` -> ``"autoplan.sdpa.default"``."""
+    return key.split("[", 1)[0]
 
 
 _Fn = TypeVar("_Fn")
@@ -145,6 +175,22 @@ def register_bytes(*ops: object) -> Callable[[BytesFn], BytesFn]:
 def register_matmul_shapes(*ops: object) -> Callable[[GemmFn], GemmFn]:
     """Register ``fn(inputs, outputs) -> tuple[Gemm, ...]``: the GEMMs ``ops`` run (marks them matmuls)."""
     return _register_in(_GEMM_REGISTRY, ops)
+
+
+def register_variant(*ops: object) -> Callable[[VariantFn], VariantFn]:
+    """Register ``fn(args, kwargs) -> variant name or None`` for ``ops``: a call whose non-tensor
+    arguments change its work (``is_causal``) is costed under the key ``"<op>[<variant>]"``."""
+    return _register_in(_VARIANT_REGISTRY, ops)
+
+
+def cost_key(op: object, args: Sequence[object] = (), kwargs: Mapping[str, object] | None = None) -> str:
+    """Registry key of one call of ``op`` with these arguments (an FX node's ``args``/``kwargs``):
+    the op's qualified name, plus ``[variant]`` when a registered variant function names one.
+    Pass it to ``op_flops`` / ``roofline_time_s`` / ... in place of the op."""
+    key = _op_key(op)
+    fn = _VARIANT_REGISTRY.get(key)
+    variant = fn(args, kwargs or {}) if fn is not None else None
+    return key if variant is None else f"{key}[{variant}]"
 
 
 def _sum_bytes(tensors: Tensors) -> int:
@@ -179,8 +225,10 @@ def op_flops(op: object, inputs: Tensors, outputs: Tensors) -> float:
 
 
 def op_bytes(op: object, inputs: Tensors, outputs: Tensors) -> float:
-    """Bytes one call reads and writes in device memory (default: every input and output once)."""
-    fn = _BYTES_REGISTRY.get(_op_key(op))
+    """Bytes one call reads and writes in device memory (default: every input and output once);
+    a variant (``cost_key``) moves the bytes of its base op."""
+    key = _op_key(op)
+    fn = _BYTES_REGISTRY.get(key, _BYTES_REGISTRY.get(_base_key(key)))
     if fn is not None:
         return float(fn(inputs, outputs))
     return float(_sum_bytes(inputs) + _sum_bytes(outputs))
@@ -192,6 +240,44 @@ def op_bytes(op: object, inputs: Tensors, outputs: Tensors) -> float:
 
 def _is_cpu(device: DeviceSpec) -> bool:
     return device.name == "CPU"
+
+
+def matmul_asymptote(device: DeviceSpec, dtype: torch.dtype | str = torch.float32) -> float:
+    """The efficiency a large, well-shaped ``dtype`` matmul reaches on ``device``: its measured
+    ``matmul_peak_fraction`` (cited in the device's sources), else ``MATMUL_EFFICIENCY``."""
+    fraction = device.matmul_peak_fraction_for(dtype)
+    return MATMUL_EFFICIENCY if fraction is None else fraction
+
+
+def concurrent_compute_factor(device: DeviceSpec) -> float:
+    """How many times longer compute takes while a collective runs beside it on ``device``:
+    ``1 + device.comm_compute_slowdown`` (communication kernels take SMs and memory bandwidth;
+    18.9% on A100/H100, Lee et al. 2025, see ``hardware._OVERLAP_SLOWDOWN``); 1.0 where it is not
+    known (a CPU rank until ``autoplan calibrate`` measures it).
+
+    The step model multiplies the compute that overlaps a collective by this factor.
+    """
+    slowdown = device.comm_compute_slowdown
+    return 1.0 if slowdown is None else 1.0 + slowdown
+
+
+def causal_block_fraction(t: int, s: int, block: int = ATTENTION_BLOCK) -> float:
+    """Fraction of the ``block`` x ``block`` tiles of a ``(T, S)`` score matrix that causal
+    attention computes: query block i (queries [i*b, (i+1)*b)) needs key blocks 0..i, the causal
+    mask being aligned top-left (query q sees keys k <= q, as ``is_causal`` in PyTorch)::
+
+        nt, ns = ceil(T/b), ceil(S/b)
+        kept   = sum over i < nt of min(i + 1, ns)
+        fraction = kept / (nt * ns)          -> 1/2 + 1/(2 nt) for T = S
+    """
+    if t <= 0 or s <= 0:
+        return 1.0
+    nt, ns = ceil(t / block), ceil(s / block)
+    if nt <= ns:
+        kept = nt * (nt + 1) // 2
+    else:
+        kept = ns * (ns + 1) // 2 + (nt - ns) * ns
+    return kept / (nt * ns)
 
 
 def matmul_efficiency(
@@ -221,10 +307,15 @@ def matmul_efficiency(
         reuse = 2*M*K*N / (M*K + K*N + M*N)                         FLOPs per matrix element
         util  = reuse / (reuse + 32)
 
-    Both: ``efficiency = MATMUL_EFFICIENCY * min(1, util / UTILIZATION_AT_CAP)``.
+    Both: ``efficiency = asymptote * min(1, util / UTILIZATION_AT_CAP)``, with ``asymptote`` the
+    device's measured best large-GEMM fraction of peak for ``dtype`` (``matmul_asymptote``:
+    A100 bf16 0.869, H100 0.803, B200 0.776; ``MATMUL_EFFICIENCY`` where none is measured, e.g.
+    the CPU preset). The curve therefore depends on the device through its asymptote and its SM
+    count (wave size), and on the shape through the tile, wave and K terms.
     """
+    asymptote = matmul_asymptote(device, dtype)
     if min(m, k, n, batch) <= 0:
-        return MATMUL_EFFICIENCY
+        return asymptote
     if _is_cpu(device):
         reuse = 2.0 * m * k * n / (m * k + k * n + m * n)
         util = reuse / (reuse + CPU_REUSE_AT_HALF)
@@ -233,7 +324,7 @@ def matmul_efficiency(
         tiles = batch * tiles_m * tiles_n
         tile_util = (m * n) / (tiles_m * tiles_n * GPU_TILE_MN**2)
         util = tile_util * max(_gpu_k_and_wave_util(tiles, k, s, device, dtype) for s in _splits(tiles, device))
-    return MATMUL_EFFICIENCY * min(1.0, util / UTILIZATION_AT_CAP)
+    return asymptote * min(1.0, util / UTILIZATION_AT_CAP)
 
 
 def _splits(tiles: int, device: DeviceSpec) -> list[int]:
@@ -268,14 +359,14 @@ def local_gemm(gemm: Gemm, work_divisor: int) -> Gemm:
     if rest > 1:
         largest = max(dims, key=lambda name: dims[name])
         dims[largest] = ceil(dims[largest] / rest)
-    return Gemm(ceil(gemm.batch / batch_split), dims["m"], dims["k"], dims["n"])
+    return Gemm(ceil(gemm.batch / batch_split), dims["m"], dims["k"], dims["n"], gemm.fraction)
 
 
 def gemms_efficiency(gemms: Sequence[Gemm], device: DeviceSpec, dtype: torch.dtype) -> float:
     """Efficiency of running ``gemms`` back to back: total FLOPs / sum(FLOPs_i / efficiency_i)."""
     total = sum(g.flops for g in gemms)
     if total == 0:
-        return MATMUL_EFFICIENCY
+        return matmul_asymptote(device, dtype)
     time_units = sum(g.flops / matmul_efficiency(g.m, g.k, g.n, device, dtype, batch=g.batch) for g in gemms)
     return total / time_units
 
@@ -383,13 +474,58 @@ def _linear_flops(inputs: Tensors, outputs: Tensors) -> float:
 # O written once; the (T, S) scores never reach memory. Efficiency comes from its GEMMs.
 
 
+# Causal attention (``is_causal=True``) is the variant ``[causal]`` of these ops: the same GEMMs
+# over ``causal_block_fraction(T, S)`` of the (T, S) score tiles (FlashAttention-2 skips the
+# others, see ``ATTENTION_BLOCK``); its FLOPs are the default, the sum over its GEMMs.
+
+_SDPA_IS_CAUSAL_ARG = {
+    # op -> position of ``is_causal`` in its schema (passes/attention.py)
+    "autoplan.sdpa.default": 5,  # (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    "autoplan.sdpa_backward.default": 6,  # (grad_out, query, key, value, attn_mask, dropout_p, is_causal, ...)
+    "autoplan.sdpa_backward_with_mask.default": 6,
+}
+
+
+def _sdpa_causal_variant(position: int) -> VariantFn:
+    def variant(args: Sequence[object], kwargs: Mapping[str, object]) -> str | None:
+        causal = kwargs.get("is_causal", args[position] if len(args) > position else False)
+        return "causal" if causal is True else None
+
+    return variant
+
+
+for _name, _position in _SDPA_IS_CAUSAL_ARG.items():
+    register_variant(_name)(_sdpa_causal_variant(_position))
+
+
+def _sdpa_forward_gemms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fraction: float) -> tuple[Gemm, ...]:
+    *batch, t, d = q.shape
+    bh, s, dv = prod(batch), k.shape[-2], v.shape[-1]
+    return (Gemm(bh, t, d, s, fraction), Gemm(bh, t, s, dv, fraction))
+
+
+def _sdpa_backward_only_gemms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fraction: float) -> tuple[Gemm, ...]:
+    *batch, t, d = q.shape
+    bh, s, dv = prod(batch), k.shape[-2], v.shape[-1]
+    return (
+        Gemm(bh, s, t, dv, fraction),
+        Gemm(bh, t, dv, s, fraction),
+        Gemm(bh, t, s, d, fraction),
+        Gemm(bh, s, t, d, fraction),
+    )
+
+
 @register_matmul_shapes("autoplan.sdpa.default")
 def _sdpa_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
     """q (B, H, T, D), k (B, H, S, D), v (B, H, S, Dv): S = Q K^T and O = P V per (batch, head)."""
-    q, k, v = inputs[0], inputs[1], inputs[2]
-    *batch, t, d = q.shape
-    bh, s, dv = prod(batch), k.shape[-2], v.shape[-1]
-    return (Gemm(bh, t, d, s), Gemm(bh, t, s, dv))
+    return _sdpa_forward_gemms(inputs[0], inputs[1], inputs[2], 1.0)
+
+
+@register_matmul_shapes("autoplan.sdpa.default[causal]")
+def _sdpa_causal_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
+    """As ``_sdpa_gemms`` over the tiles on or below the diagonal (``causal_block_fraction``)."""
+    q, k = inputs[0], inputs[1]
+    return _sdpa_forward_gemms(q, k, inputs[2], causal_block_fraction(q.shape[-2], k.shape[-2]))
 
 
 @register_matmul_shapes("autoplan.sdpa_backward.default", "autoplan.sdpa_backward_with_mask.default")
@@ -397,10 +533,15 @@ def _sdpa_backward_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
     """grad_out, q, k, v: the recomputed forward (2 GEMMs, as attention.py counts its FLOPs),
     dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q."""
     q, k, v = inputs[1], inputs[2], inputs[3]
-    *batch, t, d = q.shape
-    bh, s, dv = prod(batch), k.shape[-2], v.shape[-1]
-    recompute = (Gemm(bh, t, d, s), Gemm(bh, t, s, dv))
-    return (*recompute, Gemm(bh, s, t, dv), Gemm(bh, t, dv, s), Gemm(bh, t, s, d), Gemm(bh, s, t, d))
+    return (*_sdpa_forward_gemms(q, k, v, 1.0), *_sdpa_backward_only_gemms(q, k, v, 1.0))
+
+
+@register_matmul_shapes("autoplan.sdpa_backward.default[causal]", "autoplan.sdpa_backward_with_mask.default[causal]")
+def _sdpa_causal_backward_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
+    """As ``_sdpa_backward_gemms`` over the tiles on or below the diagonal."""
+    q, k, v = inputs[1], inputs[2], inputs[3]
+    fraction = causal_block_fraction(q.shape[-2], k.shape[-2])
+    return (*_sdpa_forward_gemms(q, k, v, fraction), *_sdpa_backward_only_gemms(q, k, v, fraction))
 
 
 # --------------------------------------------------------------------------------------------

@@ -112,6 +112,18 @@ class DeviceSpec:
     """Streaming multiprocessors of a GPU: how many matmul output tiles run at once (the wave
     size of ``autoplan.cost_models.compute.matmul_efficiency``). ``None`` for CPUs and for GPUs whose count
     is not given; the wave term is then left out. Optional so older cluster files still load."""
+    matmul_peak_fraction: Mapping[str, float] | None = None
+    """Fraction of the dense peak (``peak_flops``) that the best-shaped large matmul reaches, per
+    dtype name (keys from ``PEAK_FLOPS_KEYS``): the asymptote of the efficiency curve of
+    ``autoplan.cost_models.compute.matmul_efficiency``, whose tile/wave terms give the shape
+    dependence below it. A measured GEMM benchmark, cited in ``sources``. ``None`` (or a dtype
+    without an entry): the compute model's default assumption, ``compute.MATMUL_EFFICIENCY``."""
+    comm_compute_slowdown: float | None = None
+    """Fraction by which compute slows down while a collective runs beside it on the same device
+    (communication kernels take SMs and memory bandwidth): compute time is multiplied by
+    ``1 + comm_compute_slowdown`` while overlapped. In [0, 1). A cited measurement for catalog
+    GPUs; ``None`` where unknown (CPU ranks): ``autoplan calibrate`` measures it, and
+    ``compute.concurrent_compute_factor`` treats ``None`` as no slowdown."""
 
     def __post_init__(self) -> None:
         where = f"device {clip(self.name)}"
@@ -155,6 +167,34 @@ class DeviceSpec:
                 f"{where}: num_sms must be a positive integer (SMs per GPU) or null, got {clip(self.num_sms)}"
             )
         object.__setattr__(self, "num_sms", num_sms)
+        if self.matmul_peak_fraction is not None:
+            if not isinstance(self.matmul_peak_fraction, Mapping):
+                raise ClusterSpecError(
+                    f"{where}: matmul_peak_fraction must be a mapping of dtype name to a fraction of the "
+                    f"dense peak in (0, 1], or null, got {clip(self.matmul_peak_fraction)}"
+                )
+            fractions: dict[str, float] = {}
+            for key, value in self.matmul_peak_fraction.items():
+                if key not in PEAK_FLOPS_KEYS:
+                    raise ClusterSpecError(
+                        f"{where}: unknown matmul_peak_fraction dtype {clip(key)}; use one of {', '.join(PEAK_FLOPS_KEYS)}"
+                    )
+                fraction = _positive_float(value, f"{where}: matmul_peak_fraction[{clip(key)}]")
+                if fraction > 1.0:
+                    raise ClusterSpecError(
+                        f"{where}: matmul_peak_fraction[{clip(key)}] is {fraction:g}, more than the dense peak; "
+                        "give the achieved fraction of peak_flops (e.g. 0.8 for 80%)"
+                    )
+                fractions[key] = fraction
+            object.__setattr__(self, "matmul_peak_fraction", _ReadOnlyMapping(fractions))
+        slowdown: object = self.comm_compute_slowdown
+        if slowdown is not None:
+            if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0.0 <= slowdown < 1.0:
+                raise ClusterSpecError(
+                    f"{where}: comm_compute_slowdown must be a fraction in [0, 1) (0.1 = compute 10% slower "
+                    f"while a collective runs beside it) or null, got {clip(slowdown)}"
+                )
+            object.__setattr__(self, "comm_compute_slowdown", float(slowdown))
         if isinstance(self.sources, str) or not isinstance(self.sources, (tuple, list)):
             raise ClusterSpecError(f"{where}: sources must be a list of citations, got {clip(self.sources)}")
         sources = tuple(self.sources)
@@ -179,10 +219,18 @@ class DeviceSpec:
         logger.debug("device %s has no peak_flops for %s; using float32", self.name, key)
         return self.peak_flops["float32"]
 
+    def matmul_peak_fraction_for(self, dtype: torch.dtype | str) -> float | None:
+        """``matmul_peak_fraction`` for matmuls in ``dtype`` (``None`` where none is given)."""
+        if self.matmul_peak_fraction is None:
+            return None
+        return self.matmul_peak_fraction.get(_dtype_key(dtype))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; ``DeviceSpec.from_dict`` reads it back."""
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
         out["peak_flops"] = dict(self.peak_flops)
+        if self.matmul_peak_fraction is not None:
+            out["matmul_peak_fraction"] = dict(self.matmul_peak_fraction)
         out["sources"] = list(self.sources)
         return out
 
@@ -339,6 +387,24 @@ _CPU_ASSUMPTION = (
     "(1.25 GB/s) and 50 us across nodes; replace with `autoplan calibrate`"
 )
 
+_MAMF_TABLE = (
+    "S. Bekman, Machine Learning Engineering, compute/accelerator/README.md, 'Maximum Achievable "
+    "Matmul FLOPS comparison table' (mamf-finder.py, bf16 and fp8 matmul, mean of 100 iterations, "
+    "best shape of a sweep): A100 SXM 271.2 of 312 TFLOPS bf16 (86.9%); H100 SXM 794.5 of 989 "
+    "(80.3%, 'H200 is the same'), fp8 1402.6 of 1979 (70.9%); H200 SXM fp8 1453.4 of 1979 (73.4%); "
+    "B200 SXM 1745.0 of 2250 (77.6%), fp8 3432.5 of 4500 (76.3%), "
+    "https://github.com/stas00/ml-engineering/tree/master/compute/accelerator; float16 is taken "
+    "equal to bfloat16 (same tensor-core rate), an assumption"
+)
+_OVERLAP_SLOWDOWN = (
+    "S. Lee et al., 'Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed "
+    "Deep Learning: Performance and Power Implications', arXiv:2507.03114 (2025), abstract: compute "
+    "overlapped with collectives slows down by 18.9% on average (max 40.0%) over GPT and Llama "
+    "training on 4x A100 and 4x H100 (and MI250/MI210); B200 is not measured there, the same value "
+    "is assumed"
+)
+_COMM_COMPUTE_SLOWDOWN = 0.189  # Lee et al. 2025, see _OVERLAP_SLOWDOWN
+
 _NVLINK_LATENCY_US = 3.0  # assumption, see _GPU_LATENCY_ASSUMPTION
 _NETWORK_LATENCY_US = 10.0  # assumption, see _GPU_LATENCY_ASSUMPTION
 
@@ -348,6 +414,23 @@ _A100_PEAK_FLOPS: Mapping[str, float] = {
     "tf32": 156e12,  # A100 datasheet: TF32 Tensor Core 156 TFLOPS (312 with sparsity)
     "bfloat16": 312e12,  # A100 datasheet: BFLOAT16 Tensor Core 312 TFLOPS (624 with sparsity)
     "float16": 312e12,  # A100 datasheet: FP16 Tensor Core 312 TFLOPS (624 with sparsity)
+}
+
+_A100_MATMUL_PEAK_FRACTION: Mapping[str, float] = {
+    "bfloat16": 0.869,  # MAMF table: A100 SXM 271.2 / 312 TFLOPS
+    "float16": 0.869,  # assumption: as bfloat16 (same tensor-core rate)
+}
+
+_HOPPER_MATMUL_PEAK_FRACTION: Mapping[str, float] = {
+    "bfloat16": 0.803,  # MAMF table: H100 SXM 794.5 / 989 TFLOPS ("H200 is the same")
+    "float16": 0.803,  # assumption: as bfloat16 (same tensor-core rate)
+    "float8_e4m3fn": 0.709,  # MAMF table: H100 SXM fp8 1402.6 / 1979 TFLOPS
+}
+
+_B200_MATMUL_PEAK_FRACTION: Mapping[str, float] = {
+    "bfloat16": 0.776,  # MAMF table: B200 SXM 1745.0 / 2250 TFLOPS
+    "float16": 0.776,  # assumption: as bfloat16 (same tensor-core rate)
+    "float8_e4m3fn": 0.763,  # MAMF table: B200 SXM fp8 3432.5 / 4500 TFLOPS
 }
 
 _HOPPER_SXM_PEAK_FLOPS: Mapping[str, float] = {
@@ -383,7 +466,16 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         inter_node_bw_GBps=25.0,  # DGX A100 datasheet: one 200 Gb/s HDR NIC per GPU = 25 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
         num_sms=108,  # Ampere whitepaper: A100 has 108 SMs
-        sources=(_A100_DATASHEET, _AMPERE_WHITEPAPER, _DGX_A100_DATASHEET, _GPU_LATENCY_ASSUMPTION),
+        matmul_peak_fraction=_A100_MATMUL_PEAK_FRACTION,
+        comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        sources=(
+            _A100_DATASHEET,
+            _AMPERE_WHITEPAPER,
+            _DGX_A100_DATASHEET,
+            _GPU_LATENCY_ASSUMPTION,
+            _MAMF_TABLE,
+            _OVERLAP_SLOWDOWN,
+        ),
     ),
     DeviceSpec(
         name="A100-80GB",
@@ -395,7 +487,16 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         inter_node_bw_GBps=25.0,  # DGX A100 datasheet: one 200 Gb/s HDR NIC per GPU = 25 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
         num_sms=108,  # Ampere whitepaper: A100 has 108 SMs
-        sources=(_A100_DATASHEET, _AMPERE_WHITEPAPER, _DGX_A100_DATASHEET, _GPU_LATENCY_ASSUMPTION),
+        matmul_peak_fraction=_A100_MATMUL_PEAK_FRACTION,
+        comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        sources=(
+            _A100_DATASHEET,
+            _AMPERE_WHITEPAPER,
+            _DGX_A100_DATASHEET,
+            _GPU_LATENCY_ASSUMPTION,
+            _MAMF_TABLE,
+            _OVERLAP_SLOWDOWN,
+        ),
     ),
     DeviceSpec(
         name="H100",
@@ -407,12 +508,16 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         inter_node_bw_GBps=50.0,  # DGX H100 guide: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
         num_sms=132,  # Hopper whitepaper: H100 SXM5 has 132 SMs
+        matmul_peak_fraction=_HOPPER_MATMUL_PEAK_FRACTION,
+        comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
         sources=(
             _H100_DATASHEET,
             _HOPPER_WHITEPAPER,
             _HOPPER_SM_COUNT,
             _DGX_H100_H200_GUIDE,
             _GPU_LATENCY_ASSUMPTION,
+            _MAMF_TABLE,
+            _OVERLAP_SLOWDOWN,
         ),
     ),
     DeviceSpec(
@@ -427,12 +532,17 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         inter_node_bw_GBps=50.0,  # DGX H200 guide: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
         num_sms=132,  # same GH100 SXM5 GPU as the H100, see _HOPPER_SM_COUNT
+        # MAMF table: 'H200 is the same' in bf16; its fp8 row is 1453.4 / 1979 TFLOPS
+        matmul_peak_fraction={**_HOPPER_MATMUL_PEAK_FRACTION, "float8_e4m3fn": 0.734},
+        comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
         sources=(
             _H200_DATASHEET,
             _HOPPER_WHITEPAPER,
             _HOPPER_SM_COUNT,
             _DGX_H100_H200_GUIDE,
             _GPU_LATENCY_ASSUMPTION,
+            _MAMF_TABLE,
+            _OVERLAP_SLOWDOWN,
         ),
     ),
     DeviceSpec(
@@ -445,7 +555,16 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         inter_node_bw_GBps=50.0,  # DGX B200 datasheet: one 400 Gb/s ConnectX-7 per GPU = 50 GB/s
         inter_node_latency_us=_NETWORK_LATENCY_US,
         num_sms=148,  # see _B200_SM_COUNT
-        sources=(_DGX_B200_DATASHEET, _HGX_B200_SPECS, _B200_SM_COUNT, _GPU_LATENCY_ASSUMPTION),
+        matmul_peak_fraction=_B200_MATMUL_PEAK_FRACTION,
+        comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        sources=(
+            _DGX_B200_DATASHEET,
+            _HGX_B200_SPECS,
+            _B200_SM_COUNT,
+            _GPU_LATENCY_ASSUMPTION,
+            _MAMF_TABLE,
+            _OVERLAP_SLOWDOWN,
+        ),
     ),
     DeviceSpec(
         name="CPU",
