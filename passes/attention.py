@@ -17,20 +17,30 @@ broadcasts along (its strategy makes that a partial sum when the heads or the ba
 the mask is shared by them). Attention with dropout is not routed to the single op: its backward
 would need the forward's random mask, so PyTorch's own attention is traced as its decomposition.
 
+A constant mask that is exactly causal (Hugging Face models build ``tril`` masks from ``arange``
+when traced, since they skip ``is_causal`` under tracing) is replaced after tracing by
+``is_causal=True`` (:func:`causal_masks_as_flag`): the same values, the fused kernel skips the
+blocks above the diagonal, and the cost model prices the causal call (``compute.cost_key``).
+
 FLOPs (queries T, keys S, head dim D, per batch element and head)::
 
     forward  = 4 * T * S * D          (Q K^T and P V, one multiply-add each)
     backward = 4 * T * S * D  (recomputed forward) + 8 * T * S * D  (dQ, dK, dV, dP)
     (the mask's gradient is a sum of dS over broadcast dims: no multiply-adds)
+    causal   = the above times compute.causal_block_fraction(T, S) (~1/2; FlashAttention-2 skips
+               the key blocks after the query block), registered in cost_models/compute.py
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
@@ -39,6 +49,7 @@ from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 from autoplan.cost_models.compute import register_flops
 
 _TORCH_SDPA = F.scaled_dot_product_attention
+logger = logging.getLogger(__name__)
 
 
 @torch.library.custom_op("autoplan::sdpa", mutates_args=())
@@ -215,6 +226,98 @@ def attention_as_single_op() -> Iterator[None]:
         yield
     finally:
         F.scaled_dot_product_attention = _TORCH_SDPA
+
+
+# --------------------------------------------------------------------------------------------
+# Constant causal masks -> is_causal
+
+MAX_MASK_EVAL_BYTES = 1 << 30
+"""Largest constant mask subgraph (bytes of all its values) :func:`causal_masks_as_flag`
+evaluates; a bigger one keeps its mask (priced and run as non-causal)."""
+
+
+def causal_masks_as_flag(gm: fx.GraphModule) -> int:
+    """Replace every constant ``attn_mask`` of ``autoplan::sdpa`` / ``sdpa_backward`` that equals
+    the causal mask (query t sees keys s <= t, aligned top-left as ``is_causal``) by ``None`` with
+    ``is_causal=True``; returns how many calls changed. The mask's nodes are left to dead-code
+    elimination. A mask is constant when it depends on no placeholder (``arange`` comparisons, as
+    Hugging Face builds it); it is evaluated once on CPU, bool (keep = True) or additive float
+    (0 kept, -inf or the dtype's lowest value masked: both give probability 0). A mask that
+    depends on the inputs (padding), a learned mask (its gradient uses ``sdpa_backward_with_mask``)
+    or a sliding window stays as it is."""
+    positions = {
+        torch.ops.autoplan.sdpa.default: (0, 3, 5),  # query, attn_mask, is_causal
+        torch.ops.autoplan.sdpa_backward.default: (1, 4, 6),
+    }
+    verdicts: dict[fx.Node, bool] = {}
+    changed = 0
+    for node in gm.graph.nodes:
+        where = positions.get(node.target)
+        if where is None:
+            continue
+        q_pos, mask_pos, causal_pos = where
+        mask, query, key = node.args[mask_pos], node.args[q_pos], node.args[q_pos + 1]
+        if not isinstance(mask, fx.Node) or node.args[causal_pos] is True:
+            continue
+        if mask not in verdicts:
+            t, s = query.meta["val"].shape[-2], key.meta["val"].shape[-2]
+            value = _constant_value(mask)
+            verdicts[mask] = value is not None and _equals_causal(value, t, s)
+        if verdicts[mask]:
+            node.update_arg(mask_pos, None)
+            node.update_arg(causal_pos, True)
+            changed += 1
+    return changed
+
+
+def _constant_value(node: fx.Node) -> torch.Tensor | None:
+    """``node``'s value computed on CPU when it depends on no placeholder and its subgraph holds at
+    most ``MAX_MASK_EVAL_BYTES``; ``None`` otherwise."""
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    stack = [node]
+    total_bytes = 0
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op != "call_function":
+            return None  # a placeholder (input, parameter, buffer) or attribute: not a constant
+        seen.add(n)
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            total_bytes += val.numel() * val.element_size()
+        if total_bytes > MAX_MASK_EVAL_BYTES:
+            return None
+        order.append(n)
+        stack.extend(n.all_input_nodes)
+    index = {n: i for i, n in enumerate(node.graph.nodes)}
+    env: dict[fx.Node, Any] = {}  # values: tensors, and the ints/lists an op returns
+    cpu = torch.device("cpu")
+    for n in sorted(order, key=index.__getitem__):
+        args = fx.node.map_arg(n.args, env.__getitem__)
+        kwargs = {k: cpu if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, env.__getitem__).items()}
+        try:
+            env[n] = n.target(*args, **kwargs)  # type: ignore[operator]
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+            # an op that cannot run on CPU tensors here: the mask stays, priced as non-causal
+            logger.debug("constant mask %s not evaluated (%s at %s): %s", node.name, n.target, n.name, exc)
+            return None
+    value = env[node]
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _equals_causal(mask: torch.Tensor, t: int, s: int) -> bool:
+    """True if ``mask`` (broadcast over any leading dims) is the top-left causal mask of (T, S)."""
+    if mask.dim() < 2 or mask.shape[-2:] != (t, s):
+        return False
+    keep = torch.ones(t, s, dtype=torch.bool).tril()
+    if mask.dtype == torch.bool:
+        return bool((mask == keep).all())
+    if not mask.is_floating_point():
+        return False
+    masked = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)
+    return bool(((mask == 0) == keep).all() and (masked == ~keep).all())
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import is_coalescable, plan_transition, transition_cost_s
-from autoplan.cost_models.compute import is_matmul, roofline_time_s
+from autoplan.cost_models.compute import cost_key, is_matmul, roofline_time_s
 from autoplan.cost_models.hardware import DeviceSpec
 from autoplan.cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part, tensor_bytes
 from autoplan.cost_models.profile_db import ProfileDB
@@ -143,12 +143,13 @@ def _op_times_s(
     and its roofline computed once per distinct work divisor."""
     ins = [a.meta["val"] for a in tensor_args(node)]
     outs = [v for v in _as_list(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    key = cost_key(node.target, node.args, node.kwargs)  # e.g. causal attention: its own formulas
     by_divisor: dict[int, float] = {}
     times = []
     for s in strategies:
         div = _work_divisor(s.input_specs, s.output_specs, mesh_shape)
         if div not in by_divisor:
-            by_divisor[div] = roofline_time_s(node.target, ins, outs, device, work_divisor=div)
+            by_divisor[div] = roofline_time_s(key, ins, outs, device, work_divisor=div)
         times.append(by_divisor[div])
     return times
 

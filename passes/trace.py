@@ -50,7 +50,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.cost_models.errors import UnsupportedModelError
-from autoplan.passes.attention import attention_as_single_op
+from autoplan.passes.attention import attention_as_single_op, causal_masks_as_flag
 from autoplan.passes.plan_text import param_node_name, placeholder_name
 
 log = logging.getLogger(__name__)
@@ -291,6 +291,7 @@ def trace_training_step(
     trainable_names = _trainable_names(params)
     gm = _trace_joint(exported, params, buffers, inputs, targets, trainable_names)
     _check_grads(gm, trainable_names)
+    causal_masks_as_flag(gm)  # before _clean_graph, whose dead-code elimination drops the masks
     _clean_graph(gm)
     _canonicalize(gm)
     _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))

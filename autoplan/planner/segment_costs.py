@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.fx as fx
 
-from autoplan.cost_models.compute import is_matmul, op_flops
+from autoplan.cost_models.compute import cost_key, is_matmul, op_flops
 from autoplan.cost_models.step import SegmentCost, SegmentCosts
 from autoplan.passes import liveness
 from autoplan.passes.costing import CostProblem, Edge
@@ -217,7 +217,7 @@ def _add_node_times(
         ins = [a.meta["val"] for a in tensor_args(node)]
         out = node.meta.get("val")
         outs = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
-        sums.flops[k] += op_flops(node.target, ins, outs)
+        sums.flops[k] += op_flops(cost_key(node.target, node.args, node.kwargs), ins, outs)
         if phase[name] == "fwd":
             sums.fwd[k] += t
             if not is_matmul(node.target):
