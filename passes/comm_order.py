@@ -124,15 +124,15 @@ def schedule_collectives(
     output = next(n for n in nodes if n.op == "output")
     run_of = _runs(nodes, segment_of)
     run_start: dict[int, int] = {}
-    for name, r in run_of.items():
-        run_start.setdefault(r, pos[name])
+    for name, run in run_of.items():
+        run_start.setdefault(run, pos[name])
 
     def after(index: int) -> str:
         return START if index < 0 else nodes[index].name
 
     # the output's own argument nodes (a ``getitem`` of a multi-output producer: the value exists
     # once that node has run)
-    out_node = {resolve_value(a): a.name for a in output.args[0] if isinstance(a, fx.Node)}  # type: ignore[union-attr]
+    out_node = {resolve_value(a): a.name for a in output.args[0] if isinstance(a, fx.Node)}
     slots: list[CollectiveSlot | None] = [None] * len(redistributions)
     groups: dict[str, list[int]] = {}
     for i, r in enumerate(redistributions):
@@ -165,7 +165,7 @@ def schedule_collectives(
                 slots[i] = CollectiveSlot(index=i, issue_after=nodes[last].name, wait_before=OUTPUT, bucket=len(buckets))
             buckets.append(members_b)
     # buckets in issue order (the program emits them as their last gradient appears)
-    order = sorted(range(len(buckets)), key=lambda b: pos[slots[buckets[b][0]].issue_after])  # type: ignore[union-attr]
+    order = sorted(range(len(buckets)), key=lambda b: pos[slots[buckets[b][0]].issue_after])
     renumber = {old: new for new, old in enumerate(order)}
     final = tuple(
         s if s is None or s.bucket is None else CollectiveSlot(

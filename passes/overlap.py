@@ -2,22 +2,25 @@
 
 Contract
 --------
-Input: the traced graph, the compute time of every node under the chosen strategy, and every
-redistribution of the generated program with its time. Output: a :class:`StepSchedule`, the
-result of replaying the program on two streams — compute, and one communication stream — as
-the generated program issues them:
+Input: the traced graph, the compute time of every node under the chosen strategy, every
+redistribution of the generated program with its time, and the program's
+:class:`~autoplan.passes.comm_order.CommSchedule` (where codegen issues and waits for each one:
+the same object :mod:`autoplan.runtime.codegen` follows). Output: a :class:`StepSchedule`, the
+result of replaying the program on two streams, compute and one communication stream:
 
-* an operand conversion is needed by the very next op: the compute stream waits for it
-  (exposed);
-* a gradient conversion that is not bucketed is issued right after the gradient is produced
-  (``autoplan.runtime.codegen``); DTensor's functional collectives return at once and are waited on only
-  where the result is used — the optimizer step — so it runs during the rest of the backward;
-* coalesced gradient buckets and the loss are reduced at the end (exposed).
+* at its issue point a collective is queued on the communication stream (collectives on one
+  stream run in order: NCCL runs one communicator per group in order, gloo one queue per group),
+  so it starts at ``max(issue time, end of the previous collective)``;
+* at its wait point the compute stream waits until it has finished (exposed time);
+* a gradient bucket is one collective (its members' times, one latency);
+* while a collective runs, compute runs slower by ``compute_slowdown`` (the device's
+  ``concurrent_compute_factor``: NCCL kernels take SMs and memory bandwidth; gloo takes cores);
+* a device that cannot overlap (``device_overlaps=False``) runs each collective synchronously
+  at its issue point.
 
-So ``step = max(compute stream, communication stream)`` at each wait, and the exposed
-communication is ``step - compute``. Collectives queue on the one communication stream (NCCL
-runs one communicator per group in order). A device that cannot overlap (CPU ranks: gloo
-reduces on the same cores that compute) runs every collective synchronously.
+So ``step = compute stream's end``, the exposed communication is ``step - compute`` and
+``exposed_s`` of a collective is the time the compute stream waited for it (the sum over the
+collectives is the step's exposed time).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.fx as fx
+
+from autoplan.passes.comm_order import START, CollectiveSlot, CommSchedule
+from autoplan.passes.redistribute import OUTPUT
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,6 +44,11 @@ class ScheduledCollective:
     """True if the program issues it ahead of its first use (a gradient during the backward)."""
     exposed_s: float
     """Seconds the compute stream waits for it."""
+    issue_s: float = 0.0
+    """When it starts on the communication stream (seconds from the step's start; a bucket's
+    members share their bucket's times)."""
+    finish_s: float = 0.0
+    """When it finishes."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,67 +68,97 @@ def schedule_step(
     redistributions: Sequence[object],
     comm_time_s: Sequence[float],
     *,
+    schedule: CommSchedule,
     param_nodes: Sequence[str],
     device_overlaps: bool,
+    compute_slowdown: float = 0.0,
 ) -> StepSchedule:
     """Replay the step on a compute and a communication stream (see the module docstring).
 
-    ``redistributions`` are :class:`autoplan.passes.redistribute.Redistribution` values (duck-typed: ``apply``
-    depends on this module's package, not the reverse); ``comm_time_s[i]`` is the time of the
-    ``i``-th. Parameter nodes' times (their optimizer step) run after the graph."""
+    ``comm_time_s[i]`` is the time of the ``i``-th redistribution (a bucket's members' times add
+    up to the bucket's). Parameter nodes' times (their optimizer step) run after the graph."""
     params = set(param_nodes)
-    before: dict[str, list[int]] = {}  # consumer -> conversions of its operands
-    after: dict[str, list[int]] = {}  # producer -> gradient conversions issued after it
-    at_end: list[int] = []
-    for i, r in enumerate(redistributions):
-        consumer, arg_index, producer = r.consumer, r.arg_index, r.producer  # type: ignore[attr-defined]
-        if consumer in params and arg_index == -1 and r.bucket is None and device_overlaps:  # type: ignore[attr-defined]
-            after.setdefault(producer.node, []).append(i)
-        elif consumer in params or arg_index == -1:
-            at_end.append(i)
-        else:
-            before.setdefault(consumer, []).append(i)
+    issued_after = schedule.issued_after()
+    members = {s.index: (schedule.buckets[s.bucket] if s.bucket is not None else (s.index,)) for s in schedule.slots}
+    wait_before: dict[str, list[int]] = {}
+    for slot in schedule.slots:
+        if slot.bucket is None or schedule.buckets[slot.bucket][0] == slot.index:
+            wait_before.setdefault(slot.wait_before, []).append(slot.index)
 
     compute_t = 0.0
     comm_free = 0.0
+    finish: dict[int, float] = {}  # issued collective (bucket leader) -> its finish time
     exposed: dict[int, float] = {}
+    duration = {i: sum(comm_time_s[m] for m in ms) for i, ms in members.items()}
 
-    def run_sync(i: int) -> None:
+    def issue(i: int) -> None:
         nonlocal compute_t, comm_free
         start = max(compute_t, comm_free)
-        end = start + comm_time_s[i]
-        exposed[i] = end - compute_t
-        compute_t = comm_free = end
+        comm_free = start + duration[i]
+        finish[i] = comm_free
+        if not device_overlaps:  # synchronous: the compute stream waits right away
+            exposed[i] = comm_free - compute_t
+            compute_t = comm_free
 
-    issued: dict[int, float] = {}  # async collective -> its finish time
+    def wait(i: int) -> None:
+        nonlocal compute_t
+        if i in exposed:
+            return
+        exposed[i] = max(0.0, finish[i] - compute_t)
+        compute_t = max(compute_t, finish[i])
+
+    def run(seconds: float) -> None:
+        """Compute for ``seconds``, slower while the communication stream is busy."""
+        nonlocal compute_t
+        busy = max(0.0, min(comm_free - compute_t, seconds * (1 + compute_slowdown)))
+        compute_t += seconds + compute_slowdown * busy / (1 + compute_slowdown)
+
+    for slot in issued_after.get(START, ()):
+        issue(slot.index)
     for node in gm.graph.nodes:
-        for i in before.get(node.name, ()):
-            run_sync(i)
+        for i in wait_before.get(node.name, ()):
+            wait(i)
+        if node.op == "output":
+            for i in sorted(wait_before.get(OUTPUT, ()), key=lambda i: finish[i]):
+                wait(i)
+            continue
         if node.name not in params:
-            compute_t += node_time_s.get(node.name, 0.0)
-        for i in after.get(node.name, ()):
-            start = max(compute_t, comm_free)
-            comm_free = start + comm_time_s[i]
-            issued[i] = comm_free
-    # the optimizer reads every gradient: wait for the asynchronous ones
-    wait_from = compute_t
-    compute_t = max(compute_t, comm_free)
-    waited_until = wait_from
-    for i, finish in sorted(issued.items(), key=lambda item: item[1]):
-        exposed[i] = max(0.0, finish - waited_until)
-        waited_until = max(waited_until, finish)
-    for i in at_end:
-        run_sync(i)
-    compute_t += sum(node_time_s.get(p, 0.0) for p in params)
+            run(node_time_s.get(node.name, 0.0))
+        for slot in issued_after.get(node.name, ()):
+            issue(slot.index)
+    step = compute_t + sum(node_time_s.get(p, 0.0) for p in params)
     compute_s = sum(node_time_s.values())
     comm_s = sum(comm_time_s)
+    per_member: dict[int, float] = {}
+    for leader, ms in members.items():
+        if leader not in exposed:
+            continue
+        total = duration[leader]
+        for m in ms:  # a bucket's wait, shared by its members in proportion to their time
+            per_member[m] = exposed[leader] * (comm_time_s[m] / total if total > 0 else 1 / len(ms))
     return StepSchedule(
-        step_time_s=compute_t,
+        step_time_s=step,
         compute_s=compute_s,
         comm_s=comm_s,
-        exposed_comm_s=max(0.0, compute_t - compute_s),  # (summation order leaves ~1e-20 s when none)
+        exposed_comm_s=max(0.0, step - compute_s),  # (summation order leaves ~1e-20 s when none)
         collectives=tuple(
-            ScheduledCollective(index=i, overlappable=i in issued, exposed_s=exposed.get(i, 0.0))
+            ScheduledCollective(
+                index=i,
+                overlappable=device_overlaps and _slot_gap(schedule.slots[i]),
+                exposed_s=per_member.get(i, 0.0),
+                issue_s=finish.get(_leader(schedule, i), 0.0) - duration.get(_leader(schedule, i), 0.0),
+                finish_s=finish.get(_leader(schedule, i), 0.0),
+            )
             for i in range(len(redistributions))
         ),
     )
+
+
+def _leader(schedule: CommSchedule, i: int) -> int:
+    slot = schedule.slots[i]
+    return schedule.buckets[slot.bucket][0] if slot.bucket is not None else i
+
+
+def _slot_gap(slot: CollectiveSlot) -> bool:
+    """Whether the program leaves room between issue and wait (anything to hide behind)."""
+    return slot.wait_before == OUTPUT or slot.issue_after != slot.wait_before

@@ -5,7 +5,7 @@
       --layers--> Layering --strategies--> StrategyTable --costing--> CostProblem
       --expand--> CostProblem standing for every block
       == the planner's ILP picks one strategy per node (autoplan.planner.solver) ==
-      --redistribute--> the conversions it implies --overlap--> StepSchedule --liveness--> MemoryEstimate --explain--> runner-up per node
+      --redistribute--> the conversions it implies --comm_order--> CommSchedule --overlap--> StepSchedule --liveness--> MemoryEstimate --explain--> runner-up per node
       == the runtime generates each rank's program (autoplan.runtime.codegen; pipeline stages:
          autoplan.passes.stages) ==
 
@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.passes.comm_order import schedule_collectives
 from autoplan.passes.costing import build_cost_problem
 from autoplan.passes.depth import reduce_depth
 from autoplan.passes.expand import scale_problem
@@ -81,10 +82,15 @@ REDISTRIBUTE = GraphPass(
     edge_redistributions,
     "TracedProgram + chosen strategies -> Redistributions: every conversion the program performs",
 )
+COMM_ORDER = GraphPass(
+    "comm_order",
+    schedule_collectives,
+    "graph + redistributions + Layering -> CommSchedule: where the program issues and waits for each collective",
+)
 OVERLAP = GraphPass(
     "overlap",
     schedule_step,
-    "graph + chosen node times + redistributions -> StepSchedule: step time, exposed communication",
+    "graph + node times + redistributions + CommSchedule -> StepSchedule: step time, exposed communication",
 )
 LIVENESS = GraphPass(
     "liveness", peak_memory, "graph + Liveness + assignment + redistributions -> MemoryEstimate: peak bytes per device"
@@ -103,6 +109,7 @@ PASS_ORDER: tuple[GraphPass, ...] = (
     EXPAND,
     # the ILP (autoplan.planner.solver) chooses here
     REDISTRIBUTE,
+    COMM_ORDER,
     OVERLAP,
     LIVENESS,
     EXPLAIN,

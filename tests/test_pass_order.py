@@ -76,7 +76,9 @@ def test_the_planner_calls_no_pass_function_past_the_list() -> None:
 def test_a_plan_runs_the_passes_in_the_listed_order(ran: list[str]) -> None:
     x, y = torch.randn(8, 16), torch.randn(8, 4)
     autoplan.plan(_Blocks(), "2xCPU", example_inputs=(x,), loss_fn=_mse, example_targets=(y,))
-    assert ran == ["trace", "strategies", "costing", "redistribute", "overlap", "liveness", "explain"]
+    assert ran == [
+        "trace", "layers", "strategies", "costing", "redistribute", "comm_order", "overlap", "liveness", "explain"
+    ]  # fmt: skip
     assert ran == sorted(ran, key=NAMES.index)
 
 
@@ -93,5 +95,7 @@ def test_a_plan_for_a_global_batch_ends_with_the_stage_program_in_the_listed_ord
     ilps = [i for i, name in enumerate(ran) if name == "strategies"]
     assert len(ilps) > 1
     assert all(ran[i : i + 3] == ["strategies", "costing", "expand"] for i in ilps)
-    assert ran[-7:] == ["strategies", "costing", "expand", "redistribute", "overlap", "liveness", "explain"]
+    assert ran[-9:] == [
+        "layers", "strategies", "costing", "expand", "redistribute", "comm_order", "overlap", "liveness", "explain"
+    ]  # fmt: skip
     assert set(ran) == set(NAMES)

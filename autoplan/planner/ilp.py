@@ -20,6 +20,7 @@ from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.memory import tensor_bytes
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from autoplan.passes import liveness, pass_order
+from autoplan.passes.comm_order import CommSchedule
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.liveness import MemoryEstimate
 from autoplan.passes.overlap import StepSchedule
@@ -149,6 +150,7 @@ def plan_traced(
     Phases: price the strategies (:func:`_price`), solve the ILP, then analyse the chosen program
     (its collectives :func:`_collective_times`, overlap, memory :func:`_peak_memory`) into the plan."""
     t0 = time.perf_counter()
+    layering = pass_order.LAYERS(traced)  # (the communication order's prefetch windows)
     table, problem = _price(
         traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, profile=profile, restrict=restrict, adjust=adjust
     )
@@ -157,13 +159,20 @@ def plan_traced(
     assignment = {name: table.nodes[name].strategies[s] for name, s in solution.choice.items()}
 
     redistributions = pass_order.REDISTRIBUTE(traced, assignment, cluster.mesh_ndim)
-    times_s = _collective_times(traced, redistributions, cluster)
+    order = pass_order.COMM_ORDER(
+        traced.graph_module,
+        redistributions,
+        layering.segment_of,
+        mesh_shape=cluster.mesh_shape,
+    )
+    times_s = _collective_times(traced, redistributions, order, cluster)
     chosen_time_s = {n: problem.node_time_s[n][s] for n, s in solution.choice.items()}
     schedule = pass_order.OVERLAP(
         traced.graph_module,
         chosen_time_s,
         redistributions,
         times_s,
+        schedule=order,
         param_nodes=[param_node_name(n) for n in traced.param_names],
         device_overlaps=overlaps_compute(cluster.device),
     )
@@ -190,7 +199,7 @@ def plan_traced(
         param_specs={n: tuple(spec_strs(assignment[param_node_name(n)].output_specs[0])) for n in traced.param_names},
         nodes=_node_records(traced, table, assignment),
         fallback_ops=dict(table.fallback_ops),
-        collectives=_collective_records(redistributions, times_s, schedule),
+        collectives=_collective_records(redistributions, times_s, schedule, order),
         estimate=estimate,
         solver={
             "status": solution.status,
@@ -234,26 +243,27 @@ def _price(
 
 
 def _collective_times(
-    traced: TracedProgram, redistributions: Sequence[Redistribution], cluster: Cluster
+    traced: TracedProgram, redistributions: Sequence[Redistribution], order: CommSchedule, cluster: Cluster
 ) -> list[float]:
-    """Seconds of each redistribution; a bucket of coalesced gradients pays its latency once."""
+    """Seconds of each redistribution; a gradient bucket (``order.buckets``) pays its latency
+    once, on its first member."""
     node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
     times_s = []
-    buckets_seen: set[str] = set()
-    for r in redistributions:
+    for r, slot in zip(redistributions, order.slots, strict=True):
         nbytes = _value_bytes(node_by_name, r.producer)
-        t = transition_cost_s(r.src, r.dst, nbytes, cluster, include_latency=r.bucket is None)
-        if r.bucket is not None and r.bucket not in buckets_seen:
-            buckets_seen.add(r.bucket)
+        bucketed = slot.bucket is not None
+        t = transition_cost_s(r.src, r.dst, nbytes, cluster, include_latency=not bucketed)
+        if slot.bucket is not None and order.buckets[slot.bucket][0] == slot.index:
             t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
         times_s.append(t)
     return times_s
 
 
 def _collective_records(
-    redistributions: Sequence[Redistribution], times_s: Sequence[float], schedule: StepSchedule
+    redistributions: Sequence[Redistribution], times_s: Sequence[float], schedule: StepSchedule, order: CommSchedule
 ) -> tuple[CollectiveRecord, ...]:
-    """The plan's record of each redistribution: layouts, steps, time and how much is exposed."""
+    """The plan's record of each redistribution: layouts, steps, time and how much is exposed;
+    ``bucket`` names the coalesced all-reduce the program runs it in (``<transition>#<n>``)."""
     return tuple(
         CollectiveRecord(
             producer=str(r.producer),
@@ -263,11 +273,11 @@ def _collective_records(
             dst=tuple(spec_strs(r.dst)),
             steps=tuple((s.kind, s.axis) for s in r.steps),
             time_s=t,
-            bucket=r.bucket,
+            bucket=f"{r.bucket}#{slot.bucket}" if slot.bucket is not None else None,
             overlappable=sc.overlappable,
             exposed_s=sc.exposed_s,
         )
-        for r, t, sc in zip(redistributions, times_s, schedule.collectives, strict=True)
+        for r, t, sc, slot in zip(redistributions, times_s, schedule.collectives, order.slots, strict=True)
     )
 
 

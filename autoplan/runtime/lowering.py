@@ -96,7 +96,7 @@ class LocalProgram:
         nodes = list(self.graph_module.graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         return [
-            (pos[n.args[0]], pos[n])  # type: ignore[index]
+            (pos[n.args[0]], pos[n])
             for n in nodes
             if n.op == "call_function" and n.target is WAIT and isinstance(n.args[0], fx.Node)
         ]
