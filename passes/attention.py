@@ -292,9 +292,11 @@ def _constant_value(node: fx.Node) -> torch.Tensor | None:
         order.append(n)
         stack.extend(n.all_input_nodes)
     index = {n: i for i, n in enumerate(node.graph.nodes)}
+    order.sort(key=index.__getitem__)
+    last_use = {arg: n for n in order for arg in n.all_input_nodes}  # the last reader in graph order
     env: dict[fx.Node, Any] = {}  # values: tensors, and the ints/lists an op returns
     cpu = torch.device("cpu")
-    for n in sorted(order, key=index.__getitem__):
+    for n in order:
         args = fx.node.map_arg(n.args, env.__getitem__)
         kwargs = {k: cpu if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, env.__getitem__).items()}
         try:
@@ -303,6 +305,9 @@ def _constant_value(node: fx.Node) -> torch.Tensor | None:
             # an op that cannot run on CPU tensors here: the mask stays, priced as non-causal
             logger.debug("constant mask %s not evaluated (%s at %s): %s", node.name, n.target, n.name, exc)
             return None
+        for arg in n.all_input_nodes:
+            if last_use[arg] is n:
+                del env[arg]  # free the (T, S)-sized intermediates as soon as they are read
     value = env[node]
     return value if isinstance(value, torch.Tensor) else None
 
@@ -311,13 +316,18 @@ def _equals_causal(mask: torch.Tensor, t: int, s: int) -> bool:
     """True if ``mask`` (broadcast over any leading dims) is the top-left causal mask of (T, S)."""
     if mask.dim() < 2 or mask.shape[-2:] != (t, s):
         return False
-    keep = torch.ones(t, s, dtype=torch.bool).tril()
-    if mask.dtype == torch.bool:
-        return bool((mask == keep).all())
-    if not mask.is_floating_point():
+    if mask.dtype != torch.bool and not mask.is_floating_point():
         return False
-    masked = (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)
-    return bool(((mask == 0) == keep).all() and (masked == ~keep).all())
+    keep = torch.ones(t, s, dtype=torch.bool).tril()
+    for rows in mask.reshape(-1, t, s):  # one (T, S) slice at a time: bounded temporaries
+        if rows.dtype == torch.bool:
+            if not torch.equal(rows, keep):
+                return False
+            continue
+        masked = (rows == float("-inf")) | (rows <= torch.finfo(rows.dtype).min)
+        if not (torch.equal(rows == 0, keep) and torch.equal(masked, ~keep)):
+            return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------
