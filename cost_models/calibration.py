@@ -21,20 +21,41 @@ three decades, so the fit minimises *relative* residuals::
 clamped to 0 and ``inv_bw`` refitted alone; a non-positive ``inv_bw`` (time does not grow with
 size) is an error that asks for larger messages. Each link gets one fit per kind plus a joint fit
 over all kinds (its generic ``bw_GBps``/``latency_us``). Fit quality is the median relative error
-``|fitted - measured| / measured``.
+``|fitted - measured| / measured``. A profile's device takes the measured numbers too (the joint fit
+of its widest intra-/inter-node axis as ``intra_node_*``/``inter_node_*``), so clusters derived
+from it (a pipeline stage's, a tensor-parallel group's) price the measured links.
+
+The local machine. ``NxCPU`` (one node of CPU ranks, no links given) is this machine: it is priced
+from a profile measured once and cached (:func:`local_cluster`), like the op profile database::
+
+    <cache>/clusters/cpu<N>-v<VERSION>-<sha256(MachineKey)[:12]>.yaml     (what `autoplan calibrate` writes)
+    <cache> = $AUTOPLAN_CACHE_DIR | $XDG_CACHE_HOME/autoplan | ~/.cache/autoplan
+
+keyed by the machine (:class:`MachineKey`: host name, CPU model, core count, torch version) and
+``N``. ``autoplan plan`` measures a missing one first (:data:`QUICK_SWEEP`, a few seconds). Where
+none is cached and none can be measured (a library call, a process inside a job) the links are
+:data:`DEFAULT_CPU_LINK`, measured once on a reference machine of this class, and the cluster's
+``calibration.origin`` is ``"default"`` (a warning says so). ``AUTOPLAN_LOCAL_LINKS`` overrides:
+``auto`` (default) as above; ``default``: always the measured default (deterministic, no cache
+read, nothing launched); ``catalog``: the catalog's CPU numbers (the test suite's setting, so that
+plans stay what the golden snapshots hold).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
+import logging
 import math
 import os
+import platform
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 import yaml
@@ -47,10 +68,15 @@ from autoplan.cost_models.cluster import (
     CollectiveFit,
     CommKind,
     LinkSpec,
+    current_device_model,
 )
 from autoplan.cost_models.comm import collective_terms, effective_collective, link_time_s
-from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.errors import ConfigError, PlanError
 from autoplan.cost_models.files import atomic_write
+from autoplan.cost_models.hardware import DEVICE_SPEC_FIELDS, DeviceSpec
+from autoplan.cost_models.profile_db import default_cache_dir
+
+logger = logging.getLogger(__name__)
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -69,6 +95,8 @@ class Sweep:
     """Smallest message, bytes (4 KiB: latency-bound on every interconnect we model)."""
     max_bytes: int = 16 * MiB
     """Largest message, bytes (16 MiB: bandwidth-bound on NVLink, ~2/3 of peak per nccl-tests)."""
+    size_factor: int = 2
+    """Ratio of consecutive message sizes (2: every power of two from ``min_bytes``)."""
     kinds: tuple[CommKind, ...] = COMM_KINDS
     """Communication kinds to time."""
     warmup: int = 3
@@ -87,16 +115,18 @@ class Sweep:
     5 ms for gloo, 0 for NCCL."""
 
     def __post_init__(self) -> None:
-        for name in ("min_bytes", "max_bytes", "repetitions"):
+        for name in ("min_bytes", "max_bytes", "repetitions", "size_factor"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise CalibrationError(f"sweep {name} must be a positive integer, got {value!r}")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise CalibrationError(f"sweep warmup must be a non-negative integer, got {self.warmup!r}")
-        if self.max_bytes < 2 * self.min_bytes:
+        if self.size_factor < 2:
+            raise CalibrationError(f"sweep size_factor must be at least 2, got {self.size_factor!r}")
+        if self.max_bytes < self.size_factor * self.min_bytes:
             raise CalibrationError(
-                f"sweep max_bytes={self.max_bytes} must be at least twice min_bytes={self.min_bytes}: "
-                "the fit needs two sizes or more; raise --max-bytes"
+                f"sweep max_bytes={self.max_bytes} must be at least {self.size_factor} times "
+                f"min_bytes={self.min_bytes}: the fit needs two sizes or more; raise --max-bytes"
             )
         if self.compute_gap_s is not None and not 0 <= self.compute_gap_s <= 1:
             raise CalibrationError(f"sweep compute_gap_s must be in [0, 1] seconds, got {self.compute_gap_s!r}")
@@ -105,13 +135,20 @@ class Sweep:
             raise CalibrationError(f"sweep kinds {list(self.kinds)!r} must be non-empty, from {', '.join(COMM_KINDS)}")
 
     def sizes_bytes(self) -> tuple[int, ...]:
-        """``min_bytes, 2*min_bytes, 4*min_bytes, ...`` up to ``max_bytes``."""
+        """``min_bytes, f*min_bytes, f*f*min_bytes, ...`` up to ``max_bytes`` (``f = size_factor``)."""
         sizes = []
         size = self.min_bytes
         while size <= self.max_bytes:
             sizes.append(size)
-            size *= 2
+            size *= self.size_factor
         return tuple(sizes)
+
+
+QUICK_SWEEP = Sweep(max_bytes=16 * MiB, size_factor=8, warmup=1, repetitions=6)
+"""The sweep ``autoplan plan`` runs when the local machine has no cached profile: 4 KiB to 16 MiB
+in steps of 8 (five sizes a kind over three and a half decades: the fit needs latency- and
+bandwidth-bound points; below 16 MiB a busy 2-core machine's millisecond latency noise can hide
+the bandwidth term of send/recv), 6 timed calls each: 175 calls instead of the default's 1,170."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -188,7 +225,9 @@ def fitted_time_s(sample: Sample, fit: CollectiveFit, *, backend: Backend) -> fl
 
 
 def fit_links(cluster: Cluster, samples: Sequence[Sample]) -> dict[str, LinkSpec]:
-    """One calibrated link per mesh axis that has samples: a fit per kind plus a joint fit."""
+    """One calibrated link per mesh axis that has samples: a fit per kind plus a joint fit. A
+    kind whose time does not grow with size (noise hides its bandwidth) is left out with a
+    warning and priced with the joint fit; a joint fit that fails is an error."""
     links = {}
     for axis in cluster.mesh_axis_names:
         on_axis = [s for s in samples if s.axis == axis]
@@ -196,13 +235,17 @@ def fit_links(cluster: Cluster, samples: Sequence[Sample]) -> dict[str, LinkSpec
             continue
         kinds = [kind for kind in COMM_KINDS if any(s.kind == kind for s in on_axis)]
         joint = fit_samples(on_axis, backend=cluster.backend)
+        collectives: dict[str, CollectiveFit] = {}
+        for kind in kinds:
+            try:
+                collectives[kind] = fit_samples([s for s in on_axis if s.kind == kind], backend=cluster.backend)
+            except CalibrationError as exc:  # the joint fit prices this kind instead
+                logger.warning("%s; %s is priced with the joint fit of axis %r", exc, kind, axis)
         links[axis] = LinkSpec(
             bw_GBps=joint.bw_GBps,
             latency_us=joint.latency_us,
             spans_nodes=cluster.axis_spans_nodes(axis),
-            collectives={
-                kind: fit_samples([s for s in on_axis if s.kind == kind], backend=cluster.backend) for kind in kinds
-            },
+            collectives=collectives,
         )
     unknown = sorted({s.axis for s in samples} - set(cluster.mesh_axis_names))
     if unknown:
@@ -225,25 +268,49 @@ def build_profile(
     device_model: str,
     torch_version: str | None = None,
     date: str | None = None,
+    comm_compute_slowdown: float | None = None,
 ) -> Cluster:
-    """``cluster`` with links fitted to ``samples`` and a ``calibration`` record.
+    """``cluster`` with links fitted to ``samples``, its device's link numbers (and
+    ``comm_compute_slowdown``, when measured) set to the measured ones, and a ``calibration`` record.
 
     ``torch_version`` defaults to this process's, ``date`` to now (UTC, ISO-8601)."""
     if not samples:
         raise CalibrationError(f"no samples to fit for {cluster}: every mesh axis has size 1")
     base = dataclasses.replace(cluster, links={}, calibration=None)
-    calibrated = dataclasses.replace(base, links=fit_links(base, samples))
+    links = fit_links(base, samples)
+    date = date or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    device = measured_device(base, links, comm_compute_slowdown, origin=f"autoplan calibrate on {device_model}, {date}")
+    calibrated = dataclasses.replace(base, device=device, links=links)
     info = CalibrationInfo(
         device=cluster.device.name,
         device_model=device_model,
         torch_version=torch_version or torch.__version__,
         backend=cluster.backend,
         world_size=cluster.world_size,
-        date=date or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        date=date,
         num_samples=len(samples),
         fit_err_median=_sig(statistics.median(sample_errors(calibrated, samples))),
+        comm_compute_slowdown=None if comm_compute_slowdown is None else _sig(max(0.0, comm_compute_slowdown)),
     )
     return dataclasses.replace(calibrated, calibration=info)
+
+
+def measured_device(
+    cluster: Cluster, links: dict[str, LinkSpec], comm_compute_slowdown: float | None, *, origin: str
+) -> DeviceSpec:
+    """``cluster.device`` with its intra-/inter-node numbers replaced by the joint fit of the
+    widest measured axis of each kind, and ``comm_compute_slowdown`` when measured and the device
+    type has the field. ``origin`` is cited in the device's sources."""
+    overrides: dict[str, float] = {}
+    for prefix, spans in (("intra_node", False), ("inter_node", True)):
+        measured = [name for name in links if links[name].spans_nodes == spans]
+        if measured:
+            widest = max(measured, key=lambda name: cluster.mesh_shape[cluster.axis_index(name)])
+            overrides[f"{prefix}_bw_GBps"] = links[widest].bw_GBps
+            overrides[f"{prefix}_latency_us"] = links[widest].latency_us
+    if comm_compute_slowdown is not None and "comm_compute_slowdown" in DEVICE_SPEC_FIELDS:
+        overrides["comm_compute_slowdown"] = _sig(max(0.0, comm_compute_slowdown))
+    return cluster.device.with_overrides(overrides, origin=origin) if overrides else cluster.device
 
 
 def write_profile(cluster: Cluster, path: str | os.PathLike[str]) -> Path:
@@ -263,6 +330,183 @@ def write_profile(cluster: Cluster, path: str | os.PathLike[str]) -> Path:
         text = header + yaml.safe_dump(data, sort_keys=False)
     atomic_write(path, text, what="cluster profile", error=None)
     return path
+
+
+# --- The local machine ------------------------------------------------------------------------
+
+LocalLinks = Literal["auto", "default", "catalog"]
+LOCAL_LINKS_ENV = "AUTOPLAN_LOCAL_LINKS"
+"""Environment variable choosing how the local machine's links are priced (module docstring)."""
+
+PROFILE_CACHE_VERSION = 1
+"""Version in the cached profiles' names; bump when what a profile measures changes meaning."""
+
+
+def local_links_mode() -> LocalLinks:
+    """``$AUTOPLAN_LOCAL_LINKS`` (``auto`` when unset or empty)."""
+    value = os.environ.get(LOCAL_LINKS_ENV, "").strip().lower() or "auto"
+    if value not in get_args(LocalLinks):
+        raise ConfigError(
+            f"{LOCAL_LINKS_ENV}={value!r} is not one of {', '.join(get_args(LocalLinks))}: "
+            "auto (cached calibration of this machine), default (the measured default) or catalog"
+        )
+    return value  # type: ignore[return-value]  # checked against LocalLinks above
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MachineKey:
+    """What the local machine's links depend on: the host, its CPUs and the torch build."""
+
+    hostname: str
+    """``platform.node()``."""
+    cpu_model: str
+    """The CPU model (``current_device_model("gloo")``)."""
+    num_cpus: int
+    """CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    torch_version: str
+    """``torch.__version__``."""
+
+    @classmethod
+    def current(cls) -> MachineKey:
+        try:
+            num_cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            num_cpus = os.cpu_count() or 1
+        return cls(
+            hostname=platform.node() or "unknown host",
+            cpu_model=current_device_model("gloo") or "unknown CPU",
+            num_cpus=num_cpus,
+            torch_version=str(torch.__version__),
+        )
+
+    def digest(self) -> str:
+        """Short stable hash (12 hex characters) of the key, used in the cached profile's name."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def cached_profile_path(
+    world_size: int, *, machine: MachineKey | None = None, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """``<cache>/clusters/cpu<N>-v<version>-<hash>.yaml``: where this machine's profile of
+    ``world_size`` gloo ranks is cached."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    key = machine or MachineKey.current()
+    return root / "clusters" / f"cpu{world_size}-v{PROFILE_CACHE_VERSION}-{key.digest()}.yaml"
+
+
+def cache_profile(profile: Cluster) -> Path:
+    """Store ``profile`` (of the local machine's default 1-D mesh) where :func:`local_cluster`
+    finds it; returns the path."""
+    path = cached_profile_path(profile.world_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_profile(profile, path)
+
+
+def is_local_cpu(cluster: Cluster) -> bool:
+    """True for the local machine as a preset names it: one node of at least two CPU ranks with
+    no links or calibration of its own (``NxCPU``, any mesh)."""
+    return (
+        cluster.device.name == "CPU"
+        and cluster.num_nodes == 1
+        and cluster.world_size > 1
+        and not cluster.links
+        and cluster.calibration is None
+    )
+
+
+def load_cached_profile(world_size: int) -> Cluster | None:
+    """This machine's cached profile of ``world_size`` ranks, or ``None`` if there is none. A
+    file that cannot be read as a profile of this machine raises ``ClusterSpecError`` naming it
+    (it is never silently replaced)."""
+    path = cached_profile_path(world_size)
+    if not path.is_file():
+        return None
+    profile = Cluster.from_file(path)
+    if not is_local_cpu(dataclasses.replace(profile, links={}, calibration=None)) or profile.world_size != world_size:
+        raise CalibrationError(
+            f"cached profile '{path}' is not a profile of {world_size} local CPU ranks: delete it "
+            f"(the next `autoplan plan --cluster {world_size}xCPU` re-measures it)"
+        )
+    return profile
+
+
+DEFAULT_CPU_LINK = LinkSpec(bw_GBps=0.7239, latency_us=1970.0, spans_nodes=False, collectives={})
+"""The local machine's link when no calibration of it is cached: measured, not assumed.
+
+Source: the joint fit of ``autoplan calibrate --cluster 2xCPU`` (default sweep, 65 samples, median
+fit error 28%) on the reference machine of this project's sessions, a 2-core AMD EPYC VM, torch
+2.13.0+cpu, gloo, one thread per rank, 2026-11-24 17:22 UTC at load average 1.8 (other jobs ran
+beside it: at load 8-11 the same command fitted 5.6-7.9 ms and 0.38-0.43 GB/s, so this is the
+quieter end). Per-kind fits of that run (GB/s, us): all_reduce 1.249/2344, all_gather
+0.5597/1703, reduce_scatter 0.5741/4238, all_to_all 0.3828/1124, send_recv 1.84/6630; noisy
+enough that the default prices every kind with the joint fit. The catalog's 30 us / 2 GB/s
+(``hardware.py``, an assumption) are 65x too fast in latency on these ranks."""
+
+DEFAULT_CPU_COMM_COMPUTE_SLOWDOWN = 0.17
+"""Compute slowdown beside a collective on the reference machine: ``autoplan calibrate
+--cluster 2xCPU`` measured +7.7%, +14.1%, +20.4% and +20.6% in four runs (2026-11-24 17:27-17:31
+UTC, load average 4-11); their median, rounded."""
+
+DEFAULT_CPU_REFERENCE = CalibrationInfo(
+    device="CPU",
+    device_model="AMD EPYC",
+    torch_version="2.13.0+cpu",
+    backend="gloo",
+    world_size=2,
+    date="2026-11-24T17:22:14+00:00",
+    num_samples=65,
+    fit_err_median=0.2816,
+    comm_compute_slowdown=DEFAULT_CPU_COMM_COMPUTE_SLOWDOWN,
+    origin="default",
+)
+"""Where :data:`DEFAULT_CPU_LINK` was measured: the ``calibration`` record of a default cluster
+(with its own world size)."""
+
+
+def default_cpu_profile(world_size: int) -> Cluster:
+    """The 1-D profile of ``world_size`` local CPU ranks made of the measured default
+    (:data:`DEFAULT_CPU_LINK`), recorded with ``origin="default"``."""
+    base = Cluster.preset(f"{world_size}xCPU")
+    links = {"intra": DEFAULT_CPU_LINK}
+    reference = DEFAULT_CPU_REFERENCE
+    origin = f"the measured default of autoplan.cost_models.calibration ({reference.device_model}, {reference.date})"
+    device = measured_device(base, links, reference.comm_compute_slowdown, origin=origin)
+    info = dataclasses.replace(reference, world_size=world_size)
+    return dataclasses.replace(base, device=device, links=links, calibration=info)
+
+
+def on_mesh(profile: Cluster, cluster: Cluster) -> Cluster:
+    """``cluster`` (local CPU ranks, any mesh) priced with the 1-D ``profile`` of its ranks: every
+    mesh axis gets the profile's link (every axis runs over the same loopback), the device and
+    the calibration record are the profile's."""
+    (link,) = profile.links.values()
+    links = {name: link for name, size in zip(cluster.mesh_axis_names, cluster.mesh_shape, strict=True) if size > 1}
+    return dataclasses.replace(cluster, device=profile.device, links=links, calibration=profile.calibration)
+
+
+def local_cluster(cluster: Cluster) -> Cluster:
+    """``cluster`` with the local machine's measured links when it is the local machine
+    (:func:`is_local_cpu`), else ``cluster`` unchanged (see the module docstring for
+    ``$AUTOPLAN_LOCAL_LINKS``). Without a cached profile the measured default is used and a
+    warning says so; this function never launches a measurement (``autoplan plan`` does, first)."""
+    mode = local_links_mode()
+    if mode == "catalog" or not is_local_cpu(cluster):
+        return cluster
+    profile = load_cached_profile(cluster.world_size) if mode == "auto" else None
+    if profile is None:
+        profile = default_cpu_profile(cluster.world_size)
+        if mode == "auto":
+            logger.warning(
+                "%s: no calibration of this machine is cached (%s), so its links are the measured default "
+                "%s (%s); run `autoplan calibrate --cluster %dxCPU` or `autoplan plan` once to measure them",
+                cluster,
+                cached_profile_path(cluster.world_size),
+                DEFAULT_CPU_LINK,
+                DEFAULT_CPU_REFERENCE.device_model,
+                cluster.world_size,
+            )
+    return on_mesh(profile, cluster)
 
 
 def _rel_err(predicted: float, measured: float) -> float:

@@ -33,6 +33,13 @@ A *cluster profile* written by ``autoplan calibrate`` adds measured links per me
       date: '2025-01-31T12:00:00+00:00'
       num_samples: 65
       fit_err_median: 0.05            # median |fitted - measured| / measured
+      comm_compute_slowdown: 0.4      # optional: compute time beside a collective / alone - 1
+      origin: default                 # optional: only for the measured default (see below)
+
+The local machine (``NxCPU``: one node of CPU ranks) is priced from such a profile, measured
+once and cached (``autoplan.cost_models.calibration.local_cluster``); where none is cached the
+links are a default measured on a reference machine of this class, and the record says
+``origin: default`` (a profile ``autoplan calibrate`` wrote has no ``origin`` key).
 
 Fitted numbers are in the ring convention of ``autoplan.cost_models.comm`` (see its docstring). A profile
 measured with another torch version, backend or device than this machine's is rejected by
@@ -59,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from autoplan.cost_models.echo import clip
 from autoplan.cost_models.errors import ClusterSpecError
 from autoplan.cost_models.files import MAX_CLUSTER_FILE_BYTES, InputLimitError, parse_json, parse_yaml, read_limited
-from autoplan.cost_models.hardware import DeviceSpec, _ReadOnlyMapping, get_device_spec
+from autoplan.cost_models.hardware import DEVICE_CATALOG, DeviceSpec, _ReadOnlyMapping, get_device_spec
 
 if TYPE_CHECKING:  # clusters are read from plan files by the review commands, without torch or yaml
     import yaml
@@ -98,6 +105,9 @@ LOCAL_KINDS: frozenset[str] = frozenset({"shard", "to_partial"})
 """Step kinds of a placement transition that are local (cost nothing on the network)."""
 
 Backend = Literal["gloo", "nccl"]
+CalibrationOrigin = Literal["measured", "default"]
+"""Where a cluster's links come from: ``measured`` by ``autoplan calibrate`` on the machine
+described, or the ``default`` measured once on a reference machine of its class."""
 _LINK_KEYS: tuple[str, ...] = ("bw_GBps", "latency_us", "collectives")
 _FIT_KEYS: tuple[str, ...] = ("bw_GBps", "latency_us", "fit_err")
 _RECALIBRATE = "re-run `autoplan calibrate` on the target machine"
@@ -187,6 +197,14 @@ class CalibrationInfo:
     """Number of (kind, size) timings the fits were made from."""
     fit_err_median: float
     """Median relative error |fitted - measured| / measured over all samples."""
+    comm_compute_slowdown: float | None = None
+    """How much slower compute runs while a collective runs beside it on the same ranks:
+    ``t(matmuls during an all-reduce) / t(matmuls alone) - 1`` (``autoplan calibrate``, see
+    ``autoplan.runtime.collective_bench.measure_comm_compute_slowdown``); ``None`` if not measured."""
+    origin: CalibrationOrigin = "measured"
+    """``measured``: ``autoplan calibrate`` timed these ranks. ``default``: no calibration of this
+    machine was at hand and the links are the default of ``autoplan.cost_models.calibration``, measured on
+    the reference machine ``device_model`` on ``date``."""
 
     def __post_init__(self) -> None:
         for name in ("device", "device_model", "torch_version", "date"):
@@ -201,25 +219,44 @@ class CalibrationInfo:
         object.__setattr__(
             self, "fit_err_median", _non_negative_float(self.fit_err_median, "calibration.fit_err_median")
         )
+        if self.comm_compute_slowdown is not None:
+            object.__setattr__(
+                self,
+                "comm_compute_slowdown",
+                _non_negative_float(self.comm_compute_slowdown, "calibration.comm_compute_slowdown"),
+            )
+        if self.origin not in ("measured", "default"):
+            raise ClusterSpecError(f"calibration.origin must be 'measured' or 'default', got {clip(self.origin)}")
 
     def to_dict(self) -> dict[str, Any]:
-        """YAML/JSON-serialisable form; ``CalibrationInfo.from_dict`` reads it back."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """YAML/JSON-serialisable form; ``CalibrationInfo.from_dict`` reads it back. The optional
+        keys appear only when set (``origin`` only for the default), so older profiles read the same."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _OPTIONAL_CALIBRATION}
+        if self.comm_compute_slowdown is not None:
+            out["comm_compute_slowdown"] = self.comm_compute_slowdown
+        if self.origin != "measured":
+            out["origin"] = self.origin
+        return out
 
     @classmethod
     def from_dict(cls, data: object) -> CalibrationInfo:
         """Parse the ``calibration:`` section of a cluster profile."""
         names = [f.name for f in dataclasses.fields(cls)]
+        required = [name for name in names if name not in _OPTIONAL_CALIBRATION]
         if not isinstance(data, Mapping):
             raise ClusterSpecError(f"calibration must be a mapping with keys {', '.join(names)}, got {clip(data)}")
         unknown = [key for key in data if key not in names]
-        missing = [key for key in names if key not in data]
+        missing = [key for key in required if key not in data]
         if unknown or missing:
             what = f"unknown key {clip(unknown[0])}" if unknown else f"missing key {', '.join(missing)}"
             raise ClusterSpecError(f"calibration: {what}; expected keys {', '.join(names)}; {_RECALIBRATE}")
-        kwargs: dict[str, Any] = {key: data[key] for key in names}
+        kwargs: dict[str, Any] = {key: data[key] for key in names if key in data}
         kwargs["date"] = str(kwargs["date"])  # YAML reads an unquoted ISO date as a datetime
         return cls(**kwargs)
+
+
+_OPTIONAL_CALIBRATION: frozenset[str] = frozenset({"comm_compute_slowdown", "origin"})
+"""Keys of the ``calibration:`` section that older profiles do not have."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -357,7 +394,7 @@ class Cluster:
                 f"links were calibrated on device {clip(info.device)} but the cluster's device is "
                 f"{clip(self.device.name)}; {_RECALIBRATE}"
             )
-        if info.world_size != self.world_size:
+        if info.world_size < self.world_size:  # fewer: a group of the calibrated ranks (tensor-parallel group, stage)
             raise ClusterSpecError(
                 f"links were calibrated on {info.world_size} ranks but the cluster has {self.world_size} "
                 f"devices; {_RECALIBRATE} with --cluster of {self.world_size} devices"
@@ -430,8 +467,19 @@ class Cluster:
             return self.links[name]
         return self.catalog_link(spans_nodes=self.axis_spans_nodes(axis))
 
+    @property
+    def links_source(self) -> str:
+        """Where the links' numbers come from, as review output names it: ``catalog numbers``,
+        ``calibrated`` (``autoplan calibrate`` on this machine) or ``measured default (...)``."""
+        if self.calibration is None:
+            return "catalog numbers"
+        if self.calibration.origin == "default":
+            return f"measured default ({self.calibration.device_model}, {self.calibration.date}; this machine not calibrated)"
+        return "calibrated"
+
     def catalog_link(self, *, spans_nodes: bool) -> LinkSpec:
-        """The device's catalog numbers for a network (``spans_nodes``) or intra-node link."""
+        """The device's catalog numbers for a network (``spans_nodes``) or intra-node link, at the
+        bandwidth NCCL reaches on it (``NCCL_BUS_EFFICIENCY``)."""
         return _catalog_link(self.device, spans_nodes)
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_axis_names: Sequence[str] | None = None) -> Cluster:
@@ -617,11 +665,39 @@ class Cluster:
 # --- Calibration environment -------------------------------------------------------------------------
 
 
+NCCL_BUS_EFFICIENCY: Mapping[str, tuple[float, float]] = {
+    # catalog device -> (intra-node, network) bus bandwidth NCCL reaches / the catalog's line rate
+    # A100 NVLink3: ~230 GB/s busbw of 300 (NVIDIA/nccl-tests#149, sjeaugey: 12 links x ~20 GB/s
+    # effective with 128 B payloads, "limits it to ~230GB/s"); HDR 200 Gb/s: 24 GB/s of 25 per NIC
+    # (NVIDIA/nccl#412, sjeaugey: "24GB/s inter-node")
+    "A100-40GB": (230 / 300, 24 / 25),
+    "A100-80GB": (230 / 300, 24 / 25),
+    # H100/H200 NVLink4: 370 GB/s of the 450 line rate with NCCL's ~20 % protocol overhead
+    # (NVIDIA/nccl-tests#212, sjeaugey; ring busbw, NVLink SHARP all-reduces reach more); NDR
+    # 400 Gb/s ConnectX-7: "up to 48-49GB/s per NIC" of 50 (NVIDIA/nccl-tests#267, AddyLaddy)
+    "H100": (370 / 450, 48.5 / 50),
+    "H200": (370 / 450, 48.5 / 50),
+    # B200 NVLink5: the same ~20 % protocol overhead assumed (nccl-tests#212; no B200 measurement
+    # cited yet); its ConnectX-7 NICs as on H100
+    "B200": (0.8, 48.5 / 50),
+}
+"""Achievable fraction of a GPU's catalog link bandwidth (nccl-tests bus bandwidth at large
+sizes); devices not listed (CPU, custom) and bandwidths overridden in a cluster file are used as
+they are."""
+
+
 @functools.lru_cache(maxsize=64)
 def _catalog_link(device: DeviceSpec, spans_nodes: bool) -> LinkSpec:
+    # the efficiency scales the catalog's line rate; a bandwidth the user overrode is taken as given
+    intra_eff, inter_eff = NCCL_BUS_EFFICIENCY.get(device.name, (1.0, 1.0))
+    catalog = DEVICE_CATALOG.get(device.name)
     if spans_nodes:
-        return LinkSpec(bw_GBps=device.inter_node_bw_GBps, latency_us=device.inter_node_latency_us, spans_nodes=True)
-    return LinkSpec(bw_GBps=device.intra_node_bw_GBps, latency_us=device.intra_node_latency_us, spans_nodes=False)
+        bw = device.inter_node_bw_GBps
+        bw *= inter_eff if catalog is not None and bw == catalog.inter_node_bw_GBps else 1.0
+        return LinkSpec(bw_GBps=bw, latency_us=device.inter_node_latency_us, spans_nodes=True)
+    bw = device.intra_node_bw_GBps
+    bw *= intra_eff if catalog is not None and bw == catalog.intra_node_bw_GBps else 1.0
+    return LinkSpec(bw_GBps=bw, latency_us=device.intra_node_latency_us, spans_nodes=False)
 
 
 def _public_version(version: str) -> str:
@@ -653,6 +729,8 @@ def check_calibration_matches(info: CalibrationInfo) -> None:
     profile loaded on a machine without a GPU is accepted (planning from a login node); a GPU
     profile on another GPU model, or a CPU profile on another CPU model, is not.
     """
+    if info.origin == "default":  # measured on the reference machine it names, on purpose
+        return
     import torch
 
     here = _public_version(torch.__version__)

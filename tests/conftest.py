@@ -1,9 +1,14 @@
-"""Shared pytest configuration: the slow marker, and a private cache directory per session so
-no test reads or writes the user's profile databases (spawned ranks inherit it)."""
+"""Shared pytest configuration: the slow marker, a private cache directory per session so
+no test reads or writes the user's profile databases (spawned ranks inherit it), and the
+catalog's CPU links for ``NxCPU`` (``AUTOPLAN_LOCAL_LINKS=catalog``: plans must not depend on a
+calibration of the machine running the tests, and ``autoplan plan`` must not launch one; the
+golden snapshots hold catalog-priced plans). Tests of the local calibration set it themselves."""
 
 import os
 
 import pytest
+
+os.environ["AUTOPLAN_LOCAL_LINKS"] = "catalog"  # at import: subprocesses and ranks inherit it
 
 
 def pytest_configure(config):

@@ -156,8 +156,15 @@ def test_sweep_doubles_from_4_kib_to_16_mib() -> None:
     sizes = Sweep().sizes_bytes()
     assert sizes[0] == 4096 and sizes[-1] == 16 * MiB and len(sizes) == 13
     assert all(b == 2 * a for a, b in zip(sizes, sizes[1:]))
-    with pytest.raises(CalibrationError, match="at least twice"):
+    with pytest.raises(CalibrationError, match="at least 2 times"):
         Sweep(max_bytes=4096)
+
+
+def test_a_sweep_can_step_by_a_larger_factor() -> None:
+    sizes = Sweep(max_bytes=16 * MiB, size_factor=8).sizes_bytes()
+    assert sizes == (4096, 32 * 1024, 256 * 1024, 2 * MiB, 16 * MiB)
+    with pytest.raises(CalibrationError, match="at least 8 times"):
+        Sweep(max_bytes=16 * 1024, size_factor=8)
 
 
 @pytest.mark.parametrize("kind", COMM_KINDS)
@@ -287,7 +294,7 @@ def test_gpu_profile_loads_on_a_machine_without_gpus(tmp_path) -> None:
         (lambda d: d["links"]["intra0"].update(bw_GBps=-1.0), "bw_GBps must be a positive"),
         (lambda d: d["links"]["intra0"]["collectives"]["all_gather"].update(latency_us=-3), "latency_us"),
         (lambda d: d["links"]["intra0"]["collectives"].update(broadcast={"bw_GBps": 1, "latency_us": 1}), "broadcast"),
-        (lambda d: d["calibration"].update(world_size=8), "calibrated on 8 ranks"),
+        (lambda d: d["calibration"].update(world_size=2), "calibrated on 2 ranks"),
         (lambda d: d["calibration"].pop("date"), "missing key date"),
     ],
     ids=["unknown-axis", "negative-bw", "negative-latency", "unknown-kind", "world-size", "missing-date"],
@@ -342,6 +349,8 @@ def test_calibrate_on_two_gloo_ranks_writes_a_loadable_profile(tmp_path, capsys)
     assert set(link.collectives) == set(COMM_KINDS)
     assert all(fit.bw_GBps > 0 for fit in link.collectives.values())
     assert cluster.calibration is not None and cluster.calibration.num_samples == len(COMM_KINDS) * 11
+    assert cluster.calibration.comm_compute_slowdown is not None and cluster.calibration.comm_compute_slowdown >= 0
+    assert (cluster.device.intra_node_bw_GBps, cluster.device.intra_node_latency_us) == (link.bw_GBps, link.latency_us)
 
 
 @pytest.mark.parametrize(

@@ -11,21 +11,24 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from autoplan.cost_models.calibration import local_cluster
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ClusterSpecError, PlanMismatchError
 
 
 def as_cluster(cluster: Cluster | str) -> Cluster:
-    """``cluster`` as a :class:`Cluster`: a preset string (``"2x8xH100"``) is looked up."""
+    """``cluster`` as a :class:`Cluster`: a preset string (``"2x8xH100"``) is looked up; the
+    local machine (``NxCPU`` without links) gets its measured links
+    (:func:`autoplan.cost_models.calibration.local_cluster`)."""
     if isinstance(cluster, str):
-        return Cluster.preset(cluster)
+        cluster = Cluster.preset(cluster)
     if not isinstance(cluster, Cluster):
         raise ClusterSpecError(
             f"cluster must be an autoplan.Cluster or a preset string like '4xCPU' or '2x8xH100', "
             f"got {type(cluster).__name__} {cluster!r}"
         )
-    return cluster
+    return local_cluster(cluster)
 
 
 @contextlib.contextmanager

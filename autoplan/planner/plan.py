@@ -305,7 +305,7 @@ class Plan:
                 if e.compute_sources
                 else "analytic"
             )
-            + f"; links: {'calibrated' if c.calibration is not None else 'catalog numbers'}",
+            + f"; links: {c.links_source}",
             f"  peak memory per device: {mem['total'] / GiB:.3f} GiB of {e.capacity_bytes / GiB:.1f} GiB"
             f"{f' at {e.memory_peak_at}' if e.memory_peak_at else ''} "
             f"(params {mem.get('params', 0) / GiB:.3f}, grads {mem.get('grads', 0) / GiB:.3f}, "

@@ -8,12 +8,18 @@ the axis group). Each timing is the slowest rank's, after warm-up calls and a ba
 is the mean of the repetitions (a step pays the expected time, waits for a late rank included,
 not the typical one). Fitting the samples is ``autoplan.cost_models.calibration``'s job; the
 command around this is ``autoplan/tools/calibrate.py``.
+
+It also measures how much a collective slows the compute running beside it on the same ranks
+(:func:`measure_comm_compute_slowdown`): on CPU ranks gloo's threads take cores from the
+matmuls; on a GPU NCCL's kernels take SMs and memory bandwidth from them.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,10 +38,12 @@ from autoplan.runtime.teardown import destroy_process_groups
 logger = logging.getLogger(__name__)
 
 
-def measure_on_ranks(cluster: Cluster, sweep: Sweep, *, verbose: bool = False) -> tuple[int, list[Sample]]:
+def measure_on_ranks(cluster: Cluster, sweep: Sweep, *, verbose: bool = False) -> tuple[int, list[Sample], float]:
     """On a rank started by torchrun: join the process group, time ``sweep`` on the cluster's
-    mesh (:func:`measure`) and tear the groups down. Returns this rank's number and the samples
-    (the same on every rank). ``verbose``: keep DTensor's per-rank warnings."""
+    mesh (:func:`measure`) and the compute slowdown beside a collective
+    (:func:`measure_comm_compute_slowdown`), and tear the groups down. Returns this rank's
+    number, the samples and the slowdown (the same on every rank). ``verbose``: keep DTensor's
+    per-rank warnings."""
     backend = cluster.backend
     device_type = "cuda" if backend == "nccl" else "cpu"
     if backend == "nccl":
@@ -54,12 +62,84 @@ def measure_on_ranks(cluster: Cluster, sweep: Sweep, *, verbose: bool = False) -
             )
         mesh = init_device_mesh(device_type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
         samples = measure(mesh, cluster, sweep)
+        slowdown = measure_comm_compute_slowdown(
+            torch.device(device_type, torch.cuda.current_device() if backend == "nccl" else None)
+        )
         rank = dist.get_rank()
     except BaseException:
         destroy_process_groups(failed=True)
         raise
     destroy_process_groups()  # released now, not during interpreter exit (autoplan/runtime/teardown.py)
-    return rank, samples
+    return rank, samples, slowdown
+
+
+SLOWDOWN_MATMUL_S = 0.02
+"""Length of the matmul loop the slowdown is measured on, seconds (alone): long against the
+timer and a collective's start-up, short enough for a quick calibration."""
+
+SLOWDOWN_ALL_REDUCE_BYTES = 4 * 1024 * 1024
+"""Message of each all-reduce run beside the loop (4 MiB: bandwidth-bound on every link we model,
+so the collective moves data the whole time instead of waiting)."""
+
+
+def measure_comm_compute_slowdown(device: torch.device, *, repetitions: int = 7) -> float:
+    """``t(matmuls while all-reduces run) / t(matmuls alone) - 1`` on this machine (collective:
+    every rank of the world group calls it); the mean over ranks of each rank's median ratio.
+
+    A repetition times a fixed matmul loop alone, then the same loop right after issuing enough
+    asynchronous all-reduces (``async_op=True``) of :data:`SLOWDOWN_ALL_REDUCE_BYTES` to outlast it
+    (sized from a timed all-reduce), and waits for them after the loop. Alone and beside
+    alternate, so a slow phase of the machine hits both. The loop is a 256 x 256 fp32 matmul
+    repeated for ~:data:`SLOWDOWN_MATMUL_S` (128 x 128 on CPU would fit in cache and miss the
+    memory traffic that the collective's copies compete for)."""
+    a = torch.rand(256, 256, device=device)
+    buf = torch.ones(SLOWDOWN_ALL_REDUCE_BYTES // 4, device=device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn: Callable[[], None]) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    def ten_matmuls() -> None:
+        for _ in range(10):
+            a @ a
+
+    per_mm_s = timed(ten_matmuls) / 10
+    count = torch.tensor([max(1, round(SLOWDOWN_MATMUL_S / max(per_mm_s, 1e-7)))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank runs the same loop
+    num_mm = int(count.item())
+
+    def loop() -> None:
+        for _ in range(num_mm):
+            a @ a
+
+    dist.all_reduce(buf)  # warm-up: connect and allocate
+    one_s = torch.tensor([timed(lambda: dist.all_reduce(buf))], device=device)
+    dist.all_reduce(one_s, op=dist.ReduceOp.MAX)
+    num_ar = max(1, math.ceil(1.5 * SLOWDOWN_MATMUL_S / max(float(one_s.item()), 1e-6)))
+    bufs = [buf.clone() for _ in range(num_ar)]
+    ratios = []
+    for _ in range(repetitions):
+        dist.barrier()
+        alone_s = timed(loop)
+        dist.barrier()
+        works = [dist.all_reduce(b, async_op=True) for b in bufs]
+        beside_s = timed(loop)
+        for work in works:
+            assert work is not None
+            work.wait()
+        ratios.append(beside_s / alone_s)
+    slowdown = torch.tensor([statistics.median(ratios) - 1.0], dtype=torch.float64, device=device)
+    dist.all_reduce(slowdown)
+    mean = float(slowdown.item()) / dist.get_world_size()
+    logger.info("compute beside a collective: %+.1f%% (%d matmuls, %d all-reduces)", 100 * mean, num_mm, num_ar)
+    return mean
 
 
 def measure(mesh: Any, cluster: Cluster, sweep: Sweep) -> list[Sample]:

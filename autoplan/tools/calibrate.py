@@ -10,6 +10,12 @@ builds the cluster's ``DeviceMesh`` and times every mesh axis, kind and message 
 then fits the samples (``autoplan.cost_models.calibration``), prints measured and fitted times, and
 writes the profile atomically.
 
+The command also measures how much slower compute runs while a collective runs beside it
+(``comm_compute_slowdown`` in the profile's ``calibration`` and device). A profile of the local
+machine (``NxCPU``, the default 1-D mesh) is also stored in the cache that plans for ``NxCPU``
+read (``autoplan.cost_models.calibration.local_cluster``); ``autoplan plan --cluster NxCPU`` runs
+the ``--quick`` sweep once when none is cached (``autoplan.tools.local_links``).
+
 A multi-node cluster cannot be calibrated from one machine. Run the same command under torchrun
 on every node instead; rank 0 then fits and writes ``--out`` on its node::
 
@@ -54,6 +60,11 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
         type=float,
         help="busy compute before each timed call, seconds, as in a training step (default 0.005 on CPU, 0 on GPU)",
     )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the short sweep `autoplan plan` runs for an uncalibrated NxCPU (4 KiB-16 MiB, steps of 8, 6 calls)",
+    )
     p.add_argument("--master-port", type=int, help="torchrun port on 127.0.0.1 (default: a free port)")
     p.add_argument("--quiet", "-q", action="store_true", help="print only the final summary line")
     p.add_argument("--samples-out", help=argparse.SUPPRESS)  # launcher <- rank 0 hand-over
@@ -67,11 +78,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # the calibration model and torch: loaded when the command runs, not at CLI start-up
     import torch
 
-    from autoplan.cost_models.calibration import CalibrationError, Sample, Sweep
+    from autoplan.cost_models.calibration import QUICK_SWEEP, CalibrationError, Sample, Sweep
 
     # the cluster to calibrate: a file's old links and calibration are dropped (they are redone)
     cluster = common.cluster_from_args(args.cluster, args.mesh, recalibrate=True)
-    sweep = Sweep(**{name: getattr(args, name) for name in _SWEEP_OPTIONS if getattr(args, name) is not None})
+    options = {name: getattr(args, name) for name in _SWEEP_OPTIONS if getattr(args, name) is not None}
+    sweep = dataclasses.replace(QUICK_SWEEP, **options) if args.quick else Sweep(**options)
     out = Path(args.out)
     if out.suffix.lower() not in (".yaml", ".yml", ".json"):
         raise CalibrationError(f"--out '{out}' has extension {out.suffix!r}; use .yaml, .yml or .json")
@@ -95,14 +107,34 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
         samples_path = Path(tmp) / "samples.json"
-        rc = _launch(args, cluster, samples_path)
+        if not args.quiet:
+            print(
+                f"calibrating {cluster} on {cluster.world_size} {cluster.backend} ranks ...",
+                file=console.stdout(),
+                flush=True,
+            )
+        rc = _launch(
+            _rank_arguments(args),
+            world_size=cluster.world_size,
+            samples_path=samples_path,
+            verbose=bool(getattr(args, "verbose", False)),
+            master_port=args.master_port,
+            stdout=console.subprocess_stdout(),
+        )
         if rc != 0 or not samples_path.is_file():
             raise CalibrationError(
                 f"calibration ranks failed (torchrun exit code {rc}); see their output above, add -v for details"
             )
         data = json.loads(samples_path.read_text(encoding="utf-8"))
     samples = [Sample(**s) for s in data["samples"]]
-    _finish(cluster, samples, device_model=data["device_model"], out=out, quiet=args.quiet)
+    _finish(
+        cluster,
+        samples,
+        device_model=data["device_model"],
+        slowdown=data["comm_compute_slowdown"],
+        out=out,
+        quiet=args.quiet,
+    )
     return 0
 
 
@@ -113,63 +145,80 @@ def _launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def _launch(args: argparse.Namespace, cluster: Cluster, samples_path: Path) -> int:
-    """Run this command on ``cluster.world_size`` local ranks under torchrun; return its exit code."""
-    verbose = bool(getattr(args, "verbose", False))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(cluster.world_size),
-        "--nnodes",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(launch.master_port(args.master_port)),
-        "-m",
-        "autoplan.tools.cli",
-        *(["--verbose"] if verbose else []),
+def _rank_arguments(args: argparse.Namespace) -> list[str]:
+    """The ``calibrate`` command line the ranks run: this one's cluster, mesh, sweep and output."""
+    return [
         "calibrate",
         "--cluster",
         args.cluster,
         "--out",
         args.out,
+        *(["--quick"] if args.quick else []),
         *(
             arg
             for name in _SWEEP_OPTIONS
             if getattr(args, name) is not None
             for arg in (f"--{name.replace('_', '-')}", str(getattr(args, name)))
         ),
-        "--samples-out",
-        str(samples_path),
         *(["--mesh", args.mesh] if args.mesh else []),
     ]
+
+
+def _launch(
+    rank_arguments: list[str],
+    *,
+    world_size: int,
+    samples_path: Path,
+    verbose: bool,
+    master_port: int | None,
+    stdout: int | None,
+) -> int:
+    """Run ``autoplan <rank_arguments> --samples-out samples_path`` on ``world_size`` local ranks
+    under torchrun; return its exit code."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--nnodes",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(launch.master_port(master_port)),
+        "-m",
+        "autoplan.tools.cli",
+        *(["--verbose"] if verbose else []),
+        *rank_arguments,
+        "--samples-out",
+        str(samples_path),
+    ]
     env = launch.rank_environment(verbose=verbose)
-    if not args.quiet:
-        print(
-            f"calibrating {cluster} on {cluster.world_size} {cluster.backend} ranks ...",
-            file=console.stdout(),
-            flush=True,
-        )
-    return launch.call_torchrun(cmd, env=env, stdout=console.subprocess_stdout())
+    return launch.call_torchrun(cmd, env=env, stdout=stdout)
 
 
-def _finish(cluster: Cluster, samples: Sequence[Sample], *, device_model: str, out: Path, quiet: bool) -> None:
-    """Fit, write the profile, print the table (unless ``quiet``) and the summary line."""
-    from autoplan.cost_models.calibration import build_profile, write_profile  # torch: see cmd_calibrate
+def _finish(
+    cluster: Cluster, samples: Sequence[Sample], *, device_model: str, slowdown: float, out: Path, quiet: bool
+) -> None:
+    """Fit, write the profile (and cache it when it is the local machine's), print the table
+    (unless ``quiet``) and the summary line."""
+    from autoplan.cost_models import calibration  # torch: see cmd_calibrate
 
-    profile = build_profile(cluster, samples, device_model=device_model)
-    write_profile(profile, out)
+    profile = calibration.build_profile(cluster, samples, device_model=device_model, comm_compute_slowdown=slowdown)
+    calibration.write_profile(profile, out)
+    cached = ""
+    if calibration.is_local_cpu(cluster) and cluster.mesh_ndim == 1:
+        cached = f" cached={calibration.cache_profile(profile)}"
     if not quiet:
         print(format_table(profile, samples), file=console.stdout())
+        print(f"compute beside a collective: {slowdown:+.1%} (comm_compute_slowdown)", file=console.stdout())
         print(f"wrote {out}", file=console.stdout())
     assert profile.calibration is not None
     axes = ",".join(f"{name}({profile.mesh_shape[i]})" for i, name in enumerate(profile.mesh_axis_names))
     print(
         f"calibrate: axes={axes} fit_err_median={profile.calibration.fit_err_median:.1%} "
-        f"samples={len(samples)} out={out}",
+        f"comm_compute_slowdown={slowdown:+.3f} samples={len(samples)} out={out}{cached}",
         file=console.stdout(),
     )
 
@@ -205,13 +254,17 @@ def _rank_main(args: argparse.Namespace, cluster: Cluster, sweep: Sweep) -> int:
     # the collective benchmark runs torch.distributed: loaded on the ranks only
     from autoplan.runtime.collective_bench import measure_on_ranks
 
-    rank, samples = measure_on_ranks(cluster, sweep, verbose=bool(getattr(args, "verbose", False)))
+    rank, samples, slowdown = measure_on_ranks(cluster, sweep, verbose=bool(getattr(args, "verbose", False)))
     if rank != 0:
         return 0
     device_model = current_device_model(cluster.backend) or "unknown"
     if args.samples_out:
-        payload = {"samples": [dataclasses.asdict(s) for s in samples], "device_model": device_model}
+        payload = {
+            "samples": [dataclasses.asdict(s) for s in samples],
+            "device_model": device_model,
+            "comm_compute_slowdown": slowdown,
+        }
         Path(args.samples_out).write_text(json.dumps(payload), encoding="utf-8")
         return 0
-    _finish(cluster, samples, device_model=device_model, out=Path(args.out), quiet=args.quiet)
+    _finish(cluster, samples, device_model=device_model, slowdown=slowdown, out=Path(args.out), quiet=args.quiet)
     return 0

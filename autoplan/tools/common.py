@@ -22,6 +22,7 @@ from autoplan.cost_models.echo import clip_text
 from autoplan.cost_models.errors import ClusterSpecError, ConfigError, PlanError
 from autoplan.cost_models.memory import OPTIMIZERS
 from autoplan.planner.plan import Plan
+from autoplan.tools import local_links
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
@@ -182,6 +183,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.config and args.global_batch_size is None:
         raise ConfigError("--config needs --global-batch-size N (the configuration splits a global batch)")
     cluster = cluster_from_args(args.cluster, args.mesh)
+    local_links.ensure_local_calibration(cluster, quiet=bool(getattr(args, "quiet", False)))  # NxCPU: measured once
     wl = build_workload(args.target, device="meta", seed=args.seed)
     return plan_model(
         wl.model,

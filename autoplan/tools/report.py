@@ -228,7 +228,7 @@ def _summary_section(plan: Plan) -> str:
             + (f", bubble {fmt_s(e.bubble_s)}" if e.bubble_s is not None else ""),
         ),
         ("op times", ", ".join(f"{v} {k}" for k, v in e.compute_sources.items()) or "analytic"),
-        ("links", "calibrated" if c.calibration is not None else "catalog numbers"),
+        ("links", c.links_source),
         (
             "solver",
             f"{solver['status']}"

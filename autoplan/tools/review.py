@@ -94,7 +94,7 @@ def _header(plan: Plan) -> list[str]:
     src = e.compute_sources
     lines.append(
         f"costs     op times {src.get('profiled', 0)} profiled / {src.get('analytic', 0)} analytic; "
-        f"links {'calibrated' if c.calibration is not None else 'catalog numbers'}"
+        f"links {c.links_source}"
     )
     if plan.fallback_ops:
         lines.append("fallback  replicated (no DTensor rule): " + ", ".join(sorted(set(plan.fallback_ops.values()))))
