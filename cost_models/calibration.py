@@ -73,7 +73,7 @@ from autoplan.cost_models.cluster import (
 from autoplan.cost_models.comm import collective_terms, effective_collective, link_time_s
 from autoplan.cost_models.errors import ConfigError, PlanError
 from autoplan.cost_models.files import atomic_write
-from autoplan.cost_models.hardware import DEVICE_SPEC_FIELDS, DeviceSpec
+from autoplan.cost_models.hardware import DeviceSpec
 from autoplan.cost_models.profile_db import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -295,12 +295,16 @@ def build_profile(
     return dataclasses.replace(calibrated, calibration=info)
 
 
+MAX_DEVICE_SLOWDOWN = 0.99
+"""Largest ``DeviceSpec.comm_compute_slowdown`` a measurement sets (the field takes [0, 1))."""
+
+
 def measured_device(
     cluster: Cluster, links: dict[str, LinkSpec], comm_compute_slowdown: float | None, *, origin: str
 ) -> DeviceSpec:
     """``cluster.device`` with its intra-/inter-node numbers replaced by the joint fit of the
-    widest measured axis of each kind, and ``comm_compute_slowdown`` when measured and the device
-    type has the field. ``origin`` is cited in the device's sources."""
+    widest measured axis of each kind, and ``comm_compute_slowdown`` when measured (capped at
+    :data:`MAX_DEVICE_SLOWDOWN`). ``origin`` is cited in the device's sources."""
     overrides: dict[str, float] = {}
     for prefix, spans in (("intra_node", False), ("inter_node", True)):
         measured = [name for name in links if links[name].spans_nodes == spans]
@@ -308,8 +312,17 @@ def measured_device(
             widest = max(measured, key=lambda name: cluster.mesh_shape[cluster.axis_index(name)])
             overrides[f"{prefix}_bw_GBps"] = links[widest].bw_GBps
             overrides[f"{prefix}_latency_us"] = links[widest].latency_us
-    if comm_compute_slowdown is not None and "comm_compute_slowdown" in DEVICE_SPEC_FIELDS:
-        overrides["comm_compute_slowdown"] = _sig(max(0.0, comm_compute_slowdown))
+    if comm_compute_slowdown is not None:
+        slowdown = _sig(max(0.0, comm_compute_slowdown))
+        if slowdown >= MAX_DEVICE_SLOWDOWN:
+            logger.warning(
+                "compute ran %.0f%% slower beside a collective (a busy machine?); the device is priced with %.0f%%, "
+                "the most DeviceSpec.comm_compute_slowdown takes: re-run `autoplan calibrate` on a quieter machine",
+                100 * slowdown,
+                100 * MAX_DEVICE_SLOWDOWN,
+            )
+            slowdown = MAX_DEVICE_SLOWDOWN
+        overrides["comm_compute_slowdown"] = slowdown
     return cluster.device.with_overrides(overrides, origin=origin) if overrides else cluster.device
 
 

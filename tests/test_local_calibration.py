@@ -70,6 +70,7 @@ def test_without_a_cached_profile_the_measured_default_is_used_and_a_warning_say
     assert cluster.calibration is not None and cluster.calibration.origin == "default"
     assert cluster.calibration.world_size == 4
     assert cluster.links_source.startswith("measured default (AMD EPYC")
+    assert cluster.device.comm_compute_slowdown == cluster.calibration.comm_compute_slowdown == 0.17
     assert "no calibration of this machine is cached" in caplog.text and "autoplan calibrate" in caplog.text
     assert not (cache / "clusters").exists()  # the library call measured nothing
 
@@ -90,6 +91,7 @@ def test_a_cached_profile_of_this_machine_prices_every_axis_of_the_local_mesh(ca
     assert cluster.axis_link("intra0") == cluster.axis_link("intra1") == link
     assert cluster.calibration == profile.calibration and cluster.links_source == "calibrated"
     assert cluster.device.intra_node_latency_us == link.latency_us  # derived clusters keep the measurement
+    assert cluster.device.comm_compute_slowdown == 0.25  # the cost model reads the measured slowdown here
     assert stage_cluster(cluster, _config(dp=2, tp=2)).catalog_link(spans_nodes=False).latency_us == link.latency_us
     group = tp_cluster(cluster, 2).axis_link(0)  # the joint search's tensor-parallel group: the device's numbers
     assert (group.bw_GBps, group.latency_us) == (link.bw_GBps, link.latency_us)
@@ -149,6 +151,14 @@ def test_planning_measures_the_local_machine_once_then_reads_the_cache(cache, mo
     cached = Cluster.from_file(_cache_file(2))
     assert cached.calibration.comm_compute_slowdown == 0.3
     assert as_cluster(cluster).links == cached.links
+
+
+def test_a_measured_slowdown_beyond_what_a_device_takes_is_capped_with_a_warning(caplog):
+    profile = _measured_profile(2)
+    with caplog.at_level(logging.WARNING, logger="autoplan.cost_models.calibration"):
+        device = calibration.measured_device(profile, dict(profile.links), 1.4, origin="test")
+    assert device.comm_compute_slowdown == calibration.MAX_DEVICE_SLOWDOWN
+    assert "140% slower" in caplog.text
 
 
 @pytest.mark.parametrize("mode", ["catalog", "default"])
