@@ -28,19 +28,71 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
                                              and optimizer state (autoplan.cost_models.memory, by precision
                                              and optimizer)
           / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w)
-    ZeRO-3: F_k, B_k += the parameter all-gather of the stage per micro-batch; where compute and
-          communication overlap, max(F_k, gather) + the gather of one segment (prefetch)
+    ZeRO-3: F_k, B_k = the passes of the communication schedule below (gathers exposed)
     M_k = S_k + inflight_k(schedule, m, v) * A_k + T_k  <=  capacity          (memory)
 
 with ``T_k`` the transient of recomputing one segment (full recompute) and the ZeRO-3 gather
 buffer (:func:`autoplan.cost_models.memory.stage_memory_parts`). The step time is the pipeline
 makespan of :mod:`autoplan.cost_models.schedule` over the ``(F_k, B_k)`` with point-to-point
-transfers of ``cut_bytes`` between stages, plus per stage the exposed gradient synchronisation
-(all-reduce over dp, or reduce-scatter + per micro-batch all-gathers for ZeRO-3; on devices that
-overlap communication the part hidden behind the last micro-batch's backward is not counted) and
-the optimizer step::
+transfers of ``cut_bytes`` between stages, plus per stage what the last micro-batch's gradient
+synchronisation adds after its backward (below) and the optimizer step::
 
-    T(c) = makespan(F, B, m, schedule, p2p) + max_k (exposed_sync_k + opt_k / dp^[zero>=1])
+    T(c) = makespan(F, B, m, schedule, p2p') + drain + max_k (sync_k + opt_k / dp^[zero>=1])
+
+Communication schedule (what the generated program does: :mod:`autoplan.cost_models.comm_schedule`)
+--------------------------------------------------------------------------------------------------
+A stage's data-parallel collectives are simulated per pass over its segments ``j`` on two
+streams, the compute stream and one link (the dp group's; collectives on it run one at a time in
+issue order, so concurrent collectives share it). With ``c_j`` the segment's compute in the pass
+(``fwd_s``, or ``bwd_s`` + its recomputation), ``g_j`` the time of its parameter all-gather and
+``p`` = ``OverlapPolicy.prefetch_blocks``::
+
+    issue(g_0) = 0,  issue(g_j) = start_{max(j-p, 0)}  (prefetch: issued when block j-p starts)
+    done(x)    = max(issue(x), link free) + time(x)    (one link, FIFO)
+    start_j    = max(end_{j-1}, done(g_j))             (a block waits for its parameters)
+    end_j      = start_j + c_j * (1 + s * busy_j)      (compute slows by s = concurrent_compute_factor - 1
+                                                        on the fraction busy_j of the block with the
+                                                        link busy, counting collectives issued before
+                                                        the block starts)
+
+so the first gather of every pass is exposed and a later one only where the previous block's
+compute is shorter than it. ZeRO-3 gathers every segment's weights (``param_numel * w`` bytes) in
+every micro-batch's forward and, with ``reshard_after_forward``, again in its backward.
+Gradients are reduced only in the last micro-batch's backward (gradient accumulation):
+segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(bytes / cap)`` equal
+pieces produced evenly over its backward, the pieces are grouped by
+:func:`~autoplan.cost_models.comm_schedule.gradient_buckets` in backward order (last segment
+first), and each bucket (all-reduce for ZeRO 0, reduce-scatter for ZeRO >= 1; latency per bucket)
+is issued on the link when its last piece exists, behind whatever the link already carries (the
+backward's own all-gathers). Then::
+
+    F_k, B_k  = end of the forward / backward pass without reductions (per micro-batch)
+    sync_k    = (end of the last backward with its reductions - B_k)        (contention)
+              + max(0, last collective done - end of the last backward)     (the exposed tail)
+              + ZeRO 1-2's all-gather of the updated weights, per bucket    (after the step)
+
+Pipeline sends of a stage's output (forward) and input gradient (backward) use the dp link when
+both cross nodes or both stay inside one: the send queues behind the dp collectives, and the
+schedule's transfer time becomes ``p2p' = p2p + the send's wait``. In the last micro-batch's
+backward a stage's send waits behind its reductions and delays the last backward of every
+stage before it: ``drain = sum_k (that wait of stage k)``. On devices whose collectives
+do not run beside compute (CPU ranks, :func:`~autoplan.cost_models.comm.overlaps_compute`) every
+collective is exposed: ``F_k = sum c + sum g``, reductions after the backward.
+
+The estimate's :class:`~autoplan.cost_models.comm_schedule.CommTotals` lists, for the pipeline rank
+with the most exposed communication, every collective of the step per kind and axis: ZeRO-3
+gathers, gradient reductions and ZeRO 1-2 gathers (``dp``), tensor-parallel conversions
+(``redistribute`` on ``tp``: the per-segment sums keep their time, not their kind or bytes; all
+exposed, they run in the compute stream, again in the backward under full recomputation) and
+pipeline transfers (``send_recv`` on ``pp``). Exposed is the time the compute stream waits
+(the compute slowdown counts as compute); ``exposed_comm_s`` is the rows' sum.
+
+Achievable bandwidth: a dp group that crosses nodes with ``r`` of its ranks on each node drives
+``r`` NICs at once (NCCL runs one ring channel per NIC), so its link is
+``min(r * network bw, intra-node bw)`` (NVIDIA/nccl#412: more NICs give more bandwidth up to the
+NVLink bandwidth; NVIDIA/nccl#812: 192 GB/s all-reduce bus bandwidth across DGX A100 nodes with
+8 x 200 Gb/s NICs). The catalog links themselves carry NCCL's measured efficiency
+(:mod:`autoplan.cost_models.cluster`).
 
 Heterogeneous sub-meshes (``c.stage_dp``): stage ``k`` gets ``d_k * tp`` devices and splits each
 micro-batch of ``S = dp * b`` samples ``d_k`` ways (``d_k | S``); its times are those of ``S / d_k``
@@ -50,14 +102,17 @@ samples, its gradient synchronisation and ZeRO sharding run over ``d_k``, and a 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost_models.cluster import Cluster, LinkSpec
 from autoplan.cost_models.comm import link_time_s, overlaps_compute
+from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, CommRow, CommTotals, OverlapPolicy, gradient_buckets
+from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.memory import ElementBytes, precision_bytes, stage_memory_parts
@@ -138,8 +193,9 @@ class TrainingEstimate:
     compute_s: float
     """Busy compute of the slowest pipeline rank (forward, backward, recomputation)."""
     exposed_comm_s: float
-    """Communication not hidden behind compute: tensor-parallel collectives, exposed gradient
-    synchronisation, pipeline point-to-point."""
+    """Communication not hidden behind compute (``comm.exposed_s``): tensor-parallel collectives,
+    ZeRO-3 gathers and gradient synchronisation the compute stream waits for, pipeline
+    point-to-point the schedule does not hide."""
     bubble_s: float
     """Idle time of the pipeline schedule (0 without pipeline parallelism)."""
     optimizer_s: float
@@ -159,6 +215,10 @@ class TrainingEstimate:
     p2p_exposed_s: float
     """Pipeline point-to-point time not hidden by the schedule (part of ``exposed_comm_s``)."""
     flops_per_step: float
+    comm: CommTotals
+    """The whole step's communication per kind and mesh axis (``dp``, ``tp``, ``pp``) of the
+    pipeline rank with the most exposed: count, bytes, total and exposed time (module docstring);
+    ``exposed_comm_s`` is its exposed sum."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -199,6 +259,8 @@ class TrainingEstimate:
             "feasible": self.feasible,
             "precision": self.precision,
             "num_blocks": self.num_blocks,
+            "comm": self.comm.to_list(),
+            "comm_total_s": self.comm.total_s,
         }
 
     def summary(self) -> str:
@@ -221,13 +283,23 @@ class TrainingEstimate:
 
 
 def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
-    """Link of a group of ``size`` ranks ``stride`` apart: network if it leaves a node."""
+    """Link of a group of ``size`` ranks ``stride`` apart: network if it leaves a node.
+
+    A catalog network link of a group with ``r = devices_per_node / stride`` ranks on each node
+    runs ``r`` NICs at once (NCCL gives each NIC its own ring channel), up to the intra-node
+    bandwidth (module docstring); a calibrated link is used as measured."""
     spans = cluster.num_nodes > 1 and stride * size > cluster.devices_per_node
     if not spans and "intra" in cluster.links:
         return cluster.links["intra"]
     if spans and "inter" in cluster.links:
         return cluster.links["inter"]
-    return cluster.catalog_link(spans_nodes=spans)
+    link = cluster.catalog_link(spans_nodes=spans)
+    rails = min(size, cluster.devices_per_node // stride) if spans else 1
+    if rails > 1:
+        intra = cluster.catalog_link(spans_nodes=False)
+        bw = min(rails * link.bw_GBps, intra.bw_GBps)
+        return LinkSpec(bw_GBps=bw, latency_us=link.latency_us, spans_nodes=True)
+    return link
 
 
 def tp_cluster(cluster: Cluster, tp: int) -> Cluster:
@@ -275,6 +347,271 @@ def recompute_parts(seg: SegmentCost, recompute: str) -> tuple[float, float, flo
     return seg.fwd_s, min(seg.saved_bytes, seg.input_bytes), seg.saved_bytes
 
 
+# --- the communication schedule of one stage (module docstring) -------------------------------
+
+
+class _Link:
+    """One link: collectives run on it one at a time, in the order they are issued."""
+
+    __slots__ = ("busy", "cursor", "free_s")
+
+    def __init__(self) -> None:
+        self.free_s = 0.0
+        self.busy: list[tuple[float, float]] = []
+        """Busy intervals, in time order (each starts after the previous one ends)."""
+        self.cursor = 0
+        """First interval that may still overlap the compute stream (its starts only grow)."""
+
+    def run(self, issue_s: float, time_s: float) -> float:
+        """Queue a collective of ``time_s`` issued at ``issue_s``; returns when it is done."""
+        start = max(issue_s, self.free_s)
+        self.free_s = start + time_s
+        if time_s > 0.0:
+            self.busy.append((start, self.free_s))
+        return self.free_s
+
+    def compute_end(self, start_s: float, work_s: float, slow: float) -> float:
+        """End of ``work_s`` of compute started at ``start_s``, running ``1 + slow`` times
+        slower while the link is busy."""
+        if slow <= 0.0 or work_s <= 0.0:
+            return start_s + work_s
+        t, left, busy = start_s, work_s, self.busy
+        while self.cursor < len(busy) and busy[self.cursor][1] <= t:
+            self.cursor += 1
+        for i in range(self.cursor, len(busy)):
+            a, b = busy[i]
+            if a > t:  # idle until a
+                if left <= a - t:
+                    return t + left
+                left, t = left - (a - t), a
+            if left * (1 + slow) <= b - t:  # busy until b
+                return t + left * (1 + slow)
+            left, t = left - (b - t) / (1 + slow), b
+        return t + left
+
+
+@dataclass(frozen=True, slots=True)
+class _Pass:
+    """One forward or backward pass of a stage over its segments (module docstring)."""
+
+    end_s: float
+    """When the compute stream finishes the pass."""
+    compute_s: float
+    """Of which computing (the slowdown included); the rest is waiting for gathers."""
+    gather_wait_s: float
+    done_s: float
+    """When the last collective issued in the pass before its end (gathers, reductions) is done."""
+    send_wait_s: float
+    """How long the pipeline send at the end of the pass waited behind them on the link."""
+
+
+def _run_pass(
+    compute_s: Sequence[float],
+    gather_s: Sequence[float],
+    *,
+    overlap: bool,
+    slow: float,
+    prefetch: int,
+    reductions: Sequence[tuple[int, float, float]] = (),
+    send_s: float = 0.0,
+) -> _Pass:
+    """Simulate a pass: block ``j`` computes ``compute_s[j]`` after its gather of ``gather_s[j]``
+    (0: none); ``reductions`` are ``(block, fraction of its compute, time)`` in issue order, and
+    ``send_s`` a pipeline send on the same link at the end (module docstring). Without ``overlap``
+    every collective blocks the compute stream."""
+    if not overlap:
+        end = sum(compute_s) + sum(gather_s)
+        done = end + sum(r[2] for r in reductions)
+        return _Pass(end_s=end, compute_s=sum(compute_s), gather_wait_s=sum(gather_s), done_s=done, send_wait_s=0.0)
+    link = _Link()
+    n = len(compute_s)
+    gather_done = [0.0] * n
+    issued = 0
+    t = waits = 0.0
+    r = 0
+    for j in range(n):
+        while issued < n and issued <= j + prefetch:  # block j's start issues block j+p's gather
+            if gather_s[issued] > 0.0:
+                gather_done[issued] = link.run(t if issued <= j else max(t, gather_done[j]), gather_s[issued])
+            issued += 1
+        start = max(t, gather_done[j])
+        waits += start - t
+        end = link.compute_end(start, compute_s[j], slow)
+        while r < len(reductions) and reductions[r][0] == j:
+            link.run(start + reductions[r][1] * (end - start), reductions[r][2])
+            r += 1
+        t = end
+    done = max(t, link.free_s)
+    send_wait = link.run(t, send_s) - t - send_s if send_s > 0.0 else 0.0
+    return _Pass(end_s=t, compute_s=t - waits, gather_wait_s=waits, done_s=done, send_wait_s=send_wait)
+
+
+@dataclass(frozen=True, slots=True)
+class _StageComm:
+    """A stage's passes with its data-parallel communication (module docstring)."""
+
+    fwd_s: float
+    bwd_s: float
+    """Per micro-batch forward and backward of the schedule (exposed gathers included)."""
+    compute_s: float
+    """Per micro-batch compute of the forward and backward (gathers' waits excluded)."""
+    sync_s: float
+    """What the last micro-batch adds after its backward: contention, the exposed tail of the
+    reductions, ZeRO 1-2's gather of the updated weights."""
+    send_wait_s: tuple[float, float]
+    """Waits of the pipeline sends at the end of the forward and of the backward (steady state)."""
+    drain_wait_s: float
+    """Wait of the last micro-batch's backward send behind the reductions: the previous stage's
+    last backward starts that much later."""
+    rows: tuple[CommRow, ...]
+    """The stage's collectives over the step, on ``dp`` and ``tp``."""
+
+
+def _pieces(nbytes: float, cap: float) -> int:
+    return max(1, math.ceil(nbytes / cap)) if cap > 0 else 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _bucket_plan(grad_bytes: tuple[float, ...], policy: OverlapPolicy) -> tuple[tuple[int, float, float], ...]:
+    """The gradient buckets of a backward over segments with ``grad_bytes`` (backward order):
+    ``(segment, fraction of its backward when the bucket's last piece exists, bytes)`` (module
+    docstring). Memoised: the search prices the same stages for many configurations."""
+    owner: list[tuple[int, float]] = []
+    sizes: list[float] = []
+    for j, nbytes in enumerate(grad_bytes):
+        if nbytes <= 0:
+            continue
+        k = _pieces(nbytes, policy.bucket_cap_bytes)
+        owner += [(j, (i + 1) / k) for i in range(k)]
+        sizes += [nbytes / k] * k
+    return tuple((*owner[bucket[-1]], sum(sizes[i] for i in bucket)) for bucket in gradient_buckets(sizes, policy))
+
+
+def _reductions(
+    grad_bytes: Sequence[float], policy: OverlapPolicy, time_of: Callable[[float], float]
+) -> tuple[list[tuple[int, float, float]], list[float]]:
+    """:func:`_bucket_plan` with each bucket's time (``time_of`` its bytes) instead of its bytes,
+    and the buckets' bytes."""
+    plan = _bucket_plan(tuple(grad_bytes), policy)
+    times: dict[float, float] = {}
+    out = []
+    for j, frac, nbytes in plan:
+        if nbytes not in times:
+            times[nbytes] = time_of(nbytes)
+        out.append((j, frac, times[nbytes]))
+    return out, [b[2] for b in plan]
+
+
+def _stage_comm(
+    config: ParallelConfig,
+    part: Sequence[SegmentCost],
+    cluster: Cluster,
+    *,
+    dp: int,
+    bpe: ElementBytes,
+    recompute: str,
+    policy: OverlapPolicy,
+    send_s: tuple[float, float] = (0.0, 0.0),
+) -> _StageComm:
+    """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
+    micro-batch's backward with the gradient reductions (``send_s``: the pipeline sends at the
+    end of the forward and of the backward when they share the dp link, else 0)."""
+    m = config.num_microbatches
+    fwd_c = [s.fwd_s for s in part]
+    bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
+    overlap = overlaps_compute(cluster.device)
+    slow = concurrent_compute_factor(cluster.device) - 1.0 if overlap else 0.0  # compute's slowdown beside comm
+    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap)
+    tp_sync = [s.grad_sync_s for s in part][::-1]
+    if dp == 1:
+        fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
+        bwd = _run_pass(bwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
+        tail = _tp_sync_tail(tp_sync, bwd_c, overlap)
+        return _StageComm(
+            fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s, sync_s=tail,
+            send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
+        )  # fmt: skip
+    link = group_link(cluster, stride=config.tp, size=dp)
+    z = config.zero_stage
+
+    def time_of(kind: str) -> Callable[[float], float]:
+        return lambda nbytes: link_time_s(kind, nbytes, dp, link, backend=cluster.backend)
+
+    # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention)
+    gather_bytes = [s.param_numel * bpe.weights if z >= 3 else 0.0 for s in part]
+    gather_f = [time_of("all_gather")(b) if b > 0 else 0.0 for b in gather_bytes]
+    gather_b = gather_f[::-1] if policy.reshard_after_forward else [0.0] * len(part)
+    red_kind = "all_reduce" if z == 0 else "reduce_scatter"
+    grad_bytes = [s.trainable_numel * bpe.grads for s in part][::-1]
+    reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
+    pre = policy.prefetch_blocks
+    fwd = _run_pass(fwd_c, gather_f, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[0])
+    bwd = _run_pass(bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[1])
+    last = _run_pass(bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, reductions=reductions, send_s=send_s[1])
+    tail = max(last.done_s - last.end_s, _tp_sync_tail(tp_sync, bwd_c, overlap))
+    # ZeRO 1-2: the updated weights are all-gathered after the optimizer step, per bucket
+    after_buckets = []
+    if 1 <= z < 3:
+        after_buckets = _reductions(
+            [s.trainable_numel * bpe.weights for s in part][::-1], policy, time_of("all_gather")
+        )[0]
+    after = sum(b[2] for b in after_buckets)
+    # the rows: totals of every collective of the step; exposed = what the compute stream waits
+    # for, the gathers' share first (a gather can wait behind a reduction on the link)
+    gathers_total = m * (sum(gather_f) + sum(gather_b))
+    reduce_total = sum(r[2] for r in reductions)
+    waited = m * fwd.gather_wait_s + (m - 1) * bwd.gather_wait_s + last.gather_wait_s
+    gathers_exposed = min(gathers_total, waited)
+    reduce_exposed = min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
+    n_gathered = sum(1 for b in gather_bytes if b > 0)
+    if gathers_total > 0:
+        passes = 2 if policy.reshard_after_forward else 1
+        rows.append(CommRow(kind="all_gather", axis="dp", count=m * passes * n_gathered,
+                            bytes=m * passes * sum(gather_bytes), total_s=gathers_total, exposed_s=gathers_exposed))  # fmt: skip
+    if reductions:
+        rows.append(CommRow(kind=red_kind, axis="dp", count=len(reductions), bytes=sum(bucket_bytes),
+                            total_s=reduce_total, exposed_s=reduce_exposed))  # fmt: skip
+    if after_buckets:
+        rows.append(CommRow(kind="all_gather", axis="dp", count=len(after_buckets),
+                            bytes=sum(s.trainable_numel * bpe.weights for s in part), total_s=after, exposed_s=after))  # fmt: skip
+    return _StageComm(
+        fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s,
+        sync_s=(last.end_s - bwd.end_s) + tail + after, send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
+        drain_wait_s=last.send_wait_s, rows=tuple(rows),
+    )  # fmt: skip
+
+
+def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: bool) -> float:
+    """Exposed part of the tensor-parallel gradient conversions (``grad_sync_s``, backward order):
+    each issued on the tp link when its segment's backward ends, waited for before the optimizer."""
+    if not overlap:
+        return sum(tp_sync)
+    link, t = _Link(), 0.0
+    for c, g in zip(bwd_c, tp_sync, strict=True):
+        t += c
+        link.run(t, g)
+    return max(0.0, link.free_s - t)
+
+
+def _tp_rows(part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool) -> list[CommRow]:
+    """Tensor-parallel conversions of the step: the segments' forward and backward collectives in
+    every micro-batch (the forward's again under full recomputation), all in the compute stream,
+    and the gradient conversions once (hidden as :func:`_tp_sync_tail` says)."""
+    passes = 3 if recompute == "full" else 2
+    total = m * sum(s.fwd_comm_s * (passes - 1) + s.bwd_comm_s for s in part)
+    count = m * sum((passes - 1) * (s.fwd_comm_s > 0) + (s.bwd_comm_s > 0) for s in part)
+    rows = []
+    if total > 0:
+        rows.append(CommRow(kind="redistribute", axis="tp", count=count, bytes=0.0, total_s=total, exposed_s=total))
+    sync = [s.grad_sync_s for s in part][::-1]
+    if sum(sync) > 0:
+        bwd = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]
+        exposed = min(sum(sync), _tp_sync_tail(sync, bwd, overlap))
+        rows.append(CommRow(kind="redistribute", axis="tp", count=sum(1 for g in sync if g > 0), bytes=0.0,
+                            total_s=sum(sync), exposed_s=exposed))  # fmt: skip
+    return rows
+
+
 @dataclass(frozen=True, slots=True)
 class _StagePrice:
     """One stage's share of :func:`evaluate`: its times for the schedule, its estimate (memory
@@ -283,52 +620,13 @@ class _StagePrice:
     times: StageTimes
     estimate: StageEstimate
     sync_exposed_s: float
-    """Gradient synchronisation not hidden behind the last backward, plus ZeRO 1-2's all-gather."""
+    """What the last micro-batch's gradient synchronisation adds after its backward (contention,
+    the exposed tail, ZeRO 1-2's all-gather after the step)."""
     optimizer_s: float
-    tp_comm_s: float
-    """Tensor-parallel collectives of one micro-batch (forward + backward)."""
-
-
-def _data_parallel_comm(
-    config: ParallelConfig,
-    part: Sequence[SegmentCost],
-    cluster: Cluster,
-    *,
-    dp: int,
-    bpe: ElementBytes,
-    fwd: float,
-    bwd: float,
-) -> tuple[float, float, float, float]:
-    """``(fwd, bwd, sync, after)`` of a stage over ``dp`` replicas: the forward and backward with
-    ZeRO-3's per micro-batch parameter all-gathers, the gradient synchronisation, and the
-    communication after the optimizer step (ZeRO 1-2's all-gather of the updated weights)."""
-    if dp == 1:
-        return fwd, bwd, 0.0, 0.0
-    dp_link = group_link(cluster, stride=config.tp, size=dp)
-    backend = cluster.backend
-    z = config.zero_stage
-    numel = sum(s.param_numel for s in part)
-    trained = sum(s.trainable_numel for s in part)  # frozen parameters: weights only
-    grad_bytes = trained * bpe.grads
-    after = 0.0  # communication after the optimizer step (cannot hide behind the backward)
-    # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention)
-    if z == 0:
-        sync = link_time_s("all_reduce", grad_bytes, dp, dp_link, backend=backend)
-    else:  # gradients reduce-scattered; ZeRO 1-2 all-gather the updated weights after the step
-        sync = link_time_s("reduce_scatter", grad_bytes, dp, dp_link, backend=backend)
-        if z < 3:  # the updated (trainable) weights
-            after = link_time_s("all_gather", trained * bpe.weights, dp, dp_link, backend=backend)
-    if z >= 3:  # parameters all-gathered before each micro-batch's forward and backward
-        ag = link_time_s("all_gather", numel * bpe.weights, dp, dp_link, backend=backend)
-        if overlaps_compute(cluster.device):
-            # prefetching hides a segment's gather behind the previous segment's compute;
-            # the first segment's gather of each pass has nothing to hide behind
-            first = max((s.param_numel for s in part), default=0) * bpe.weights
-            ag_first = link_time_s("all_gather", first, dp, dp_link, backend=backend)
-            fwd, bwd = max(fwd, ag) + ag_first, max(bwd, ag) + ag_first
-        else:
-            fwd, bwd = fwd + ag, bwd + ag
-    return fwd, bwd, sync, after
+    compute_s: float
+    """Per micro-batch compute of the forward and backward (waits for gathers excluded)."""
+    comm: _StageComm | None
+    """The stage's simulated communication (``None`` for memory-only estimates)."""
 
 
 def _inflight(config: ParallelConfig, rank: int) -> int:
@@ -353,8 +651,12 @@ def _price_stage(
     recompute: str,
     bpe: ElementBytes,
     precision: str,
+    policy: OverlapPolicy,
+    send_s: tuple[float, float] = (0.0, 0.0),
+    memory_only: bool = False,
 ) -> _StagePrice:
-    """Times, memory and data-parallel communication of stage ``stage`` (segments ``part``)."""
+    """Times, memory and data-parallel communication of stage ``stage`` (segments ``part``;
+    ``send_s``: its pipeline sends that share the dp link, :func:`_stage_comm`)."""
     rank = stage % config.pp
     dp = config.dp_of(rank)
     fwd = sum(s.fwd_s for s in part)
@@ -363,8 +665,10 @@ def _price_stage(
         e, a, t = recompute_parts(s, recompute)
         extra, saved, transient = extra + e, saved + a, max(transient, t)
     bwd = sum(s.bwd_s for s in part) + extra
-    fwd, bwd, sync, after = _data_parallel_comm(config, part, cluster, dp=dp, bpe=bpe, fwd=fwd, bwd=bwd)
-    last_bwd = sum(s.bwd_s for s in part)
+    comm = None
+    if not memory_only:
+        comm = _stage_comm(config, part, cluster, dp=dp, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s)
+        fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
     parts = stage_memory_parts(
         param_numel=sum(s.param_numel for s in part),
@@ -391,18 +695,29 @@ def _price_stage(
             memory_parts=parts,
             dp=dp,
         ),
-        sync_exposed_s=(max(0.0, sync - last_bwd) if overlaps_compute(cluster.device) else sync) + after,
+        sync_exposed_s=comm.sync_s if comm is not None else 0.0,
         optimizer_s=sum(s.optimizer_s for s in part) * (precision_opt_factor(precision)) / (dp if z >= 1 else 1),
-        tp_comm_s=sum(s.fwd_comm_s + s.bwd_comm_s for s in part),
+        compute_s=comm.compute_s if comm is not None else fwd + bwd,
+        comm=comm,
     )
 
 
 # --- the step ---------------------------------------------------------------------------------
 
 
-def _p2p_s(
+@dataclass(frozen=True, slots=True)
+class _Transfer:
+    """The pipeline send across one cut (per micro-batch and direction)."""
+
+    time_s: float
+    bytes: float
+    """Bytes over the busiest link."""
+    spans_nodes: bool
+
+
+def _p2p(
     config: ParallelConfig, costs: SegmentCosts, cluster: Cluster, cut: int, stage: int, offsets: list[int]
-) -> float:
+) -> _Transfer:
     """Send of the activations crossing ``cut`` from ``stage`` to the next one: the micro-batch
     (``dp`` replicas' worth) goes from the ``d_k`` replicas of one stage to the ``d_k+1`` of
     the next, so the busiest link carries ``1 / min(d_k, d_k+1)`` of it (uniform: each
@@ -415,31 +730,64 @@ def _p2p_s(
     spans = cluster.num_nodes > 1 and lo // dpn != hi // dpn
     link = cluster.links.get("inter" if spans else "intra") or cluster.catalog_link(spans_nodes=spans)
     share = total / min(config.dp_of(a), config.dp_of(b))
-    return link_time_s("send_recv", share, 2, link, backend=cluster.backend)
+    return _Transfer(
+        time_s=link_time_s("send_recv", share, 2, link, backend=cluster.backend), bytes=share, spans_nodes=spans
+    )
+
+
+def _shared_sends(
+    config: ParallelConfig, cluster: Cluster, p2p: Sequence[_Transfer], stage: int
+) -> tuple[float, float]:
+    """Times of the pipeline sends of ``stage`` (its output in the forward, its input gradient in
+    the backward) that run on its dp link (both cross nodes or both stay in one), else 0."""
+    dp = config.dp_of(stage % config.pp)
+    if dp == 1 or not overlaps_compute(cluster.device):
+        return 0.0, 0.0
+    spans = group_link(cluster, stride=config.tp, size=dp).spans_nodes
+    out = p2p[stage].time_s if stage < len(p2p) and p2p[stage].spans_nodes == spans else 0.0
+    back = p2p[stage - 1].time_s if stage > 0 and p2p[stage - 1].spans_nodes == spans else 0.0
+    return out, back
 
 
 def _pipeline_times(
-    config: ParallelConfig,
-    costs: SegmentCosts,
-    cluster: Cluster,
-    priced: Sequence[_StagePrice],
-    bounds: Sequence[int],
+    config: ParallelConfig, priced: Sequence[_StagePrice], p2p_s: Sequence[float]
 ) -> tuple[float, float, float, float]:
-    """``(makespan, busiest rank's compute, bubble, exposed p2p)`` of the schedule over the stages."""
+    """``(makespan, busiest rank's compute, bubble, exposed p2p)`` of the schedule over the stages
+    with transfers of ``p2p_s`` per cut."""
     m = config.num_microbatches
-    # first device of each stage's sub-mesh (Megatron order; stage sub-meshes are contiguous)
-    offsets = list(itertools.accumulate((config.dp_of(k % config.pp) * config.tp for k in range(config.pp)), initial=0))
-    p2p = [_p2p_s(config, costs, cluster, bounds[k + 1] - 1, k, offsets) for k in range(len(priced) - 1)]
-    busy = [0.0] * config.pp
+    busy, compute = [0.0] * config.pp, [0.0] * config.pp
     for p in priced:
         busy[p.estimate.rank] += m * (p.estimate.fwd_s + p.estimate.bwd_s)
+        compute[p.estimate.rank] += m * p.compute_s
     if config.pp == 1:
-        return max(busy), max(busy), 0.0, 0.0
+        return max(busy), max(compute), 0.0, 0.0
     stage_times = [p.times for p in priced]
     schedule, pp, v = config.pipeline_schedule, config.pp, config.virtual_stages
-    makespan = fast_step_time(stage_times, schedule, m, num_ranks=pp, p2p_s=p2p, virtual_stages=v)
+    makespan = fast_step_time(stage_times, schedule, m, num_ranks=pp, p2p_s=list(p2p_s), virtual_stages=v)
     free_p2p = fast_step_time(stage_times, schedule, m, num_ranks=pp, p2p_s=0.0, virtual_stages=v)
-    return makespan, max(busy), max(0.0, free_p2p - max(busy)), max(0.0, makespan - free_p2p)
+    return makespan, max(compute), max(0.0, free_p2p - max(busy)), max(0.0, makespan - free_p2p)
+
+
+def _step_comm(
+    config: ParallelConfig, priced: Sequence[_StagePrice], p2p: Sequence[_Transfer], p2p_exposed_s: float
+) -> CommTotals:
+    """The whole step's communication of the pipeline rank with the most exposed: its stages'
+    rows and its pipeline sends (each cut is crossed by every micro-batch forward and back)."""
+    m = config.num_microbatches
+    best = CommTotals()
+    for rank in range(config.pp):
+        rows = [r for p in priced if p.estimate.rank == rank and p.comm is not None for r in p.comm.rows]
+        sends = [p2p[k] for k in range(len(p2p)) if k % config.pp == rank] + [
+            p2p[k - 1] for k in range(1, len(p2p) + 1) if k % config.pp == rank
+        ]
+        if sends:
+            total = m * sum(t.time_s for t in sends)
+            rows.append(CommRow(kind="send_recv", axis="pp", count=m * len(sends), bytes=m * sum(t.bytes for t in sends),
+                                total_s=total, exposed_s=min(total, p2p_exposed_s)))  # fmt: skip
+        totals = CommTotals.merge(rows)
+        if rank == 0 or totals.exposed_s > best.exposed_s:
+            best = totals
+    return best
 
 
 def evaluate(
@@ -453,13 +801,15 @@ def evaluate(
     tokens_per_sample: int = 1,
     stage_costs: Sequence[SegmentCosts] | None = None,
     memory_only: bool = False,
+    policy: OverlapPolicy | None = None,
 ) -> TrainingEstimate:
     """Step time and memory of ``config`` with ``costs`` of its (tp, microbatch size)
     (``memory_only``: the memory and feasibility only, the times left at 0 — the search's
     per-stage recomputation choice needs nothing else).
 
     With heterogeneous sub-meshes (``config.stage_dp``), ``stage_costs[k]`` are the segment costs
-    of stage ``k``'s per-device micro-batch (``dp * microbatch_size / stage_dp[k]`` samples)."""
+    of stage ``k``'s per-device micro-batch (``dp * microbatch_size / stage_dp[k]`` samples).
+    ``policy``: the program's overlap (default :data:`~autoplan.cost_models.comm_schedule.DEFAULT_POLICY`)."""
     segs = costs.segments
     nstages = config.pp * config.virtual_stages
     if nstages > len(segs) - 2 and nstages > 1:
@@ -470,6 +820,12 @@ def evaluate(
     bounds = [*starts, len(segs)]
     rec = list(stage_recompute) if stage_recompute is not None else [config.recompute] * nstages
     bpe = precision_bytes(costs.optimizer, precision)  # bytes per element: weights, grads, optimizer
+    pol = DEFAULT_POLICY if policy is None else policy
+    # first device of each stage's sub-mesh (Megatron order; stage sub-meshes are contiguous)
+    offsets = list(itertools.accumulate((config.dp_of(k % config.pp) * config.tp for k in range(config.pp)), initial=0))
+    p2p = (
+        [] if memory_only else [_p2p(config, costs, cluster, bounds[k + 1] - 1, k, offsets) for k in range(nstages - 1)]
+    )
     priced = [
         _price_stage(
             config,
@@ -480,6 +836,9 @@ def evaluate(
             recompute=rec[k],
             bpe=bpe,
             precision=precision,
+            policy=pol,
+            send_s=(0.0, 0.0) if memory_only else _shared_sends(config, cluster, p2p, k),
+            memory_only=memory_only,
         )
         for k in range(nstages)
     ]
@@ -495,20 +854,28 @@ def evaluate(
             config=config, step_time_s=0.0, compute_s=0.0, exposed_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,
             memory_per_device_bytes=tuple(per_rank), capacity_bytes=capacity, tokens_per_s=0.0, mfu=0.0,
             feasible=peak <= capacity, precision=precision, num_blocks=len(segs) - 2, stages=stages,
-            p2p_exposed_s=0.0, flops_per_step=0.0,
+            p2p_exposed_s=0.0, flops_per_step=0.0, comm=CommTotals(),
         )  # fmt: skip
-    makespan, compute, bubble, p2p_exposed = _pipeline_times(config, costs, cluster, priced, bounds)
-    step = makespan + max(p.sync_exposed_s + p.optimizer_s for p in priced)
+    # a send that shares the dp link waits behind its collectives (the forward's at the sender,
+    # the backward's at the receiver of the forward send)
+    p2p_s = [
+        t.time_s + max(c.send_wait_s[0], d.send_wait_s[1])
+        for t, c, d in zip(p2p, (p.comm for p in priced[:-1]), (p.comm for p in priced[1:]), strict=True)
+        if c is not None and d is not None
+    ]
+    makespan, compute, bubble, p2p_exposed = _pipeline_times(config, priced, p2p_s)
+    # the last backward sends wait behind the reductions, and each delays the stages before it
+    drain = sum(p.comm.drain_wait_s for p in priced if p.comm is not None)
+    step = makespan + drain + max(p.sync_exposed_s + p.optimizer_s for p in priced)
     m = config.num_microbatches
     flops = sum(s.flops for s in segs) * m * config.dp
     peak_flops = cluster.device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
+    comm = _step_comm(config, priced, p2p, p2p_exposed + drain)
     return TrainingEstimate(
         config=config,
         step_time_s=step,
         compute_s=compute,
-        exposed_comm_s=m * max(0.0, *(p.tp_comm_s for p in priced))
-        + max(p.sync_exposed_s for p in priced)
-        + p2p_exposed,
+        exposed_comm_s=comm.exposed_s,
         bubble_s=bubble,
         optimizer_s=max(p.optimizer_s for p in priced),
         memory_per_device_bytes=tuple(per_rank),
@@ -521,6 +888,7 @@ def evaluate(
         stages=stages,
         p2p_exposed_s=p2p_exposed,
         flops_per_step=flops,
+        comm=comm,
     )
 
 

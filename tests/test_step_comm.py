@@ -1,0 +1,202 @@
+"""The step model's communication schedule (autoplan.cost_models.step, issue #19 "priced = executed").
+
+Synthetic segment costs on a made-up GPU whose links inside and across nodes have the same numbers
+(10 GB/s, 100 us per ring step, no NCCL efficiency applied), so that only the schedule differs
+between the cases compared:
+
+    segment: fwd = f, bwd = 2 f, params = P fp32 elements (gradient 4 P bytes), no TP collectives
+
+Ring formulas (autoplan.cost_models.comm): reduce_scatter / all_gather of B bytes over n ranks
+= (n - 1) * lat + (n - 1) / n * B / bw.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.comm import link_time_s
+from autoplan.cost_models.comm_schedule import MiB, OverlapPolicy
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.hardware import DEVICE_CATALOG
+from autoplan.cost_models.step import SegmentCost, SegmentCosts, TrainingEstimate, _run_pass, evaluate, group_link
+
+LAT_US = 100.0
+GPU = dataclasses.replace(
+    DEVICE_CATALOG["H100"],
+    name="TESTGPU",
+    intra_node_bw_GBps=10.0,
+    inter_node_bw_GBps=10.0,
+    intra_node_latency_us=LAT_US,
+    inter_node_latency_us=LAT_US,
+    sources=("test device: equal links inside and across nodes",),
+)
+
+
+def _seg(fwd_s: float, params: int, *, tp_comm_s: float = 0.0) -> SegmentCost:
+    return SegmentCost(
+        fwd_s=fwd_s + tp_comm_s, bwd_s=2 * fwd_s + tp_comm_s, bwd_weight_s=fwd_s, fwd_comm_s=tp_comm_s,
+        bwd_comm_s=tp_comm_s, selective_recompute_s=fwd_s / 10, grad_sync_s=0.0, optimizer_s=1e-6,
+        param_numel=params, trainable_numel=params, param_itemsize=4, saved_bytes=1e6, saved_matmul_bytes=5e5,
+        input_bytes=1e5, flops=1e9,
+    )  # fmt: skip
+
+
+def _costs(
+    num_blocks: int = 6, *, fwd_s: float = 1e-3, params: int = 4_000_000, tp_comm_s: float = 0.0
+) -> SegmentCosts:
+    segs = tuple(_seg(fwd_s, params, tp_comm_s=tp_comm_s) for _ in range(num_blocks + 2))
+    return SegmentCosts(segments=segs, cut_bytes=tuple(4e6 for _ in segs[:-1]), optimizer="sgd")
+
+
+def _config(**kw: object) -> ParallelConfig:
+    base = dict(dp=8, tp=1, pp=1, microbatch_size=1, num_microbatches=2, schedule="1f1b", virtual_stages=1,
+                recompute="none", zero_stage=0)  # fmt: skip
+    return ParallelConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _row(est: TrainingEstimate, kind: str, axis: str = "dp"):  # noqa: ANN202
+    (row,) = [r for r in est.comm.rows if r.kind == kind and r.axis == axis]
+    return row
+
+
+ONE_NODE = Cluster(num_nodes=1, devices_per_node=8, device=GPU)
+
+
+def test_gradient_latency_is_paid_per_bucket():
+    """Smaller buckets -> more reduce-scatters; the bytes are the same, so the link time grows by
+    exactly the extra buckets' latency, (n - 1) * lat each, and with a backward too short to
+    hide them the step grows too."""
+    costs, cfg = _costs(fwd_s=1e-6), _config(zero_stage=1)
+    few = evaluate(
+        cfg, costs, ONE_NODE, policy=OverlapPolicy(bucket_cap_bytes=64 * MiB, first_bucket_cap_bytes=64 * MiB)
+    )
+    many = evaluate(
+        cfg, costs, ONE_NODE, policy=OverlapPolicy(bucket_cap_bytes=1 * MiB, first_bucket_cap_bytes=1 * MiB)
+    )
+    rs_few, rs_many = _row(few, "reduce_scatter"), _row(many, "reduce_scatter")
+    assert rs_many.count > rs_few.count >= 1
+    assert rs_many.bytes == pytest.approx(rs_few.bytes) == pytest.approx(8 * 4 * 4_000_000)
+    extra_latency = (rs_many.count - rs_few.count) * 7 * LAT_US * 1e-6
+    assert rs_many.total_s - rs_few.total_s == pytest.approx(extra_latency, rel=1e-6)
+    assert many.step_time_s > few.step_time_s
+
+
+def test_gradient_reductions_hide_behind_a_long_backward_but_the_last_bucket_does_not():
+    """Only the last micro-batch reduces; with a long backward every bucket but the tail hides."""
+    cfg = _config(zero_stage=0)
+    short, long = evaluate(cfg, _costs(fwd_s=1e-6), ONE_NODE), evaluate(cfg, _costs(fwd_s=0.1), ONE_NODE)
+    ar_short, ar_long = _row(short, "all_reduce"), _row(long, "all_reduce")
+    assert ar_short.total_s == pytest.approx(ar_long.total_s)
+    assert ar_short.exposed_s > 0.9 * ar_short.total_s
+    assert 0 < ar_long.exposed_s < 0.5 * ar_long.total_s
+
+
+def test_zero3_is_never_cheaper_than_its_exposed_first_gathers():
+    """Each micro-batch's forward waits for the first segment's gather and its backward for the
+    last segment's (nothing to hide behind), whatever the compute."""
+    for fwd_s in (1e-6, 1e-3, 0.1):
+        costs, cfg = _costs(fwd_s=fwd_s), _config(zero_stage=3, num_microbatches=2)
+        est = evaluate(cfg, costs, ONE_NODE)
+        first = link_time_s("all_gather", 4 * 4_000_000, 8, group_link(ONE_NODE, stride=1, size=8), backend="nccl")
+        compute = sum(s.fwd_s + s.bwd_s for s in costs.segments)
+        assert est.step_time_s >= 2 * (compute + 2 * first)
+        gathers = _row(est, "all_gather")
+        assert gathers.count == 2 * 2 * 8  # micro-batches x passes x segments
+        assert gathers.exposed_s >= 2 * 2 * first * (1 - 1e-9)
+
+
+def test_zero3_backward_gathers_wait_behind_the_reduce_scatters_on_the_same_link():
+    """Blocks of 1 ms, gathers of 0.8 ms prefetched one block ahead: alone, only the first gather
+    is exposed (0.8 + 4 x 1 ms). With a 0.5 ms reduce-scatter issued at each block's end, block
+    0's reduce-scatter (1.8-2.3 ms) runs before block 2's gather (2.3-3.1 ms), so block 2 starts
+    at 3.1 ms instead of 2.8 ms: a per-pass max() formula would not see it."""
+    compute, gathers = [1e-3] * 4, [0.8e-3] * 4
+    alone = _run_pass(compute, gathers, overlap=True, slow=0.0, prefetch=1)
+    shared = _run_pass(compute, gathers, overlap=True, slow=0.0, prefetch=1,
+                       reductions=[(j, 1.0, 0.5e-3) for j in range(4)])  # fmt: skip
+    assert alone.end_s == pytest.approx(4.8e-3) and alone.gather_wait_s == pytest.approx(0.8e-3)
+    assert shared.gather_wait_s == pytest.approx(0.8e-3 + 0.3e-3 + 0.3e-3)
+    assert shared.end_s == pytest.approx(4.8e-3 + 0.6e-3)
+    assert shared.done_s > shared.end_s  # the last reduce-scatter is the exposed tail
+    slowed = _run_pass(compute, gathers, overlap=True, slow=0.5, prefetch=1)
+    assert slowed.compute_s > alone.compute_s  # compute beside the link runs slower
+
+
+def test_zero3_reshard_after_forward_gathers_again_for_the_backward():
+    costs = _costs(fwd_s=2e-3)
+    z3 = evaluate(_config(zero_stage=3, num_microbatches=1), costs, ONE_NODE)
+    kept = evaluate(
+        _config(zero_stage=3, num_microbatches=1), costs, ONE_NODE, policy=OverlapPolicy(reshard_after_forward=False)
+    )
+    assert _row(z3, "all_gather").count == 2 * _row(kept, "all_gather").count
+    assert z3.step_time_s > kept.step_time_s
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(zero_stage=0),
+        dict(zero_stage=1),
+        dict(zero_stage=2),
+        dict(zero_stage=3),
+        dict(zero_stage=3, dp=4, pp=2, num_microbatches=4),
+        dict(zero_stage=0, dp=2, tp=2, pp=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2),
+    ],
+)
+def test_rows_exposed_within_total_and_summing_to_the_estimate(kw: dict[str, object]):
+    cfg = _config(**kw)
+    costs = _costs(fwd_s=5e-4, tp_comm_s=1e-4 if cfg.tp > 1 else 0.0)
+    est = evaluate(cfg, costs, Cluster(num_nodes=2, devices_per_node=4, device=GPU))
+    assert est.comm.rows
+    for r in est.comm.rows:
+        assert 0.0 <= r.exposed_s <= r.total_s * (1 + 1e-12), r
+    assert est.exposed_comm_s == pytest.approx(sum(r.exposed_s for r in est.comm.rows))
+    assert est.comm.total_s >= est.exposed_comm_s
+    kinds = {(r.kind, r.axis) for r in est.comm.rows}
+    assert (("all_reduce" if cfg.zero_stage == 0 else "reduce_scatter"), "dp") in kinds
+    assert (cfg.zero_stage == 3) == (("all_gather", "dp") in kinds and cfg.zero_stage != 1 and cfg.zero_stage != 2)
+    assert (cfg.pp > 1) == (("send_recv", "pp") in kinds)
+    assert (cfg.tp > 1) == (("redistribute", "tp") in kinds)
+    if cfg.tp > 1:  # every segment's forward and backward collectives in every micro-batch, all exposed
+        tp = _row(est, "redistribute", "tp")
+        assert tp.total_s == pytest.approx(tp.exposed_s)
+    assert est.to_dict()["comm"] == est.comm.to_list()
+
+
+def test_pipeline_send_sharing_the_dp_link_is_slower_than_alone():
+    """pp=2 x dp=2 on one node of 4 (the sends and the dp collectives share the intra-node link)
+    against 2 nodes of 2 (dp inside a node, the sends across): same link numbers, so only the
+    sharing differs. The last backward's send waits behind the stage's reductions."""
+    cfg = _config(dp=2, pp=2, num_microbatches=4, zero_stage=0)
+    costs = _costs(fwd_s=1e-5)
+    shared = evaluate(cfg, costs, Cluster(num_nodes=1, devices_per_node=4, device=GPU))
+    alone = evaluate(cfg, costs, Cluster(num_nodes=2, devices_per_node=2, device=GPU))
+    assert shared.step_time_s > alone.step_time_s
+    assert shared.exposed_comm_s >= alone.exposed_comm_s
+    zero_dp = dataclasses.replace(cfg, dp=1, microbatch_size=2)  # no dp collectives: nothing to share
+    one = evaluate(zero_dp, costs, Cluster(num_nodes=1, devices_per_node=2, device=GPU))
+    two = evaluate(zero_dp, costs, Cluster(num_nodes=2, devices_per_node=1, device=GPU))
+    assert one.step_time_s == pytest.approx(two.step_time_s)
+
+
+def test_a_dp_group_across_nodes_runs_one_nic_per_rank_on_each_node():
+    """NCCL's rings across nodes use every NIC of the node (nccl#812: 192 GB/s bus bandwidth over
+    8 x 200 Gb/s): with tp=1 the 8 ranks of a node each drive a NIC, up to the NVLink bandwidth;
+    with tp=8 one rank per node drives one NIC."""
+    cluster = Cluster.preset("4x8xA100-80GB")
+    nic = cluster.catalog_link(spans_nodes=True).bw_GBps
+    nvlink = cluster.catalog_link(spans_nodes=False).bw_GBps
+    assert group_link(cluster, stride=1, size=32).bw_GBps == pytest.approx(min(8 * nic, nvlink))
+    assert group_link(cluster, stride=2, size=16).bw_GBps == pytest.approx(min(4 * nic, nvlink))
+    assert group_link(cluster, stride=8, size=4).bw_GBps == pytest.approx(nic)
+    assert nic == pytest.approx(25 * 24 / 25) and nvlink == pytest.approx(300 * 230 / 300)
+
+
+def test_cpu_ranks_expose_every_collective():
+    cfg = _config(dp=2, zero_stage=3)
+    est = evaluate(cfg, _costs(fwd_s=0.1), Cluster.preset("2xCPU"))
+    for r in est.comm.rows:
+        assert r.exposed_s == pytest.approx(r.total_s), r
