@@ -73,27 +73,37 @@ def measure_on_ranks(cluster: Cluster, sweep: Sweep, *, verbose: bool = False) -
     return rank, samples, slowdown
 
 
-SLOWDOWN_MATMUL_S = 0.02
+SLOWDOWN_MATMUL_S = 0.1
 """Length of the matmul loop the slowdown is measured on, seconds (alone): long against the
-timer and a collective's start-up, short enough for a quick calibration."""
+scheduler's time slices on a shared machine (on the 2-core VM at load average 6, 20 ms loops gave
+single-repetition ratios from 0.20 to 8.4, 100 ms loops from 0.29 to 3.2), short enough for a
+quick calibration (5 repetitions: ~1.5 s)."""
 
-SLOWDOWN_ALL_REDUCE_BYTES = 4 * 1024 * 1024
-"""Message of each all-reduce run beside the loop (4 MiB: bandwidth-bound on every link we model,
-so the collective moves data the whole time instead of waiting)."""
+SLOWDOWN_MATMUL_SIZE = {"cpu": 256, "cuda": 4096}
+"""Side of the square fp32 matmul of the loop. CPU: 256 (0.25 MiB a matrix: out of L1/L2, so the
+loop meets the memory traffic the collective's copies compete for; 128 would stay in cache).
+CUDA: 4096 (a matmul of ~1 ms that fills every SM, as a training step's GEMMs do; a small one
+would leave SMs free for NCCL's kernels and hide the contention)."""
+
+SLOWDOWN_ALL_REDUCE_BYTES = {"cpu": 4 * 1024 * 1024, "cuda": 64 * 1024 * 1024}
+"""Message of each all-reduce run beside the loop: bandwidth-bound on the device's links (gloo
+loopback from ~1 MiB, NVLink from tens of MiB), so the collective moves data the whole time
+instead of waiting on latency."""
 
 
-def measure_comm_compute_slowdown(device: torch.device, *, repetitions: int = 7) -> float:
+def measure_comm_compute_slowdown(device: torch.device, *, repetitions: int = 5) -> float:
     """``t(matmuls while all-reduces run) / t(matmuls alone) - 1`` on this machine (collective:
     every rank of the world group calls it); the mean over ranks of each rank's median ratio.
 
     A repetition times a fixed matmul loop alone, then the same loop right after issuing enough
     asynchronous all-reduces (``async_op=True``) of :data:`SLOWDOWN_ALL_REDUCE_BYTES` to outlast it
     (sized from a timed all-reduce), and waits for them after the loop. Alone and beside
-    alternate, so a slow phase of the machine hits both. The loop is a 256 x 256 fp32 matmul
-    repeated for ~:data:`SLOWDOWN_MATMUL_S` (128 x 128 on CPU would fit in cache and miss the
-    memory traffic that the collective's copies compete for)."""
-    a = torch.rand(256, 256, device=device)
-    buf = torch.ones(SLOWDOWN_ALL_REDUCE_BYTES // 4, device=device)
+    alternate, so a slow phase of the machine hits both; the median of the ratios drops the
+    repetitions a neighbour's load spike hit on one side only. Matrix sizes:
+    :data:`SLOWDOWN_MATMUL_SIZE`. Untested on GPUs (the project's machines have one GPU at most)."""
+    side = SLOWDOWN_MATMUL_SIZE[device.type]
+    a = torch.rand(side, side, device=device)
+    buf = torch.zeros(SLOWDOWN_ALL_REDUCE_BYTES[device.type] // 4, device=device)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -123,18 +133,25 @@ def measure_comm_compute_slowdown(device: torch.device, *, repetitions: int = 7)
     one_s = torch.tensor([timed(lambda: dist.all_reduce(buf))], device=device)
     dist.all_reduce(one_s, op=dist.ReduceOp.MAX)
     num_ar = max(1, math.ceil(1.5 * SLOWDOWN_MATMUL_S / max(float(one_s.item()), 1e-6)))
-    bufs = [buf.clone() for _ in range(num_ar)]
+    bufs = [buf.clone() for _ in range(min(num_ar, 4))]  # in-flight messages in distinct buffers, memory bounded
     ratios = []
+    outlasted = 0  # repetitions whose collectives were still running when the loop ended
     for _ in range(repetitions):
         dist.barrier()
         alone_s = timed(loop)
         dist.barrier()
-        works = [dist.all_reduce(b, async_op=True) for b in bufs]
+        works = [dist.all_reduce(bufs[i % len(bufs)], async_op=True) for i in range(num_ar)]
         beside_s = timed(loop)
+        outlasted += not works[-1].is_completed()
         for work in works:
-            assert work is not None
             work.wait()
         ratios.append(beside_s / alone_s)
+    logger.debug(
+        "compute beside / alone per repetition: %s; collectives outlasted the loop in %d of %d",
+        ", ".join(f"{r:.2f}" for r in ratios),
+        outlasted,
+        repetitions,
+    )
     slowdown = torch.tensor([statistics.median(ratios) - 1.0], dtype=torch.float64, device=device)
     dist.all_reduce(slowdown)
     mean = float(slowdown.item()) / dist.get_world_size()
