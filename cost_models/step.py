@@ -419,7 +419,8 @@ def _run_pass(
     (0: none); ``reductions`` are ``(block, fraction of its compute, time)`` in issue order, and
     ``send_s`` a pipeline send on the same link at the end (module docstring). Without ``overlap``
     every collective blocks the compute stream."""
-    if not overlap:
+    if not overlap or (not reductions and send_s <= 0.0 and not any(gather_s)):
+        # every collective blocks the compute stream (or there is none)
         end = sum(compute_s) + sum(gather_s)
         done = end + sum(r[2] for r in reductions)
         return _Pass(end_s=end, compute_s=sum(compute_s), gather_wait_s=sum(gather_s), done_s=done, send_wait_s=0.0)
@@ -502,12 +503,15 @@ def _reductions(
     return out, [b[2] for b in plan]
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def _stage_comm(
-    config: ParallelConfig,
-    part: Sequence[SegmentCost],
+    part: tuple[SegmentCost, ...],
     cluster: Cluster,
     *,
+    tp: int,
     dp: int,
+    num_microbatches: int,
+    zero_stage: int,
     bpe: ElementBytes,
     recompute: str,
     policy: OverlapPolicy,
@@ -515,8 +519,9 @@ def _stage_comm(
 ) -> _StageComm:
     """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
     micro-batch's backward with the gradient reductions (``send_s``: the pipeline sends at the
-    end of the forward and of the backward when they share the dp link, else 0)."""
-    m = config.num_microbatches
+    end of the forward and of the backward when they share the dp link, else 0). Memoised: the
+    search prices the same stage under many schedules."""
+    m = num_microbatches
     fwd_c = [s.fwd_s for s in part]
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
     overlap = overlaps_compute(cluster.device)
@@ -531,8 +536,8 @@ def _stage_comm(
             fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s, sync_s=tail,
             send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
         )  # fmt: skip
-    link = group_link(cluster, stride=config.tp, size=dp)
-    z = config.zero_stage
+    link = group_link(cluster, stride=tp, size=dp)
+    z = zero_stage
 
     def time_of(kind: str) -> Callable[[float], float]:
         return lambda nbytes: link_time_s(kind, nbytes, dp, link, backend=cluster.backend)
@@ -667,7 +672,10 @@ def _price_stage(
     bwd = sum(s.bwd_s for s in part) + extra
     comm = None
     if not memory_only:
-        comm = _stage_comm(config, part, cluster, dp=dp, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s)
+        comm = _stage_comm(
+            tuple(part), cluster, tp=config.tp, dp=dp, num_microbatches=config.num_microbatches,
+            zero_stage=config.zero_stage, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s,
+        )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
     parts = stage_memory_parts(
@@ -774,9 +782,11 @@ def _step_comm(
     """The whole step's communication of the pipeline rank with the most exposed: its stages'
     rows and its pipeline sends (each cut is crossed by every micro-batch forward and back)."""
     m = config.num_microbatches
-    best = CommTotals()
-    for rank in range(config.pp):
-        rows = [r for p in priced if p.estimate.rank == rank and p.comm is not None for r in p.comm.rows]
+    per_rank: list[list[CommRow]] = [[] for _ in range(config.pp)]
+    for p in priced:
+        if p.comm is not None:
+            per_rank[p.estimate.rank] += p.comm.rows
+    for rank, rows in enumerate(per_rank):
         sends = [p2p[k] for k in range(len(p2p)) if k % config.pp == rank] + [
             p2p[k - 1] for k in range(1, len(p2p) + 1) if k % config.pp == rank
         ]
@@ -784,10 +794,8 @@ def _step_comm(
             total = m * sum(t.time_s for t in sends)
             rows.append(CommRow(kind="send_recv", axis="pp", count=m * len(sends), bytes=m * sum(t.bytes for t in sends),
                                 total_s=total, exposed_s=min(total, p2p_exposed_s)))  # fmt: skip
-        totals = CommTotals.merge(rows)
-        if rank == 0 or totals.exposed_s > best.exposed_s:
-            best = totals
-    return best
+    worst = max(range(config.pp), key=lambda r: sum(row.exposed_s for row in per_rank[r]))
+    return CommTotals.merge(per_rank[worst])
 
 
 def evaluate(
