@@ -176,6 +176,13 @@ def test_a_failed_measurement_leaves_no_cache_and_planning_falls_back_to_the_def
     assert as_cluster("2xCPU").calibration.origin == "default"
 
 
+def test_timings_that_cannot_be_fitted_leave_no_cache(cache, monkeypatch, caplog):
+    flat = [Sample(axis="intra", kind="all_reduce", num_ranks=2, nbytes=b, time_s=1e-3) for b in (4096, 8192)]
+    monkeypatch.setattr(calibrate_tool, "_measure_forked", lambda cluster, sweep: (flat, 0.1))
+    calibrate_tool.ensure_local_calibration(Cluster.preset("2xCPU"), quiet=True)
+    assert not _cache_file(2).exists() and "does not grow with message size" in caplog.text
+
+
 @pytest.mark.slow  # forks 2 gloo ranks and times the quick sweep (~3 s idle, ~10-20 s on a loaded 2-core VM)
 def test_the_quick_measurement_on_two_forked_gloo_ranks_is_cached(cache):
     calibrate_tool.ensure_local_calibration(Cluster.preset("2xCPU"), quiet=True)

@@ -44,7 +44,11 @@ def ensure_local_calibration(cluster: Cluster, *, quiet: bool = False) -> None:
         return
     samples, slowdown = measured
     device_model = current_device_model("gloo") or "unknown"
-    profile = calibration.build_profile(base, samples, device_model=device_model, comm_compute_slowdown=slowdown)
+    try:
+        profile = calibration.build_profile(base, samples, device_model=device_model, comm_compute_slowdown=slowdown)
+    except calibration.CalibrationError as exc:  # e.g. noise hid every bandwidth term: keep the default
+        logger.warning("%s: the plan uses the measured default; run `autoplan calibrate --cluster %s`", exc, spec)
+        return
     calibration.cache_profile(profile)
     if not quiet:
         print(
@@ -71,7 +75,15 @@ def _measure_forked(cluster: Cluster, sweep: Sweep) -> tuple[list[Sample], float
 
     from autoplan.runtime.collective_bench import measure_on_ranks  # torch.distributed: loaded when measuring
 
-    ctx = multiprocessing.get_context("fork")
+    try:
+        ctx = multiprocessing.get_context("fork")
+    except ValueError:  # no fork on this platform (Windows): measure with `autoplan calibrate` instead
+        logger.warning(
+            "cannot fork calibration ranks here: the plan uses the measured default; run `autoplan calibrate "
+            "--cluster %dxCPU` once to measure this machine",
+            cluster.world_size,
+        )
+        return None
     results = ctx.SimpleQueue()
     port = launch.free_port()
     ranks = [
