@@ -24,12 +24,17 @@ joint search and ``autoplan.estimate`` (:func:`stage_memory_parts`, summed per p
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
 
 if TYPE_CHECKING:  # annotations only: this module stays torch-free (plan review tools load it)
     import torch
+
+    from autoplan.cost_models.hardware import DeviceSpec
 
 OptimizerName = Literal["adam", "adamw", "sgd", "sgd_momentum"]
 
@@ -65,6 +70,8 @@ class ElementBytes:
     weights: int
     grads: int
     optimizer: int
+    optimizer_name: str = "sgd"
+    """The optimizer these bytes are for (its step's temporaries: :func:`optimizer_temp_bytes`)."""
 
     def __str__(self) -> str:
         return f"{self.weights}+{self.grads}+{self.optimizer} B"
@@ -73,10 +80,13 @@ class ElementBytes:
 def element_bytes(optimizer: str, itemsize: int, *, trainable: bool = True) -> ElementBytes:
     """The module docstring's formula for a parameter stored with ``itemsize`` bytes per element."""
     if not trainable:
-        return ElementBytes(weights=itemsize, grads=0, optimizer=0)
+        return ElementBytes(weights=itemsize, grads=0, optimizer=0, optimizer_name=optimizer)
     master = STATE_ITEMSIZE if itemsize < STATE_ITEMSIZE else 0
     return ElementBytes(
-        weights=itemsize, grads=itemsize, optimizer=STATE_ITEMSIZE * OPTIMIZER_STATES[optimizer] + master
+        weights=itemsize,
+        grads=itemsize,
+        optimizer=STATE_ITEMSIZE * OPTIMIZER_STATES[optimizer] + master,
+        optimizer_name=optimizer,
     )
 
 
@@ -109,46 +119,243 @@ def param_training_bytes(numel: int, itemsize: int, optimizer: str) -> int:
     return sum(param_training_bytes_by_part(numel, itemsize, optimizer).values())
 
 
+class SegmentMemory(Protocol):
+    """What one layer segment of a micro-batch holds (:class:`autoplan.cost_models.step.SegmentCost`
+    has these fields; :mod:`autoplan.planner.segment_costs` gives their formulas). Bytes are local
+    to one device of the tensor-parallel group, per micro-batch."""
+
+    @property
+    def param_numel(self) -> int: ...
+    @property
+    def trainable_numel(self) -> int: ...
+    @property
+    def saved_bytes(self) -> float: ...
+    @property
+    def saved_matmul_bytes(self) -> float: ...
+    @property
+    def input_bytes(self) -> float: ...
+    @property
+    def shared_input_bytes(self) -> float: ...
+    @property
+    def fwd_transient_bytes(self) -> float: ...
+    @property
+    def bwd_transient_bytes(self) -> float: ...
+    @property
+    def tied_param_numel(self) -> int: ...
+    @property
+    def tied_trainable_numel(self) -> int: ...
+    @property
+    def tied_param_owner(self) -> int: ...
+
+
+def segment_activation_bytes(seg: SegmentMemory, recompute: str) -> tuple[float, float, float]:
+    """``(kept, shared, transient)`` bytes of one segment of a micro-batch under ``recompute``
+    (``none`` or ``selective``; a fully recomputed stage: :func:`stage_memory_parts`): ``kept``
+    from its forward to its backward, ``shared`` kept too but read by other segments as well (a
+    causal mask: held once per stage), ``transient`` on top of them while the segment runs::
+
+        none       kept = saved                                  shared = 0
+                   transient = max(fwd_T, bwd_T)
+        selective  kept = min(saved, saved_matmul + in - shared)   shared = shared_in
+                   transient = max(fwd_T, saved - kept + bwd_T)
+
+    (``in`` = ``input_bytes``, ``fwd_T``/``bwd_T`` the segment's forward/backward transient
+    peaks): a selectively recomputed segment's backward first re-creates what it did not keep."""
+    fwd_t, bwd_t = seg.fwd_transient_bytes, seg.bwd_transient_bytes
+    if recompute == "selective":
+        own = max(0.0, seg.input_bytes - seg.shared_input_bytes)
+        kept = min(seg.saved_bytes, seg.saved_matmul_bytes + own)
+        return kept, seg.shared_input_bytes, max(fwd_t, seg.saved_bytes - kept + bwd_t)
+    return seg.saved_bytes, 0.0, max(fwd_t, bwd_t)
+
+
+FULL_RECOMPUTE_UNIT: Literal["stage", "segment"] = "stage"
+"""What full recomputation re-runs in the backward, as :mod:`autoplan.runtime.pipeline` executes
+it: ``stage``, the whole stage's forward at once (``_StageFunction`` keeps the stage's inputs);
+``segment``, one block at a time (Megatron's and torchtitan's per-block checkpointing), for a
+runtime that checkpoints per block (:func:`stage_memory_parts` prices both)."""
+
+ALLOCATOR_MARGIN_FRACTION = 0.05
+"""Bytes PyTorch's CUDA caching allocator reserves beyond the allocated peak (fragmentation: freed
+blocks kept in its pools that a later request of another size cannot use), as a fraction of the
+allocated peak. Source: an out-of-memory report of a 80 GB training run (A800-80G, PB-LLM,
+github.com/hahnyuan/PB-LLM issue #3: "74.53 GiB is allocated by PyTorch, and 4.23 GiB is reserved
+by PyTorch but unallocated", 5.7 %); the allocator and its statistics: PyTorch docs, "CUDA
+semantics - Memory management" (``memory_reserved`` vs ``memory_allocated``). CPU ranks have no
+caching allocator (the system ``malloc`` returns freed memory): no margin there."""
+
+DRIVER_VISIBLE_FRACTION = 79.25 / 80
+"""Of a GPU's memory, the part the CUDA driver hands to the process (``cudaMemGetInfo`` total): an
+"80 GB" A100 carries 80 GiB of HBM2e (``nvidia-smi``: 81,920 MiB) and PyTorch reports "79.25 GiB
+total capacity" (github.com/levihsu/OOTDiffusion issue #235, an A100 80GB out-of-memory message)."""
+
+NON_PYTORCH_BYTES = 2**30
+"""Device memory a training process holds outside PyTorch's allocator: the CUDA context and
+cuBLAS workspaces (0.51 GiB in the PB-LLM report above: 79.27 GiB in use, 74.53 + 4.23 GiB
+PyTorch's) plus NCCL's communicator buffers (``NCCL_BUFFSIZE``, 4 MiB per channel and peer,
+NCCL environment-variable docs), rounded up to 1 GiB."""
+
+GB = 10**9
+GiB = 2**30
+
+
+def device_kind(device: DeviceSpec) -> str:
+    """``cpu`` for CPU ranks, ``cuda`` for the catalog's GPUs (the allocator and the optimizer
+    kernels that run there)."""
+    return "cpu" if device.name == "CPU" else "cuda"
+
+
+def usable_memory_bytes(capacity_bytes: float, device_kind: str) -> float:
+    """Bytes a training process can allocate through PyTorch on a device of marketed capacity
+    ``capacity_bytes`` (:attr:`autoplan.cost_models.hardware.DeviceSpec.mem_capacity_bytes`, the
+    decimal "80 GB")::
+
+        cuda:  capacity / GB * GiB * DRIVER_VISIBLE_FRACTION - NON_PYTORCH_BYTES
+        cpu:   capacity (a rank's share of host memory, as configured)
+
+    GPU memory is sold in binary units under a decimal name (80 GB = 80 GiB of HBM); an A100
+    80GB gives 79.25 GiB - 1 GiB = 78.25 GiB, against 74.5 GiB if "80 GB" were read as 80e9
+    bytes. The caching allocator's fragmentation is charged on the peak instead
+    (:func:`allocator_margin_bytes`)."""
+    if device_kind != "cuda":
+        return float(capacity_bytes)
+    return capacity_bytes / GB * GiB * DRIVER_VISIBLE_FRACTION - NON_PYTORCH_BYTES
+
+
+def allocatable_bytes(capacity_bytes: float, device_kind: str) -> float:
+    """The largest allocated peak whose peak with the allocator margin fits
+    :func:`usable_memory_bytes` (the ILP's memory bound, which counts allocated bytes)."""
+    margin = ALLOCATOR_MARGIN_FRACTION if device_kind == "cuda" else 0.0
+    return usable_memory_bytes(capacity_bytes, device_kind) / (1 + margin)
+
+
+def allocator_margin_bytes(allocated_peak_bytes: float, device_kind: str) -> float:
+    """What the allocator reserves beyond ``allocated_peak_bytes`` (:data:`ALLOCATOR_MARGIN_FRACTION`
+    on CUDA, 0 on CPU)."""
+    return ALLOCATOR_MARGIN_FRACTION * allocated_peak_bytes if device_kind == "cuda" else 0.0
+
+
 def stage_memory_parts(
     *,
-    param_numel: int,
-    trainable_numel: int,
-    largest_segment_numel: int,
+    segments: Sequence[SegmentMemory],
+    recompute: str,
     element: ElementBytes,
     zero_stage: int,
     dp: int,
-    saved_bytes: float,
     inflight: int,
-    transient_bytes: float,
+    accumulates: bool,
+    device_kind: str,
+    first_segment: int = 0,
+    policy: OverlapPolicy = DEFAULT_POLICY,
 ) -> dict[str, float]:
-    """Bytes per device of one pipeline stage (:mod:`autoplan.cost_models.step`), by part::
+    """Peak bytes per device of one pipeline stage (:mod:`autoplan.cost_models.step`), by part:
+    the liveness peak of the step as it runs. Per segment ``j`` of the stage (in order):
+    ``kept_j, shared_j, T_j`` from :func:`segment_activation_bytes`, ``P_j`` parameter elements,
+    ``T'_j`` trainable; w, g, o bytes per element of weights, grads and optimizer state
+    (:func:`precision_bytes`)::
 
-        weights     = P w     / dp if zero_stage >= 3         P parameter elements, T trainable;
-        grads       = T g     / dp if zero_stage >= 2         w, g, o: ``element`` (bytes per
-        optimizer   = T o     / dp if zero_stage >= 1         element, :func:`precision_bytes`)
-        activations = inflight * saved_bytes                  (micro-batches in flight x A_k)
-        transient   = transient_bytes + (2 P_max w if zero_stage >= 3)
+        weights  W = sum_j P_j w / (dp if zero_stage >= 3)     optimizer  O = sum_j T'_j o / (dp if zero_stage >= 1)
+        grads    g_j = T'_j g / (dp if zero_stage >= 2)
+        A        = inflight * (sum_j kept_j + max_j shared_j)            (micro-batches in flight)
+        backward of j:  A + T_j + G_j + gathered + bucket
+                 G_j = sum_{i >= j} g_i   (the stage's later segments made theirs first; all
+                                          of them once an earlier micro-batch accumulated)
+        optimizer step: sum_j g_j + opt_step                              (activations all freed)
+        peak     = W + O + max( max_j backward of j, optimizer step ) + allocator margin
+        gathered = ZeRO-3: (1 + prefetch) max_j P_j w if reshard_after_forward else sum_j P_j w
+        bucket   = dp > 1: min(sum_j T'_j g, bucket_cap)    (the flat copy of one gradient bucket)
+        opt_step = optimizer_temp_bytes(the trained weights' fp32 copies / (dp if zero_stage >= 1))
 
-    ``transient_bytes`` is what recomputing one segment allocates; ZeRO-3 adds twice the
-    all-gathered parameters of the largest segment (``largest_segment_numel`` = P_max)."""
-    w, g, o = (
-        float(param_numel * element.weights),
-        float(trainable_numel * element.grads),
-        float(trainable_numel * element.optimizer),
-    )
-    o = o / dp if zero_stage >= 1 else o
-    g = g / dp if zero_stage >= 2 else g
-    gather = 0.0
+    Transients of different segments never coexist (a max, not a sum). ``gathered``: FSDP2's
+    gathered weights (:class:`~autoplan.cost_models.comm_schedule.OverlapPolicy`), the block in
+    use and the ``prefetch_blocks`` gathered ahead, or the whole stage kept from forward to
+    backward. ``accumulates``: the stage runs several micro-batches per step, so the gradients of
+    the first stay alive through the next ones' backward. Parts, adding up to the peak: weights,
+    optimizer, grads (``G_j`` of the peak, all at the optimizer step), activations ``A``,
+    transient (the rest), allocator. A pipeline rank's stages combine with :func:`rank_memory_parts`.
+    A segment reading a tied parameter held before ``first_segment`` (the stage's first segment)
+    adds the stage's own copy of it (``tied_param_numel``) to ``P_j`` and ``T'_j``.
+
+    Full recomputation is priced as :mod:`autoplan.runtime.pipeline` executes it
+    (:data:`FULL_RECOMPUTE_UNIT` ``stage``): a stage keeps the inputs of its first segment
+    (``in_0``) per micro-batch in flight and, in its backward, re-runs the whole stage's forward,
+    so one micro-batch's saved activations of every segment come back at once
+    (``T_j`` += ``sum_i kept_i``). Per block (``segment``, Megatron's and torchtitan's way): ``A`` =
+    inflight * (sum_j (in_j - shared_in_j) + max_j shared_in_j), ``T_j`` += ``saved_j``."""
+    # a tied parameter held by a segment before the stage (``first_segment``): the stage's own copy
+    tied = {s.tied_param_owner: s for s in segments if 0 <= s.tied_param_owner < first_segment}
+    param_numel = sum(s.param_numel for s in segments) + sum(s.tied_param_numel for s in tied.values())
+    trainable = sum(s.trainable_numel for s in segments) + sum(s.tied_trainable_numel for s in tied.values())
+    w = float(param_numel * element.weights) / (dp if zero_stage >= 3 else 1)
+    o = float(trainable * element.optimizer) / (dp if zero_stage >= 1 else 1)
+    tied_grads = {id(s) for s in tied.values()}
+    grads = [
+        float((s.trainable_numel + (s.tied_trainable_numel if id(s) in tied_grads else 0)) * element.grads)
+        / (dp if zero_stage >= 2 else 1)
+        for s in segments
+    ]
+    gathered = 0.0
     if zero_stage >= 3:
-        w = w / dp
-        gather = 2 * largest_segment_numel * element.weights
-    return {
+        largest = max((s.param_numel for s in segments), default=0)
+        kept_numel = (1 + policy.prefetch_blocks) * largest if policy.reshard_after_forward else param_numel
+        gathered = min(kept_numel, param_numel) * element.weights
+    per_segment = [segment_activation_bytes(s, recompute) for s in segments]
+    kept = sum(k for k, _, _ in per_segment)
+    activations = inflight * (kept + max((sh for _, sh, _ in per_segment), default=0.0))
+    transients = [t for _, _, t in per_segment]
+    if recompute == "full" and segments and FULL_RECOMPUTE_UNIT == "stage":
+        # the stage keeps its inputs; its backward re-runs the whole stage's forward first
+        activations = inflight * segments[0].input_bytes
+        transients = [kept + t for t in transients]
+    elif recompute == "full" and segments:  # per segment: each keeps its inputs, one re-created at a time
+        own = sum(max(0.0, s.input_bytes - s.shared_input_bytes) for s in segments)
+        activations = inflight * (own + max(s.shared_input_bytes for s in segments))
+        transients = [s.saved_bytes + t for s, t in zip(segments, transients, strict=True)]
+    bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
+    extra = gathered + bucket
+    backward = [
+        (
+            activations + t + extra + (sum(grads) if accumulates else sum(grads[j:])),
+            sum(grads) if accumulates else sum(grads[j:]),
+        )
+        for j, t in enumerate(transients)
+    ]
+    at_peak, grads_at_peak = max(backward, default=(activations + extra, 0.0))
+    master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
+    opt_params = trainable * master / (dp if zero_stage >= 1 else 1)
+    largest_trained = max((s.trainable_numel for s in segments), default=0) * master
+    optimizer_step = sum(grads) + optimizer_temp_bytes(element.optimizer_name, largest_trained, opt_params, device_kind)
+    if optimizer_step > at_peak:
+        at_peak, grads_at_peak = optimizer_step, sum(grads)
+    parts = {
         "weights": w,
-        "grads": g,
+        "grads": grads_at_peak,
         "optimizer": o,
-        "activations": inflight * saved_bytes,
-        "transient": transient_bytes + gather,
+        "activations": activations,
+        "transient": at_peak - activations - grads_at_peak,
     }
+    return _with_allocator(parts, device_kind)
+
+
+def rank_memory_parts(stage_parts: Sequence[Mapping[str, float]], device_kind: str) -> dict[str, float]:
+    """Peak bytes per device of a pipeline rank holding ``stage_parts`` (interleaved schedules
+    put several stages on a rank), by part: weights, grads, optimizer and activations add up;
+    one stage runs at a time, so the rank's ``transient`` is the largest of its stages', and the
+    allocator margin is that of the sum. One stage: its own parts."""
+    out: dict[str, float] = {}
+    for parts in stage_parts:
+        for key, value in parts.items():
+            if key == "transient":
+                out[key] = max(out.get(key, 0.0), value)
+            elif key != "allocator":
+                out[key] = out.get(key, 0.0) + value
+    return _with_allocator(out, device_kind)
+
+
+def _with_allocator(parts: dict[str, float], device_kind: str) -> dict[str, float]:
+    """``parts`` and, where the device has a caching allocator, its margin as part ``allocator``."""
+    margin = allocator_margin_bytes(sum(parts.values()), device_kind)
+    return {**parts, "allocator": margin} if margin else parts
 
 
 def optimizer_temp_bytes(optimizer: str, max_param_bytes: float, total_param_bytes: float, device_kind: str) -> float:

@@ -115,7 +115,14 @@ from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, CommRow, CommTota
 from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
-from autoplan.cost_models.memory import ElementBytes, precision_bytes, stage_memory_parts
+from autoplan.cost_models.memory import (
+    ElementBytes,
+    device_kind,
+    precision_bytes,
+    rank_memory_parts,
+    stage_memory_parts,
+    usable_memory_bytes,
+)
 from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
 
 # --- input: costs per layer segment ------------------------------------------------------------
@@ -152,6 +159,20 @@ class SegmentCost:
     """Bytes of the values entering the segment from earlier ones (kept by full recompute)."""
     flops: float
     """Forward + backward FLOPs of the segment's ops for the whole (unsharded) micro-batch."""
+    shared_input_bytes: float = 0.0
+    """Part of ``input_bytes`` that other later segments read too (a causal mask, rotary tables):
+    a stage keeps it once."""
+    fwd_transient_bytes: float = 0.0
+    """Peak bytes the segment's forward holds on top of the saved activations (per micro-batch)."""
+    bwd_transient_bytes: float = 0.0
+    """Peak bytes the segment's backward holds on top of the saved activations and the parameter
+    gradients (activation gradients, the loss's fp32 temporaries), per micro-batch."""
+    tied_param_numel: int = 0
+    """Local elements of parameters the segment reads that an earlier segment holds (a tied
+    embedding read again by the lm_head): a stage without that segment keeps its own copy."""
+    tied_trainable_numel: int = 0
+    tied_param_owner: int = -1
+    """The segment that holds the tied parameters (-1: none)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -679,15 +700,16 @@ def _price_stage(
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
     parts = stage_memory_parts(
-        param_numel=sum(s.param_numel for s in part),
-        trainable_numel=sum(s.trainable_numel for s in part),
-        largest_segment_numel=max((s.param_numel for s in part), default=0),
+        segments=part,
+        recompute=recompute,
         element=bpe,
         zero_stage=z,
         dp=dp,
-        saved_bytes=saved,
         inflight=_inflight(config, rank),
-        transient_bytes=transient,
+        accumulates=config.num_microbatches > 1,
+        first_segment=segments[0],
+        device_kind=device_kind(cluster.device),
+        policy=policy,
     )
     # W = the weight-gradient-only ops of the stage (plus recomputation lands in B)
     w_s = min(bwd, sum(s.bwd_weight_s for s in part))
@@ -851,11 +873,13 @@ def evaluate(
         for k in range(nstages)
     ]
     stages = tuple(p.estimate for p in priced)
-    # memory per pipeline rank: the sum of its stages (interleaving puts v stages on a rank)
-    per_rank = [0.0] * config.pp
-    for st in stages:
-        per_rank[st.rank] += st.memory_bytes
-    capacity = float(cluster.device.mem_capacity_bytes)
+    # memory per pipeline rank: its stages combined (interleaving puts v stages on a rank)
+    kind = device_kind(cluster.device)
+    per_rank = [
+        sum(rank_memory_parts([st.memory_parts for st in stages if st.rank == r], kind).values())
+        for r in range(config.pp)
+    ]
+    capacity = usable_memory_bytes(cluster.device.mem_capacity_bytes, kind)
     peak = max(per_rank)
     if memory_only:
         return TrainingEstimate(

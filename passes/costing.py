@@ -37,7 +37,13 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import is_coalescable, plan_transition, transition_cost_s
 from autoplan.cost_models.compute import cost_key, is_matmul, roofline_time_s
 from autoplan.cost_models.hardware import DeviceSpec
-from autoplan.cost_models.memory import OPTIMIZER_STEP_BYTES_PER_ELEMENT, param_training_bytes_by_part, tensor_bytes
+from autoplan.cost_models.memory import (
+    OPTIMIZER_STEP_BYTES_PER_ELEMENT,
+    allocatable_bytes,
+    device_kind,
+    param_training_bytes_by_part,
+    tensor_bytes,
+)
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.passes import liveness
 from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
@@ -183,7 +189,8 @@ def build_cost_problem(
     gm = traced.graph_module
     mesh_shape = cluster.mesh_shape
     device = cluster.device
-    problem = CostProblem(table=table, cluster=cluster, capacity_bytes=float(device.mem_capacity_bytes))
+    capacity = allocatable_bytes(device.mem_capacity_bytes, device_kind(device))  # allocated bytes that fit
+    problem = CostProblem(table=table, cluster=cluster, capacity_bytes=capacity)
     nodes_by_name = {n.name: n for n in gm.graph.nodes}
 
     frozen = {param_node_name(p) for p in traced.frozen_names}

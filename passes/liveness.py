@@ -20,6 +20,7 @@ Memory model (bytes per device)::
     local_bytes(a) = numel under the producer's spec (S(d): ceil(n/mesh) along d; R and P: full)
                      x itemsize
     peak = max( max_t M(t),  persistent + grads + optimizer temporaries )   (optimizer step)
+           + allocator_margin_bytes(peak)      (CUDA caching allocator; 0 on CPU, cost_models.memory)
 
 Storage lifetimes: a storage is born at its producer's position ``i`` and dies after the last
 node reading it or any of its views. Conversions of an operand run just before their consumer
@@ -32,13 +33,18 @@ all-reduced in place.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from autoplan.cost_models.memory import optimizer_temp_bytes, param_training_bytes_by_part, tensor_bytes
+from autoplan.cost_models.memory import (
+    allocator_margin_bytes,
+    optimizer_temp_bytes,
+    param_training_bytes_by_part,
+    tensor_bytes,
+)
 from autoplan.passes.placement import Spec, local_numel, replicated
 from autoplan.passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
 
@@ -211,6 +217,35 @@ def live_at(live: Liveness, t: int) -> list[Storage]:
     return out
 
 
+def transient_timeline(
+    live: Liveness, nbytes: Callable[[Storage], float], *, excluded: Collection[Storage] = ()
+) -> list[float]:
+    """Bytes of the non-placeholder storages alive at each node position (``T(i)``, one entry per
+    position up to the output node), each storage ``nbytes(storage)`` bytes, the ``excluded``
+    ones left out (the joint search's per-segment transients leave out the saved activations and
+    the parameter gradients, counted apart: :mod:`autoplan.planner.segment_costs`).
+
+    Lifetimes are those of :func:`peak_memory`: born at the producer's position, alive through
+    the last node reading the storage or a view of it; a storage the output reads (the loss, an
+    unconverted gradient) stays alive to the end."""
+    delta = [0.0] * (live.end + 2)
+    skip = set(excluded)
+    for s, born in live.births().items():
+        if s in skip:
+            continue
+        b = nbytes(s)
+        if not b:
+            continue
+        last = live.end if s in live.output_read else max(born, live.last_use.get(s, born))
+        delta[born] += b
+        delta[last + 1] -= b
+    curve, acc = [], 0.0
+    for d in delta[:-1]:
+        acc += d
+        curve.append(acc)
+    return curve
+
+
 # ----------------------------------------------------------------------------------------------
 # exact timeline of one plan
 
@@ -257,14 +292,21 @@ def peak_memory(
     params = set(param_nodes)
     fixed = _persistent_bytes(live, spec_of, params, optimizer=optimizer, mesh_shape=mesh_shape)
     conv = _conversions(gm, live, redistributions, spec_of, params, mesh_shape=mesh_shape)
-    intervals = _storage_intervals(live, spec_of, conv.converted_after_production, mesh_shape=mesh_shape)
+    intervals = _storage_intervals(
+        gm, live, spec_of, conv.converted_after_production, conv.converted_reads, mesh_shape=mesh_shape
+    )
     base = sum(fixed.persistent.values())
     best, best_at, best_parts = _timeline_peak(live, base, [*intervals, *conv.intervals], conv.bucketed)
     temp = optimizer_temp_bytes(optimizer, fixed.max_param_local, fixed.trained_param_bytes, device_kind)
     if base + fixed.grads_final + temp > best:
         best, best_at = base + fixed.grads_final + temp, "<optimizer>"
         best_parts = {"grads": fixed.grads_final, "activations": temp}
-    return MemoryEstimate(peak_bytes=best, peak_at=best_at, breakdown={**fixed.persistent, **best_parts})
+    margin = allocator_margin_bytes(best, device_kind)
+    return MemoryEstimate(
+        peak_bytes=best + margin,
+        peak_at=best_at,
+        breakdown={**fixed.persistent, **best_parts, **({"allocator": margin} if margin else {})},
+    )
 
 
 def _spec_lookup(assignment: Mapping[str, Strategy], rep: Spec) -> Callable[[ValueRef], Spec]:
@@ -336,6 +378,8 @@ class _Conversions:
     """Temporary buffers of operand conversions and of gradients converted right after production."""
     converted_after_production: set[Storage]
     """Gradient storages converted right after their producer (not bucketed)."""
+    converted_reads: set[tuple[Storage, int]]
+    """(storage, consumer position) of every operand read through a conversion."""
     bucketed: dict[str, float]
     """Bucket -> bytes of its flat buffer, allocated at the end."""
 
@@ -354,6 +398,7 @@ def _conversions(
     converted_after_production: set[Storage] = set()
     bucketed: dict[str, float] = {}
     conversions: list[_Interval] = []
+    converted_reads: set[tuple[Storage, int]] = set()
     for r in redistributions:
         consumer, arg_index = r.consumer, r.arg_index  # type: ignore[attr-defined]
         producer, dst, bucket = r.producer, r.dst, r.bucket  # type: ignore[attr-defined]
@@ -370,21 +415,32 @@ def _conversions(
         if consumer not in live.position:  # the loss -> output conversion: a scalar
             continue
         pos = live.position[consumer]
+        converted_reads.add((live.storage_of[producer], pos))
         # a view of a converted operand keeps the conversion's buffer alive
         stop = max(pos, live.value_last_use.get(ValueRef(consumer), pos)) if is_view_op(gm_targets[consumer]) else pos
         conversions.append(_Interval(pos - 0.5, stop, nbytes, "activations"))
-    return _Conversions(intervals=conversions, converted_after_production=converted_after_production, bucketed=bucketed)
+    return _Conversions(
+        intervals=conversions,
+        converted_after_production=converted_after_production,
+        converted_reads=converted_reads,
+        bucketed=bucketed,
+    )
 
 
 def _storage_intervals(
+    gm: fx.GraphModule,
     live: Liveness,
     spec_of: Callable[[ValueRef], Spec],
     converted_after_production: set[Storage],
+    converted_reads: set[tuple[Storage, int]],
     *,
     mesh_shape: Sequence[int],
 ) -> list[_Interval]:
     """Non-placeholder storages -> their lifetime and local bytes (program outputs read as they
-    are stay alive to the end)."""
+    are stay alive to the end). A storage whose last reader reads it only through a conversion
+    dies once converted (at ``i - 1/2``): the program drops it after its last use, the
+    conversion, before the consumer allocates its output."""
+    direct_reads = _direct_reads(gm, live, converted_reads)
     grad_storages = {live.storage_of[g] for g in live.grads.values()}
     read_as_is = {live.storage_of[v] for v in live.output_values} - converted_after_production
     intervals: list[_Interval] = []
@@ -395,11 +451,31 @@ def _storage_intervals(
         last: float = live.last_use.get(s, born)
         if s in read_as_is:
             last = live.end
+        elif (s, last) in converted_reads and (s, last) not in direct_reads:
+            last -= 0.5
         elif s in converted_after_production:
             last = max(last, born + 0.5)
         category = "grads" if s in grad_storages else "activations"
         intervals.append(_Interval(born, last, local_bytes(spec_of(s), live.value_shape[s], mesh_shape), category))
     return intervals
+
+
+def _direct_reads(
+    gm: fx.GraphModule, live: Liveness, converted_reads: set[tuple[Storage, int]]
+) -> set[tuple[Storage, int]]:
+    """The (storage, position) pairs of ``converted_reads`` where the consumer also reads the
+    storage (or a view of it) as it is, through another operand."""
+    out: set[tuple[Storage, int]] = set()
+    positions = {pos for _, pos in converted_reads}
+    for n in gm.graph.nodes:
+        pos = live.position.get(n.name)
+        if pos not in positions or n.op != "call_function":
+            continue
+        storages = [live.storage_of.get(resolve_value(a)) for a in tensor_args(n)]
+        for s in storages:
+            if s is not None and (s, pos) in converted_reads and storages.count(s) > 1:
+                out.add((s, pos))
+    return out
 
 
 def _timeline_peak(

@@ -55,16 +55,19 @@ def test_estimate_prices_optimizer_state_by_optimizer_zero_one_two_fp32_states()
     assert parts["sgd"]["optimizer"] == 0
     assert parts["sgd_momentum"]["optimizer"] == 4 * numel
     assert parts["adam"]["optimizer"] == 8 * numel  # Adam's price is what it was
-    # weights and gradients do not depend on the optimizer
-    assert len({(p["weights"], p["grads"]) for p in parts.values()}) == 1
-    assert parts["adam"]["weights"] == parts["adam"]["grads"] == 4 * numel
+    # weights do not depend on the optimizer; gradients: those alive at the peak (all of them at
+    # the optimizer step, those of the later segments in a backward: memory.stage_memory_parts)
+    assert len({p["weights"] for p in parts.values()}) == 1
+    assert parts["adam"]["weights"] == 4 * numel
+    assert all(0 < p["grads"] <= 4 * numel for p in parts.values())
 
 
 def test_mixed_precision_estimate_adds_the_fp32_master_copy_to_every_optimizer():
     numel = sum(p.numel() for p in zoo.gpt2_tiny().parameters())
     parts = _estimate("sgd", precision="bf16").memory_parts_bytes[0]
     # bf16 weights and gradients, fp32 master copy, no state: 2 + 2 + (0 + 4) bytes per element
-    assert (parts["weights"], parts["grads"], parts["optimizer"]) == (2 * numel, 2 * numel, 4 * numel)
+    assert (parts["weights"], parts["optimizer"]) == (2 * numel, 4 * numel)
+    assert 0 < parts["grads"] <= 2 * numel  # those alive at the peak (memory.stage_memory_parts)
 
 
 def test_plans_report_the_optimizer_bytes_of_the_estimate():

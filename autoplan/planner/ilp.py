@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import overlaps_compute, transition_cost_s
 from autoplan.cost_models.errors import PlanError
-from autoplan.cost_models.memory import tensor_bytes
+from autoplan.cost_models.memory import device_kind, tensor_bytes, usable_memory_bytes
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from autoplan.passes import liveness, pass_order
 from autoplan.passes.comm_order import CommSchedule
@@ -185,7 +185,7 @@ def plan_traced(
         compute_sources=_compute_sources(traced, table, problem, solution),
         memory_bytes=memory.as_dict(),
         memory_peak_at=memory.peak_at,
-        capacity_bytes=float(cluster.device.mem_capacity_bytes),
+        capacity_bytes=usable_memory_bytes(cluster.device.mem_capacity_bytes, device_kind(cluster.device)),
     )
     plan = Plan(
         fingerprint=traced.fingerprint,
@@ -298,7 +298,7 @@ def _peak_memory(
         mesh_shape=cluster.mesh_shape,
         optimizer=optimizer,
         param_nodes=[param_node_name(n) for n in traced.param_names],
-        device_kind="cpu" if cluster.device.name == "CPU" else "cuda",
+        device_kind=device_kind(cluster.device),
     )
 
 

@@ -14,9 +14,24 @@ epilogue) and the bytes that cross each cut between consecutive segments — the
     bwd_weight_s[k] = the part of bwd_s no earlier segment's backward depends on (weight gradients)
     grad_sync_s[k] = sum_{p trainable param of k} c[grad(p) -> p] (once per step, not per micro-batch)
     saved_bytes[k] = sum_{storage a: born by a fwd op of k, read by a bwd op} b[a, s]
+    input_bytes[k] = sum_{value born in segments < k, read by a fwd op of k} b[a, s]
+    shared_input_bytes[k] = the part of input_bytes[k] also read by other later segments
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
+    fwd_transient_bytes[k] = max_{fwd op i of k} T(i)      bwd_transient_bytes[k] = the same over bwd ops
+    T(i) = sum_{storage a alive at i, a not saved, not a parameter gradient} b[a, s]
 
-A parameter read by several segments (tied embedding) is counted in the first one. All times
+``T(i)`` is the liveness timeline of the step (:func:`autoplan.passes.liveness.transient_timeline`,
+the lifetimes the ILP's plan is priced with) without the saved activations (``saved_bytes``,
+counted per micro-batch in flight) and the parameter gradients (counted with the parameters):
+what a segment's forward or backward allocates on top of them, e.g. the fp32 logits-sized
+gradients of the loss's log-softmax backward. A value read by several later segments (a causal
+mask, rotary tables) is stored once: saved once, in the segment that makes it, crossing each cut
+once, and ``shared_input_bytes`` lets a recomputed stage keep it once
+(:func:`autoplan.cost_models.memory.stage_memory_parts`).
+
+A parameter read by several segments (tied embedding) is counted in the first one, and in the
+``tied_param_numel`` of the later ones (a pipeline stage that holds only a later one keeps its own
+copy, as :mod:`autoplan.runtime.pipeline` does). All times
 are per micro-batch on one device of the stage mesh, except ``grad_sync_s`` and
 ``optimizer_s`` (per step). Bytes are local (after sharding on the stage mesh).
 """
@@ -104,7 +119,7 @@ def segment_costs(
     feeds_earlier = _feeds_earlier(gm, phase, seg_of)
     _add_node_times(
         sums, gm, problem, choice, seg_of, phase, feeds_earlier,
-        param_nodes=param_nodes, trainable=set(trainable_param_nodes),
+        param_nodes=param_nodes, trainable=set(trainable_param_nodes), param_segments=layering.param_segments,
     )  # fmt: skip
     _add_conversions(sums, problem, choice, seg_of, phase, feeds_earlier)
     _add_activations(sums, gm, problem, choice, seg_of, phase, trainable_param_nodes)
@@ -131,6 +146,12 @@ class _Sums:
     saved: list[float]
     saved_mm: list[float]
     inputs: list[float]
+    shared_inputs: list[float]
+    tied_numel: list[int]
+    tied_trainable: list[int]
+    tied_owner: list[int]
+    fwd_transient: list[float]
+    bwd_transient: list[float]
     cut: list[float]
 
     @classmethod
@@ -139,7 +160,9 @@ class _Sums:
             fwd=[0.0] * nseg, bwd=[0.0] * nseg, bwd_w=[0.0] * nseg, fwd_comm=[0.0] * nseg, bwd_comm=[0.0] * nseg,
             selective=[0.0] * nseg, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
             trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
-            saved_mm=[0.0] * nseg, inputs=[0.0] * nseg, cut=[0.0] * max(nseg - 1, 0),
+            saved_mm=[0.0] * nseg, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
+            tied_trainable=[0] * nseg, tied_owner=[-1] * nseg, fwd_transient=[0.0] * nseg,
+            bwd_transient=[0.0] * nseg, cut=[0.0] * max(nseg - 1, 0),
         )  # fmt: skip
 
     def costs(self, optimizer: str) -> SegmentCosts:
@@ -160,6 +183,12 @@ class _Sums:
                     saved_bytes=self.saved[k],
                     saved_matmul_bytes=self.saved_mm[k],
                     input_bytes=self.inputs[k],
+                    shared_input_bytes=self.shared_inputs[k],
+                    tied_param_numel=self.tied_numel[k],
+                    tied_trainable_numel=self.tied_trainable[k],
+                    tied_param_owner=self.tied_owner[k],
+                    fwd_transient_bytes=self.fwd_transient[k],
+                    bwd_transient_bytes=self.bwd_transient[k],
                     flops=self.flops[k],
                 )
                 for k in range(len(self.fwd))
@@ -194,9 +223,11 @@ def _add_node_times(
     *,
     param_nodes: Sequence[str],
     trainable: set[str],
+    param_segments: Mapping[str, tuple[int, ...]],
 ) -> None:
     """Each chosen node's time: operators into forward / backward (and FLOPs), parameters into
-    the optimizer step (and their local elements)."""
+    the optimizer step (and their local elements; a parameter read by later segments too, a tied
+    embedding, into their ``tied_*`` fields: a pipeline stage without its first reader keeps a copy)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     mesh_shape = problem.cluster.mesh_shape
     for name, times in problem.node_time_s.items():
@@ -213,6 +244,10 @@ def _add_node_times(
                 sums.numel[k] += local
                 sums.trainable_numel[k] += local if name in trainable else 0
                 sums.itemsize[k] = val.element_size()
+                for j in sorted(set(param_segments.get(name, ())) - {k}):
+                    sums.tied_numel[j] += local
+                    sums.tied_trainable[j] += local if name in trainable else 0
+                    sums.tied_owner[j] = k
             continue
         ins = [a.meta["val"] for a in tensor_args(node)]
         out = node.meta.get("val")
@@ -265,7 +300,8 @@ def _add_activations(
     phase: Mapping[str, object],
     trainable_param_nodes: Sequence[str],
 ) -> None:
-    """Activations: storages born in the forward and read by the backward; values crossing cuts."""
+    """Activations: storages born in the forward and read by the backward; values crossing cuts;
+    each segment's transient peaks (the module docstring's ``T``)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     live = liveness.analyze(gm, list(trainable_param_nodes))
 
@@ -290,10 +326,20 @@ def _add_activations(
                 sums.saved[k] += b
                 if is_matmul(nodes[storage.node].target):
                     sums.saved_mm[k] += b
-        later = [seg_of[u.name] for u in readers if phase.get(u.name) == "fwd" and seg_of.get(u.name, k) > k]
+        later = sorted({seg_of[u.name] for u in readers if phase.get(u.name) == "fwd" and seg_of.get(u.name, k) > k})
         if later:
             b = local_bytes(resolve_value(n))
-            for j in range(k, max(later)):
-                sums.cut[j] += b
-            for j in sorted(set(later)):
+            for j in range(k, later[-1]):
+                sums.cut[j] += b  # once per cut, however many later segments read it
+            for j in later:
                 sums.inputs[j] += b
+                if len(later) > 1:
+                    sums.shared_inputs[j] += b
+    grads = {live.storage_of[g] for g in live.grads.values()}
+    timeline = liveness.transient_timeline(live, local_bytes, excluded=counted | grads)
+    for n in gm.graph.nodes:
+        k = seg_of.get(n.name)
+        if n.op != "call_function" or k is None:
+            continue
+        peaks = sums.fwd_transient if phase[n.name] == "fwd" else sums.bwd_transient
+        peaks[k] = max(peaks[k], timeline[live.position[n.name]])

@@ -1,0 +1,197 @@
+"""Predicted vs measured peak memory per rank (issue #19, item 4: memory = the real peak).
+
+    python -m torch.distributed.run --nproc-per-node 2 benchmarks/memory_peak.py
+
+Two gloo CPU ranks (one thread each), a GPT-2-shaped model from the test zoo (``tests.zoo.gpt2_lm``:
+4 layers, hidden 128, 4 heads, vocab 2048, 64 positions; fp32, tied lm_head), one seeded batch of
+8 sequences of 64 tokens, Adam. Plans (rank 0 plans on the ``2xCPU`` preset, hands them to rank 1):
+
+* ``plain``: the per-operator ILP's plan pinned to pure data parallelism (inputs ``S(0)``, every
+  parameter ``R``); predicted peak: the plan's liveness timeline (:func:`autoplan.passes.liveness.peak_memory`);
+* ``dp``, ``recompute``, ``zero3``, ``pp2``: joint-search plans with the configuration fixed
+  (``dp=2`` without recomputation, with full recomputation, with ZeRO-3; ``pp=2`` with 2
+  micro-batches, 1F1B); predicted peak: the joint search's per-rank memory
+  (:func:`autoplan.cost_models.memory.stage_memory_parts`, ``estimate.memory_per_device_bytes``).
+
+Measured peak: CPU tensors have no caching allocator and no allocator statistics
+(``torch.cuda.max_memory_allocated`` has no CPU twin), so each rank runs one training step
+(``forward_backward``, optimizer step, ``zero_grad``) under ``torch.profiler`` with
+``profile_memory=True`` after two warm-up steps, replays the profiler's ``[memory]`` events
+(every allocation and free of the CPU allocator, with its byte count) in time order, and adds the
+bytes alive when the step starts (the rank's parameters, optimizer state and batch, counted from
+the tensors themselves, each storage once). Error = predicted / measured - 1, per rank; the table
+shows the worse rank. Final line::
+
+    memory_peak: cases=N err_max=X% target=5% met=yes|no
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import autoplan  # noqa: E402
+from autoplan.cost_models.config import ParallelConfig  # noqa: E402
+from tests.zoo import gpt2_lm, lm_loss, token_batch  # noqa: E402
+
+LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 128, 4, 2048, 64, 8
+CLUSTER = "2xCPU"
+OPTIMIZER = "adam"
+TARGET = 0.05
+DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
+CONFIGS = {
+    "dp": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1),
+    "recompute": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, recompute="full"),
+    "zero3": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, zero_stage=3),
+    "pp2": ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=BATCH // 2, num_microbatches=2),
+}
+
+
+def build_model() -> nn.Module:
+    """The same weights on every rank (seeded)."""
+    torch.manual_seed(0)
+    return gpt2_lm(layers=LAYERS, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, positions=SEQ).train()
+
+
+def plans(ids: torch.Tensor, labels: torch.Tensor) -> dict[str, dict | str]:
+    """Rank 0 plans every case; a plan that fails is its reason (a string)."""
+    kw = dict(example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,), optimizer=OPTIMIZER)
+    makers: dict[str, Callable[[], autoplan.Plan]] = {
+        "plain": lambda: autoplan.plan(build_model(), CLUSTER, pins=DP_PINS, **kw)
+    }
+    for name, config in CONFIGS.items():
+        makers[name] = lambda c=config: autoplan.plan(build_model(), CLUSTER, global_batch_size=BATCH, config=c, **kw)
+    out: dict[str, dict | str] = {}
+    for name, make in makers.items():
+        try:
+            out[name] = make().to_dict()
+        except Exception as e:  # noqa: BLE001 - reported as the case's n/a reason
+            out[name] = f"planning failed: {type(e).__name__}: {str(e)[:200]}"
+    return out
+
+
+def _storages(tensors: Iterable[object]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors: their local shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _alive_at_start(pm: nn.Module, opt: torch.optim.Optimizer, batch: Iterable[torch.Tensor]) -> int:
+    state = [v for s in opt.state.values() for v in s.values()]
+    grads = [p.grad for p in pm.parameters() if p.grad is not None]
+    return _storages([*pm.parameters(), *pm.buffers(), *state, *grads, *batch])
+
+
+def _peak_of_events(prof: profile) -> int:
+    """Largest running sum of the profiler's CPU allocation events (bytes above the start)."""
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        if e.name() == "[memory]"
+    )
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return peak
+
+
+def measure(plan: autoplan.Plan, ids: torch.Tensor, labels: torch.Tensor) -> int:
+    """This rank's peak bytes over one training step (see the module docstring)."""
+    pm = autoplan.parallelize(
+        build_model(), plan.cluster, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,), plan=plan
+    )
+    opt = pm.make_optimizer(lr=1e-3)
+
+    def step() -> None:
+        pm.forward_backward(ids, targets=(labels,))
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        step()
+    dist.barrier()
+    base = _alive_at_start(pm, opt, (ids, labels))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return base + _peak_of_events(prof)
+
+
+def predicted(plan: autoplan.Plan, rank: int) -> float:
+    """The plan's peak bytes for ``rank`` (pipeline plans: its pipeline rank's)."""
+    e = plan.estimate
+    if plan.config is not None and e.memory_per_device_bytes:
+        per_stage_rank = plan.cluster.world_size // plan.config.pp
+        return e.memory_per_device_bytes[rank // per_stage_rank]
+    return e.memory_bytes["total"]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    ids, labels = token_batch(batch=BATCH, seq=SEQ, seed=1, vocab=VOCAB)
+    planned_here = plans(ids, labels) if int(os.environ["RANK"]) == 0 else None
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    box: list[object] = [planned_here]
+    dist.broadcast_object_list(box, src=0)
+    planned: dict[str, dict | str] = box[0]  # type: ignore[assignment]
+    rows: list[tuple[str, str, float, float, float]] = []
+    missing: list[str] = []
+    for name, plan_or_reason in planned.items():
+        if isinstance(plan_or_reason, str):
+            missing.append(f"{name}: {plan_or_reason}")
+            continue
+        plan = autoplan.Plan.from_dict(plan_or_reason)
+        try:
+            mine = [float(measure(plan, ids, labels)), predicted(plan, rank)]
+        except Exception as e:  # noqa: BLE001 - reported as the case's n/a reason
+            if rank == 0:
+                traceback.print_exc()
+            mine = [float("nan"), float("nan")]
+            missing.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        both: list[list[float]] = [[], []]
+        dist.all_gather_object(both, mine)
+        if any(m != m for m, _ in both):  # NaN: a rank failed
+            continue
+        errs = [p / m - 1 for m, p in both]
+        worst = max(range(len(both)), key=lambda r: abs(errs[r]))
+        what = str(plan.config) if plan.config is not None else "ILP plan, dp pins"
+        rows.append((name, what, both[worst][0], both[worst][1], errs[worst]))
+    if rank == 0:
+        mib = 2**20
+        print(f"model: GPT-2 {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}; batch {BATCH}x{SEQ}; fp32, {OPTIMIZER}; "
+              f"2 gloo CPU ranks; peak of one step (torch.profiler memory events + bytes alive at the start)")  # fmt: skip
+        print(f"{'case':10} {'plan':58} {'measured MiB':>12} {'predicted MiB':>13} {'error':>7}")
+        for name, what, meas, pred, err in rows:
+            print(f"{name:10} {what:58} {meas / mib:12.2f} {pred / mib:13.2f} {err:+7.1%}")
+        for m in missing:
+            print(f"n/a {m}")
+        err_max = max((abs(r[4]) for r in rows), default=float("nan"))
+        met = "yes" if rows and not missing and err_max <= TARGET else "no"
+        print(f"(wall time {time.perf_counter() - started:.0f} s)", file=sys.stderr)
+        print(f"memory_peak: cases={len(rows)} err_max={err_max:.1%} target={TARGET:.0%} met={met}")
+    from autoplan.runtime.teardown import destroy_process_groups
+
+    destroy_process_groups()
+
+
+if __name__ == "__main__":
+    main()
