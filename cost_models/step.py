@@ -71,6 +71,9 @@ backward's own all-gathers). Then::
               + max(0, last collective done - end of the last backward)     (the exposed tail)
               + ZeRO 1-2's all-gather of the updated weights, per bucket    (after the step)
 
+where the tail is the larger of the dp link's and the tp link's: tensor-parallel gradient
+conversions (``grad_sync_s``) are issued on their own link when their segment's backward ends.
+
 Pipeline sends of a stage's output (forward) and input gradient (backward) use the dp link when
 both cross nodes or both stay inside one: the send queues behind the dp collectives, and the
 schedule's transfer time becomes ``p2p' = p2p + the send's wait``. In the last micro-batch's
