@@ -9,9 +9,11 @@ floating-point operations per second (a multiply-add counts as 2). Interconnect 
 *per device and unidirectional*: NVIDIA quotes NVLink as the bidirectional total (e.g. 900 GB/s
 on H100), so the catalog stores half of it.
 
-Memory capacities are the marketed decimal capacity (80 GB = 80e9 bytes). The driver reports a
-little more on some parts (an H100 80GB shows 81,559 MiB) and frameworks reserve some for the
-CUDA context, so the memory model keeps its own headroom on top of these numbers.
+Memory capacities are the marketed decimal capacity (80 GB = 80e9 bytes). The card carries
+more (an A100 80GB has 80 GiB of HBM2e, 81,920 MiB in ``nvidia-smi``; an H100 80GB shows
+81,559 MiB), the driver keeps some and the CUDA context and NCCL take some: the memory model
+derives what PyTorch can allocate from these numbers
+(:func:`autoplan.cost_models.memory.usable_memory_bytes`, with its sources).
 """
 
 from __future__ import annotations
