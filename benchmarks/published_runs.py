@@ -6,7 +6,9 @@ Each run is a configuration someone ran and published, with its measured through
 model on ``meta`` (``tests.zoo.llama_lm``, no weights) and price exactly that configuration with
 ``autoplan.estimate`` (no search). Prints per run: model, configuration, predicted and published
 tokens/s per GPU and their error (predicted / published - 1), predicted and published MFU, the
-predicted peak memory per device and whether the cost model calls it feasible; then
+predicted communication per step (all of it, and the part the compute stream waits for: ZeRO-3's
+per-block gathers and per-bucket reduce-scatters as the program issues them), the predicted peak
+memory per device and whether the cost model calls it feasible; then
 ``published: runs=N err_median=X% err_max=Y% mem_err_max=Z%`` (median and max of |error| over the
 runs; ``mem_err_max`` over the runs with a published peak memory, ``n/a`` when none has one).
 
@@ -132,6 +134,10 @@ class Priced:
     mfu: float
     peak_memory_gib: float
     feasible: bool
+    comm_s: float
+    """Communication per step (every collective, :attr:`TrainingEstimate.comm`)."""
+    exposed_comm_s: float
+    """Of which the compute stream waits for."""
     published_mfu_check: float
     """The published tokens/s through torchtitan's MFU formula: equals the published MFU when
     the row's shape and numbers are encoded as torchtitan ran them."""
@@ -144,7 +150,7 @@ def price(run: PublishedRun) -> Priced:
         model = llama_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn,
                          vocab=s.vocab, positions=run.seq_len)  # fmt: skip
         ids = torch.randint(0, s.vocab, (1, run.seq_len))
-    step_s = mfu_step = peak = 0.0
+    step_s = mfu_step = peak = comm_s = exposed_s = 0.0
     capacity, configs = 0.0, []
     for recompute, weight in RECOMPUTE_MIX[run.activation_checkpointing].items():
         config = autoplan.ParallelConfig(
@@ -158,13 +164,15 @@ def price(run: PublishedRun) -> Priced:
         step_s += weight * est.step_time_s
         mfu_step += weight * est.mfu * est.step_time_s  # MFU x step time = FLOPs / peak: the same for both
         peak += weight * est.peak_memory_bytes
+        comm_s += weight * est.comm.total_s
+        exposed_s += weight * est.exposed_comm_s
         capacity = est.capacity_bytes
         configs.append(str(config) if weight == 1.0 else f"{weight:g}x[{config}]")
     tokens = run.global_batch * run.seq_len
     num_params = sum(p.numel() for p in model.parameters())
     return Priced(
         config=" + ".join(configs), tokens_per_s_per_gpu=tokens / step_s / run.dp, mfu=mfu_step / step_s,
-        peak_memory_gib=peak / GiB, feasible=peak <= capacity,
+        peak_memory_gib=peak / GiB, feasible=peak <= capacity, comm_s=comm_s, exposed_comm_s=exposed_s,
         published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu),
     )  # fmt: skip
 
@@ -180,7 +188,7 @@ def torchtitan_mfu(run: PublishedRun, num_params: int, tokens_per_s_per_gpu: flo
 def main() -> int:
     t0 = time.perf_counter()
     head = ("model", "seq", "local batch", "AC (published)", "autoplan config", "pred tok/s/GPU", "published",
-            "error", "pred MFU", "pub MFU", "pred peak GiB", "feasible")  # fmt: skip
+            "error", "pred MFU", "pub MFU", "pred comm ms (exposed)", "pred peak GiB", "feasible")  # fmt: skip
     print(" | ".join(head))
     errors, mem_errors, encoding = [], [], []
     for run in RUNS:
@@ -193,7 +201,8 @@ def main() -> int:
         print(
             f"{run.shape.name} | {run.seq_len} | {run.local_batch} | {run.activation_checkpointing} | {p.config} | "
             f"{p.tokens_per_s_per_gpu:,.0f} | {run.tokens_per_s_per_gpu:,.0f} | {err:+.1%} | {p.mfu:.1%} | "
-            f"{run.mfu:.1%} | {p.peak_memory_gib:.1f} | {'yes' if p.feasible else 'NO'}",
+            f"{run.mfu:.1%} | {p.comm_s * 1e3:,.0f} ({p.exposed_comm_s * 1e3:,.0f}) | {p.peak_memory_gib:.1f} | "
+            f"{'yes' if p.feasible else 'NO'}",
             flush=True,
         )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

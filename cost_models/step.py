@@ -85,8 +85,9 @@ collective is exposed: ``F_k = sum c + sum g``, reductions after the backward.
 The estimate's :class:`~autoplan.cost_models.comm_schedule.CommTotals` lists, for the pipeline rank
 with the most exposed communication, every collective of the step per kind and axis: ZeRO-3
 gathers, gradient reductions and ZeRO 1-2 gathers (``dp``), tensor-parallel conversions
-(``redistribute`` on ``tp``: the per-segment sums keep their time, not their kind or bytes; all
-exposed, they run in the compute stream, again in the backward under full recomputation) and
+(``redistribute`` on ``tp``: the per-segment sums keep their time, not their kind or bytes, so
+its count is the segment passes that have any and its bytes 0; all exposed, they run in the
+compute stream, again in the backward under full recomputation) and
 pipeline transfers (``send_recv`` on ``pp``). Exposed is the time the compute stream waits
 (the compute slowdown counts as compute); ``exposed_comm_s`` is the rows' sum.
 
