@@ -16,10 +16,12 @@ SGD 4 + 4 + 0. A frozen parameter (``requires_grad=False``) is never updated: we
 
 Activations saved for backward are forward values read by the backward; each costs its local
 bytes (elements x item size, :func:`tensor_bytes` at full size; ``P`` keeps a full-size buffer).
-Two measures use these rules: the per-operator peak of the ILP and its plan
-(:mod:`autoplan.passes.liveness` times the values' lifetimes) and the per-stage memory of the
-joint search and ``autoplan.estimate`` (:func:`stage_memory_parts`, summed per pipeline rank by
-:mod:`autoplan.cost_models.step`).
+Both memory measures are one liveness model: the per-operator peak of the ILP and its plan
+(:mod:`autoplan.passes.liveness` times the values' lifetimes) and the per-stage peak of the
+joint search and ``autoplan.estimate`` (:func:`stage_memory_parts`, over the per-segment numbers
+:mod:`autoplan.planner.segment_costs` reads off the same lifetimes; a pipeline rank's stages
+combined by :func:`rank_memory_parts`). Both add :func:`allocator_margin_bytes` and compare with
+:func:`usable_memory_bytes`.
 """
 
 from __future__ import annotations
