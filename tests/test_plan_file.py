@@ -12,12 +12,11 @@ import pytest
 
 import autoplan
 from autoplan.passes.trace import trace_training_step
+from autoplan.planner.plan import CollectiveRecord, comm_totals, exposed_within_own_time
 from tests import zoo
 
 SOLVER_TIMING_KEYS = ("solve_time_s", "plan_time_s")
 """Wall-clock fields under "solver": the only parts of a plan that may differ between two runs."""
-
-
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +199,69 @@ def test_model_that_cannot_fit_raises_infeasible_plan_error_in_gib():
     with pytest.raises(autoplan.InfeasiblePlanError, match="GiB") as info:
         zoo.plan_workload(zoo.on_meta(zoo.huge))
     assert "2 devices" in str(info.value)
+
+
+# --- communication per kind and axis (issue #19: the review numbers agree with themselves) --------
+
+
+def _record(kind: str, time_s: float, exposed_s: float, *, overlappable: bool, consumer: str) -> CollectiveRecord:
+    return CollectiveRecord(
+        producer="x", consumer=consumer, arg_index=0 if not overlappable else -1, src=("S(0)",), dst=("R",),
+        steps=((kind, 0),), time_s=time_s, overlappable=overlappable, exposed_s=exposed_s,
+    )  # fmt: skip
+
+
+def test_a_wait_behind_an_earlier_reduction_is_charged_to_that_reduction_not_the_gather():
+    # the replay: a 5 ms gradient reduce-scatter is issued, then a 1 ms all-gather is needed at once;
+    # the compute stream waits 4 ms for the gather (3 ms of them queued behind the reduce-scatter)
+    records = [
+        _record("reduce_scatter", 5e-3, 0.0, overlappable=True, consumer="p_w"),
+        _record("all_gather", 1e-3, 4e-3, overlappable=False, consumer="mm"),
+    ]
+
+    exposed = exposed_within_own_time(records)
+    totals = comm_totals(records, ("dp",))
+
+    assert exposed == pytest.approx((3e-3, 1e-3))
+    assert [(r.kind, r.total_s, r.exposed_s) for r in totals.rows] == [
+        ("all_gather", 1e-3, pytest.approx(1e-3)),
+        ("reduce_scatter", 5e-3, pytest.approx(3e-3)),
+    ]
+    assert totals.exposed_s == pytest.approx(4e-3)  # the replay's wait, all of it
+
+
+def test_an_exposure_no_collective_can_carry_is_refused_not_clamped():
+    records = [_record("all_gather", 1e-3, 4e-3, overlappable=False, consumer="mm")]  # waits for nothing else
+
+    with pytest.raises(ValueError, match="exposed"):
+        comm_totals(records, ("dp",))
+
+
+def test_plan_file_has_the_step_communication_per_kind_and_axis_summing_to_the_estimate():
+    gpt2 = zoo.plan_workload(zoo.on_meta(zoo.gpt2_4_layers), autoplan.Cluster.preset("4xCPU", mesh_shape=(2, 2)))
+    d = json.loads(json.dumps(gpt2.to_dict()))
+    est = d["estimate"]
+
+    assert {r["axis"] for r in est["comm"]} <= {"intra0", "intra1"} and est["comm"]
+    assert sum(r["total_s"] for r in est["comm"]) == pytest.approx(est["comm_s"])
+    assert sum(r["exposed_s"] for r in est["comm"]) == pytest.approx(est["exposed_comm_s"])
+    assert all(0 <= r["exposed_s"] <= r["total_s"] for r in est["comm"])
+    assert autoplan.Plan.from_dict(d).estimate.comm == gpt2.estimate.comm
+
+
+def test_plan_file_without_the_communication_rows_still_loads(plan_dict):
+    del plan_dict["estimate"]["comm"]  # written before issue #19
+
+    plan = autoplan.Plan.from_dict(plan_dict)
+
+    assert plan.estimate.comm.rows == ()
+    assert plan.estimate.comm_s == plan_dict["estimate"]["comm_s"]
+
+
+def test_a_communication_row_exposing_more_than_its_total_is_a_malformed_plan_file(plan_dict):
+    plan_dict["estimate"]["comm"] = [
+        {"kind": "all_gather", "axis": "intra", "count": 1, "bytes": 8.0, "total_s": 1e-3, "exposed_s": 2e-3}
+    ]
+
+    with pytest.raises(autoplan.PlanFileError, match="malformed.*exposed"):
+        autoplan.Plan.from_dict(plan_dict, where="plan file 'hand_edited.json'")

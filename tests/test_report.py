@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from autoplan.cost_models.errors import PlanFileError
-from autoplan.planner.plan import Plan
+from autoplan.planner.plan import CollectiveRecord, Plan
 from autoplan.tools import report
 from tests import zoo
 
@@ -74,7 +74,8 @@ def test_page_has_every_section_and_chart(plans, kind):  # noqa: ANN001
 
     for section in SECTIONS:
         assert f'id="{section}"' in page
-    for label in ("pipeline schedule" if kind == "pipeline" else "single-device timeline", "memory per device",
+    timeline = "compute and communication streams" if report.stream_timeline(plans[kind]) else "single-device timeline"
+    for label in ("pipeline schedule" if kind == "pipeline" else timeline, "memory per device",
                   "time breakdown"):  # fmt: skip
         assert f'aria-label="{label}"' in page
     assert page.count('class="c p') == len(plans[kind].nodes)  # one cell per operator
@@ -319,3 +320,75 @@ def test_report_renders_in_headless_chromium(browser_context, plans, kind, tmp_p
     assert shot.stat().st_size > 20_000
     assert messages == []
     page.close()
+
+
+# --- the timeline is the step replay: compute and communication streams (issue #19) --------------
+
+
+def _replayed(plan: Plan) -> Plan:
+    """The ILP plan with two collectives as the step replay would record them, 6 ms step, 4.5 ms
+    compute: a gradient reduce-scatter issued at 1 ms that finishes at 3 ms while compute runs
+    (hidden), and an operand all-gather on the link 4..5.5 ms that the compute stream waits for
+    from 4 ms (exposed 1.5 ms)."""
+    grad = CollectiveRecord(
+        producer="mm", consumer="p_w", arg_index=-1, src=("P",), dst=("S(0)",), steps=(("reduce_scatter", 0),),
+        time_s=2e-3, overlappable=True, exposed_s=0.0, issue_s=1e-3, finish_s=3e-3,
+    )  # fmt: skip
+    gather = CollectiveRecord(
+        producer="p_v", consumer="mm_2", arg_index=1, src=("S(0)",), dst=("R",), steps=(("all_gather", 0),),
+        time_s=1.5e-3, exposed_s=1.5e-3, issue_s=4e-3, finish_s=5.5e-3,
+    )  # fmt: skip
+    estimate = dataclasses.replace(
+        plan.estimate, step_time_s=6e-3, compute_s=4.5e-3, comm_s=3.5e-3, exposed_comm_s=1.5e-3
+    )
+    return dataclasses.replace(plan, collectives=(grad, gather), estimate=estimate)
+
+
+def test_timeline_draws_a_hidden_collective_under_compute_and_an_exposed_one_as_a_wait(plans):  # noqa: ANN001
+    plan = _replayed(plans["ilp"])
+    tl = report.stream_timeline(plan)
+
+    assert tl is not None
+    assert tl.compute == ((0.0, 4e-3), (5.5e-3, 6e-3))  # the compute stream waits 4..5.5 ms
+    assert tl.waits == ((4e-3, 5.5e-3),)
+    pieces = {what.split(":")[0]: report._split_by_waits(a, b, tl.waits) for a, b, _, what in tl.comm}  # noqa: SLF001
+    assert pieces == {"reduce_scatter": [(1e-3, 3e-3, False)], "all_gather": [(4e-3, 5.5e-3, True)]}
+    page = report.render_html(plan)
+    assert "compute stream" in page and f"comm {plan.placement_axis_names[0]}" in page
+    assert page.count('class="comm"') == 2
+    assert "hidden 2 ms of reduce_scatter" in page and "exposed 1.5 ms of all_gather" in page
+
+
+def test_timeline_of_a_planned_step_waits_exactly_the_exposed_communication():
+    plan = zoo.plan_workload(zoo.on_meta(zoo.gpt2_4_layers), "4xCPU")
+    e = plan.estimate
+    tl = report.stream_timeline(plan)
+
+    assert tl is not None and tl.comm
+    assert sum(b - a for a, b in tl.waits) == pytest.approx(e.exposed_comm_s)
+    assert sum(b - a for a, b in tl.compute) == pytest.approx(e.step_time_s - e.exposed_comm_s)
+    assert "Timeline: compute and communication streams" in report.render_html(plan)
+
+
+def test_a_plan_without_replay_times_gets_the_schematic_said_to_be_one(plans):  # noqa: ANN001
+    old = dataclasses.replace(
+        plans["ilp"],
+        collectives=tuple(
+            dataclasses.replace(c, issue_s=None, finish_s=None) for c in _replayed(plans["ilp"]).collectives
+        ),
+    )
+
+    assert report.stream_timeline(old) is None
+    assert "Timeline (schematic)" in report.render_html(old)
+
+
+def test_report_has_the_whole_step_communication_per_kind_and_axis_with_its_sum(plans):  # noqa: ANN001
+    plan = plans["pipeline"]
+    e = plan.estimate
+    page = report.render_html(plan)
+    table = page.split('<table id="comm">')[1].split("</table>")[0]
+
+    assert e.comm.rows and e.comm.total_s == pytest.approx(e.comm_s)
+    assert table.count("<tr>") == 1 + len(e.comm.rows) + 1  # header, rows, sum
+    assert "= the estimate&#x27;s communication" in page
+    assert "per traced block and micro-batch" in page

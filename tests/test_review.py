@@ -508,7 +508,8 @@ def test_show_of_a_pipeline_plan_groups_the_parameters_of_repeated_blocks(pipeli
 
 def collective_axis_names(text: str) -> set[str]:
     """Mesh axis names in the rows of the collectives table (``all_gather [dp]``)."""
-    rows = text.split("Collectives per step\n", 1)[1].splitlines()[2:]  # below the header and its rule
+    table = text.split("\nCollectives ", 1)[1]  # "per step (...)" or "of one stage program, per traced block ..."
+    rows = table.split("\n\n")[0].splitlines()[3:]  # below the title, the header and its rule
     return {name for row in rows for group in re.findall(r"\[([^\]]+)\]", row) for name in group.split(",")}
 
 
@@ -525,3 +526,67 @@ def test_show_of_a_pipeline_plan_on_a_one_axis_cluster_prints_its_collectives(pi
     names = collective_axis_names(show_text(plan))
 
     assert names <= {"dp", "tp"}
+
+
+# --- communication: whole step, per kind and axis, summing to the estimate (issue #19) -----------
+
+
+LLAMA3_8B = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336, "vocab": 128256, "positions": 8192}
+"""Llama-3-8B (Meta, model card): the shape of benchmarks/planner_speed.py's llama3-8b case."""
+
+
+@pytest.fixture(scope="module")
+def llama8b_zero3_plan() -> autoplan.Plan:
+    """Llama-3-8B, 8k tokens per sample, on 8x8 H100 at dp=64 ZeRO-3, 8 micro-batches of 1 (global
+    batch 512, bf16), on meta: the plan issue #19 found printing "communication 0.000 ms"."""
+    from tests.zoo import llama_lm, lm_loss
+
+    with torch.device("meta"):
+        ids = torch.randint(0, LLAMA3_8B["vocab"], (1, LLAMA3_8B["positions"]))
+        model = llama_lm(**LLAMA3_8B)
+    config = autoplan.ParallelConfig(dp=64, tp=1, pp=1, microbatch_size=1, num_microbatches=8, zero_stage=3)
+    return autoplan.plan(
+        model, "8x8xH100", example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), global_batch_size=512,
+        precision="bf16", config=config,
+    )  # fmt: skip
+
+
+def test_the_8b_zero3_plan_prints_its_whole_step_communication_not_zero(llama8b_zero3_plan):
+    plan = llama8b_zero3_plan
+    e = plan.estimate
+    text = show_text(plan)
+    rows = {(r.kind, r.axis): r for r in e.comm.rows}
+
+    assert "communication 0.000 ms" not in plan.summary()
+    assert e.comm_s > 0.1  # seconds: 16 GB of bf16 weights gathered twice per micro-batch over 64 ranks
+    # every block is gathered in every micro-batch's forward and again in its backward (reshard after forward)
+    assert rows["all_gather", "dp"].count >= 2 * 8 * LLAMA3_8B["layers"]
+    assert rows["reduce_scatter", "dp"].count >= 1
+    assert all(0 <= r.exposed_s <= r.total_s for r in e.comm.rows)
+    assert e.comm.total_s == pytest.approx(e.comm_s) and e.comm.exposed_s == pytest.approx(e.exposed_comm_s)
+    assert "(= the estimate's communication" in text
+    assert "per traced block and micro-batch" in text  # the stage program's table says what it counts
+
+
+def test_show_sum_lines_add_up_to_the_estimate_and_no_row_exposes_more_than_its_time(gpt2_plan):
+    text = show_text(gpt2_plan)
+    e = gpt2_plan.estimate
+
+    comm = text.split("Communication per step")[1].split("\n\n")[0].splitlines()
+    total_ms, exposed_ms = (float(x) for x in next(line for line in comm if line.startswith("sum")).split()[-2:])
+    assert total_ms == pytest.approx(e.comm_s * 1e3, abs=1e-3)
+    assert exposed_ms == pytest.approx(e.exposed_comm_s * 1e3, abs=1e-3)
+    table_lines = text.split("Collectives per step")[1].splitlines()[3:]
+    for line in table_lines:
+        ms, exposed = (float(x) for x in line.split()[-2:])
+        assert exposed <= ms
+    assert float(table_lines[-1].split()[-2]) == pytest.approx(e.comm_s * 1e3, abs=1e-3)
+
+
+def test_show_of_a_plan_file_from_before_the_rows_says_they_are_not_recorded(gpt2_plan):
+    d = json.loads(json.dumps(gpt2_plan.to_dict()))
+    del d["estimate"]["comm"]
+
+    text = show_text(autoplan.Plan.from_dict(d))
+
+    assert "Communication per step: not recorded per kind in this plan file" in text

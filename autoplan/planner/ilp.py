@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.cost_models.cluster import Cluster
-from autoplan.cost_models.comm import overlaps_compute, transition_cost_s
+from autoplan.cost_models.comm import link_time_s, overlaps_compute, step_bytes, transition_cost_s
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.memory import device_kind, tensor_bytes, usable_memory_bytes
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
@@ -30,7 +30,7 @@ from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, 
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import planning_mesh, stage_cluster
-from autoplan.planner.plan import CollectiveRecord, Estimate, Plan, software_versions
+from autoplan.planner.plan import CollectiveRecord, Estimate, Plan, comm_totals, software_versions
 from autoplan.planner.solver import ShardingILP, Solution, SolverOptions
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ def plan_traced(
         device_overlaps=overlaps_compute(cluster.device),
     )
     memory = _peak_memory(traced, assignment, redistributions, cluster, optimizer)
+    records = _collective_records(redistributions, times_s, schedule, order)
     estimate = Estimate(
         step_time_s=schedule.step_time_s,
         compute_s=schedule.compute_s,
@@ -186,6 +187,7 @@ def plan_traced(
         memory_bytes=memory.as_dict(),
         memory_peak_at=memory.peak_at,
         capacity_bytes=usable_memory_bytes(cluster.device.mem_capacity_bytes, device_kind(cluster.device)),
+        comm=comm_totals(records, cluster.mesh_axis_names, _step_costs(traced, redistributions, cluster)),
     )
     plan = Plan(
         fingerprint=traced.fingerprint,
@@ -199,7 +201,7 @@ def plan_traced(
         param_specs={n: tuple(spec_strs(assignment[param_node_name(n)].output_specs[0])) for n in traced.param_names},
         nodes=_node_records(traced, table, assignment),
         fallback_ops=dict(table.fallback_ops),
-        collectives=_collective_records(redistributions, times_s, schedule, order),
+        collectives=records,
         estimate=estimate,
         solver={
             "status": solution.status,
@@ -259,6 +261,28 @@ def _collective_times(
     return times_s
 
 
+def _step_costs(
+    traced: TracedProgram, redistributions: Sequence[Redistribution], cluster: Cluster
+) -> list[list[tuple[float, float]]]:
+    """``(bytes, seconds)`` of each collective step of every redistribution, priced as
+    :func:`~autoplan.cost_models.comm.transition_cost_s` prices the whole (the plan's per kind
+    and mesh axis account splits a multi-step conversion by these)."""
+    node_by_name = {n.name: n for n in traced.graph_module.graph.nodes}
+    out = []
+    for r in redistributions:
+        full_bytes = _value_bytes(node_by_name, r.producer)
+        cur, costs = list(r.src), []
+        for step in r.steps:
+            if step.is_collective:
+                nbytes = step_bytes(step, cur, full_bytes, cluster.mesh_shape)
+                link = cluster.axis_link(step.axis)
+                t = link_time_s(step.kind, nbytes, cluster.mesh_shape[step.axis], link, backend=cluster.backend)
+                costs.append((nbytes, t))
+            cur[step.axis] = step.dst
+        out.append(costs)
+    return out
+
+
 def _collective_records(
     redistributions: Sequence[Redistribution], times_s: Sequence[float], schedule: StepSchedule, order: CommSchedule
 ) -> tuple[CollectiveRecord, ...]:
@@ -276,6 +300,8 @@ def _collective_records(
             bucket=f"{r.bucket}#{slot.bucket}" if slot.bucket is not None else None,
             overlappable=sc.overlappable,
             exposed_s=sc.exposed_s,
+            issue_s=sc.issue_s,
+            finish_s=sc.finish_s,
         )
         for r, t, sc, slot in zip(redistributions, times_s, schedule.collectives, order.slots, strict=True)
     )

@@ -379,7 +379,7 @@ def _stage_estimate(best: TrainingEstimate, stage: Plan) -> Estimate:
     return Estimate(
         step_time_s=best.step_time_s,
         compute_s=best.compute_s,
-        comm_s=best.exposed_comm_s,
+        comm_s=best.comm.total_s,
         memory_bytes={**parts, "total": best.peak_memory_bytes},
         capacity_bytes=best.capacity_bytes,
         memory_peak_at=f"stage {worst}",
@@ -389,4 +389,5 @@ def _stage_estimate(best: TrainingEstimate, stage: Plan) -> Estimate:
         mfu=best.mfu,
         tokens_per_s=best.tokens_per_s,
         memory_per_device_bytes=best.memory_per_device_bytes,
+        comm=best.comm,
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from autoplan.cost_models.cluster import COLLECTIVE_KINDS, LOCAL_KINDS, Cluster
+from autoplan.cost_models.comm_schedule import CommRow, CommTotals
 from autoplan.cost_models.config import PRECISIONS, RECOMPUTE, ParallelConfig, field_name_problem
 from autoplan.cost_models.echo import clip, clip_text, terminal_safe
 from autoplan.cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
@@ -68,7 +69,13 @@ class CollectiveRecord:
     """Issued ahead of its first use, so it can run during compute (a gradient reduction during
     the backward); operand conversions and end-of-step buckets cannot."""
     exposed_s: float | None = None
-    """Part of ``time_s`` the step waits for (``None`` in plans from before overlap modelling)."""
+    """Seconds the compute stream waits for it, queueing behind earlier collectives included
+    (``None`` in plans from before overlap modelling; see :func:`exposed_within_own_time`)."""
+    issue_s: float | None = None
+    """When the step replay (:mod:`autoplan.passes.overlap`) starts it on the communication
+    stream, in seconds from the step's start (``None`` in plans from before it was recorded)."""
+    finish_s: float | None = None
+    """When it finishes there; the compute stream's wait for it ends then."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +89,8 @@ class CollectiveRecord:
             "time_s": self.time_s,
             "overlappable": self.overlappable,
             "exposed_s": self.exposed_s,
+            "issue_s": self.issue_s,
+            "finish_s": self.finish_s,
         }
 
     @staticmethod
@@ -97,7 +106,91 @@ class CollectiveRecord:
             bucket=d.get("bucket"),
             overlappable=bool(d.get("overlappable", False)),
             exposed_s=None if d.get("exposed_s") is None else float(d["exposed_s"]),
+            issue_s=None if d.get("issue_s") is None else float(d["issue_s"]),
+            finish_s=None if d.get("finish_s") is None else float(d["finish_s"]),
         )
+
+
+def exposed_within_own_time(collectives: Sequence[CollectiveRecord]) -> tuple[float, ...]:
+    """Seconds the step waits for each collective, at most the collective's own time, adding up
+    to the same total as the records' ``exposed_s``.
+
+    The step replay (:mod:`autoplan.passes.overlap`) charges a blocking conversion with the whole
+    wait of the compute stream, queueing included: when the one communication stream is still busy
+    with gradient reductions issued earlier, the compute stream really waits for *them* (they were
+    not hidden), and the conversion's ``exposed_s`` exceeds its own ``time_s`` (so does a gradient
+    bucket's, charged to its first member for all of them). That excess is moved to the other
+    members of its bucket, then to the asynchronous (``overlappable``) collectives issued before it, latest first, each up to
+    the part of its time not yet exposed, then to the later ones. Records with ``exposed_s is
+    None`` (plans from before overlap modelling) are all exposed. An excess no asynchronous
+    collective can carry stays where it is (and :class:`~autoplan.cost_models.comm_schedule.CommRow`
+    rejects it: a replay bug, not a rounding)."""
+    raw = [c.time_s if c.exposed_s is None else max(0.0, c.exposed_s) for c in collectives]
+    out = [min(r, c.time_s) for r, c in zip(raw, collectives, strict=True)]
+    # who can carry a wait: asynchronous collectives, and every member of a bucket (one collective)
+    room = [
+        c.time_s - o if c.overlappable or c.bucket is not None else 0.0 for c, o in zip(collectives, out, strict=True)
+    ]
+    members: dict[str, list[int]] = {}
+    for j, c in enumerate(collectives):
+        if c.bucket is not None:
+            members.setdefault(c.bucket, []).append(j)
+    for j, c in enumerate(collectives):
+        excess = raw[j] - out[j]
+        if excess <= 0.0:
+            continue
+        same = members[c.bucket] if c.bucket is not None else []
+        for k in (*same, *range(j - 1, -1, -1), *range(j + 1, len(collectives))):
+            give = min(excess, room[k])
+            out[k] += give
+            room[k] -= give
+            excess -= give
+            if excess <= 0.0:
+                break
+        out[j] += max(excess, 0.0)
+    return tuple(out)
+
+
+def comm_totals(
+    collectives: Sequence[CollectiveRecord],
+    axis_names: Sequence[str],
+    step_costs: Sequence[Sequence[tuple[float, float]]] | None = None,
+) -> CommTotals:
+    """The step's communication per kind and mesh axis from the plan's redistributions, when those
+    are the whole step (a plan on a fixed mesh: one program, every op of it once).
+
+    ``step_costs[j]`` gives ``(bytes, seconds)`` of each collective step of ``collectives[j]``
+    (the steps of kind in ``COLLECTIVE_KINDS``, in order): a record's time and exposure are split
+    over its steps in proportion to the seconds (evenly without ``step_costs``, bytes then 0).
+    Exposure is :func:`exposed_within_own_time`. Members of one gradient bucket are one collective
+    (counted once); local steps (``shard``, ``to_partial``) move no data and get no row."""
+    exposed = exposed_within_own_time(collectives)
+    rows: list[CommRow] = []
+    seen: set[tuple[str, str, int]] = set()
+    for j, c in enumerate(collectives):
+        steps = [(kind, axis) for kind, axis in c.steps if kind in COLLECTIVE_KINDS]
+        if not steps:
+            continue
+        costs = list(step_costs[j]) if step_costs is not None else [(0.0, 1.0)] * len(steps)
+        if len(costs) != len(steps):
+            raise ValueError(f"{c.producer} -> {c.consumer}: {len(costs)} step costs for {len(steps)} collective steps")
+        weight = sum(t for _, t in costs)
+        for (kind, axis), (nbytes, t) in zip(steps, costs, strict=True):
+            share = t / weight if weight > 0 else 1.0 / len(steps)
+            first = c.bucket is None or (c.bucket, kind, axis) not in seen
+            if c.bucket is not None:
+                seen.add((c.bucket, kind, axis))
+            rows.append(
+                CommRow(
+                    kind=kind,
+                    axis=axis_names[axis],
+                    count=int(first),
+                    bytes=nbytes,
+                    total_s=c.time_s * share,
+                    exposed_s=exposed[j] * share,
+                )
+            )
+    return CommTotals.merge(rows)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +218,10 @@ class Estimate:
     tokens_per_s: float | None = None
     memory_per_device_bytes: tuple[float, ...] = ()
     """Peak bytes per device of each pipeline rank (plans made with a global batch)."""
+    comm: CommTotals = CommTotals()
+    """The whole step's communication per kind and mesh axis (every block, micro-batch, bucket
+    and pipeline transfer), rows summing to ``comm_s`` and ``exposed_comm_s``; empty in plan
+    files written before it was recorded."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -240,8 +337,20 @@ class Plan:
             out[f"target_{i}"] = Strategy((parse_spec(s),), ())
         return out
 
+    def step_collective_counts(self) -> dict[str, int]:
+        """Collectives of each kind the whole step runs (``estimate.comm``), else those of the
+        plan's program (:meth:`collective_counts`)."""
+        if not self.estimate.comm.rows:
+            return self.collective_counts()
+        counts: dict[str, int] = {}
+        for r in self.estimate.comm.rows:
+            counts[r.kind] = counts.get(r.kind, 0) + r.count
+        return dict(sorted(counts.items()))
+
     def collective_counts(self) -> dict[str, int]:
-        """Number of collectives of each kind one step runs (local steps excluded)."""
+        """Number of collectives of each kind the plan's program runs once (local steps excluded):
+        the whole step on a fixed mesh; one stage program for one micro-batch of a pipeline plan
+        (the whole step's are in ``estimate.comm``)."""
         counts: dict[str, int] = {}
         seen_buckets: set[str] = set()
         for c in self.collectives:
@@ -299,6 +408,16 @@ class Plan:
             f"  estimated step: {e.step_time_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f} ms, "
             f"communication {e.comm_s * 1e3:.3f} ms"
             + (f", of which exposed {e.exposed_comm_s * 1e3:.3f} ms)" if e.exposed_comm_s is not None else ")"),
+            *(
+                [
+                    "  communication per kind and axis (ms, exposed): "
+                    + ", ".join(
+                        f"{r.kind}@{r.axis} {r.total_s * 1e3:.3f} ({r.exposed_s * 1e3:.3f})" for r in e.comm.rows
+                    )
+                ]
+                if e.comm.rows
+                else []
+            ),
             "  op times: "
             + (
                 f"{e.compute_sources.get('profiled', 0)} profiled, {e.compute_sources.get('analytic', 0)} analytic"
@@ -330,8 +449,11 @@ class Plan:
                 + f"; each on a stage mesh {dict(zip(self.pipeline.stage_axis_names, self.pipeline.stage_mesh_shape, strict=True))}"
             ),
             "  inputs: " + ", ".join(spec_text(s) for s in self.input_specs),
-            "  collectives per step: "
-            + (", ".join(f"{k} x{v}" for k, v in self.collective_counts().items()) or "none"),
+            (
+                "  collectives per step: "
+                + (", ".join(f"{k} x{v}" for k, v in self.step_collective_counts().items()) or "none")
+                + ("" if self.pipeline is None or self.estimate.comm.rows else " (one stage program, one micro-batch)")
+            ),
         ]
         if self.fallback_ops:
             lines.append(
@@ -399,6 +521,7 @@ class Plan:
                 "memory_peak_at": e.memory_peak_at,
                 "compute_sources": dict(e.compute_sources),
                 "exposed_comm_s": e.exposed_comm_s,
+                "comm": e.comm.to_list(),
                 **{k: getattr(e, k) for k in _ESTIMATE_OPTIONAL if getattr(e, k) is not None},
                 **({"memory_per_device_bytes": list(e.memory_per_device_bytes)} if e.memory_per_device_bytes else {}),
             },
@@ -456,6 +579,7 @@ class Plan:
                     mfu=None if est.get("mfu") is None else float(est["mfu"]),
                     tokens_per_s=None if est.get("tokens_per_s") is None else float(est["tokens_per_s"]),
                     memory_per_device_bytes=tuple(float(x) for x in est.get("memory_per_device_bytes", ())),
+                    comm=CommTotals(tuple(_comm_row(r) for r in est.get("comm", ()))),
                 ),
                 config=ParallelConfig.from_dict(dict(d["config"])) if d.get("config") is not None else None,
                 pipeline=PipelineLayout.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
@@ -511,6 +635,17 @@ class Plan:
                 f"plan file {clip(str(path))} {exc}: it is not a plan written by autoplan; re-create it with `autoplan plan`"
             ) from None
         return Plan.from_dict(data, where=f"plan file {str(path)!r}")
+
+
+def _comm_row(d: Mapping[str, Any]) -> CommRow:
+    return CommRow(
+        kind=str(d["kind"]),
+        axis=str(d["axis"]),
+        count=int(d["count"]),
+        bytes=float(d["bytes"]),
+        total_s=float(d["total_s"]),
+        exposed_s=float(d["exposed_s"]),
+    )
 
 
 def _check_plan_values(plan: Plan) -> None:

@@ -34,11 +34,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from autoplan.cost_models.cluster import COLLECTIVE_KINDS
 from autoplan.cost_models.config import SCHEDULES, ScheduleName
 from autoplan.cost_models.files import atomic_write, refuse_overwriting_inputs
 from autoplan.cost_models.schedule import PipelineTimeline, StageTimes, simulate
-from autoplan.planner.plan import CollectiveRecord, Plan
+from autoplan.planner.plan import CollectiveRecord, Plan, exposed_within_own_time
 from autoplan.tools import console
+from autoplan.tools.review import comm_sum_note
 
 CHART_WIDTH_PX = 960
 LABEL_WIDTH_PX = 110
@@ -566,10 +568,130 @@ def _single_device_chart(plan: Plan) -> tuple[str, str]:
     )
     caption = (
         f"No pipeline: one device's step of {fmt_s(e.step_time_s)}"
-        f"{f' ({m} micro-batches, gradient accumulation)' if m > 1 else ''}. Schematic: the plan stores no "
-        f"per-operator times, so the compute {fmt_s(e.compute_s)} is spread evenly over the {len(plan.nodes)} "
+        f"{f' ({m} micro-batches, gradient accumulation)' if m > 1 else ''}. Schematic, not the replay: this plan "
+        "records no issue and finish time per collective (a joint-search plan's collectives are one stage program's; "
+        "older plan files have none) and no per-operator times, so the compute {fmt_s(e.compute_s)} is spread evenly over the {len(plan.nodes)} "
         "operators; each operand conversion runs just before its consumer and the gradient reductions at the end; "
         f"their exposed part stalls compute.{scaled}"
+    )
+    return legend + svg, caption
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StreamTimeline:
+    """One device's step as the step replay (:mod:`autoplan.passes.overlap`) ran it."""
+
+    compute: tuple[tuple[float, float], ...]
+    """When the compute stream computes (s)."""
+    waits: tuple[tuple[float, float], ...]
+    """When it waits for communication: ``[finish - exposed, finish]`` of each collective waited for."""
+    comm: tuple[tuple[float, float, str, str], ...]
+    """``(issue, finish, mesh axis, what)`` of each collective on the communication stream
+    (a gradient bucket once)."""
+    end_s: float
+
+
+def stream_timeline(plan: Plan) -> StreamTimeline | None:
+    """The replayed step of a plan on a fixed mesh whose collectives carry their issue and finish
+    times (``None`` for pipeline plans, whose collectives are one stage program's, and for plan
+    files from before the times were recorded)."""
+    recs = plan.collectives
+    if plan.pipeline is not None or any(c.issue_s is None or c.finish_s is None for c in recs):
+        return None
+    axes = plan.placement_axis_names
+    waited: dict[str | int, tuple[float, float]] = {}  # collective (a bucket once) -> (finish, wait)
+    for j, c in enumerate(recs):
+        if c.exposed_s and c.finish_s is not None:
+            key = c.bucket if c.bucket is not None else j
+            waited[key] = (c.finish_s, waited.get(key, (0.0, 0.0))[1] + c.exposed_s)  # members share the wait
+    waits = [(max(0.0, finish - wait), finish) for finish, wait in waited.values()]
+    merged: list[tuple[float, float]] = []
+    for a, b in sorted(waits):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    end = plan.estimate.step_time_s
+    compute, t = [], 0.0
+    for a, b in merged:
+        if a > t:
+            compute.append((t, a))
+        t = max(t, b)
+    if end > t:
+        compute.append((t, end))
+    comm, seen = [], set()
+    for c in recs:
+        assert c.issue_s is not None and c.finish_s is not None  # checked above
+        if c.finish_s <= c.issue_s or (c.bucket is not None and c.bucket in seen):
+            continue
+        if c.bucket is not None:
+            seen.add(c.bucket)
+        names = sorted({axes[a] for k, a in c.steps if 0 <= a < len(axes) and k in COLLECTIVE_KINDS}) or ["local"]
+        what = f"{'+'.join(k for k, _ in c.steps)}: {c.producer} -> {c.consumer}" + (
+            f" (bucket {c.bucket})" if c.bucket else ""
+        )
+        comm.append((c.issue_s, c.finish_s, ",".join(names), what))
+    return StreamTimeline(compute=tuple(compute), waits=tuple(merged), comm=tuple(comm), end_s=max(end, t))
+
+
+def _split_by_waits(a: float, b: float, waits: Sequence[tuple[float, float]]) -> list[tuple[float, float, bool]]:
+    """``[a, b]`` cut into pieces during a wait of the compute stream (exposed) and not (hidden)."""
+    out, t = [], a
+    for wa, wb in waits:
+        if wb <= t or wa >= b:
+            continue
+        if wa > t:
+            out.append((t, wa, False))
+        out.append((max(t, wa), min(b, wb), True))
+        t = min(b, wb)
+    if t < b:
+        out.append((t, b, False))
+    return out
+
+
+def _stream_chart(plan: Plan, tl: StreamTimeline) -> tuple[str, str]:
+    e = plan.estimate
+    streams = sorted({axis for _, _, axis, _ in tl.comm})
+    row_h, gap, top = 24.0, 6.0, 4.0
+    x0, width = LABEL_WIDTH_PX, CHART_WIDTH_PX - LABEL_WIDTH_PX - 10
+    scale = width / tl.end_s if tl.end_s > 0 else 0.0
+    titled = len(tl.comm) <= MAX_TITLED_BARS
+    body = [_text(x0 - 8, top + row_h / 2 + 4, "compute stream", "end")]
+    for a, b in tl.compute:
+        body.append(
+            _rect(
+                x0 + a * scale, top, (b - a) * scale, row_h, _TIME_COLOURS["compute"], f"compute {fmt_s(a)}–{fmt_s(b)}"
+            )
+        )
+    for a, b in tl.waits:
+        tip = f"compute waits for communication {fmt_s(a)}–{fmt_s(b)}"
+        body.append(_rect(x0 + a * scale, top, max((b - a) * scale, 0.75), row_h, _IDLE_COLOUR, tip))
+    for r, axis in enumerate(streams):
+        y = top + (r + 1) * (row_h + gap)
+        body.append(_text(x0 - 8, y + row_h / 2 + 4, f"comm {axis}", "end"))
+        for a, b, ax, what in tl.comm:
+            if ax != axis:
+                continue
+            for pa, pb, exposed in _split_by_waits(a, b, tl.waits):
+                fill = _TIME_COLOURS["exposed communication"] if exposed else _HIDDEN_COLOUR
+                tip = (
+                    f"{'exposed' if exposed else 'hidden'} {fmt_s(pb - pa)} of {what}, on the link "
+                    f"{fmt_s(a)}–{fmt_s(b)}"
+                    if titled
+                    else ""
+                )
+                body.append(_rect(x0 + pa * scale, y, max((pb - pa) * scale, 0.75), row_h, fill, tip, ' class="comm"'))
+    axis_y = top + (len(streams) + 1) * (row_h + gap)
+    body += _time_axis(tl.end_s, x0, width, axis_y)
+    svg = _svg(CHART_WIDTH_PX, axis_y + 24, body, "compute and communication streams")
+    legend = _legend([("compute", _TIME_COLOURS["compute"]), ("compute waits for communication", _IDLE_COLOUR),
+                      ("communication the compute stream waits for (exposed)", _TIME_COLOURS["exposed communication"]),
+                      ("communication hidden under compute", _HIDDEN_COLOUR)])  # fmt: skip
+    caption = (
+        f"One device's step of {fmt_s(e.step_time_s)} as the step replay (<code>autoplan.passes.overlap</code>) "
+        "ran it: each collective from when it starts on the communication stream to when it finishes (one "
+        "stream per mesh axis; the replay queues them on one link), the compute stream busy except where it "
+        f"waits. Exposed {fmt_s(sum(b - a for a, b in tl.waits))} of {fmt_s(e.comm_s)} communication."
     )
     return legend + svg, caption
 
@@ -578,8 +700,12 @@ def _schedule_section(plan: Plan) -> str:
     if plan.config is not None and plan.config.pp > 1:
         body, caption = _gantt(plan)
         return _figure("schedule", "Pipeline schedule", body, caption)
+    tl = stream_timeline(plan)
+    if tl is not None:
+        body, caption = _stream_chart(plan, tl)
+        return _figure("schedule", "Timeline: compute and communication streams", body, caption)
     body, caption = _single_device_chart(plan)
-    return _figure("schedule", "Timeline", body, caption)
+    return _figure("schedule", "Timeline (schematic)", body, caption)
 
 
 # --------------------------------------------------------------------------------------------
@@ -703,11 +829,12 @@ def time_parts(plan: Plan) -> list[tuple[str, float]]:
 
 def collective_rows(plan: Plan) -> list[tuple[str, int, float, float, int]]:
     """Per kind of redistribution (its steps and mesh axes): count (a bucket once), total and
-    exposed seconds, and how many are overlappable; largest total first."""
+    exposed seconds (at most the total: :func:`~autoplan.planner.plan.exposed_within_own_time`),
+    and how many are overlappable; most exposed first."""
     axes = plan.placement_axis_names
     rows: dict[str, list[float]] = {}
     seen_buckets: set[tuple[str, str]] = set()
-    for c in plan.collectives:
+    for c, exposed in zip(plan.collectives, exposed_within_own_time(plan.collectives), strict=True):
         key = " + ".join(f"{k}@{axes[a] if 0 <= a < len(axes) else a}" for k, a in c.steps) or "(no step)"
         row = rows.setdefault(key, [0, 0.0, 0.0, 0])
         if c.bucket is None or (c.bucket, key) not in seen_buckets:
@@ -715,7 +842,7 @@ def collective_rows(plan: Plan) -> list[tuple[str, int, float, float, int]]:
             if c.bucket is not None:
                 seen_buckets.add((c.bucket, key))
         row[1] += c.time_s
-        row[2] += c.time_s if c.exposed_s is None else c.exposed_s
+        row[2] += exposed
         row[3] += int(c.overlappable)
     out = [(k, int(r[0]), r[1], r[2], int(r[3])) for k, r in rows.items()]
     return sorted(out, key=lambda r: (-r[2], -r[3], r[0]))
@@ -739,27 +866,40 @@ def _time_section(plan: Plan) -> str:
     e = plan.estimate
     hidden = e.comm_s - (e.exposed_comm_s if e.exposed_comm_s is not None else e.comm_s)
     rows = collective_rows(plan)
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        blocks = p.traced_blocks or len(p.segment_names) - 2
+        heading = (
+            f"<h3>Collectives of one stage program, per traced block and micro-batch</h3><p>The redistributions "
+            f"of the program planned for one stage: {blocks} traced block(s) of {len(p.segment_names) - 2}, one "
+            "micro-batch. Not the whole step (that is the table above).</p>"
+        )
+    else:
+        heading = "<h3>Collectives per step</h3><p>Each redistribution of the program, by kind.</p>"
     table = (
-        "<h3>Collectives</h3><table><tr><th>steps @ mesh axis</th><th class=n>count</th><th class=n>total time</th>"
+        heading + "<table><tr><th>steps @ mesh axis</th><th class=n>count</th><th class=n>total time</th>"
         "<th class=n>exposed</th><th class=n>overlappable</th></tr>"
         + "".join(
             f"<tr><td><code>{_e(k)}</code></td><td class=n>{n}</td><td class=n>{fmt_s(t)}</td>"
             f"<td class=n>{fmt_s(x)}</td><td class=n>{o}</td></tr>"
             for k, n, t, x, o in rows
         )
-        + "</table>"
+        + f"<tr><th>sum</th><th class=n>{sum(r[1] for r in rows)}</th><th class=n>{fmt_s(sum(r[2] for r in rows))}</th>"
+        f"<th class=n>{fmt_s(sum(r[3] for r in rows))}</th><th class=n>{sum(r[4] for r in rows)}</th></tr></table>"
         if rows
-        else "<h3>Collectives</h3><p>The plan has no redistribution: every operand already has the placement its consumer needs.</p>"
+        else heading
+        + "<p>The plan has no redistribution: every operand already has the placement its consumer needs.</p>"
     )
-    counts = ", ".join(f"{k} ×{v}" for k, v in plan.collective_counts().items()) or "none"
-    top = sorted(plan.collectives, key=lambda c: -c.time_s)[:10]
+    counts = ", ".join(f"{k} ×{v}" for k, v in plan.step_collective_counts().items()) or "none"
+    exposed = exposed_within_own_time(plan.collectives)
+    top = sorted(range(len(plan.collectives)), key=lambda j: -plan.collectives[j].time_s)[:10]
     top_rows = "".join(
         f"<tr><td><code>{_e(c.producer)}</code> → <code>{_e(c.consumer)}</code>[{c.arg_index}]</td>"
         f"<td><code>{_e(','.join(c.src))} → {_e(','.join(c.dst))}</code></td>"
         f"<td>{_e(' + '.join(k for k, _ in c.steps))}</td><td class=n>{fmt_s(c.time_s)}</td>"
-        f"<td class=n>{'-' if c.exposed_s is None else fmt_s(c.exposed_s)}</td><td>{_e(c.bucket or '')}</td></tr>"
-        for c in top
-        if c.time_s > 0
+        f"<td class=n>{fmt_s(exposed[j])}</td><td>{_e(c.bucket or '')}</td></tr>"
+        for j in top
+        if (c := plan.collectives[j]).time_s > 0
     )
     largest = (
         "<details><summary>largest redistributions</summary><table><tr><th>value → consumer[arg]</th>"
@@ -773,7 +913,37 @@ def _time_section(plan: Plan) -> str:
         f"Communication hidden behind compute: {fmt_s(max(hidden, 0.0))}. Collectives per step: {_e(counts)}; "
         "in the table a coalesced gradient bucket counts once, and times add up its members."
     )
-    return _figure("time", "Where the step goes", legend + svg + table + largest, caption)
+    return _figure("time", "Where the step goes", legend + svg + comm_table(plan) + table + largest, caption)
+
+
+def comm_table(plan: Plan) -> str:
+    """The whole step's communication per kind and mesh axis (``estimate.comm``) with its sum."""
+    e = plan.estimate
+    head = "<h3>Communication per step</h3>"
+    if not e.comm.rows:
+        if e.comm_s > 0 or plan.collectives:
+            return head + (
+                "<p>Not recorded per kind and axis in this plan file (written before autoplan recorded it): "
+                "re-plan with <code>autoplan plan</code> to see it.</p>"
+            )
+        return head + "<p>None.</p>"
+    what = "every block, micro-batch and bucket" if plan.pipeline is not None else "every collective of the program"
+    cells = "".join(
+        f"<tr><td><code>{_e(r.kind)}</code></td><td>{_e(r.axis)}</td><td class=n>{r.count:,}</td>"
+        f"<td class=n>{fmt_bytes(r.bytes) if r.bytes else '-'}</td><td class=n>{fmt_s(r.total_s)}</td>"
+        f"<td class=n>{fmt_s(r.exposed_s)}</td></tr>"
+        for r in e.comm.rows
+    )
+    total = (
+        f"<tr><th>sum</th><th></th><th class=n>{sum(r.count for r in e.comm.rows):,}</th>"
+        f"<th class=n>{fmt_bytes(sum(r.bytes for r in e.comm.rows))}</th><th class=n>{fmt_s(e.comm.total_s)}</th>"
+        f"<th class=n>{fmt_s(e.comm.exposed_s)}</th></tr>"
+    )
+    return (
+        f"{head}<p>The whole step, per device ({what}): total link time and the part the compute stream "
+        f'waits for.</p><table id="comm"><tr><th>kind</th><th>mesh axis</th><th class=n>count</th><th class=n>bytes</th>'
+        f"<th class=n>total</th><th class=n>exposed</th></tr>{cells}{total}</table><p>{_e(comm_sum_note(plan))}.</p>"
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,11 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from autoplan.cost_models.cluster import COLLECTIVE_KINDS
 from autoplan.cost_models.echo import terminal_safe
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.explain import Alternative, NodeExplanation
 from autoplan.passes.plan_text import param_node_name
-from autoplan.planner.plan import GiB, Plan
+from autoplan.planner.plan import GiB, Plan, exposed_within_own_time
 from autoplan.tools import common, console
 
 MiB = 1024**2
@@ -68,6 +69,7 @@ def show_text(plan: Plan) -> str:
         _header(plan),
         _mesh_section(plan),
         _time_section(plan),
+        _comm_section(plan),
         _memory_section(plan),
         _placements_section(plan),
         _collectives_section(plan),
@@ -189,6 +191,48 @@ def _time_section(plan: Plan) -> list[str]:
     return lines
 
 
+def comm_sum_note(plan: Plan) -> str:
+    """Whether the per kind and axis rows add up to the estimate's communication (they should:
+    the rows are how the estimate was made), said with the numbers."""
+    e = plan.estimate
+    total, exposed = e.comm.total_s, e.comm.exposed_s
+    estimate_exposed = e.exposed_comm_s if e.exposed_comm_s is not None else e.comm_s
+    if _close(total, e.comm_s) and _close(exposed, estimate_exposed):
+        return f"= the estimate's communication {_ms(e.comm_s)} ms, exposed {_ms(estimate_exposed)} ms"
+    return (
+        f"the estimate says communication {_ms(e.comm_s)} ms, exposed {_ms(estimate_exposed)} ms: the rows do not "
+        "add up to it (a plan file edited by hand?); re-plan with `autoplan plan`"
+    )
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b)) + 1e-12
+
+
+def _comm_section(plan: Plan) -> list[str]:
+    """The whole step's communication per kind and mesh axis (``estimate.comm``), with its sum."""
+    e = plan.estimate
+    if not e.comm.rows:
+        if e.comm_s > 0 or any(k in COLLECTIVE_KINDS for c in plan.collectives for k, _ in c.steps):
+            return [
+                "Communication per step: not recorded per kind in this plan file (written before autoplan "
+                "recorded it); re-plan with `autoplan plan` to see it"
+            ]
+        return ["Communication per step: none"]
+    rows = [
+        (r.kind, r.axis, f"{r.count:,}", _bytes(r.bytes) if r.bytes else "-", _ms(r.total_s), _ms(r.exposed_s))
+        for r in e.comm.rows
+    ]
+    rows.append(("sum", "", f"{sum(r.count for r in e.comm.rows):,}", _bytes(sum(r.bytes for r in e.comm.rows)),
+                 _ms(e.comm.total_s), _ms(e.comm.exposed_s)))  # fmt: skip
+    what = "every block, micro-batch and bucket" if plan.pipeline is not None else "every collective of the program"
+    return [
+        f"Communication per step (whole step, per device: {what})",
+        *table(("kind", "axis", "count", "bytes", "ms", "exposed ms"), rows, align="llrrrr"),
+        f"  ({comm_sum_note(plan)})",
+    ]
+
+
 _MEMORY_PARTS = ("params", "weights", "grads", "optimizer", "activations", "inputs", "transient", "buffers")
 
 
@@ -284,26 +328,40 @@ def _placements_section(plan: Plan) -> list[str]:
 
 
 def _collectives_section(plan: Plan) -> list[str]:
+    """The plan's redistributions by kind and mesh axes. On a fixed mesh they are the whole step
+    and add up to the communication above; a pipeline plan's are those of one stage program
+    (its traced blocks, one micro-batch), said so in the title. Exposure per row is at most its
+    time (:func:`~autoplan.planner.plan.exposed_within_own_time`)."""
     axis_names = plan.placement_axis_names  # a pipeline plan's collectives run on the stage mesh
     by_kind: dict[str, list[float]] = {}
     seen: set[str] = set()
-    for c in plan.collectives:
-        if c.bucket is not None:
-            if c.bucket in seen:
-                continue
-            seen.add(c.bucket)
-        kinds = [k for k, _ in c.steps if k in ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")]
+    for c, exposed in zip(plan.collectives, exposed_within_own_time(plan.collectives), strict=True):
+        kinds = [k for k, _ in c.steps if k in COLLECTIVE_KINDS]
         kind = "+".join(kinds) or "local reshard (no communication)"
         axes = ",".join(sorted({axis_names[a] for k, a in c.steps if k in kinds}))
         key = f"{kind} [{axes}]" if axes else kind
         entry = by_kind.setdefault(key, [0, 0.0, 0.0])
-        entry[0] += 1
+        if c.bucket is None or c.bucket not in seen:  # a bucket is one collective; its members add time
+            entry[0] += 1
+        if c.bucket is not None:
+            seen.add(c.bucket)
         entry[1] += c.time_s
-        entry[2] += c.exposed_s if c.exposed_s is not None else c.time_s
+        entry[2] += exposed
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        blocks = p.traced_blocks or len(p.segment_names) - 2
+        title = (
+            f"Collectives of one stage program, per traced block and micro-batch ({blocks} traced block(s) of "
+            f"{len(p.segment_names) - 2}, one micro-batch; not the whole step: see Communication per step)"
+        )
+    else:
+        title = "Collectives per step (each redistribution of the program)"
     if not by_kind:
-        return ["Collectives per step: none"]
+        return [f"{title}: none"]
     rows = [(k, int(v[0]), _ms(v[1]), _ms(v[2])) for k, v in sorted(by_kind.items())]
-    return ["Collectives per step", *table(("kind [mesh axes]", "count", "ms", "exposed ms"), rows)]
+    rows.append(("sum", sum(int(v[0]) for v in by_kind.values()), _ms(sum(v[1] for v in by_kind.values())),
+                 _ms(sum(v[2] for v in by_kind.values()))))  # fmt: skip
+    return [title, *table(("kind [mesh axes]", "count", "ms", "exposed ms"), rows)]
 
 
 # -- explain ----------------------------------------------------------------------------------
