@@ -15,6 +15,7 @@ result of replaying the program on two streams, compute and one communication st
 * a gradient bucket is one collective (its members' times, one latency);
 * while a collective runs, compute runs slower by ``compute_slowdown`` (the device's
   ``concurrent_compute_factor``: NCCL kernels take SMs and memory bandwidth; gloo takes cores);
+  that extra time is compute (``contention_s``), so the exposed time is only the waits;
 * a device that cannot overlap (``device_overlaps=False``) runs each collective synchronously
   at its issue point.
 
@@ -55,11 +56,15 @@ class ScheduledCollective:
 class StepSchedule:
     step_time_s: float
     compute_s: float
+    """Compute, including ``contention_s``."""
     comm_s: float
     """Sum of all collective times."""
     exposed_comm_s: float
     """``step_time_s - compute_s``: communication not hidden behind compute."""
     collectives: tuple[ScheduledCollective, ...]
+    contention_s: float = 0.0
+    """Compute time added by running beside collectives (the device's contention factor):
+    counted as compute, so the exposed communication is exactly the compute stream's waits."""
 
 
 def schedule_step(
@@ -87,6 +92,7 @@ def schedule_step(
 
     compute_t = 0.0
     comm_free = 0.0
+    contention = 0.0  # compute time added by running beside a collective
     finish: dict[int, float] = {}  # issued collective (bucket leader) -> its finish time
     exposed: dict[int, float] = {}
     duration = {i: sum(comm_time_s[m] for m in ms) for i, ms in members.items()}
@@ -109,9 +115,11 @@ def schedule_step(
 
     def run(seconds: float) -> None:
         """Compute for ``seconds``, slower while the communication stream is busy."""
-        nonlocal compute_t
+        nonlocal compute_t, contention
         busy = max(0.0, min(comm_free - compute_t, seconds * (1 + compute_slowdown)))
-        compute_t += seconds + compute_slowdown * busy / (1 + compute_slowdown)
+        extra = compute_slowdown * busy / (1 + compute_slowdown)
+        contention += extra
+        compute_t += seconds + extra
 
     for slot in issued_after.get(START, ()):
         issue(slot.index)
@@ -127,7 +135,7 @@ def schedule_step(
         for slot in issued_after.get(node.name, ()):
             issue(slot.index)
     step = compute_t + sum(node_time_s.get(p, 0.0) for p in params)
-    compute_s = sum(node_time_s.values())
+    compute_s = sum(node_time_s.values()) + contention
     comm_s = sum(comm_time_s)
     per_member: dict[int, float] = {}
     for leader, ms in members.items():
@@ -141,6 +149,7 @@ def schedule_step(
         compute_s=compute_s,
         comm_s=comm_s,
         exposed_comm_s=max(0.0, step - compute_s),  # (summation order leaves ~1e-20 s when none)
+        contention_s=contention,
         collectives=tuple(
             ScheduledCollective(
                 index=i,

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import link_time_s, overlaps_compute, step_bytes, transition_cost_s
+from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.memory import device_kind, tensor_bytes, usable_memory_bytes
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
@@ -175,6 +176,7 @@ def plan_traced(
         schedule=order,
         param_nodes=[param_node_name(n) for n in traced.param_names],
         device_overlaps=overlaps_compute(cluster.device),
+        compute_slowdown=concurrent_compute_factor(cluster.device) - 1.0,
     )
     memory = _peak_memory(traced, assignment, redistributions, cluster, optimizer)
     records = _collective_records(redistributions, times_s, schedule, order)
