@@ -135,6 +135,17 @@ def sdpa_backward(
     scale: float | None,
     enable_gqa: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if query.device.type == "cpu" and attn_mask is None and not enable_gqa:
+        # PyTorch's own fused CPU kernels (what autograd runs for F.scaled_dot_product_attention on
+        # CPU, so the gradients are bitwise those of the single-device model): the forward again
+        # for its log-sum-exp, then the fused backward (~2x faster than the explicit formulas)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, scale=scale
+        )
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, lse, 0.0, is_causal, scale=scale
+        )
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     dq, dk, dv, _ = _sdpa_grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa)
     return dq, dk, dv
 
