@@ -843,7 +843,10 @@ def evaluate(
 
     With heterogeneous sub-meshes (``config.stage_dp``), ``stage_costs[k]`` are the segment costs
     of stage ``k``'s per-device micro-batch (``dp * microbatch_size / stage_dp[k]`` samples).
-    ``policy``: the program's overlap (default :data:`~autoplan.cost_models.comm_schedule.DEFAULT_POLICY`)."""
+    ``policy``: the program's overlap (default :data:`~autoplan.cost_models.comm_schedule.DEFAULT_POLICY`).
+
+    (long: one pass over the stages composing time, memory and the communication account of the
+    same configuration; the parts are the helpers above)"""
     segs = costs.segments
     nstages = config.pp * config.virtual_stages
     if nstages > len(segs) - 2 and nstages > 1:
