@@ -379,6 +379,18 @@ def op_overhead_s(device: DeviceSpec) -> float:
     return (CPU_OP_OVERHEAD_US if _is_cpu(device) else GPU_KERNEL_OVERHEAD_US) * 1e-6
 
 
+def memory_time_s(nbytes: float, device: DeviceSpec) -> float:
+    """Time of one copy-like kernel that moves ``nbytes`` (read + written) through ``device``
+    memory, priced as ``roofline_time_s`` prices a memory-bound op::
+
+        nbytes / (mem_bw * MEMORY_EFFICIENCY) + op_overhead_s(device)     (0 for nbytes <= 0)
+
+    E.g. FSDP2's copy of a gathered block out of the all-gather buffer into its parameters."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / (device.mem_bw_GBps * 1e9 * MEMORY_EFFICIENCY) + op_overhead_s(device)
+
+
 _TensorSig = tuple[tuple[torch.Size, torch.dtype], ...]
 
 
