@@ -18,12 +18,29 @@ pytorch/torchtitan docs/performance.md, 2024). Add runs as rows of ``RUNS`` with
 Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.recompute``):
 
 - ``none`` -> ``none``; ``full`` -> ``full`` (every block keeps only its input): exact.
-- ``selective, per op`` -> ``selective`` (autoplan keeps matmul outputs, recomputes the cheap ops
-  between them). Approximate: torchtitan's op policy saves only every other ``mm`` output (plus
-  attention outputs) and recomputes the other matmuls, so it recomputes more than autoplan prices.
+- ``selective, per op`` -> ``selective`` plus the matmuls torchtitan recomputes and autoplan's
+  ``selective`` keeps. torchtitan's op policy (``torchtitan/parallelisms/parallelize_llama.py``,
+  ``_apply_ac_to_transformer_block``: ``_save_list`` = mm, SDPA (flash/efficient), reduce_scatter;
+  "Saves output of all compute ops, except every second mm", a counter per block) saves the SDPA
+  output and the 1st, 3rd, 5th and 7th ``mm`` of a block's forward (wq, wv, w1, w2) and recomputes
+  the rest, the 2nd, 4th and 6th ``mm`` (wk, wo, w3) included; autoplan's ``selective`` keeps every
+  matmul output and recomputes only the ops between them. autoplan cannot express "every second
+  mm", so the estimate is priced from its parts: autoplan's ``selective`` step time plus, per
+  block, the forward time of the wk, wo and w3 matmuls (``compute.roofline_time_s`` of
+  ``aten.mm`` with the block's shapes, as the cost model prices them in the trace), times the
+  number of blocks (:func:`op_sac_extra_recompute_s`). Peak memory stays autoplan's
+  ``selective`` one (an over-estimate: torchtitan does not keep those three outputs).
 - ``selective, per layer`` (full recomputation of every other block) has no single autoplan
   value: priced as the mean of the ``none`` and ``full`` estimates (step time and peak memory
   both linear in the number of recomputed blocks). Approximate: the peak is not exactly the mean.
+
+FSDP2 as torchtitan configures it: the ZeRO-3 estimate prices FSDP2's copies on the compute
+stream (all-gather copy-out, reduce-scatter copy-in, :mod:`autoplan.cost_models.step`), but
+its reduce-scatters carry the gradients in the parameters' dtype (bf16) while torchtitan reduces
+in fp32 (``training.mixed_precision_reduce = "float32"``, ``apply_fsdp``'s ``reduce_dtype``):
+twice the bytes on the wire and a 6-byte (bf16 read, fp32 write) instead of 4-byte copy-in per
+element. Not priced (``autoplan.estimate`` has no reduce dtype); the model shows the reduce-
+scatters hidden behind the backward with room to spare (``pred comm ms (exposed)``).
 
 MFU: autoplan's (model FLOPs of its trace / step time / peak) against torchtitan's
 (6·N·tokens + 12·L·H·Q·T attention FLOPs, non-causal, over 312 TFLOP/s); the two FLOP counts
@@ -47,6 +64,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 import autoplan  # noqa: E402
+from autoplan.cost_models.cluster import Cluster  # noqa: E402
+from autoplan.cost_models.compute import roofline_time_s  # noqa: E402
 from tests.zoo import llama_lm, lm_loss  # noqa: E402
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
@@ -168,6 +187,9 @@ def price(run: PublishedRun) -> Priced:
         exposed_s += weight * est.exposed_comm_s
         capacity = est.capacity_bytes
         configs.append(str(config) if weight == 1.0 else f"{weight:g}x[{config}]")
+    if run.activation_checkpointing == "selective, per op":
+        step_s += op_sac_extra_recompute_s(run)
+        configs.append("torchtitan op-SAC matmul recompute")
     tokens = run.global_batch * run.seq_len
     num_params = sum(p.numel() for p in model.parameters())
     return Priced(
@@ -175,6 +197,29 @@ def price(run: PublishedRun) -> Priced:
         peak_memory_gib=peak / GiB, feasible=peak <= capacity, comm_s=comm_s, exposed_comm_s=exposed_s,
         published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu),
     )  # fmt: skip
+
+
+def op_sac_extra_recompute_s(run: PublishedRun) -> float:
+    """Forward time of the matmuls torchtitan's per-op policy recomputes and autoplan's
+    ``selective`` keeps (module docstring): per block, the 2nd, 4th and 6th ``mm`` of the Llama
+    block's forward (torchtitan ``Attention.forward`` / ``FeedForward.forward`` order: wq, wk, wv,
+    wo, w1, w3, w2), each ``(tokens, K) @ (K, N)`` priced as the cost model prices ``aten.mm``::
+
+        extra_s = layers * (t(T, h, kv_heads * d) + t(T, heads * d, h) + t(T, h, ffn))
+        T = local batch * sequence length, d = h / heads
+    """
+    s = run.shape
+    device = Cluster.preset(run.cluster).device
+    tokens, head_dim = run.local_batch * run.seq_len, s.hidden // s.heads
+    recomputed = ((s.hidden, s.kv_heads * head_dim), (s.heads * head_dim, s.hidden), (s.hidden, s.ffn))  # wk, wo, w3
+
+    def mm_s(k: int, n: int) -> float:
+        def meta(*shape: int) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+
+        return roofline_time_s(torch.ops.aten.mm.default, [meta(tokens, k), meta(k, n)], [meta(tokens, n)], device)
+
+    return s.layers * sum(mm_s(k, n) for k, n in recomputed)
 
 
 def torchtitan_mfu(run: PublishedRun, num_params: int, tokens_per_s_per_gpu: float) -> float:
