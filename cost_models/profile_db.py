@@ -8,7 +8,7 @@ only valid on the device and software it was measured with, so every file carrie
     <cache>/profiles/<kind>-v<VERSION>-<sha256(header)[:12]>.json
     <cache> = $AUTOPLAN_CACHE_DIR | $XDG_CACHE_HOME/autoplan | ~/.cache/autoplan
 
-    {"format": "autoplan-profile-db", "version": 2,
+    {"format": "autoplan-profile-db", "version": 4,
      "device": {"kind": "cpu", "name": "AMD EPYC", "torch_version": "2.13.0", "cuda_version": null,
                 "num_threads": 2},
      "time_s": {"aten.mm.default(f32[512,128], f32[128,384])": 4.1e-05, ...}}
@@ -45,15 +45,18 @@ from autoplan.cost_models.files import InputLimitError, MiB, atomic_write, parse
 log = logging.getLogger(__name__)
 
 FORMAT = "autoplan-profile-db"
-VERSION = 3
-MAX_PROFILE_FILE_BYTES = 256 * MiB
-"""Largest profile database read (a Llama-3-70B profile holds a few hundred keys of ~300 bytes)."""
-"""Schema version of the file; bump when keys or the layout change meaning. Version 3: CPU op
-times are taken interleaved, in program order (``autoplan.runtime.op_timing.INTERLEAVE_KEYS``); version 2
+VERSION = 4
+"""Schema version of the file; bump when keys or the layout change meaning. Version 4: an op key
+times the op's local computation as the lowered program runs it (traced through DTensor by
+``autoplan.runtime.lowering.lower_to_local``, timed on local tensors, no DTensor dispatch);
+version 3 timed it through DTensor, dispatch included; versions 3 and up take CPU op times
+interleaved, in program order (``autoplan.runtime.op_timing.INTERLEAVE_KEYS``); version 2
 timed each key in a tight loop with inputs spilled from the cache
 (``autoplan.runtime.op_timing.COLD_FOOTPRINT_BYTES``); version 1 timed them warm. The default file name
 carries the version, so a file of an older version is left where it is and a new one is
-started."""
+started; loading one by path fails, saying to re-run ``autoplan profile``."""
+MAX_PROFILE_FILE_BYTES = 256 * MiB
+"""Largest profile database read (a Llama-3-70B profile holds a few hundred keys of ~300 bytes)."""
 
 DeviceKind = Literal["cpu", "cuda"]
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda")

@@ -578,7 +578,7 @@ PROFILE_FILES = {
     "wrong_format": (json.dumps({"format": "other"}), "not an autoplan profile database"),
     "wrong_version": (json.dumps({"format": "autoplan-profile-db", "version": 7}), "schema version 7"),
     "bad_header": (
-        json.dumps({"format": "autoplan-profile-db", "version": 3, "device": {"kind": "tpu"}}),
+        json.dumps({"format": "autoplan-profile-db", "version": 4, "device": {"kind": "tpu"}}),
         "malformed device header",
     ),
     "not_utf8": (b"\xff\xfe\x00", "not a UTF-8 JSON file"),

@@ -91,7 +91,7 @@ def test_db_round_trip_keeps_entries_and_resaves_byte_identical(tmp_path: Path) 
     loaded.save()
     assert path.read_bytes() == first
     data = json.loads(first)
-    assert data["format"] == "autoplan-profile-db" and data["version"] == VERSION == 3
+    assert data["format"] == "autoplan-profile-db" and data["version"] == VERSION == 4
     assert data["device"]["num_threads"] == torch.get_num_threads()
 
 
@@ -248,13 +248,65 @@ def test_timed_calls_cycle_through_input_copies_beyond_the_cache(
     monkeypatch.setattr(prof, "COLD_FOOTPRINT_BYTES", 4096)
     call = prof._op_call(mm, strategy, "op", mesh, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        outs = [call().to_local() for _ in range(5)]
+        outs = [_only(call()) for _ in range(5)]
     assert all(not torch.equal(outs[0], o) for o in outs[1:4])  # other random inputs
     assert torch.equal(outs[0], outs[4])  # the first copy again
     monkeypatch.setattr(prof, "COLD_FOOTPRINT_BYTES", 1024)  # inputs alone exceed it: one copy
     call = prof._op_call(mm, strategy, "op", mesh, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(call().to_local(), call().to_local())
+        assert torch.equal(_only(call()), _only(call()))
+
+
+def _only(outs: object) -> torch.Tensor:
+    """The one output of a lowered op's graph (a list of local tensors)."""
+    assert isinstance(outs, list) and len(outs) == 1 and type(outs[0]) is torch.Tensor, outs
+    return outs[0]
+
+
+def _lowered(traced: TracedProgram, mesh: object, node: str, strategy: Strategy, kind: str = "op") -> tuple:
+    from autoplan.runtime import op_timing as prof
+
+    n = _node(traced, node)
+    tmpl = prof.op_template(n)
+    forward, inputs = prof._lower_op(n, strategy, kind, mesh, torch.Generator().manual_seed(0), tmpl)
+    ops = [x.target for x in forward.__self__.graph.nodes if x.op == "call_function"]
+    return forward, inputs, ops
+
+
+def test_a_key_times_the_local_op_the_lowered_program_runs(traced: TracedProgram, planned: tuple) -> None:
+    # The mm's DTensor call is traced as the program is lowered (autoplan.runtime.lowering): what
+    # is timed is the one local aten.mm on rank 0's shards, not DTensor's dispatch, and not the
+    # view DTensor.from_local adds to each input.
+    table, mesh = planned
+    forward, inputs, ops = _lowered(traced, mesh, "mm", _strategy(table, "mm", "S(0)<-(S(0),R)"))
+    assert ops == [torch.ops.aten.mm.default]
+    assert [type(x) for x in inputs] == [torch.Tensor, torch.Tensor]
+    assert [tuple(x.shape) for x in inputs] == [(4, 8), (8, 32)]  # x (8, 8) split over 2 ranks, w.t() whole
+    with torch.no_grad():
+        assert torch.equal(_only(forward(*inputs)), inputs[0] @ inputs[1])
+
+
+def test_a_fallback_key_times_the_op_and_the_output_wrap_replicated_call_runs(
+    traced: TracedProgram, planned: tuple
+) -> None:
+    table, mesh = planned
+    forward, inputs, ops = _lowered(traced, mesh, "mm", _strategy(table, "mm", "R<-(R,R)"), "fallback")
+    assert ops == [torch.ops.aten.mm.default, torch.ops.aten.view.default]  # from_local of the output
+    with torch.no_grad():
+        assert torch.equal(_only(forward(*inputs)), inputs[0] @ inputs[1])
+
+
+def test_a_collective_in_a_one_op_trace_is_not_timed_as_compute(traced: TracedProgram, planned: tuple) -> None:
+    # mm on (S(0), S(0)) is not a strategy DTensor has: it redistributes one input inside the
+    # call. The collective and its wait leave the timed graph; its result is a new input.
+    _, mesh = planned
+    s0 = (Shard(0),)
+    forward, inputs, ops = _lowered(traced, mesh, "mm", Strategy(output_specs=(s0,), input_specs=(s0, s0)))
+    assert ops and all(op.namespace == "aten" for op in ops), ops
+    assert [tuple(x.shape) for x in inputs] == [(4, 8), (4, 32), (8, 32)]  # the shards, the gathered w.t()
+    assert all(type(x) is torch.Tensor for x in inputs)
+    with torch.no_grad():
+        assert torch.equal(_only(forward(*inputs)), inputs[0] @ inputs[2])
 
 
 def test_profile_program_rejects_a_mesh_of_another_device_type(traced: TracedProgram, planned: tuple) -> None:

@@ -33,7 +33,7 @@ per-op dispatch cost that compile would remove.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,7 @@ class LocalProgram:
         ]
 
 
-def lower_to_local(program: fx.GraphModule, example_args: Sequence[Any]) -> LocalProgram:
+def lower_to_local(program: Callable[..., Sequence[Any]], example_args: Sequence[Any]) -> LocalProgram:
     """Trace ``program`` (run on ``example_args``: DTensors and plain values, as the caller will
     run it) through DTensor into a program over local tensors, and place its waits.
 

@@ -22,28 +22,45 @@ themselves are not part of a key: two strategies with equal local shapes run the
 
 Measurement
 -----------
-Each op runs *through DTensor* on the mesh: its inputs are DTensors in the strategy's input
-placements (random floats in [0.5, 1.5), integer tensors zero so they are valid indices, boolean
-tensors true), and the call is ``node.target(*args)`` exactly as the generated program makes
-it (ops without a DTensor strategy via :func:`autoplan.runtime.collectives.replicated_call`). The time thus
-includes DTensor's dispatch overhead, which the generated program really pays (tens of
-microseconds: it dominates small ops on CPU).
+Each key is timed as the lowered program (:mod:`autoplan.runtime.lowering`) runs it: on local
+tensors, with no DTensor dispatch at run time. The op's call is built as the generated program
+makes it, ``node.target(*args)`` on DTensors in the strategy's input placements (random floats
+in [0.5, 1.5), integer tensors zero so they are valid indices, boolean tensors true; ops
+without a DTensor strategy via :func:`autoplan.runtime.collectives.replicated_call`), and traced
+through DTensor by :func:`~autoplan.runtime.lowering.lower_to_local`, the function that lowers
+the program; the resulting graph of local ``aten`` ops (the op itself, plus whatever local
+reshaping DTensor's rule adds, e.g. the ``view`` of ``replicated_call``'s output) is what is
+timed, on the rank-0 local tensors. DTensor's sharding propagation runs once, at trace time,
+as it does for the program. Until issue #19 it was timed with every op (profile version 3):
+on the GPT-2 of ``benchmarks/runtime_overhead.py`` (2 CPU ranks, one thread) the dp plan's
+431 timed op nodes summed to 78.5 ms through DTensor against 67.3 ms lowered (medians of 6
+interleaved profiles each), 26 µs a node; its 130 ``view`` nodes cost 46 µs each through
+DTensor, 7 µs lowered (one profile). Two nodes of a one-op trace are not the op's computation
+and are removed before timing: the identity ``view`` that wrapping each input as a DTensor
+adds (the program wraps its inputs once, not per op), and any collective DTensor issues inside the call because the given input
+placements need a redistribution (the communication model prices collectives; the wait's
+result becomes one more input, a random tensor of its shape). The table's strategies are
+DTensor's own, so their calls need no redistribution (none of the GPT-2's 255 op keys has a
+collective): the second case guards input placements DTensor would not run as given.
 
 *In program order on CPU.* A CPU runs the program's ops one after the other on the same core:
 each op finds the caches as the previous, different ops left them (its inputs and the
-interpreter's and DTensor's own data partly evicted), not as a second call of itself would.
+interpreter's own data partly evicted), not as a second call of itself would.
 So on CPU the keys are timed *interleaved*: in chunks of :data:`INTERLEAVE_KEYS` keys (and at
 most :data:`INTERLEAVE_BYTES` of inputs), every key is called once per round, in turn, each
-call timed on its own; a key's time is its median over ``repeats`` rounds (after ``warmup`` rounds). Measured on the GPT-2 model of
-``benchmarks/cost_model_accuracy.py``: the same 283 keys sum to 17% more than timed in a tight
-loop (matmuls +7%, elementwise ops +50-80%, views and DTensor dispatch several times), which is
-the step time the planner under-predicted. On CUDA the host queues kernels ahead of the device,
+call timed on its own; a key's time is its median over ``repeats`` rounds (after ``warmup``
+rounds). Measured on the GPT-2 model of ``benchmarks/cost_model_accuracy.py`` (timed through
+DTensor, profile version 3): the same 283 keys sum to 17% more than timed in a tight loop
+(matmuls +7%, elementwise ops +50-80%, views and DTensor dispatch several times), which is the
+step time the planner under-predicted. On CUDA the host queues kernels ahead of the device,
 so back-to-back calls are what the program sees: per key, ``warmup`` calls, then ``repeats``
 rounds of enough calls to last about :data:`ROUND_TARGET_S`; the time is the median round
 divided by its calls (``torch.cuda.synchronize`` brackets each round). An optimizer
-key times ``step()`` of the real ``torch.optim`` optimizer over one DTensor parameter with a
-gradient, after one warm-up step. An op that raises is counted as failed (logged at debug
-level) and left to the analytic model.
+key times ``step()`` of the real ``torch.optim`` optimizer, built as the runtime builds it
+(:func:`autoplan.runtime.optimizers.make_torch_optimizer`), over one DTensor parameter with a
+gradient, after one warm-up step: the runtime's optimizer still steps DTensor parameters.
+An op that raises, or whose trace fails, is counted as failed (logged at debug level) and
+left to the analytic model.
 """
 
 from __future__ import annotations
@@ -73,6 +90,8 @@ from autoplan.passes.placement import Spec, local_numel
 from autoplan.passes.strategies import Strategy, StrategyTable
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime.collectives import replicated_call
+from autoplan.runtime.lowering import WAIT, lower_to_local
+from autoplan.runtime.optimizers import make_torch_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -177,33 +196,63 @@ def _input_bytes(tmpl: OpTemplate, strategy: Strategy, mesh_shape: tuple[int, ..
 def _op_call(
     node: fx.Node, strategy: Strategy, kind: KeyKind, mesh: DeviceMesh, gen: torch.Generator, *, copies: bool = True
 ) -> Callable[[], object]:
-    """The op as the program calls it, on DTensors in the strategy's input placements; calls
-    cycle through enough copies of the inputs to spill them from the cache
-    (:data:`COLD_FOOTPRINT_BYTES`; ``copies=False``: one set, for interleaved timing, where
-    the other keys' calls spill it)."""
+    """The op's local computation as the lowered program runs it (:func:`_lower_op`), on local
+    inputs in the strategy's input placements; calls cycle through enough copies of the inputs
+    to spill them from the cache (:data:`COLD_FOOTPRINT_BYTES`; ``copies=False``: one set, for
+    interleaved timing, where the other keys' calls spill it)."""
     tmpl = op_template(node)
     assert tmpl is not None
-    first = _op_call_once(node, strategy, kind, mesh, gen, tmpl)
+    forward, inputs = _lower_op(node, strategy, kind, mesh, gen, tmpl)
+    first = _bind(forward, inputs)
     if not copies:
         return first
     local_bytes = _input_bytes(tmpl, strategy, tuple(mesh.shape))
     sets = min(MAX_INPUT_COPIES, max(1, math.ceil(COLD_FOOTPRINT_BYTES / max(local_bytes, 1))))
     if sets == 1:
         return first
-    calls = [first] + [_op_call_once(node, strategy, kind, mesh, gen, tmpl) for _ in range(sets - 1)]
+    calls = [first] + [_bind(forward, [_like(x, gen) for x in inputs]) for _ in range(sets - 1)]
     turn = itertools.cycle(calls)
     return lambda: next(turn)()
 
 
-def _op_call_once(
+def _bind(forward: Callable[..., object], inputs: Sequence[torch.Tensor]) -> Callable[[], object]:
+    return lambda: forward(*inputs)
+
+
+def _like(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A fresh tensor with ``x``'s shape, strides and dtype, filled as :func:`_random_local` fills."""
+    out = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    if x.dtype.is_floating_point or x.dtype.is_complex:
+        out.copy_(torch.rand(x.shape, dtype=x.dtype, device=x.device, generator=gen) + 0.5)
+    elif x.dtype == torch.bool:
+        out.fill_(True)
+    else:
+        out.zero_()
+    return out
+
+
+def _lower_op(
     node: fx.Node, strategy: Strategy, kind: KeyKind, mesh: DeviceMesh, gen: torch.Generator, tmpl: OpTemplate
-) -> Callable[[], object]:
-    inputs = iter([_dtensor(a, s, mesh, gen) for a, s in zip(tmpl.args, strategy.input_specs, strict=True)])
+) -> tuple[Callable[..., object], list[torch.Tensor]]:
+    """The op's DTensor call, ``node.target(*args)`` on DTensors in the strategy's input
+    placements exactly as the generated program makes it (ops without a DTensor strategy via
+    :func:`autoplan.runtime.collectives.replicated_call`), lowered to local tensors by
+    :func:`autoplan.runtime.lowering.lower_to_local` as the program is, and the lowered graph's
+    ``forward`` with the local inputs it takes.
+
+    Two things of the one-op trace are not the op's local computation and are dropped: the
+    ``view`` that wrapping each input as a DTensor adds (the lowered program pays it once per
+    program input, not per op), and any collective DTensor issues inside the call (its result
+    becomes one more input, a random tensor of its shape: a collective is priced by the
+    communication model, never as compute)."""
+    arg_iter = iter(tmpl.args)
+    spec_iter = iter(strategy.input_specs)
     rep = (Replicate(),) * mesh.ndim
 
     def positional(a: object) -> object:
         if isinstance(a, fx.Node):
-            return next(inputs) if isinstance(a.meta.get("val"), torch.Tensor) else a.meta.get("val")
+            val = a.meta.get("val")
+            return _dtensor(next(arg_iter), next(spec_iter), mesh, gen) if isinstance(val, torch.Tensor) else val
         return a
 
     def keyword(a: fx.Node) -> Any:  # a DTensor or the traced scalar
@@ -216,18 +265,56 @@ def _op_call_once(
         kwargs["device"] = torch.device(mesh.device_type)
     target = node.target
     assert callable(target), node.target
-    if kind == "fallback":
-        return lambda: replicated_call(target, *args, **kwargs)
-    return lambda: target(*args, **kwargs)
+    leaves, tree = pytree.tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, DTensor)]
+
+    def program(*xs: DTensor) -> list[Any]:
+        filled = list(leaves)
+        for i, x in zip(slots, xs, strict=True):
+            filled[i] = x
+        a, kw = pytree.tree_unflatten(filled, tree)
+        out = replicated_call(target, *a, **kw) if kind == "fallback" else target(*a, **kw)
+        return pytree.tree_leaves(out)
+
+    ordered = [leaves[i] for i in slots]
+    gm = lower_to_local(program, ordered).graph_module
+    extra = _drop_input_views_and_collectives(gm)
+    inputs = [x.to_local() for x in ordered] + [_like(v, gen) for v in extra]
+    return gm.forward, inputs
 
 
-def make_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer a plan is costed for (as ``ParallelModel.make_optimizer``)."""
-    if name in ("adam", "adamw"):
-        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params)
-    if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    return torch.optim.SGD(params, lr=1e-3)
+def _drop_input_views_and_collectives(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """Remove from a one-op lowered graph the identity ``view`` of each input that
+    ``DTensor.from_local`` adds, and every collective (issue and wait): the wait's result becomes
+    a new trailing input. Returns the fake values of those new inputs (their shapes)."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for p in placeholders:
+        users = list(p.users)
+        val = p.meta.get("val")
+        if len(users) != 1 or not isinstance(val, torch.Tensor):
+            continue
+        (view,) = users
+        if view.target is torch.ops.aten.view.default and list(view.args[1]) == list(val.shape):
+            view.replace_all_uses_with(p)
+            graph.erase_node(view)
+    extra: list[torch.Tensor] = []
+    for wait in [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT]:
+        issue = wait.args[0]
+        assert isinstance(issue, fx.Node), wait.args
+        first_op = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first_op):  # after the other inputs
+            new = graph.placeholder(f"collective_{len(extra)}")
+        new.meta["val"] = wait.meta["val"]
+        extra.append(wait.meta["val"])
+        wait.replace_all_uses_with(new)
+        graph.erase_node(wait)
+        if not issue.users:
+            graph.erase_node(issue)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return extra
 
 
 def _optimizer_call(
@@ -236,7 +323,7 @@ def _optimizer_call(
     contiguous = TensorArg.of(torch.empty(arg.shape, dtype=arg.dtype, device="meta"))
     param = torch.nn.Parameter(_dtensor(contiguous, spec, mesh, gen))
     param.grad = _dtensor(contiguous, spec, mesh, gen)
-    opt = make_optimizer(name, [param])
+    opt = make_torch_optimizer(name, [param])
     opt.step()  # creates the optimizer state: later steps are the steady state
     return opt.step
 

@@ -4,8 +4,9 @@
     autoplan profile my_models.py:build --cluster 1x8xH100 --mesh 2,4 --device cuda
 
 The workload is traced on the ``meta`` device and its strategies are enumerated on a fake mesh of
-the cluster's shape; each distinct (op, local shard shapes, dtypes) then runs through DTensor on
-``--device`` (see :mod:`autoplan.runtime.op_timing`). Times go to this machine's profile database
+the cluster's shape; each distinct (op, local shard shapes, dtypes) is then traced through DTensor
+to the local ops the lowered program runs, and those are timed on ``--device`` (see
+:mod:`autoplan.runtime.op_timing`). Times go to this machine's profile database
 (:mod:`autoplan.cost_models.profile_db`; ``--profile-db PATH`` for another file), which later plans read;
 keys already in it are not measured again.
 
