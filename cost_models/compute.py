@@ -27,8 +27,8 @@ model", CACM 2009) plus a per-op overhead::
 
 Matmuls run at ``device.peak_flops_for(dtype)`` (tensor cores for 16-bit dtypes; float32 is the
 non-TF32 rate) times the shape-dependent ``matmul_efficiency``: a per-device curve whose asymptote
-is the measured best large-GEMM fraction of peak (``DeviceSpec.matmul_peak_fraction``, e.g. 86.9%
-on A100 and 80.3% on H100 in bf16) and whose shape dependence is the tile/wave/K-loop model below
+is the measured large-GEMM fraction of peak (``DeviceSpec.matmul_peak_fraction``, e.g. 81.5%
+on A100, its 86.9% burst measurement at the sustained clock, and 80.3% on H100 in bf16) and whose shape dependence is the tile/wave/K-loop model below
 (small and skinny matmuls do not reach it); every other op runs on the vector units
 (the float32 rate, efficiency 1) and is memory bound at a few FLOPs per element. An op whose
 work is split ``work_divisor`` ways (sharded) has its flops and bytes divided, and its matmul
@@ -64,7 +64,8 @@ MATMUL_EFFICIENCY = 0.7
 """Default cap on ``matmul_efficiency`` for a device (or dtype) without a measured
 ``DeviceSpec.matmul_peak_fraction``: the fraction of the dense peak a large, well-shaped matmul
 sustains. Assumption (the CPU preset and custom devices); catalog GPUs carry measured values
-(A100 86.9%, H100 80.3%, B200 77.6% in bf16, see ``hardware._MAMF_TABLE``)."""
+(A100 81.5%, H100 80.3%, B200 77.6% in bf16, see ``hardware._MAMF_TABLE`` and
+``hardware._SUSTAINED_MATMUL``)."""
 UTILIZATION_AT_CAP = 0.9
 """Modelled matmul utilisation at which the cap is reached (assumption). The large GEMMs that
 define the cap (the best shapes of a benchmark sweep) lose a few percent to the effects modelled here themselves (8192^3 on an H100:
@@ -309,7 +310,7 @@ def matmul_efficiency(
 
     Both: ``efficiency = asymptote * min(1, util / UTILIZATION_AT_CAP)``, with ``asymptote`` the
     device's measured best large-GEMM fraction of peak for ``dtype`` (``matmul_asymptote``:
-    A100 bf16 0.869, H100 0.803, B200 0.776; ``MATMUL_EFFICIENCY`` where none is measured, e.g.
+    A100 bf16 0.815 (sustained), H100 0.803, B200 0.776; ``MATMUL_EFFICIENCY`` where none is measured, e.g.
     the CPU preset). The curve therefore depends on the device through its asymptote and its SM
     count (wave size), and on the shape through the tile, wave and K terms.
     """

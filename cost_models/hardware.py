@@ -418,9 +418,24 @@ _A100_PEAK_FLOPS: Mapping[str, float] = {
     "float16": 312e12,  # A100 datasheet: FP16 Tensor Core 312 TFLOPS (624 with sparsity)
 }
 
+_SUSTAINED_MATMUL = (
+    "S. Bekman, Machine Learning Engineering, compute/accelerator/benchmarks/README.md, 'How MAMF "
+    "and MSMF are defined': the MAMF table's rows are short bursts at the boost clock, while a "
+    "training job runs at the clock its power limit allows under full load ('MSMF ... the steady "
+    "rate under full load, which matches real training throughput'); 'How close it gets': five "
+    "--search auto runs on an H200 gave MSMF 743-746 bf16 TFLOPS, against the MAMF table's 794.5 "
+    "for H100 ('H200 is the same'): 0.938; B200 MSMF 1421-1428 against its 1745.0: 0.816. No A100 "
+    "MSMF is published: the A100's matmul_peak_fraction is its MAMF row times Hopper's 0.938, the "
+    "smaller of the two measured reductions (assumption)"
+)
+_HOPPER_SUSTAINED_OVER_MAMF = 745.0 / 794.5
+"""Sustained (MSMF, H200, midpoint of 743-746) over burst (MAMF table, H100 = H200) bf16 matmul
+rate: see ``_SUSTAINED_MATMUL``."""
+
 _A100_MATMUL_PEAK_FRACTION: Mapping[str, float] = {
-    "bfloat16": 0.869,  # MAMF table: A100 SXM 271.2 / 312 TFLOPS
-    "float16": 0.869,  # assumption: as bfloat16 (same tensor-core rate)
+    # MAMF table: A100 SXM 271.2 / 312 TFLOPS (burst), sustained as _SUSTAINED_MATMUL says
+    "bfloat16": 0.869 * _HOPPER_SUSTAINED_OVER_MAMF,
+    "float16": 0.869 * _HOPPER_SUSTAINED_OVER_MAMF,  # assumption: as bfloat16 (same tensor-core rate)
 }
 
 _HOPPER_MATMUL_PEAK_FRACTION: Mapping[str, float] = {
@@ -476,6 +491,7 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
             _DGX_A100_DATASHEET,
             _GPU_LATENCY_ASSUMPTION,
             _MAMF_TABLE,
+            _SUSTAINED_MATMUL,
             _OVERLAP_SLOWDOWN,
         ),
     ),
@@ -497,6 +513,7 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
             _DGX_A100_DATASHEET,
             _GPU_LATENCY_ASSUMPTION,
             _MAMF_TABLE,
+            _SUSTAINED_MATMUL,
             _OVERLAP_SLOWDOWN,
         ),
     ),

@@ -47,13 +47,20 @@ def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("name", "bf16"),
     # MAMF table (S. Bekman, ml-engineering): A100 SXM 271.2/312, H100 SXM 794.5/989 ("H200 is the
-    # same"), B200 SXM 1745.0/2250 TFLOPS
-    [("A100-80GB", 0.869), ("A100-40GB", 0.869), ("H100", 0.803), ("H200", 0.803), ("B200", 0.776)],
+    # same"), B200 SXM 1745.0/2250 TFLOPS; the A100's burst row times the sustained/burst ratio
+    # measured on Hopper (H200 MSMF 743-746 over 794.5, hardware._SUSTAINED_MATMUL)
+    [
+        ("A100-80GB", 0.869 * 745.0 / 794.5),
+        ("A100-40GB", 0.869 * 745.0 / 794.5),
+        ("H100", 0.803),
+        ("H200", 0.803),
+        ("B200", 0.776),
+    ],
 )
 def test_large_matmul_reaches_the_measured_fraction_of_peak_of_its_device(name: str, bf16: float) -> None:
     device = get_device_spec(name)
-    assert matmul_asymptote(device, torch.bfloat16) == bf16
-    assert matmul_asymptote(device, torch.float16) == bf16
+    assert matmul_asymptote(device, torch.bfloat16) == pytest.approx(bf16, rel=1e-12)
+    assert matmul_asymptote(device, torch.float16) == pytest.approx(bf16, rel=1e-12)
     assert matmul_efficiency(8192, 8192, 8192, device, torch.bfloat16) == pytest.approx(bf16)
     # a dtype without a measurement keeps the default assumption
     assert matmul_asymptote(device, torch.float32) == MATMUL_EFFICIENCY
