@@ -1,6 +1,6 @@
 """Published large-scale training runs, priced with the planner's cost model (issue #19, item 6).
 
-    python benchmarks/published_runs.py
+    python benchmarks/published_runs.py [--breakdown]
 
 Each run is a configuration someone ran and published, with its measured throughput: build the
 model on ``meta`` (``tests.zoo.llama_lm``, no weights) and price exactly that configuration with
@@ -10,7 +10,8 @@ predicted communication per step (all of it, and the part the compute stream wai
 per-block gathers and per-bucket reduce-scatters as the program issues them), the predicted peak
 memory per device and whether the cost model calls it feasible; then
 ``published: runs=N err_median=X% err_max=Y% mem_err_max=Z%`` (median and max of |error| over the
-runs; ``mem_err_max`` over the runs with a published peak memory, ``n/a`` when none has one).
+runs; ``mem_err_max`` over the runs with a published peak memory, ``n/a`` when none has one). ``--breakdown`` adds, under each
+run, where its predicted step goes (:func:`breakdown`).
 
 Source of every row: ``shared/published_runs.md`` (torchtitan, FSDP2 on 64 A100 80GB,
 pytorch/torchtitan docs/performance.md, 2024). Add runs as rows of ``RUNS`` with their source.
@@ -230,8 +231,74 @@ def torchtitan_mfu(run: PublishedRun, num_params: int, tokens_per_s_per_gpu: flo
     return tokens_per_s_per_gpu * flops_per_token / 312e12
 
 
+def breakdown(run: PublishedRun) -> list[str]:
+    """Where the predicted step goes (``--breakdown``), per autoplan configuration of the run:
+    the roofline time of the traced step's ops by kind (matmuls, fused attention, the other ops;
+    forward and backward, every block), the recomputation the configuration adds (``full``: the
+    forward; ``selective``: the forward's non-matmul ops; plus torchtitan's per-op matmuls), and
+    from the estimate the optimizer step, the compute stream's total (FSDP2's copies and the
+    slowdown beside communication included) and the communication it waits for."""
+    # the planner's tracing internals, imported here: only this diagnostic needs them
+    from autoplan.cost_models.compute import cost_key, is_matmul
+    from autoplan.passes.strategies import tensor_args
+    from autoplan.planner.mesh import as_cluster
+    from autoplan.planner.segment_model import SegmentCostModel
+    from autoplan.planner.tracing import prepare_for_precision
+
+    s = run.shape
+    with torch.device("meta"):
+        model = llama_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn,
+                         vocab=s.vocab, positions=run.seq_len)  # fmt: skip
+        ids = torch.randint(0, s.vocab, (1, run.seq_len))
+    cluster = as_cluster(run.cluster)
+    model, inputs, targets = prepare_for_precision(model, (ids,), (ids,), "bf16")
+    costs = SegmentCostModel(model, inputs, lm_loss, targets, cluster, optimizer="adamw")
+    seg = costs(1, run.local_batch)
+    traced, layering = costs._traced(run.local_batch)  # noqa: SLF001 - the traced step, two blocks
+    kept, blocks = layering.num_blocks, costs.num_blocks
+    ms: dict[tuple[str, str], float] = {}
+    for n in traced.graph_module.graph.nodes:
+        k = layering.segment_of.get(n.name)
+        if n.op != "call_function" or k is None or 1 <= k < kept:
+            continue  # the last traced block stands for every block
+        out = n.meta.get("val")
+        outs = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
+        key = cost_key(n.target, n.args, n.kwargs)
+        t = roofline_time_s(key, [a.meta["val"] for a in tensor_args(n)], outs, cluster.device)
+        kind = "attention" if "sdpa" in str(n.target) else "matmul" if is_matmul(n.target) else "other"
+        where = (str(n.meta.get("autoplan.phase")), kind)
+        ms[where] = ms.get(where, 0.0) + t * 1e3 * (blocks if k == kept else 1)
+    lines = []
+    for recompute in RECOMPUTE_MIX[run.activation_checkpointing]:
+        config = autoplan.ParallelConfig(
+            dp=run.dp, tp=1, pp=1, microbatch_size=run.local_batch, num_microbatches=1,
+            recompute=recompute, zero_stage=run.zero_stage,
+        )  # fmt: skip
+        est = autoplan.estimate(
+            model, cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
+            global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
+        )  # fmt: skip
+        redo = {"none": 0.0, "full": sum(x.fwd_s for x in seg.segments),
+                "selective": sum(x.selective_recompute_s for x in seg.segments)}[recompute]  # fmt: skip
+        if run.activation_checkpointing == "selective, per op":
+            redo += op_sac_extra_recompute_s(run)
+        kinds = ("matmul", "attention", "other")
+        passes = " | ".join(
+            f"{phase} " + ", ".join(f"{kind} {ms.get((phase, kind), 0.0):,.0f}" for kind in kinds)
+            for phase in ("fwd", "bwd")
+        )
+        lines.append(
+            f"  [{recompute}] ms per step: {passes} | recompute {redo * 1e3:,.0f} | optimizer "
+            f"{est.optimizer_s * 1e3:,.0f} | compute stream {est.compute_s * 1e3:,.0f} | exposed comm "
+            f"{est.exposed_comm_s * 1e3:,.0f} | step {est.step_time_s * 1e3:,.0f} (published "
+            f"{run.global_batch * run.seq_len / run.dp / run.tokens_per_s_per_gpu * 1e3:,.0f})"
+        )
+    return lines
+
+
 def main() -> int:
     t0 = time.perf_counter()
+    show_breakdown = "--breakdown" in sys.argv[1:]
     head = ("model", "seq", "local batch", "AC (published)", "autoplan config", "pred tok/s/GPU", "published",
             "error", "pred MFU", "pub MFU", "pred comm ms (exposed)", "pred peak GiB", "feasible")  # fmt: skip
     print(" | ".join(head))
@@ -250,6 +317,8 @@ def main() -> int:
             f"{'yes' if p.feasible else 'NO'}",
             flush=True,
         )
+        if show_breakdown:
+            print("\n".join(breakdown(run)), flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"encoding check: published MFU vs torchtitan's formula on published tok/s, max |diff| "
           f"{max(encoding) * 100:.2f} points")  # fmt: skip
