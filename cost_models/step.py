@@ -57,14 +57,7 @@ issue order, so concurrent collectives share it). With ``c_j`` the segment's com
 
 so the first gather of every pass is exposed and a later one only where the previous block's
 compute is shorter than it. ZeRO-3 gathers every segment's weights (``param_numel * w`` bytes) in
-every micro-batch's forward and, with ``reshard_after_forward``, again in its backward. ZeRO-3 runs
-as FSDP2 (torch ``fully_shard``, as the runtime and torchtitan do), which adds copies to the
-compute stream (``torch.distributed.fsdp._fully_shard._fsdp_collectives``): after each gather's
-wait, ``foreach_all_gather_copy_out`` copies the gathered block out of the all-gather buffer
-into its parameters (``split_with_sizes_copy``: ``c_j += memory_time_s(2 * param_numel * w)``,
-every gather), and before each reduce-scatter ``foreach_reduce_scatter_copy_in`` copies the
-block's gradients into the reduce-scatter buffer (``chunk_cat``: ``c_j += memory_time_s(2 *
-trainable_numel * g)``, the backward that reduces).
+every micro-batch's forward and, with ``reshard_after_forward``, again in its backward.
 Gradients are reduced only in the last micro-batch's backward (gradient accumulation):
 segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(bytes / cap)`` equal
 pieces produced evenly over its backward, the pieces are grouped by
@@ -123,7 +116,7 @@ from typing import Any
 from autoplan.cost_models.cluster import Cluster, LinkSpec
 from autoplan.cost_models.comm import link_time_s, overlaps_compute
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, CommRow, CommTotals, OverlapPolicy, gradient_buckets
-from autoplan.cost_models.compute import concurrent_compute_factor, memory_time_s
+from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.memory import (
@@ -581,18 +574,10 @@ def _stage_comm(
     red_kind = "all_reduce" if z == 0 else "reduce_scatter"
     grad_bytes = [s.trainable_numel * bpe.grads for s in part][::-1]
     reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
-    last_c = bwd_c
-    if z >= 3:  # FSDP2's copies on the compute stream (module docstring)
-        fwd_c = [c + memory_time_s(2 * b, cluster.device) for c, b in zip(fwd_c, gather_bytes, strict=True)]
-        if policy.reshard_after_forward:
-            bwd_c = [c + memory_time_s(2 * b, cluster.device) for c, b in zip(bwd_c, gather_bytes[::-1], strict=True)]
-        last_c = [c + memory_time_s(2 * g, cluster.device) for c, g in zip(bwd_c, grad_bytes, strict=True)]
     pre = policy.prefetch_blocks
     fwd = _run_pass(fwd_c, gather_f, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[0])
     bwd = _run_pass(bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[1])
-    last = _run_pass(
-        last_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, reductions=reductions, send_s=send_s[1]
-    )
+    last = _run_pass(bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, reductions=reductions, send_s=send_s[1])
     tail = max(last.done_s - last.end_s, _tp_sync_tail(tp_sync, bwd_c, overlap))
     # ZeRO 1-2: the updated weights are all-gathered after the optimizer step, per bucket
     after_buckets = []
