@@ -35,13 +35,20 @@ Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.
   value: priced as the mean of the ``none`` and ``full`` estimates (step time and peak memory
   both linear in the number of recomputed blocks). Approximate: the peak is not exactly the mean.
 
-FSDP2 as torchtitan configures it: the ZeRO-3 estimate prices FSDP2's copies on the compute
-stream (all-gather copy-out, reduce-scatter copy-in, :mod:`autoplan.cost_models.step`), but
-its reduce-scatters carry the gradients in the parameters' dtype (bf16) while torchtitan reduces
-in fp32 (``training.mixed_precision_reduce = "float32"``, ``apply_fsdp``'s ``reduce_dtype``):
-twice the bytes on the wire and a 6-byte (bf16 read, fp32 write) instead of 4-byte copy-in per
-element. Not priced (``autoplan.estimate`` has no reduce dtype); the model shows the reduce-
-scatters hidden behind the backward with room to spare (``pred comm ms (exposed)``).
+FSDP2 as torchtitan runs it, which autoplan's ZeRO-3 does not: autoplan's runtime gathers and
+reduce-scatters each parameter with functional collectives (``autoplan/runtime/lowering.py``),
+while FSDP2 (``fully_shard`` per block and on the root, ``apply_fsdp``) gathers a block into one
+flat buffer and reduce-scatters one, with copies on the compute stream
+(``torch.distributed.fsdp._fully_shard._fsdp_collectives``): after each gather's wait,
+``foreach_all_gather_copy_out`` copies the block out of the buffer into its parameters
+(``split_with_sizes_copy``, bf16 read + write), in the forward and again in the backward
+(``reshard_after_forward``); before each reduce-scatter, ``foreach_reduce_scatter_copy_in``
+copies the block's bf16 gradients into the buffer in torchtitan's reduce dtype, fp32
+(``training.mixed_precision_reduce = "float32"``: bf16 read + fp32 write). Priced from its parts
+(:func:`fsdp2_copy_s`, ``compute.memory_time_s`` per copy) and added to the step. Not priced: the
+fp32 reduce-scatter's doubled bytes on the wire (``autoplan.estimate`` has no reduce dtype; the
+model shows the bf16 reduce-scatters hidden behind the backward with room to spare, ``pred comm
+ms (exposed)``).
 
 MFU: autoplan's (model FLOPs of its trace / step time / peak) against torchtitan's
 (6·N·tokens + 12·L·H·Q·T attention FLOPs, non-causal, over 312 TFLOP/s); the two FLOP counts
@@ -66,7 +73,7 @@ import torch  # noqa: E402
 
 import autoplan  # noqa: E402
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
-from autoplan.cost_models.compute import roofline_time_s  # noqa: E402
+from autoplan.cost_models.compute import memory_time_s, roofline_time_s  # noqa: E402
 from tests.zoo import llama_lm, lm_loss  # noqa: E402
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
@@ -193,6 +200,8 @@ def price(run: PublishedRun) -> Priced:
         configs.append("torchtitan op-SAC matmul recompute")
     tokens = run.global_batch * run.seq_len
     num_params = sum(p.numel() for p in model.parameters())
+    step_s += fsdp2_copy_s(run, num_params)
+    configs.append("FSDP2 copies")
     return Priced(
         config=" + ".join(configs), tokens_per_s_per_gpu=tokens / step_s / run.dp, mfu=mfu_step / step_s,
         peak_memory_gib=peak / GiB, feasible=peak <= capacity, comm_s=comm_s, exposed_comm_s=exposed_s,
@@ -223,6 +232,26 @@ def op_sac_extra_recompute_s(run: PublishedRun) -> float:
     return s.layers * sum(mm_s(k, n) for k, n in recomputed)
 
 
+def fsdp2_copy_s(run: PublishedRun, num_params: int) -> float:
+    """FSDP2's copies on the compute stream per step (module docstring), per FSDP unit (each block,
+    and the root: embedding, final norm, output) of ``P_u`` parameters::
+
+        copy_s = sum_u 2 * memory_time_s(2 * P_u * 2 bytes)      gather copy-out, forward + backward
+                     + memory_time_s(P_u * (2 + 4) bytes)      reduce-scatter copy-in, bf16 -> fp32
+    """
+    s = run.shape
+    device = Cluster.preset(run.cluster).device
+    head_dim = s.hidden // s.heads
+    block = (
+        s.hidden * (s.heads * head_dim + 2 * s.kv_heads * head_dim)  # wq, wk, wv
+        + s.heads * head_dim * s.hidden  # wo
+        + 3 * s.hidden * s.ffn  # w1, w2, w3
+        + 2 * s.hidden  # attention_norm, ffn_norm
+    )
+    units = [block] * s.layers + [num_params - s.layers * block]
+    return sum(2 * memory_time_s(2 * p * 2, device) + memory_time_s(p * (2 + 4), device) for p in units)
+
+
 def torchtitan_mfu(run: PublishedRun, num_params: int, tokens_per_s_per_gpu: float) -> float:
     """MFU as torchtitan computes it: (6·N + 12·L·H·Q·T) FLOPs per token (N all parameters,
     attention non-causal) over the A100's 312 TFLOP/s bf16 peak (A100 datasheet)."""
@@ -235,9 +264,10 @@ def breakdown(run: PublishedRun) -> list[str]:
     """Where the predicted step goes (``--breakdown``), per autoplan configuration of the run:
     the roofline time of the traced step's ops by kind (matmuls, fused attention, the other ops;
     forward and backward, every block), the recomputation the configuration adds (``full``: the
-    forward; ``selective``: the forward's non-matmul ops; plus torchtitan's per-op matmuls), and
-    from the estimate the optimizer step, the compute stream's total (FSDP2's copies and the
-    slowdown beside communication included) and the communication it waits for."""
+    forward; ``selective``: the forward's non-matmul ops; plus torchtitan's per-op matmuls),
+    FSDP2's copies (:func:`fsdp2_copy_s`, added to the step), and from the estimate the optimizer
+    step, the compute stream's total (the slowdown beside communication included), the
+    communication it waits for and the step (without the two benchmark-side terms)."""
     # the planner's tracing internals, imported here: only this diagnostic needs them
     from autoplan.cost_models.compute import cost_key, is_matmul
     from autoplan.passes.strategies import tensor_args
@@ -288,7 +318,8 @@ def breakdown(run: PublishedRun) -> list[str]:
             for phase in ("fwd", "bwd")
         )
         lines.append(
-            f"  [{recompute}] ms per step: {passes} | recompute {redo * 1e3:,.0f} | optimizer "
+            f"  [{recompute}] ms per step: {passes} | recompute {redo * 1e3:,.0f} | FSDP2 copies "
+            f"{fsdp2_copy_s(run, sum(p.numel() for p in model.parameters())) * 1e3:,.0f} | optimizer "
             f"{est.optimizer_s * 1e3:,.0f} | compute stream {est.compute_s * 1e3:,.0f} | exposed comm "
             f"{est.exposed_comm_s * 1e3:,.0f} | step {est.step_time_s * 1e3:,.0f} (published "
             f"{run.global_batch * run.seq_len / run.dp / run.tokens_per_s_per_gpu * 1e3:,.0f})"

@@ -200,21 +200,3 @@ def test_cpu_ranks_expose_every_collective():
     est = evaluate(cfg, _costs(fwd_s=0.1), Cluster.preset("2xCPU"))
     for r in est.comm.rows:
         assert r.exposed_s == pytest.approx(r.total_s), r
-
-
-def test_zero3_adds_fsdp2_copies_to_the_compute_stream():
-    """ZeRO-3 runs as FSDP2, which copies each gathered block out of the all-gather buffer into
-    its parameters (read + write of its weights) after every gather, on the compute stream: with
-    the forward's and the (resharded) backward's gathers, each micro-batch's compute grows by
-    2 passes x segments x memory_time_s(2 * P * 4 bytes) over ZeRO-0's (no compute slowdown on
-    this device, so the copies are the only difference in compute)."""
-    from autoplan.cost_models.compute import memory_time_s
-
-    gpu = dataclasses.replace(GPU, comm_compute_slowdown=None)
-    cluster = Cluster(num_nodes=1, devices_per_node=8, device=gpu)
-    costs, m = _costs(), 2
-    plain = evaluate(_config(zero_stage=0, num_microbatches=m), costs, cluster)
-    zero3 = evaluate(_config(zero_stage=3, num_microbatches=m), costs, cluster)
-    copy_s = memory_time_s(2 * 4_000_000 * 4, gpu)
-    assert copy_s > 0
-    assert zero3.compute_s - plain.compute_s == pytest.approx(m * 2 * len(costs.segments) * copy_s)
