@@ -41,7 +41,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.cost_models.comm import is_coalescable, plan_transition
-from autoplan.cost_models.comm_schedule import OverlapPolicy
+from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
 from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
@@ -423,8 +423,9 @@ def build_pipeline(
         mesh=stage_mesh,
         defer_grad_conversions=True,
         layering=layering,
-        # conversions stay in their consumer's block, so each lands in its consumer's stage
-        policy=OverlapPolicy(prefetch_blocks=0),
+        # one stage: FSDP2's one-block-ahead gathers; several: each conversion stays in its
+        # consumer's block, so it lands in its consumer's stage program
+        policy=DEFAULT_POLICY if num_stages == 1 else OverlapPolicy(prefetch_blocks=0),
     )
     split = split_stages(
         program.graph_module, traced_mb, layering, assignment, stage_starts=stage_starts, mesh_ndim=len(axis_names)
