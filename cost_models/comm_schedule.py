@@ -43,6 +43,9 @@ class OverlapPolicy:
     """The first bucket (the last layers' gradients): DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``."""
     prefetch_blocks: int = 1
     """Blocks ahead a sharded parameter's all-gather is issued (FSDP2 prefetches one)."""
+    coalesce_gathers: bool = True
+    """Gather a block's sharded parameters in one collective (FSDP2); the multi-stage pipeline
+    runtime gathers them one by one (its stage splitter does not take coalesced gathers yet)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after the forward and gather them again for the backward
     (FSDP2's default; pipelined FSDP keeps them: ``False``)."""

@@ -24,6 +24,9 @@ Rules (the policy's DDP / FSDP2 behaviour, :mod:`autoplan.cost_models.comm_sched
   all-reduce (``Redistribution.bucket``: same transition) are grouped, in the order the backward
   produces them, by :func:`~autoplan.cost_models.comm_schedule.gradient_buckets`; a bucket is
   one coalesced all-reduce issued after its last gradient.
+* **Parameter gathers** issued at the same point on the same mesh axis (a block's sharded
+  parameters, ZeRO-3) are one coalesced all-gather, as FSDP2 gathers a block's parameters in one
+  collective: one latency per block and pass.
 * **The loss** is reduced after it is computed and waited for at the output.
 
 ``issue_after`` is never before the value's producer nor before the last placeholder (so the
@@ -60,7 +63,7 @@ class CollectiveSlot:
     """Node before which its result is needed (:data:`~autoplan.passes.redistribute.OUTPUT`:
     the step's output, i.e. before the optimizer step)."""
     bucket: int | None = None
-    """Index into :attr:`CommSchedule.buckets` for a coalesced gradient all-reduce."""
+    """Index into :attr:`CommSchedule.buckets` for a member of a coalesced collective."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,7 +71,9 @@ class CommSchedule:
     slots: tuple[CollectiveSlot, ...]
     """One per redistribution, same order."""
     buckets: tuple[tuple[int, ...], ...]
-    """Redistribution indices of each coalesced gradient all-reduce, in issue order."""
+    """Redistribution indices of each coalesced collective, in issue order: a gradient bucket
+    (one all-reduce, waited for at the output) or a block's parameter gathers (one all-gather,
+    each member waited for at its own consumer)."""
     policy: OverlapPolicy
 
     def issued_after(self) -> dict[str, list[CollectiveSlot]]:
@@ -91,6 +96,20 @@ def _local_bytes(node: fx.Node, spec: Spec, mesh_shape: Sequence[int]) -> float:
         if isinstance(p, Shard) and axis < len(mesh_shape):
             nbytes /= mesh_shape[axis]
     return nbytes
+
+
+def _is_param_gather(r: Redistribution, by_name: Mapping[str, fx.Node]) -> bool:
+    """A parameter (placeholder) all-gathered on one mesh axis along a dim no other axis splits."""
+    if by_name[r.producer.node].op != "placeholder" or len(r.steps) != 1 or r.steps[0].kind != "all_gather":
+        return False
+    axis = r.steps[0].axis
+    src = r.src[axis]
+    if not isinstance(src, Shard):
+        return False
+    dim = src.dim
+    return all(
+        not (isinstance(p, Shard) and p.dim == dim) for a, p in enumerate(r.src) if a != axis
+    )
 
 
 def _runs(nodes: Sequence[fx.Node], segment_of: Mapping[str, int]) -> dict[str, int]:
@@ -152,6 +171,22 @@ def schedule_collectives(
             issue = min(issue, pos[r.consumer] - 1)
             slots[i] = CollectiveSlot(index=i, issue_after=after(issue), wait_before=r.consumer)
     buckets: list[tuple[int, ...]] = []
+    # parameter gathers issued at one point on one axis: one coalesced all-gather (FSDP2's
+    # per-block gather), each member still waited for at its own consumer
+    gathers: dict[tuple[str, int], list[int]] = {}
+    for i, r in enumerate(redistributions):
+        slot = slots[i]
+        if policy.coalesce_gathers and slot is not None and r.arg_index >= 0 and _is_param_gather(r, by_name):
+            gathers.setdefault((slot.issue_after, r.steps[0].axis), []).append(i)
+    for members in gathers.values():
+        if len(members) > 1:
+            for i in members:
+                old = slots[i]
+                assert old is not None
+                slots[i] = CollectiveSlot(
+                    index=i, issue_after=old.issue_after, wait_before=old.wait_before, bucket=len(buckets)
+                )
+            buckets.append(tuple(members))
     for members in groups.values():
         ordered = sorted(members, key=lambda i: pos[out_node[redistributions[i].producer]])
         sizes = [

@@ -12,7 +12,8 @@ result of replaying the program on two streams, compute and one communication st
   stream run in order: NCCL runs one communicator per group in order, gloo one queue per group),
   so it starts at ``max(issue time, end of the previous collective)``;
 * at its wait point the compute stream waits until it has finished (exposed time);
-* a gradient bucket is one collective (its members' times, one latency);
+* a coalesced collective (a gradient bucket, a block's parameter gathers) is one collective (its
+  members' times, one latency); each member is waited for where its reader needs it;
 * while a collective runs, compute runs slower by ``compute_slowdown`` (the device's
   ``concurrent_compute_factor``: NCCL kernels take SMs and memory bandwidth; gloo takes cores);
   that extra time is compute (``contention_s``), so the exposed time is only the waits;
@@ -84,11 +85,14 @@ def schedule_step(
     up to the bucket's). Parameter nodes' times (their optimizer step) run after the graph."""
     params = set(param_nodes)
     issued_after = schedule.issued_after()
-    members = {s.index: (schedule.buckets[s.bucket] if s.bucket is not None else (s.index,)) for s in schedule.slots}
+    members = {
+        s.index: (schedule.buckets[s.bucket] if s.bucket is not None else (s.index,))
+        for s in schedule.slots
+        if _leader(schedule, s.index) == s.index
+    }
     wait_before: dict[str, list[int]] = {}
-    for slot in schedule.slots:
-        if slot.bucket is None or schedule.buckets[slot.bucket][0] == slot.index:
-            wait_before.setdefault(slot.wait_before, []).append(slot.index)
+    for slot in schedule.slots:  # every member waits where its own reader needs it
+        wait_before.setdefault(slot.wait_before, []).append(slot.index)
 
     compute_t = 0.0
     comm_free = 0.0
@@ -108,10 +112,9 @@ def schedule_step(
 
     def wait(i: int) -> None:
         nonlocal compute_t
-        if i in exposed:
-            return
-        exposed[i] = max(0.0, finish[i] - compute_t)
-        compute_t = max(compute_t, finish[i])
+        lead = _leader(schedule, i)  # a coalesced collective's members finish together
+        exposed[lead] = exposed.get(lead, 0.0) + max(0.0, finish[lead] - compute_t)
+        compute_t = max(compute_t, finish[lead])
 
     def run(seconds: float) -> None:
         """Compute for ``seconds``, slower while the communication stream is busy."""
@@ -127,7 +130,7 @@ def schedule_step(
         for i in wait_before.get(node.name, ()):
             wait(i)
         if node.op == "output":
-            for i in sorted(wait_before.get(OUTPUT, ()), key=lambda i: finish[i]):
+            for i in sorted(wait_before.get(OUTPUT, ()), key=lambda i: finish[_leader(schedule, i)]):
                 wait(i)
             continue
         if node.name not in params:

@@ -25,6 +25,7 @@ _COLLECTIVE_FNS = {
     runtime.reduce_scatter: "reduce_scatter",
     runtime.all_to_all: "all_to_all",
     runtime.all_reduce_coalesced: "all_reduce",
+    runtime.all_gather_coalesced: "all_gather",
 }
 _FUNCOL_KIND = {
     "all_gather_into_tensor": "all_gather",
@@ -163,3 +164,26 @@ def test_op_without_dtensor_rule_runs_replicated_and_matches_single_device() -> 
     assert "aten.renorm.default" in r["fallback"].values()
     assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-6)
     assert max(r["grad_errors"].values()) < 1e-6, r["grad_errors"]
+
+
+def _gather_block(rank: int, world_size: int) -> list[list]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = [torch.arange(15.0).view(5, 3), torch.arange(14.0).view(2, 7), torch.arange(3.0)]
+    # uneven splits on purpose: 5 rows and 7 columns over 2 ranks, 3 elements too
+    shards = [
+        distribute_tensor(full[0], mesh, [Shard(0)]),
+        distribute_tensor(full[1], mesh, [Shard(1)]),
+        distribute_tensor(full[2], mesh, [Shard(0)]),
+    ]
+    out = runtime.all_gather_coalesced(tuple(shards), axis=0)
+    assert all(tuple(o.placements) == (Replicate(),) for o in out)
+    return [o.to_local().tolist() for o in out]
+
+
+def test_a_blocks_parameter_gathers_run_as_one_coalesced_all_gather_with_uneven_shards() -> None:
+    expected = [torch.arange(15.0).view(5, 3).tolist(), torch.arange(14.0).view(2, 7).tolist(), [0.0, 1.0, 2.0]]
+    for r in run_ranks(_gather_block, 2):
+        assert r == expected

@@ -299,7 +299,7 @@ def _collective_records(
             dst=tuple(spec_strs(r.dst)),
             steps=tuple((s.kind, s.axis) for s in r.steps),
             time_s=t,
-            bucket=f"{r.bucket}#{slot.bucket}" if slot.bucket is not None else None,
+            bucket=f"{r.bucket or 'gather'}#{slot.bucket}" if slot.bucket is not None else None,
             overlappable=sc.overlappable,
             exposed_s=sc.exposed_s,
             issue_s=sc.issue_s,

@@ -203,6 +203,8 @@ class _ProgramEmitter:
             r = self.redistributions[slot.index]
             if r.consumer == OUTPUT:
                 self.converted_loss = _emit_steps(self.graph, self.env[self.node_by_name[slot.issue_after]], r.steps, self.axis_names)
+            elif r.arg_index >= 0 and slot.bucket is not None:
+                self._emit_gather(self.schedule.buckets[slot.bucket])
             elif r.arg_index >= 0:
                 a = tensor_args(self.node_by_name[r.consumer])[r.arg_index]
                 if not self._needs_replicate(a):  # (constants are wrapped and converted at the consumer)
@@ -229,6 +231,21 @@ class _ProgramEmitter:
             group = [self.graph.call_function(operator.getitem, (red, j)) for j in range(len(idx))]
         for i, reduced in zip(idx, group, strict=True):
             self.converted_grads[i] = reduced
+
+    def _emit_gather(self, members: tuple[int, ...]) -> None:
+        """A block's parameter gathers (one mesh axis) as one coalesced all-gather."""
+        rs = [self.redistributions[m] for m in members]
+        args = [tensor_args(self.node_by_name[r.consumer])[r.arg_index] for r in rs]
+        axis = rs[0].steps[0].axis
+        red = self.graph.create_node(
+            "call_function",
+            runtime.all_gather_coalesced,
+            (tuple(self.env[a] for a in args),),
+            {"axis": axis},
+            name=f"all_gather_coalesced_{self.axis_names[axis]}",
+        )
+        for j, r in enumerate(rs):
+            self.converted[(r.consumer, r.arg_index)] = self.graph.call_function(operator.getitem, (red, j))
 
     def _start(self, node: fx.Node) -> None:
         if not self.started and node.op != "placeholder":

@@ -103,6 +103,40 @@ def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
     return tuple(out)
 
 
+def all_gather_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
+    """``S(d_i) -> R`` on ``axis`` for several tensors with one flat all-gather (FSDP2's per-block
+    parameter gather). Each local shard is padded to its dim's ``ceil(size / n)`` rows (DTensor's
+    uneven split leaves the last ranks shorter), flattened and concatenated; the gathered buffer
+    is cut back per rank and tensor and re-joined along each tensor's dim. Asynchronous: the wait
+    sits where a gathered tensor is first read (:mod:`autoplan.runtime.lowering`)."""
+    mesh = xs[0].device_mesh
+    n = mesh.size(axis)
+    dims, padded = [], []
+    for x in xs:
+        p = x.placements[axis]
+        if not isinstance(p, Shard):
+            raise TypeError(f"all_gather_coalesced expects tensors sharded on axis {axis}, got {x.placements}")
+        local = x.to_local()
+        chunk = -(-x.shape[p.dim] // n)
+        if local.shape[p.dim] < chunk:  # an uneven split's short shard
+            pad = [0, 0] * (local.ndim - 1 - p.dim) + [0, chunk - local.shape[p.dim]]
+            local = torch.nn.functional.pad(local, pad)
+        dims.append(p.dim)
+        padded.append(local)
+    flat = torch.cat([t.reshape(-1) for t in padded])
+    gathered = funcol.all_gather_single(flat, 0, mesh.get_group(axis)).view(n, -1)
+    out = []
+    offset = 0
+    for x, t, dim in zip(xs, padded, dims, strict=True):
+        pieces = gathered[:, offset : offset + t.numel()]
+        offset += t.numel()
+        full = torch.cat([pieces[r].view(t.shape) for r in range(n)], dim=dim).narrow(dim, 0, x.shape[dim])
+        placements = list(x.placements)
+        placements[axis] = Replicate()
+        out.append(DTensor.from_local(full.contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
+    return tuple(out)
+
+
 def replicated_call(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Run an op that has no DTensor strategy on replicated inputs; outputs are replicated DTensors."""
     mesh = None

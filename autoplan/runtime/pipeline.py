@@ -425,7 +425,7 @@ def build_pipeline(
         layering=layering,
         # one stage: FSDP2's one-block-ahead gathers; several: each conversion stays in its
         # consumer's block, so it lands in its consumer's stage program
-        policy=DEFAULT_POLICY if num_stages == 1 else OverlapPolicy(prefetch_blocks=0),
+        policy=DEFAULT_POLICY if num_stages == 1 else OverlapPolicy(prefetch_blocks=0, coalesce_gathers=False),
     )
     split = split_stages(
         program.graph_module, traced_mb, layering, assignment, stage_starts=stage_starts, mesh_ndim=len(axis_names)
