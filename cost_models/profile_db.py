@@ -135,6 +135,13 @@ class DeviceKey:
             num_threads=torch.get_num_threads(),
         )
 
+    @classmethod
+    def cpu_ranks(cls) -> DeviceKey:
+        """The key of a CPU training rank on this machine: this CPU and torch, with the intra-op
+        threads a rank runs with (:func:`cpu_rank_threads`), whatever this process uses. Planning
+        for CPU ranks reads this profile and ``autoplan profile`` times with these threads."""
+        return dataclasses.replace(cls.current("cpu"), num_threads=cpu_rank_threads())
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -164,6 +171,16 @@ class DeviceKey:
 
     def file_name(self) -> str:
         return f"{self.kind}-v{VERSION}-{self.digest()}.json"
+
+
+def cpu_rank_threads() -> int:
+    """Intra-op threads of a CPU training rank: ``OMP_NUM_THREADS`` when it is a positive integer,
+    else 1, what ``torchrun`` and ``autoplan run`` give each CPU rank when the variable is unset.
+    Profiling with more (torch's default is one per core) times ops under a thread count the
+    ranks never use; several such processes on one machine oversubscribe its cores and time the
+    OS scheduler (measured on 2 cores, 2 processes x 2 threads: every matmul ~16 ms, 5-10x slow)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def default_db_path(device: DeviceKey, cache_dir: str | os.PathLike[str] | None = None) -> Path:

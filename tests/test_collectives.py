@@ -187,3 +187,34 @@ def test_a_blocks_parameter_gathers_run_as_one_coalesced_all_gather_with_uneven_
     expected = [torch.arange(15.0).view(5, 3).tolist(), torch.arange(14.0).view(2, 7).tolist(), [0.0, 1.0, 2.0]]
     for r in run_ranks(_gather_block, 2):
         assert r == expected
+
+
+def _reduce_scatter_bucket(rank: int, world_size: int) -> list[list]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    # each rank holds a different partial sum; uneven splits on purpose (5 rows, 7 and 3 columns)
+    locals_ = [torch.arange(15.0).view(5, 3) * (rank + 1), torch.arange(21.0).view(3, 7) - rank, torch.ones(1, 3) * rank]
+    partials = tuple(
+        DTensor.from_local(t, mesh, [Partial()], run_check=False, shape=t.shape, stride=t.stride()) for t in locals_
+    )
+    dims = (0, 1, 1)
+    out = runtime.reduce_scatter_coalesced(partials, axis=0, dims=dims)
+    # the reference: DTensor's own per-tensor reduce-scatter
+    for o, p, d in zip(out, partials, dims, strict=True):
+        assert tuple(o.placements) == (Shard(d),)
+        ref = p.redistribute(mesh, [Shard(d)])
+        assert o.to_local().shape == ref.to_local().shape
+        assert torch.equal(o.to_local(), ref.to_local())
+    return [o.full_tensor().tolist() for o in out]
+
+
+def test_a_gradient_bucket_is_reduce_scattered_as_one_coalesced_collective_with_uneven_shards() -> None:
+    expected = [
+        (torch.arange(15.0).view(5, 3) * 3).tolist(),
+        (torch.arange(21.0).view(3, 7) * 2 - 1).tolist(),
+        torch.ones(1, 3).tolist(),
+    ]
+    for r in run_ranks(_reduce_scatter_bucket, 2):
+        assert r == expected

@@ -421,3 +421,29 @@ def test_a_key_that_raises_while_timed_fails_alone() -> None:
     times = _interleaved_times_s([ok, flaky], warmup=1, repeats=5)
     assert times[0] is not None and times[0] >= 0 and times[1] is None
     assert calls == {"ok": 6, "flaky": 3}
+
+
+def test_cpu_rank_profiles_are_keyed_and_read_at_the_ranks_thread_count(monkeypatch, tmp_path) -> None:
+    """Planning for CPU ranks reads the profile taken with the ranks' intra-op threads
+    (OMP_NUM_THREADS, else 1 as under torchrun), not this process's (torch's default: a thread
+    per core, which oversubscribes a machine shared by several timing processes)."""
+    from autoplan.cost_models.profile_db import cpu_rank_threads
+    from autoplan.planner.ilp import open_profile
+
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_rank_threads() == 1
+    for bad in ("0", "two", "-3", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        assert cpu_rank_threads() == 1, bad
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_rank_threads() == 3
+    key = DeviceKey.cpu_ranks()
+    assert key.num_threads == 3 and key.name == DeviceKey.current("cpu").name
+    cluster = Cluster.preset("2xCPU")
+    assert open_profile(cluster, "auto") is None  # nothing profiled at 3 threads yet
+    ProfileDB(default_db_path(key), key, {"k": 1e-6}).save()
+    found = open_profile(cluster, "auto")
+    assert found is not None and found.device == key and found.lookup("k") == 1e-6
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert open_profile(cluster, "auto") is None  # a 3-thread profile is not read for 1-thread ranks

@@ -112,8 +112,9 @@ def open_profile(cluster: Cluster, profile: ProfileChoice = "auto") -> ProfileDB
     """The profile database planning for ``cluster`` uses.
 
     ``"auto"``: the database ``autoplan profile`` wrote for this machine's device, if the
-    cluster is made of that device (a CPU cluster planned on a CPU; a GPU cluster planned on a
-    machine with that GPU) and the file exists; else none (analytic times). A path: that file,
+    cluster is made of that device (a CPU cluster planned on a CPU, read at the ranks' thread
+    count, :meth:`DeviceKey.cpu_ranks`; a GPU cluster planned on a machine with that GPU) and the
+    file exists; else none (analytic times). A path: that file,
     whatever machine measured it (plan a GPU cluster from a laptop with a profile taken on the
     GPU). ``None``: analytic times only."""
     if profile is None or isinstance(profile, ProfileDB):
@@ -121,7 +122,7 @@ def open_profile(cluster: Cluster, profile: ProfileChoice = "auto") -> ProfileDB
     if profile != "auto":
         return ProfileDB.load(profile)
     if cluster.device.name == "CPU":
-        key = DeviceKey.current("cpu")
+        key = DeviceKey.cpu_ranks()
     elif torch.cuda.is_available() and cluster.device.name.lower() in torch.cuda.get_device_name().lower():
         key = DeviceKey.current("cuda")
     else:

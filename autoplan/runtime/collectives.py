@@ -8,6 +8,7 @@ step is local (``shard``, ``to_partial``). They are thin wrappers over
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -134,6 +135,55 @@ def all_gather_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
         placements = list(x.placements)
         placements[axis] = Replicate()
         out.append(DTensor.from_local(full.contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
+    return tuple(out)
+
+
+def reduce_scatter_coalesced(xs: tuple[DTensor, ...], axis: int, dims: tuple[int, ...]) -> tuple[DTensor, ...]:
+    """``P -> S(dims[i])`` on ``axis`` for several tensors with one flat reduce-scatter (FSDP2's
+    per-bucket gradient reduce-scatter). Each tensor is padded along its dim to ``n`` equal
+    chunks of ``ceil(size / n)`` rows; row ``r`` of the ``(n, -1)`` buffer holds every tensor's
+    chunk ``r``, flattened. After the reduce-scatter a rank cuts its row back per tensor and
+    narrows each piece to its own (possibly short or empty) shard of DTensor's uneven split.
+    Asynchronous like :func:`all_gather_coalesced`."""
+    mesh = xs[0].device_mesh
+    n = mesh.size(axis)
+    partial = xs[0].placements[axis]
+    if not isinstance(partial, Partial) or any(x.placements[axis] != partial for x in xs):
+        raise TypeError("reduce_scatter_coalesced expects tensors with the same Partial placement on that axis")
+    if partial.reduce_op not in ("sum", "avg"):
+        raise TypeError(f"reduce_scatter_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
+    if len(dims) != len(xs):
+        raise TypeError(f"reduce_scatter_coalesced needs one shard dim per tensor, got {len(dims)} for {len(xs)}")
+    rows, chunks = [], []
+    for x, dim in zip(xs, dims, strict=True):
+        local = x.to_local()
+        chunk = -(-local.shape[dim] // n)
+        short = chunk * n - local.shape[dim]
+        if short:
+            local = torch.nn.functional.pad(local, [0, 0] * (local.ndim - 1 - dim) + [0, short])
+        rows.append(torch.stack([c.reshape(-1) for c in local.split(chunk, dim=dim)]))
+        chunks.append((chunk, local.shape))
+    flat = torch.cat(rows, dim=1).reshape(-1)
+    mine = funcol.reduce_scatter_single(flat, "sum", 0, mesh.get_group(axis))  # (gloo has no AVG)
+    if partial.reduce_op == "avg":
+        mine = mine / n
+    coord = mesh.get_local_rank(axis)
+    out = []
+    offset = 0
+    for x, dim, (chunk, padded_shape) in zip(xs, dims, chunks, strict=True):
+        shape = list(padded_shape)
+        shape[dim] = chunk
+        numel = math.prod(shape)
+        piece = mine[offset : offset + numel].view(shape)
+        offset += numel
+        keep = max(0, min(chunk, x.shape[dim] - coord * chunk))
+        placements = list(x.placements)
+        placements[axis] = Shard(dim)
+        out.append(
+            DTensor.from_local(
+                piece.narrow(dim, 0, keep).contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=x.stride()
+            )
+        )
     return tuple(out)
 
 

@@ -14,7 +14,9 @@ The loss: the model inputs *and* the loss targets enter stage 0 and are passed o
 stage, whose forward computes the (per-micro-batch mean) loss; the schedule's ``loss_fn`` returns
 that output unchanged, so its backward seeds 1 and the last stage's backward program starts from
 its own traced seed. Raw parameter gradients are summed over micro-batches, then, once per step,
-converted to the parameter placement (coalesced all-reduces per stage, as planned), divided by
+converted to the parameter placement (in backward order, in the buckets of
+:func:`~autoplan.cost_models.comm_schedule.gradient_buckets` the step model prices: one coalesced
+all-reduce or reduce-scatter per bucket and mesh axis), divided by
 the number of micro-batches, and summed over the stages holding a copy of a tied parameter.
 A frozen parameter (``requires_grad=False``) is held and read like the others but gets no
 gradient and no optimizer state.
@@ -36,12 +38,12 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
-from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.cost_models.comm import is_coalescable, plan_transition
-from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
+from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy, gradient_buckets
 from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
@@ -158,6 +160,11 @@ class StageModule(torch.nn.Module):
         traced at their first call."""
         self.grad_acc: dict[str, torch.Tensor] = {}
         """FQN -> local raw gradient summed over this step's micro-batches."""
+        self._owned: set[str] = set()
+        """FQNs whose ``grad_acc`` tensor this module allocated (may be added to in place); the
+        first micro-batch's gradient is the program's own output, kept without a copy."""
+        self._local_params: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        """The parameters' local tensors when last detached, and those detached tensors."""
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         outs = _StageFunction.apply(self, self.anchor, *inputs)
@@ -165,6 +172,16 @@ class StageModule(torch.nn.Module):
 
     def _args(self) -> list[Any]:
         return [p.detach() for p in self.params] + list(self._buffers_list)
+
+    def _local_args(self) -> list[Any]:
+        """:meth:`_args` as local tensors for the lowered programs. The parameters' detached local
+        shards are kept between calls (the optimizer and checkpoint loading update them in place;
+        a parameter whose local tensor was replaced is detached again): a DTensor ``detach`` per
+        parameter and call cost ~2 ms a step on CPU ranks."""
+        current = [p._local_tensor for p in self.params]
+        if self._local_params is None or any(a is not b for a, b in zip(current, self._local_params[0], strict=True)):
+            self._local_params = (current, [t.detach() for t in current])
+        return self._local_params[1] + list(self._buffers_list)
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
         prog = self.program
@@ -175,7 +192,7 @@ class StageModule(torch.nn.Module):
             ]
         else:
             args = [_wrap(x, v, self.mesh) for x, v in zip(inputs, prog.inputs, strict=True)]
-        res = self._run("forward", prog.forward, [*self._args(), *args])
+        res = self._run("forward", prog.forward, args)
         n_out = len(prog.outputs)
         return [_unwrap(o) for o in res[:n_out]], list(res[n_out:])
 
@@ -188,7 +205,7 @@ class StageModule(torch.nn.Module):
         ]
         n_in = sum(1 for v in prog.input_grads if v is not None)
         if self.split is None:
-            res = self._run("backward", prog.backward, [*self._args(), *saved, *grads])
+            res = self._run("backward", prog.backward, [*saved, *grads])
             param_grads = res[n_in:]
         else:  # B now; W later, when the schedule calls the runner dw_builder hands it
             with torch.no_grad(), implicit_replication():
@@ -202,13 +219,14 @@ class StageModule(torch.nn.Module):
             self._accumulate(param_grads)
         return in_grads
 
-    def _run(self, which: str, program: torch.fx.GraphModule, args: list[Any]) -> tuple[Any, ...]:
-        """Run a stage program lowered to local tensors (lowered at its first call)."""
+    def _run(self, which: str, program: torch.fx.GraphModule, rest: list[Any]) -> tuple[Any, ...]:
+        """Run a stage program lowered to local tensors (lowered at its first call, from the
+        DTensor arguments) on the parameters, the buffers and ``rest``."""
         local = self.lowered.get(which)
         if local is None:
-            local = self.lowered[which] = lower_to_local(program, args)
+            local = self.lowered[which] = lower_to_local(program, [*self._args(), *rest])
         with torch.no_grad():
-            return local(*args)
+            return local(*self._local_args(), *rest)
 
     def _weight_grads(self, carry: Sequence[Any]) -> None:
         assert self.split is not None
@@ -219,7 +237,13 @@ class StageModule(torch.nn.Module):
         for (fqn, _), g in zip(self.program.param_grads, param_grads, strict=True):
             local = _unwrap(g)
             acc = self.grad_acc.get(fqn)
-            self.grad_acc[fqn] = local.clone() if acc is None else acc.add_(local)
+            if acc is None:
+                self.grad_acc[fqn] = local
+            elif fqn in self._owned:
+                acc.add_(local)
+            else:
+                self.grad_acc[fqn] = acc + local
+                self._owned.add(fqn)
 
 
 def _zeros(v: ValueInfo, mesh: DeviceMesh) -> torch.Tensor:
@@ -272,6 +296,7 @@ class PipelineModel(torch.nn.Module):
             )
         for st in self._stages:
             st.grad_acc.clear()
+            st._owned.clear()
         losses: list[torch.Tensor] = []
         args = tuple(inputs) + tuple(targets)
         dummy_target = torch.zeros(batch)
@@ -290,24 +315,35 @@ class PipelineModel(torch.nn.Module):
         tied_local: dict[str, torch.Tensor] = {}
         for st in self._stages:
             converted: dict[str, Any] = {}  # FQN -> DTensor gradient in the parameter's placement
-            buckets: dict[str, list[tuple[str, Any]]] = {}
-            for fqn, v in st.program.param_grads:
+            groups: dict[tuple[str, ...], list[tuple[str, Any, int | None]]] = {}
+            # backward order (the last parameters' gradients exist first), as the step model buckets
+            for fqn, v in reversed(st.program.param_grads):
                 local = st.grad_acc.get(fqn)
                 assert local is not None and v.spec is not None, fqn
                 g = _wrap(local, v, mesh)
                 dst = st.param_specs[fqn]
                 steps = plan_transition(v.spec, dst) if v.spec != dst else ()
                 if steps and is_coalescable(steps):
-                    buckets.setdefault(f"{spec_str(v.spec)}->{spec_str(dst)}", []).append((fqn, g))
-                    continue
-                converted[fqn] = _run_steps(g, steps)
-            for members in buckets.values():
-                src = members[0][1].placements
-                group = tuple(g for _, g in members)
-                for axis, placement in enumerate(src):
-                    if isinstance(placement, Partial):
-                        group = runtime.all_reduce_coalesced(group, axis)
-                converted.update({fqn: g for (fqn, _), g in zip(members, group, strict=True)})
+                    key = ("all_reduce", spec_str(v.spec), spec_str(dst))
+                    groups.setdefault(key, []).append((fqn, g, None))
+                elif len(steps) == 1 and steps[0].kind == "reduce_scatter" and isinstance(steps[0].dst, Shard):
+                    key = ("reduce_scatter", str(steps[0].axis), spec_str(v.spec))
+                    groups.setdefault(key, []).append((fqn, g, steps[0].dst.dim))
+                else:
+                    converted[fqn] = _run_steps(g, steps)
+            for (kind, *_), members in groups.items():
+                sizes = [g.numel() * g.element_size() for _, g, _ in members]
+                for bucket in gradient_buckets(sizes, DEFAULT_POLICY):
+                    part = [members[i] for i in bucket]
+                    group = tuple(g for _, g, _ in part)
+                    if kind == "reduce_scatter":
+                        axis = next(i for i, p in enumerate(group[0].placements) if isinstance(p, Partial))
+                        group = runtime.reduce_scatter_coalesced(group, axis, tuple(d for _, _, d in part))
+                    else:
+                        for axis, placement in enumerate(group[0].placements):
+                            if isinstance(placement, Partial):
+                                group = runtime.all_reduce_coalesced(group, axis)
+                    converted.update({fqn: g for (fqn, _, _), g in zip(part, group, strict=True)})
             for fqn, p in zip(st.program.param_names, st.params, strict=True):
                 if not p.requires_grad:  # frozen: no gradient, as on one device
                     p.grad = None
@@ -322,7 +358,7 @@ class PipelineModel(torch.nn.Module):
                         shape=p.shape,
                         stride=p.stride(),
                     )
-                local = total.to_local() / m
+                local = total.to_local() / m if m > 1 else total.to_local()
                 if fqn in self._tied_groups:
                     tied_local[fqn] = tied_local[fqn] + local if fqn in tied_local else local
                 p.grad = DTensor.from_local(

@@ -10,9 +10,10 @@ to the local ops the lowered program runs, and those are timed on ``--device`` (
 (:mod:`autoplan.cost_models.profile_db`; ``--profile-db PATH`` for another file), which later plans read;
 keys already in it are not measured again.
 
-CPU times depend on torch's intra-op threads (``OMP_NUM_THREADS``); the database records the
-count, so profile with the thread count the training ranks use (``autoplan run`` starts CPU
-ranks with ``OMP_NUM_THREADS=1`` unless it is set).
+CPU times depend on torch's intra-op threads; the database records the count. The profiler
+times with the threads a training rank uses (``OMP_NUM_THREADS`` when set, else 1 as under
+``torchrun`` and ``autoplan run``; :func:`~autoplan.cost_models.profile_db.cpu_rank_threads`),
+and planning for CPU ranks reads the profile of that count.
 
 The summary compares the profiled time of the slowest keys with the analytic roofline the
 planner would otherwise use, and ends with one machine-readable line::
@@ -88,6 +89,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoplan.tools.loader import build_workload
 
     cluster = common.cluster_from_args(args.cluster, args.mesh)
+    if args.device == "cpu":
+        import torch
+
+        from autoplan.cost_models.profile_db import cpu_rank_threads
+
+        torch.set_num_threads(cpu_rank_threads())  # time (and key) ops as a training rank runs them
     concurrent = args.concurrent or (min(cluster.devices_per_node, os.cpu_count() or 1) if args.device == "cpu" else 1)
     if concurrent > 1:
         return _profile_concurrently(args, concurrent)
@@ -158,8 +165,14 @@ def _profile_concurrently(args: argparse.Namespace, num_procs: int) -> int:
             *(["--mesh", args.mesh] if args.mesh else []),
             *(["--optimizer", args.optimizer] if args.optimizer else []),
         ]
+        env = dict(os.environ)
+        if args.device == "cpu":
+            from autoplan.cost_models.profile_db import cpu_rank_threads
+
+            env["OMP_NUM_THREADS"] = str(cpu_rank_threads())
         procs = [
-            subprocess.Popen([*base, "--profile-db", str(part)], stdout=subprocess.PIPE, text=True) for part in parts
+            subprocess.Popen([*base, "--profile-db", str(part)], stdout=subprocess.PIPE, text=True, env=env)
+            for part in parts
         ]
         outputs = [p.communicate()[0] for p in procs]
         if any(p.returncode != 0 for p in procs):
