@@ -20,9 +20,16 @@ A timed step is forward, backward, optimizer step and ``zero_grad``, between
 ``time.perf_counter`` calls after a barrier; a step's time is the slower rank's. After warm-up
 the two sides of a pair alternate (A, B, A, B, ...) so the machine's slow phases hit both;
 the table gives median step times, the ratio autoplan/torch, and the plan's own prediction
-(``plan.estimate.step_time_s``) against the measured median. Rank 0 plans (cluster preset
-``2xCPU``, catalog links) before the process group exists and hands the plans to rank 1;
-rank 0 prints. Final line::
+(``plan.estimate.step_time_s``) against the measured median.
+
+Predictions are made as for any machine one has: rank 0 first measures it (:func:`measure_machine`:
+``autoplan calibrate --cluster 2xCPU --quick`` when no calibration of it is cached, then
+``autoplan profile`` of this benchmark's workload, which times only ops not yet in the
+machine's profile database), then plans (cluster preset ``2xCPU``) before the process group
+exists and hands the plans to rank 1; rank 0 prints, with each plan's sources (how many op
+times were profiled, whether links were calibrated). ``RUNTIME_OVERHEAD_MEASURE=0`` skips the
+measuring: plans then use whatever is cached, else analytic op times and the measured-default
+links. Final line::
 
     runtime_overhead: dp_vs_ddp=X zero3_vs_fsdp2=Y tp_vs_torch_tp=Z pred_err_max=W%
 
@@ -97,6 +104,41 @@ class PairResult:
         if self.autoplan_median_s is None or self.predicted_s is None:
             return None
         return self.predicted_s / self.autoplan_median_s - 1.0
+
+
+def workload() -> autoplan.Workload:
+    """This benchmark's model and batch for ``autoplan profile`` (:func:`measure_machine`)."""
+    ids, labels = token_batch(batch=BATCH, seq=SEQ, seed=1, vocab=VOCAB)
+    return autoplan.Workload(
+        model=build_model(), example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,), optimizer="sgd"
+    )
+
+
+def measure_machine() -> None:
+    """Calibrate this machine's links (if no calibration is cached) and profile the workload's
+    ops, each in a subprocess outside this torchrun job (its variables removed), at the ranks'
+    one thread. Failures are printed and the plans fall back to what is cached."""
+    import subprocess
+
+    from autoplan.cost_models import calibration
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_TORCHRUN_VARS)}
+    env["OMP_NUM_THREADS"] = "1"
+    cli = [sys.executable, "-m", "autoplan.tools.cli"]
+    commands = []
+    if not calibration.cached_profile_path(2).exists():
+        commands.append([*cli, "calibrate", "--cluster", CLUSTER, "--quick", "--quiet"])
+    commands.append([*cli, "profile", f"{Path(__file__).resolve()}:workload", "--cluster", CLUSTER, "--quiet"])
+    for cmd in commands:
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
+        last = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+        if done.returncode != 0:
+            last = f"failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}"
+        print(f"measure: {' '.join(cmd[3:5])}: {last}", file=sys.stderr, flush=True)
+
+
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_", "MASTER_",
+                  "TORCHELASTIC_", "TORCH_NCCL_ASYNC", "GROUP_WORLD_SIZE")  # fmt: skip
 
 
 def build_model() -> nn.Module:
@@ -243,10 +285,13 @@ def interleave(a: Step, b: Step) -> tuple[float, float]:
 
 
 def collectives_line(plan: autoplan.Plan) -> str:
+    """The plan's collectives per step and where its prediction's numbers come from."""
+    found = {"collectives per step": "collectives per step: ?", "op times": "op times: ?"}
     for line in plan.summary().splitlines():
-        if "collectives per step" in line:
-            return line.strip()
-    return "collectives per step: ?"
+        for key in found:
+            if line.strip().startswith(key):
+                found[key] = line.strip()
+    return "; ".join(found.values())
 
 
 def run_pair(name: str, plan_or_reason: dict | str, ids: torch.Tensor, labels: torch.Tensor) -> PairResult:
@@ -324,7 +369,11 @@ def main() -> None:
     ids, labels = token_batch(batch=BATCH, seq=SEQ, seed=1, vocab=VOCAB)
     # planning comes before the job's process group: the joint search builds its own fake one
     # for its sub-meshes (autoplan.planner.mesh.planning_mesh refuses a job of another size)
-    planned_here = plans(ids, labels) if int(os.environ["RANK"]) == 0 else None
+    planned_here = None
+    if int(os.environ["RANK"]) == 0:
+        if os.environ.get("RUNTIME_OVERHEAD_MEASURE", "1") != "0":
+            measure_machine()
+        planned_here = plans(ids, labels)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     box: list[object] = [planned_here]
