@@ -245,7 +245,7 @@ def stage_memory_parts(
     zero_stage: int,
     dp: int,
     inflight: int,
-    accumulates: bool,
+    num_microbatches: int,
     device_kind: str,
     first_segment: int = 0,
     policy: OverlapPolicy = DEFAULT_POLICY,
@@ -259,20 +259,25 @@ def stage_memory_parts(
         weights  W = sum_j P_j w / (dp if zero_stage >= 3)     optimizer  O = sum_j T'_j o / (dp if zero_stage >= 1)
         grads    g_j = T'_j g / (dp if zero_stage >= 2)
         A        = inflight * (sum_j kept_j + max_j shared_j)            (micro-batches in flight)
-        backward of j:  A + T_j + G_j + gathered + bucket
-                 G_j = sum_{i >= j} g_i   (the stage's later segments made theirs first; all
-                                          of them once an earlier micro-batch accumulated)
-        optimizer step: sum_j g_j + opt_step                              (activations all freed)
-        peak     = W + O + max( max_j backward of j, optimizer step ) + allocator margin
+        backward of j:  A + T_j + gathered + G_j                    (the first micro-batch)
+                        A min(f, m - 1) / f + T_j + gathered + G + G_j  (a later one, m > 1: the
+                                          sum of the earlier ones is alive, at most m - 1 in flight)
+                 G_j = sum_{i >= j} g_i   (the stage's later segments made theirs first)
+                 f = inflight, m = micro-batches per step
+        reductions:     G + 2 bucket                 (after the schedule; activations freed)
+        optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)
+        peak     = W + O + max( max_j backward of j, reductions, optimizer step ) + allocator margin
         gathered = ZeRO-3: (1 + prefetch) max_j P_j w if reshard_after_forward else sum_j P_j w
-        bucket   = dp > 1: min(sum_j T'_j g, bucket_cap)    (the flat copy of one gradient bucket)
+        bucket   = dp > 1: min(sum_j T'_j g, bucket_cap)    (the flat copy of one gradient bucket
+                   and the reduced result: :mod:`autoplan.runtime.pipeline` converts a stage's
+                   gradients once per step, after the schedule, bucket by bucket)
         opt_step = optimizer_temp_bytes(the trained weights' fp32 copies / (dp if zero_stage >= 1))
 
     Transients of different segments never coexist (a max, not a sum). ``gathered``: FSDP2's
     gathered weights (:class:`~autoplan.cost_models.comm_schedule.OverlapPolicy`), the block in
     use and the ``prefetch_blocks`` gathered ahead, or the whole stage kept from forward to
-    backward. ``accumulates``: the stage runs several micro-batches per step, so the gradients of
-    the first stay alive through the next ones' backward. Parts, adding up to the peak: weights,
+    backward. ``num_microbatches``: with several per step, the gradients of the first stay alive
+    (summed) through the next ones' backward. Parts, adding up to the peak: weights,
     optimizer, grads (``G_j`` of the peak, all at the optimizer step), activations ``A``,
     transient (the rest), allocator. A pipeline rank's stages combine with :func:`rank_memory_parts`.
     A segment reading a tied parameter held before ``first_segment`` (the stage's first segment)
@@ -314,15 +319,18 @@ def stage_memory_parts(
         activations = inflight * (own + max(s.shared_input_bytes for s in segments))
         transients = [s.saved_bytes + t for s, t in zip(segments, transients, strict=True)]
     bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
-    extra = gathered + bucket
-    backward = [
-        (
-            activations + t + extra + (sum(grads) if accumulates else sum(grads[j:])),
-            sum(grads) if accumulates else sum(grads[j:]),
-        )
-        for j, t in enumerate(transients)
-    ]
-    at_peak, grads_at_peak = max(backward, default=(activations + extra, 0.0))
+    total_grads = sum(grads)
+    # the first micro-batch's backward: every micro-batch in flight, no gradient sum yet
+    backward = [(activations + t + gathered + sum(grads[j:]), sum(grads[j:])) for j, t in enumerate(transients)]
+    if num_microbatches > 1 and inflight > 0:  # a later one's: the sum of the earlier ones is alive
+        alive = activations * min(inflight, num_microbatches - 1) / inflight
+        backward += [
+            (alive + t + gathered + total_grads + sum(grads[j:]), total_grads + sum(grads[j:]))
+            for j, t in enumerate(transients)
+        ]
+    # the reductions, after the schedule: gradients, one bucket's flat copy and its result
+    backward.append((total_grads + 2 * bucket, total_grads))
+    at_peak, grads_at_peak = max(backward, default=(activations + gathered, 0.0))
     master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
     opt_params = trainable * master / (dp if zero_stage >= 1 else 1)
     largest_trained = max((s.trainable_numel for s in segments), default=0) * master

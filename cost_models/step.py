@@ -710,7 +710,7 @@ def _price_stage(
         zero_stage=z,
         dp=dp,
         inflight=_inflight(config, rank),
-        accumulates=config.num_microbatches > 1,
+        num_microbatches=config.num_microbatches,
         first_segment=segments[0],
         device_kind=device_kind(cluster.device),
         policy=policy,

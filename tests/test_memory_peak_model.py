@@ -75,7 +75,7 @@ def test_loss_backward_transient_holds_two_fp32_logits(gpt2_costs) -> None:
     assert epilogue.bwd_transient_bytes >= 2 * logits_bytes
     parts = stage_memory_parts(
         segments=gpt2_costs.segments, recompute="none", element=precision_bytes("sgd", "fp32"), zero_stage=0,
-        dp=1, inflight=1, accumulates=False, device_kind="cpu",
+        dp=1, inflight=1, num_microbatches=1, device_kind="cpu",
     )  # fmt: skip
     saved = sum(s.saved_bytes for s in gpt2_costs.segments)
     assert parts["activations"] == saved
@@ -93,7 +93,7 @@ def _seg(saved: float, fwd_t: float, bwd_t: float, *, numel: int = 1000, inputs:
 
 def _parts(segs, **kw) -> dict[str, float]:
     args = dict(recompute="none", element=precision_bytes("sgd", "fp32"), zero_stage=0, dp=1, inflight=1,
-                accumulates=False, device_kind="cpu")  # fmt: skip
+                num_microbatches=1, device_kind="cpu")  # fmt: skip
     return stage_memory_parts(segments=segs, **{**args, **kw})
 
 
@@ -115,26 +115,48 @@ def test_full_recompute_keeps_stage_inputs_and_rebuilds_the_whole_stage() -> Non
 
 def test_gradients_alive_at_a_segments_backward_are_those_of_later_segments() -> None:
     """One micro-batch: the first segment's backward peaks with every gradient made; with
-    accumulation every gradient is alive throughout."""
+    accumulation the earlier micro-batches' sum is alive beside the gradients made so far."""
     segs = [_seg(0, 0, 100, numel=10), _seg(0, 0, 1, numel=1000)]
     g = 4.0  # fp32
     once = _parts(segs)
     assert once["grads"] == 1010 * g and once["transient"] == 100  # peak in the first segment's backward
     late = _parts([_seg(0, 0, 1, numel=10), _seg(0, 0, 100, numel=1000)])
     assert late["grads"] == 1000 * g  # peak in the last segment's backward: only its own gradients
-    accumulated = _parts([_seg(0, 0, 1, numel=10), _seg(0, 0, 100, numel=1000)], accumulates=True)
-    assert accumulated["grads"] == 1010 * g
+    accumulated = _parts([_seg(0, 0, 1, numel=10), _seg(0, 0, 100, numel=1000)], num_microbatches=2)
+    assert accumulated["grads"] == (1010 + 1000) * g  # the first micro-batch's sum + the last segment's own
+    assert accumulated["transient"] == 100
+
+
+def test_a_later_micro_batch_runs_beside_the_gradient_sum_with_fewer_activations_in_flight() -> None:
+    """1F1B with 2 micro-batches both in flight: the first one's backward holds both micro-batches'
+    activations and no sum; the second's holds one micro-batch's activations and the sum."""
+    segs = [_seg(100, 0, 10, numel=5)]
+    g = 4.0
+    two = _parts(segs, inflight=2, num_microbatches=2)
+    first = 2 * 100 + 10 + 5 * g
+    second = 100 + 10 + 2 * 5 * g
+    assert sum(two.values()) == max(first, second) + 5 * g  # + the weights
+    many = _parts(segs, inflight=2, num_microbatches=8)  # steady state: 2 in flight beside the sum
+    assert sum(many.values()) == 2 * 100 + 10 + 2 * 5 * g + 5 * g
+
+
+def test_gradient_reductions_after_the_schedule_hold_one_bucket_and_its_result() -> None:
+    segs = [_seg(0, 0, 0, numel=1000)]
+    parts = _parts(segs, dp=2)
+    g = 4.0
+    assert parts["grads"] == 1000 * g and parts["transient"] == 2 * 1000 * g  # the bucket under its cap
 
 
 def test_zero3_gathered_weights_follow_the_reshard_policy() -> None:
-    segs = [_seg(0, 0, 0, numel=100), _seg(0, 0, 0, numel=300), _seg(0, 0, 0, numel=200)]
+    sizes = (100, 200, 150, 300, 250)
+    segs = [_seg(0, 0, 0, numel=n) for n in sizes]
     w = 4.0
-    reshard = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=True))
-    keep = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=False))
-    bucket = 600 * 4.0  # one gradient bucket's flat copy (the stage's gradients, under the 25 MiB cap)
-    assert reshard["weights"] == 600 * w / 4
-    assert reshard["transient"] == 2 * 300 * w + bucket  # the block in use + the one prefetched
-    assert keep["transient"] == 600 * w + bucket  # every block kept from forward to backward
+    small = dict(bucket_cap_bytes=64, first_bucket_cap_bytes=64)  # the reductions' buckets stay below the gathers
+    reshard = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=True, **small))
+    keep = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=False, **small))
+    assert reshard["weights"] == 1000 * w / 4
+    assert reshard["transient"] == 2 * 300 * w  # the block in use + the one prefetched
+    assert keep["transient"] == 1000 * w  # every block kept from forward to backward
 
 
 def test_interleaved_stages_of_a_rank_add_activations_and_take_the_largest_transient() -> None:
