@@ -319,18 +319,9 @@ def stage_memory_parts(
         activations = inflight * (own + max(s.shared_input_bytes for s in segments))
         transients = [s.saved_bytes + t for s, t in zip(segments, transients, strict=True)]
     bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
-    total_grads = sum(grads)
-    # the first micro-batch's backward: every micro-batch in flight, no gradient sum yet
-    backward = [(activations + t + gathered + sum(grads[j:]), sum(grads[j:])) for j, t in enumerate(transients)]
-    if num_microbatches > 1 and inflight > 0:  # a later one's: the sum of the earlier ones is alive
-        alive = activations * min(inflight, num_microbatches - 1) / inflight
-        backward += [
-            (alive + t + gathered + total_grads + sum(grads[j:]), total_grads + sum(grads[j:]))
-            for j, t in enumerate(transients)
-        ]
-    # the reductions, after the schedule: gradients, one bucket's flat copy and its result
-    backward.append((total_grads + 2 * bucket, total_grads))
-    at_peak, grads_at_peak = max(backward, default=(activations + gathered, 0.0))
+    at_peak, grads_at_peak = _backward_peak(
+        activations, transients, grads, gathered=gathered, bucket=bucket, inflight=inflight, num_microbatches=num_microbatches
+    )
     master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
     opt_params = trainable * master / (dp if zero_stage >= 1 else 1)
     largest_trained = max((s.trainable_numel for s in segments), default=0) * master
@@ -345,6 +336,32 @@ def stage_memory_parts(
         "transient": at_peak - activations - grads_at_peak,
     }
     return _with_allocator(parts, device_kind)
+
+
+def _backward_peak(
+    activations: float,
+    transients: Sequence[float],
+    grads: Sequence[float],
+    *,
+    gathered: float,
+    bucket: float,
+    inflight: int,
+    num_microbatches: int,
+) -> tuple[float, float]:
+    """(bytes, gradient bytes among them) at the stage's peak from its backward passes to its
+    gradient reductions, on top of weights and optimizer state (:func:`stage_memory_parts`)."""
+    total_grads = sum(grads)
+    # the first micro-batch's backward: every micro-batch in flight, no gradient sum yet
+    backward = [(activations + t + gathered + sum(grads[j:]), sum(grads[j:])) for j, t in enumerate(transients)]
+    if num_microbatches > 1 and inflight > 0:  # a later one's: the sum of the earlier ones is alive
+        alive = activations * min(inflight, num_microbatches - 1) / inflight
+        backward += [
+            (alive + t + gathered + total_grads + sum(grads[j:]), total_grads + sum(grads[j:]))
+            for j, t in enumerate(transients)
+        ]
+    # the reductions, after the schedule: gradients, one bucket's flat copy and its result
+    backward.append((total_grads + 2 * bucket, total_grads))
+    return max(backward, default=(activations + gathered, 0.0))
 
 
 def rank_memory_parts(stage_parts: Sequence[Mapping[str, float]], device_kind: str) -> dict[str, float]:

@@ -603,7 +603,7 @@ def test_corrupted_profile_database_names_the_file_and_is_left_untouched(case, t
 
 
 def test_profile_database_measured_with_other_threads_suggests_omp_num_threads(tmp_path):
-    here = DeviceKey.current("cpu")
+    here = DeviceKey.cpu_ranks()  # the key planning for CPU ranks reads (the ranks' thread count)
     other = DeviceKey(**{**here.to_dict(), "num_threads": here.num_threads + 7})
     ProfileDB(default_db_path(here), other).save()  # this machine's file, written with other threads
 
