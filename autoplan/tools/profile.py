@@ -80,6 +80,23 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # argparse's privat
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    """``autoplan profile``: on CPU with the ranks' intra-op threads (restored afterwards: the
+    command may run inside a longer-lived process)."""
+    if args.device != "cpu":
+        return _cmd_profile(args)
+    import torch
+
+    from autoplan.cost_models.profile_db import cpu_rank_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_rank_threads())  # time (and key) ops as a training rank runs them
+    try:
+        return _cmd_profile(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
     # tracing, strategies, the op profiler and the database import torch: loaded when the command runs
     from autoplan.cost_models.profile_db import ProfileDB
     from autoplan.passes.strategies import build_strategy_table
@@ -89,12 +106,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from autoplan.tools.loader import build_workload
 
     cluster = common.cluster_from_args(args.cluster, args.mesh)
-    if args.device == "cpu":
-        import torch
-
-        from autoplan.cost_models.profile_db import cpu_rank_threads
-
-        torch.set_num_threads(cpu_rank_threads())  # time (and key) ops as a training rank runs them
     concurrent = args.concurrent or (min(cluster.devices_per_node, os.cpu_count() or 1) if args.device == "cpu" else 1)
     if concurrent > 1:
         return _profile_concurrently(args, concurrent)
