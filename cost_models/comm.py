@@ -75,6 +75,7 @@ __all__ = [
     "collective_terms",
     "collective_time_s",
     "effective_collective",
+    "bucket_kind",
     "is_coalescable",
     "link_time_s",
     "plan_transition",
@@ -279,11 +280,23 @@ def step_bytes(
     return 0.0
 
 
+def bucket_kind(steps: Sequence[TransitionStep]) -> str | None:
+    """How the generated program coalesces a gradient reduction with others, or ``None``.
+
+    ``"all_reduce"``: made only of all-reduces, one flat all-reduce per bucket and mesh axis (DDP's
+    buckets). ``"reduce_scatter"``: one reduce-scatter (a ZeRO-3/FSDP gradient), one flat
+    reduce-scatter per bucket (FSDP2's per-block reduce-scatter). Either way the per-message
+    latency is paid once per bucket, not once per tensor."""
+    if steps and all(s.kind == "all_reduce" for s in steps):
+        return "all_reduce"
+    if len(steps) == 1 and steps[0].kind == "reduce_scatter":
+        return "reduce_scatter"
+    return None
+
+
 def is_coalescable(steps: Sequence[TransitionStep]) -> bool:
-    """Gradient reductions made only of all-reduces are coalesced into one flat all-reduce per
-    (mesh axis, partial kind) by the generated program, as DDP buckets gradients: their per-message
-    latency is paid once per step, not once per tensor."""
-    return bool(steps) and all(s.kind == "all_reduce" for s in steps)
+    """Whether a gradient reduction joins a bucket (:func:`bucket_kind`)."""
+    return bucket_kind(steps) is not None
 
 
 def transition_cost_s(

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from autoplan.cost_models.comm import TransitionStep, is_coalescable, plan_transition
+from autoplan.cost_models.comm import TransitionStep, bucket_kind, plan_transition
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.placement import Spec, replicated, spec_str
 from autoplan.passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
@@ -87,7 +87,16 @@ def edge_redistributions(
         assert dst is not None
         if src != dst:
             steps = plan_transition(src, dst)
-            bucket = f"grad:{spec_str(src)}->{spec_str(dst)}" if is_coalescable(steps) else None
+            kind = bucket_kind(steps)
+            # members of one bucket share the collective: an all-reduce bucket the whole
+            # transition, a reduce-scatter bucket the source layout and axis (the shard dims differ)
+            bucket = (
+                f"grad:{spec_str(src)}->{spec_str(dst)}"
+                if kind == "all_reduce"
+                else f"grad-rs:{spec_str(src)}@{steps[0].axis}"
+                if kind == "reduce_scatter"
+                else None
+            )
             out.append(Redistribution(ref, pnode, -1, src, dst, steps, bucket))
     check_no_converted_writes(gm, out)
     return out

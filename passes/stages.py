@@ -354,6 +354,13 @@ def _place_unanchored(
         ps = param_stages.get(fqn, ())
         if isinstance(g, fx.Node) and len(ps) == 1:
             param_grad_stage[g] = ps[0]
+    # inserted nodes computed from the backward: a single stage's in-program gradient conversions
+    from_bwd: set[fx.Node] = set()
+    for n in prog.nodes:
+        if not _is_original(n) and any(
+            a in from_bwd or (_is_original(a) and a.meta.get("autoplan.phase") == "bwd") for a in n.all_input_nodes
+        ):
+            from_bwd.add(n)
     for n in reversed(prog.nodes):
         if n.op != "call_function" or n in prog.const or n in removed or n in where.anchored:
             continue
@@ -362,7 +369,9 @@ def _place_unanchored(
             user_stages.append(param_grad_stage[n])
         if not _is_original(n):  # an inserted collective: its consumer's stage and phase
             if prog.output in n.users:
-                stage[n], phase[n] = last, "fwd"
+                stage[n], phase[n] = last, "bwd" if n in from_bwd else "fwd"
+            elif n in from_bwd and last == 0:  # (only one stage converts gradients in its program)
+                stage[n], phase[n] = last, "bwd"
             else:
                 u = next(iter(n.users))
                 stage[n], phase[n] = stage[u], phase[u]

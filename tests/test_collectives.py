@@ -26,6 +26,7 @@ _COLLECTIVE_FNS = {
     runtime.all_to_all: "all_to_all",
     runtime.all_reduce_coalesced: "all_reduce",
     runtime.all_gather_coalesced: "all_gather",
+    runtime.reduce_scatter_coalesced: "reduce_scatter",
 }
 _FUNCOL_KIND = {
     "all_gather_into_tensor": "all_gather",
@@ -101,6 +102,17 @@ def test_data_parallel_gradients_are_reduced_in_one_coalesced_all_reduce() -> No
     assert r["buckets"] == [r["num_params"]], r
     assert r["ran"] == r["planned"] and r["graph"] == r["plan_raw"], r
     assert r["ran"]["all_reduce"] >= 1 and sum(r["ran"].values()) <= 3, r
+
+
+def test_zero3_gradients_are_reduce_scattered_in_coalesced_buckets() -> None:
+    """Every parameter sharded on the data-parallel axis (ZeRO-3): the gradients leave the
+    backward as a few coalesced reduce-scatters (FSDP2's per-bucket reduce-scatter), priced and
+    run as such, not one reduce-scatter per parameter."""
+    results = run_ranks(_gpt2_step_counts, 2, (2,), {"input_0": "S(0)", "target_0": "S(0)", "*": "S(0)"})
+    r = results[0]
+    assert r["ran"] == r["planned"] and r["graph"] == r["plan_raw"], r
+    assert 1 <= r["ran"]["reduce_scatter"] <= 3, r  # gradient_buckets: 1 MiB first, then 25 MiB
+    assert sum(r["buckets"]) >= r["num_params"] - 2, r  # (a 1-element parameter may stay replicated)
 
 
 def _generated_code(rank: int, world_size: int) -> str:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import Partial, Shard
 from torch.fx.node import Argument
 from torch.utils import _pytree as pytree
 
-from autoplan.cost_models.comm import TransitionStep
+from autoplan.cost_models.comm import TransitionStep, bucket_kind
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
 from autoplan.passes.comm_order import START, CommSchedule, schedule_collectives
 from autoplan.passes.layers import Layering, find_layers
@@ -217,10 +217,28 @@ class _ProgramEmitter:
                     self._emit_bucket(self.schedule.buckets[slot.bucket])
 
     def _emit_bucket(self, members: tuple[int, ...]) -> None:
-        """One coalesced all-reduce per step of the members' (common) transition."""
+        """One coalesced all-reduce per step of the members' (common) transition, or one coalesced
+        reduce-scatter (:func:`~autoplan.cost_models.comm.bucket_kind`)."""
         idx = [self.grad_index[self.redistributions[m].consumer] for m in members]
         group = [self.env[self.grad_nodes[i]] for i in idx]
-        for st in self.redistributions[members[0]].steps:
+        first = self.redistributions[members[0]].steps
+        if bucket_kind(first) == "reduce_scatter":
+            dims = []
+            for m in members:
+                dst = self.redistributions[m].steps[0].dst
+                assert isinstance(dst, Shard)
+                dims.append(dst.dim)
+            red = self.graph.create_node(
+                "call_function",
+                runtime.reduce_scatter_coalesced,
+                (tuple(group),),
+                {"axis": first[0].axis, "dims": tuple(dims)},
+                name=f"reduce_scatter_coalesced_{self.axis_names[first[0].axis]}",
+            )
+            for j, i in enumerate(idx):
+                self.converted_grads[i] = self.graph.call_function(operator.getitem, (red, j))
+            return
+        for st in first:
             red = self.graph.create_node(
                 "call_function",
                 runtime.all_reduce_coalesced,

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoplan.cost_models.comm import is_coalescable, plan_transition
+from autoplan.cost_models.comm import bucket_kind, plan_transition
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy, gradient_buckets
 from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
@@ -164,6 +164,10 @@ class StageModule(torch.nn.Module):
         """FQNs whose ``grad_acc`` tensor this module allocated (may be added to in place); the
         first micro-batch's gradient is the program's own output, kept without a copy."""
         self._local_params: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.grads_converted = False
+        """The backward program converts the parameter gradients itself (one stage, one
+        micro-batch: DDP/FSDP2-style buckets issued during the backward); else they come out
+        raw and :meth:`PipelineModel._finish_grads` converts them after the schedule."""
         """The parameters' local tensors when last detached, and those detached tensors."""
 
     def forward(self, *inputs: torch.Tensor) -> Any:
@@ -317,16 +321,25 @@ class PipelineModel(torch.nn.Module):
             converted: dict[str, Any] = {}  # FQN -> DTensor gradient in the parameter's placement
             groups: dict[tuple[str, ...], list[tuple[str, Any, int | None]]] = {}
             # backward order (the last parameters' gradients exist first), as the step model buckets
+            held = dict(zip(st.program.param_names, st.params, strict=True))
             for fqn, v in reversed(st.program.param_grads):
                 local = st.grad_acc.get(fqn)
-                assert local is not None and v.spec is not None, fqn
-                g = _wrap(local, v, mesh)
                 dst = st.param_specs[fqn]
+                assert local is not None, fqn
+                if st.grads_converted:  # the backward program reduced it already, bucket by bucket
+                    p = held[fqn]
+                    converted[fqn] = DTensor.from_local(
+                        local, mesh, list(dst), run_check=False, shape=p.shape, stride=p.stride()
+                    )
+                    continue
+                assert v.spec is not None, fqn
+                g = _wrap(local, v, mesh)
                 steps = plan_transition(v.spec, dst) if v.spec != dst else ()
-                if steps and is_coalescable(steps):
+                kind = bucket_kind(steps)
+                if kind == "all_reduce":
                     key = ("all_reduce", spec_str(v.spec), spec_str(dst))
                     groups.setdefault(key, []).append((fqn, g, None))
-                elif len(steps) == 1 and steps[0].kind == "reduce_scatter" and isinstance(steps[0].dst, Shard):
+                elif kind == "reduce_scatter" and isinstance(steps[0].dst, Shard):
                     key = ("reduce_scatter", str(steps[0].axis), spec_str(v.spec))
                     groups.setdefault(key, []).append((fqn, g, steps[0].dst.dim))
                 else:
@@ -450,6 +463,10 @@ def build_pipeline(
     check_schedule(schedule, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages, executable=True)
     recompute = _stage_recompute(stage_recompute, num_stages)
     stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
+    # one stage and one micro-batch: the gradient reductions run inside the backward program, in
+    # buckets issued as their gradients exist (what the step model prices); otherwise once per
+    # step after the schedule, on the gradients summed over micro-batches
+    in_program = num_stages == 1 and num_microbatches == 1 and schedule != "zero-bubble"
     program = generate_program(
         traced_mb,
         assignment,
@@ -457,7 +474,7 @@ def build_pipeline(
         axis_names=axis_names,
         device=device,
         mesh=stage_mesh,
-        defer_grad_conversions=True,
+        defer_grad_conversions=not in_program,
         layering=layering,
         # one stage: FSDP2's one-block-ahead gathers; several: each conversion stays in its
         # consumer's block, so it lands in its consumer's stage program
@@ -482,6 +499,8 @@ def build_pipeline(
         )  # fmt: skip
         for s in mine
     ]
+    for mod in modules:
+        mod.grads_converted = in_program
     stages = [
         _pipeline_stage(
             mod,
