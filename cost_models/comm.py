@@ -38,6 +38,13 @@ generated program executes, so the planner pays for precisely the collectives th
 Axes sharding the same tensor dim are nested (axis 0 outermost, as in DTensor); before an axis
 changes to or from ``S(d)``, inner axes sharded on ``d`` are gathered first and re-sharded
 afterwards.
+
+A segment shard ``S(d)/k`` (DTensor's ``_StridedShard``: dim ``d`` as ``k`` equal segments, each
+sharded) moves like ``S(d)`` with one difference: no all_to_all into or out of it (the segments
+interleave, so a chunk exchange does not produce the other layout); it is all-gathered to ``R``
+first (same bytes as ``S(d) -> R``), and ``R -> S(d)/k`` is a local slice of each segment::
+
+    S(d)/k -> R   all_gather         R -> S(d)/k   local slices (free)      P -> S(d)/k   all_reduce, slices
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoplan.cost_models.cluster import (
     COLLECTIVE_KINDS,
@@ -197,7 +205,7 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
     R = Replicate()
 
     def shard_dim(p: Placement) -> int | None:
-        return p.dim if isinstance(p, Shard) else None
+        return p.dim if isinstance(p, (Shard, _StridedShard)) else None
 
     def unshard_inner(axis: int, dim: int) -> None:
         for j in range(n - 1, axis, -1):
@@ -211,9 +219,10 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
     # 1. leave shardings that must change, innermost axis first
     for i in reversed(range(n)):
         p, q = cur[i], dst[i]
-        if isinstance(p, Shard) and p != q:
-            unshard_inner(i, p.dim)
-            if isinstance(q, Shard) and not sharded_elsewhere(i, q.dim):
+        p_dim = shard_dim(p)
+        if p_dim is not None and p != q:
+            unshard_inner(i, p_dim)
+            if type(p) is Shard and type(q) is Shard and not sharded_elsewhere(i, q.dim):
                 steps.append(_step("all_to_all", i, p, q))
                 cur[i] = q
             else:
@@ -223,7 +232,7 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
     for i in range(n):
         p, q = cur[i], dst[i]
         if isinstance(p, Partial) and p != q:
-            if isinstance(q, Shard) and not sharded_elsewhere(i, q.dim):
+            if type(q) is Shard and not sharded_elsewhere(i, q.dim):
                 unshard_inner(i, q.dim)
                 steps.append(_step("reduce_scatter", i, p, q))
                 cur[i] = q
@@ -236,8 +245,9 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
         if p == q:
             continue
         assert isinstance(p, Replicate), (src, dst, cur)
-        if isinstance(q, Shard):
-            unshard_inner(i, q.dim)
+        q_dim = shard_dim(q)
+        if q_dim is not None:
+            unshard_inner(i, q_dim)
             steps.append(_step("shard", i, p, q))
         else:
             steps.append(_step("to_partial", i, p, q))
@@ -248,7 +258,7 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
             assert isinstance(cur[i], Replicate), (src, dst, cur)
             steps.append(
                 _step("shard", i, cur[i], dst[i])
-                if isinstance(dst[i], Shard)
+                if shard_dim(dst[i]) is not None
                 else _step("to_partial", i, cur[i], dst[i])
             )
             cur[i] = dst[i]
@@ -258,7 +268,7 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
 def _local_bytes(spec: Sequence[Placement], full_bytes: float, mesh_shape: Sequence[int]) -> float:
     div = 1
     for p, size in zip(spec, mesh_shape, strict=True):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             div *= size
     return full_bytes / div
 

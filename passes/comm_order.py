@@ -43,7 +43,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy, gradient_buckets
-from autoplan.passes.placement import Spec
+from autoplan.passes.placement import Spec, shard_dim
 from autoplan.passes.redistribute import OUTPUT, Redistribution
 from autoplan.passes.strategies import resolve_value, tensor_args
 
@@ -93,7 +93,7 @@ def _local_bytes(node: fx.Node, spec: Spec, mesh_shape: Sequence[int]) -> float:
         return 0.0
     nbytes = float(val.numel() * val.element_size())
     for axis, p in enumerate(spec):
-        if isinstance(p, Shard) and axis < len(mesh_shape):
+        if shard_dim(p) is not None and axis < len(mesh_shape):
             nbytes /= mesh_shape[axis]
     return nbytes
 

@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
 
-from autoplan.passes.placement import Spec
+from autoplan.passes.placement import Spec, shard_dim
 from autoplan.passes.strategies import Strategy, tensor_args
 
 log = logging.getLogger(__name__)
@@ -155,8 +154,9 @@ def local_shard_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int,
     ``ceil(size / n)`` per ``S(d)`` axis, nested in mesh-axis order; ``R``/``P`` keep the size)."""
     sizes = list(shape)
     for p, n in zip(spec, mesh_shape, strict=True):
-        if isinstance(p, Shard):
-            sizes[p.dim] = -(-sizes[p.dim] // n)
+        d = shard_dim(p)
+        if d is not None:
+            sizes[d] = -(-sizes[d] // n)
     return tuple(sizes)
 
 

@@ -2,7 +2,10 @@
 
 A *placement* says how one tensor is laid out along one mesh axis: ``R`` (replicated),
 ``S(d)`` (sharded along tensor dim ``d``), ``P`` (partial sums still to be reduced) or
-``P(avg)`` (partial values still to be averaged, e.g. a mean loss over a sharded batch). A *spec*
+``P(avg)`` (partial values still to be averaged, e.g. a mean loss over a sharded batch), and
+``S(d)/k``: dim ``d`` cut into ``k`` equal segments, each segment sharded, so a rank holds its
+shard of every segment (DTensor's ``_StridedShard(d, split_factor=k)``; the layout of a fused
+q/k/v or gate/up projection split by heads, :mod:`autoplan.passes.segments`). A *spec*
 is one placement per mesh axis, written ``S(0)R`` in logs and ``["S(0)", "R"]`` in plan files.
 
 These are thin, terse views over ``torch.distributed.tensor`` placements, which stay the
@@ -14,24 +17,37 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
-from autoplan.passes.plan_text import parse_placement_text
+from autoplan.passes.plan_text import parse_placement_text, segment_count
 
 Spec = tuple[Placement, ...]
 """One placement per mesh axis."""
 
 
+def shard_dim(p: Placement) -> int | None:
+    """The tensor dim ``p`` splits (``S(d)`` and ``S(d)/k`` alike), ``None`` for ``R`` and ``P``."""
+    return p.dim if isinstance(p, (Shard, _StridedShard)) else None
+
+
+def is_segment_shard(p: Placement) -> bool:
+    """True for ``S(d)/k`` (a sharded dim made of ``k`` segments sharded one by one)."""
+    return isinstance(p, _StridedShard)
+
+
 def placement_str(p: Placement) -> str:
-    """Terse text of one placement: ``R``, ``S(0)`` or ``P``."""
+    """Terse text of one placement: ``R``, ``S(0)``, ``S(0)/3`` or ``P``."""
     if type(p) is Replicate:
         return "R"
     if type(p) is Shard:
         return f"S({p.dim})"
+    if type(p) is _StridedShard:
+        return f"S({p.dim})/{p.split_factor}"
     if type(p) is Partial and p.reduce_op == "sum":
         return "P"
     if type(p) is Partial and p.reduce_op == "avg":
         return "P(avg)"
-    raise ValueError(f"placement {p!r} is outside autoplan's vocabulary (R, S(d), P, P(avg))")
+    raise ValueError(f"placement {p!r} is outside autoplan's vocabulary (R, S(d), S(d)/k, P, P(avg))")
 
 
 def parse_placement(text: str) -> Placement:
@@ -39,7 +55,8 @@ def parse_placement(text: str) -> Placement:
     kind, dim = parse_placement_text(text)
     if kind == "S":
         assert dim is not None
-        return Shard(dim)
+        k = segment_count(text)
+        return Shard(dim) if k == 1 else _StridedShard(dim, split_factor=k)
     if kind == "R":
         return Replicate()
     return Partial("sum" if kind == "P" else "avg")
@@ -59,8 +76,17 @@ def spec_str(spec: Sequence[Placement]) -> str:
 
 
 def is_supported(p: Placement) -> bool:
-    """True for the placements the planner reasons about (no strided or masked variants)."""
-    return type(p) in (Replicate, Shard) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
+    """True for the placements the planner reasons about (no masked variants)."""
+    return type(p) in (Replicate, Shard, _StridedShard) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
+
+
+def pin_admits(pinned: Sequence[Placement], spec: Sequence[Placement] | None) -> bool:
+    """A pin keeps ``spec``: equal, or the pin's ``S(d)`` is ``S(d)/k`` in ``spec`` (a pinned
+    column-parallel fused projection may be split by segments: its storage is split the same)."""
+    return spec is not None and len(pinned) == len(spec) and all(
+        p == q or (type(p) is Shard and is_segment_shard(q) and shard_dim(q) == p.dim)
+        for p, q in zip(pinned, spec, strict=True)
+    )
 
 
 def shard_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
@@ -77,19 +103,29 @@ def storage_factor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
     full-size buffer on every device."""
     n = 1
     for p, size in zip(spec, mesh_shape, strict=True):
-        if isinstance(p, Shard):
+        if shard_dim(p) is not None:
             n *= size
     return n
 
 
 def is_shardable(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
-    """Every sharded dim must give each device at least one element."""
+    """Every sharded dim must give each device at least one element; ``S(d)/k`` needs ``k`` equal
+    segments that divide evenly (by the product of the axes sharding ``d``), and no other
+    placement on ``d`` (a segment shard nested in another shard is not planned)."""
     per_dim: dict[int, int] = {}
+    segments: dict[int, int] = {}
     for p, size in zip(spec, mesh_shape, strict=True):
-        if isinstance(p, Shard):
-            if p.dim >= len(shape) or p.dim < 0:
-                return False
-            per_dim[p.dim] = per_dim.get(p.dim, 1) * size
+        d = shard_dim(p)
+        if d is None:
+            continue
+        if d >= len(shape) or d < 0:
+            return False
+        per_dim[d] = per_dim.get(d, 1) * size
+        if isinstance(p, _StridedShard):
+            segments[d] = int(p.split_factor)
+    for d, k in segments.items():
+        if sum(shard_dim(p) == d for p in spec) > 1 or shape[d] % (k * per_dim[d]):
+            return False
     return all(shape[d] >= n for d, n in per_dim.items())
 
 
@@ -97,8 +133,9 @@ def local_numel(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Seq
     """Elements held per device (ceil division for uneven shards)."""
     sizes = list(shape)
     for p, size in zip(spec, mesh_shape, strict=True):
-        if isinstance(p, Shard):
-            sizes[p.dim] = -(-sizes[p.dim] // size)
+        d = shard_dim(p)
+        if d is not None:
+            sizes[d] = -(-sizes[d] // size)
     n = 1
     for s in sizes:
         n *= s

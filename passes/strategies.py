@@ -16,7 +16,8 @@ picks for those inputs (the first, unless the rule gives a later one a negative 
 Special nodes:
 
 * placeholders: parameters and inputs may be replicated or sharded along any dim on any axis;
-  buffers are replicated;
+  a parameter that feeds a split into ``k`` equal pieces (a fused projection) may also be
+  ``S(d)/k`` (:mod:`autoplan.passes.segments`); buffers are replicated;
 * *constant* nodes (depending on no placeholder, e.g. ``arange`` for positions, causal masks)
   run as plain replicated tensors; a consumer that needs one sharded slices it locally;
 * ops with no DTensor strategy fall back to "replicate everything" and are listed in the plan
@@ -37,14 +38,16 @@ from typing import Literal
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops import utils as _dtensor_op_utils
 from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_to_mesh
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from autoplan.passes.placement import Spec, is_shardable, is_supported, replicated, spec_str
+from autoplan.passes.placement import Spec, is_segment_shard, is_shardable, is_supported, replicated, spec_str
+from autoplan.passes.segments import segment_counts, segment_variants
 from autoplan.passes.trace import TracedProgram
 
 log = logging.getLogger(__name__)
@@ -168,9 +171,12 @@ def _single(spec: Spec, mesh: DeviceMesh, t: torch.Tensor) -> DTensorSpec:
 class _Enumerator:
     """Calls DTensor's registered strategy functions with every candidate input spec."""
 
-    def __init__(self, mesh: DeviceMesh) -> None:
+    def __init__(self, mesh: DeviceMesh, segment_sizes: frozenset[tuple[int, int]] = frozenset()) -> None:
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
+        self.segment_sizes = segment_sizes
+        """(dim size, k) of the fused splits: the only tensors ``S(d)/k`` may appear on (DTensor's
+        view rules also make ``S(d)/k`` of a flattened shard; those layouts are not planned)."""
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self._cache: dict[object, tuple[Strategy, ...] | None] = {}
 
@@ -223,11 +229,28 @@ class _Enumerator:
         return tuple(found.values()) or None
 
     def _enumerate(self, node: fx.Node, candidates: Sequence[Sequence[Spec]]) -> tuple[Strategy, ...] | None:
+        """One rule call; a single-dim rule is called again with the arguments' ``S(d)/k`` specs
+        shown (it fills its shard placeholders with the kind of shard the inputs show)."""
+        found = self._enumerate_showing(node, candidates, segments=False)
+        op = node.target
+        has_segments = any(is_segment_shard(p) for cands in candidates for c in cands for p in c)
+        if found is None or not has_segments or op not in self.prop.op_single_dim_strategy_funcs:
+            return found
+        more = self._enumerate_showing(node, candidates, segments=True) or ()
+        known = {s.input_specs for s in found}
+        return found + tuple(s for s in more if s.input_specs not in known)
+
+    def _enumerate_showing(
+        self, node: fx.Node, candidates: Sequence[Sequence[Spec]], *, segments: bool
+    ) -> tuple[Strategy, ...] | None:
         op = node.target
         assert isinstance(op, torch._ops.OpOverload), op
         prop, mesh = self.prop, self.mesh
         single_dim = prop.op_single_dim_strategy_funcs.get(op)
         it_strat = iter(candidates)
+
+        def shows(c: Spec) -> bool:
+            return any(is_segment_shard(p) for p in c) if segments else any(isinstance(p, Shard) for p in c)
 
         def to_strategy(a: object) -> object:
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
@@ -235,8 +258,10 @@ class _Enumerator:
                 t = a.meta["val"]
                 if single_dim is not None:
                     # single-dim rules fill shard placeholders from the input's placements: show a Shard
-                    spec = next((c for c in cands if any(isinstance(p, Shard) for p in c)), cands[0])
-                    if not any(isinstance(p, Shard) for p in spec) and t.dim() > 0:
+                    # (or, for the second call, an S(d)/k where the argument has one, else R)
+                    spec = next((c for c in cands if shows(c)), cands[0] if segments else None)
+                    spec = spec or next((c for c in cands if any(isinstance(p, Shard) for p in c)), cands[0])
+                    if not segments and not any(isinstance(p, Shard) for p in spec) and t.dim() > 0:
                         spec = (Shard(0), *spec[1:])
                     return OpStrategy([OpSpec(_single(spec, mesh, t))])
                 return OpStrategy([OpSpec(_single(c, mesh, t)) for c in cands])
@@ -257,6 +282,14 @@ class _Enumerator:
             return None
         return self._filter(node, result)
 
+    def _supported(self, placements: Sequence[Placement], shape: Sequence[int]) -> bool:
+        """In the vocabulary, and ``S(d)/k`` only on a dim of a fused split's (size, k)."""
+        return all(
+            is_supported(p)
+            and (not isinstance(p, _StridedShard) or (int(shape[p.dim]), p.split_factor) in self.segment_sizes)
+            for p in placements
+        )
+
     def _filter(self, node: fx.Node, result: OpStrategy) -> tuple[Strategy, ...]:
         targs = tensor_args(node)
         val = node.meta["val"]
@@ -271,7 +304,7 @@ class _Enumerator:
                 if o is None or not isinstance(v, torch.Tensor):
                     out_specs.append(None)
                     continue
-                if not all(is_supported(p) for p in o.placements) or not is_shardable(
+                if not self._supported(o.placements, v.shape) or not is_shardable(
                     o.placements, v.shape, self.mesh_shape
                 ):
                     ok = False
@@ -281,7 +314,7 @@ class _Enumerator:
                 ok = False
             ins: list[Spec] = []
             for spec, a in zip(in_specs, targs, strict=False):
-                if not all(is_supported(p) for p in spec.placements) or not is_shardable(
+                if not self._supported(spec.placements, a.meta["val"].shape) or not is_shardable(
                     spec.placements, a.meta["val"].shape, self.mesh_shape
                 ):
                     ok = False
@@ -351,7 +384,8 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
     mesh_shape = tuple(mesh.shape)
     rep = replicated(len(mesh_shape))
     table = StrategyTable(mesh_shape=mesh_shape)
-    enum = _Enumerator(mesh)
+    segments = segment_counts(traced.graph_module)
+    enum = _Enumerator(mesh, frozenset().union(*segments.values()))
     depends_on_input: set[str] = set()
 
     def out_candidates(ref: ValueRef) -> list[Spec]:
@@ -377,6 +411,8 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
                 else "target"
             )
             specs = [rep] if kind == "buffer" else sharding_specs(val.shape, mesh_shape)
+            if kind == "param" and node.name in segments:
+                specs += segment_variants(specs, val.shape, segments[node.name], mesh_shape)
             table.nodes[node.name] = NodeStrategies(
                 node=node.name, kind=kind, strategies=tuple(Strategy((s,), ()) for s in specs), inputs=()
             )

@@ -324,7 +324,7 @@ class FuzzStats:
         x, y = zoo.random_batch(job.spec, 0)
         placed = [(plan.param_specs[n], param_shapes[n]) for n in plan.param_names]
         placed += [(plan.input_specs[0], tuple(x.shape)), (plan.target_specs[0], tuple(y.shape))]
-        if any(p.startswith("S(") and shape[int(p[2:-1])] % WORLD_SIZE for spec, shape in placed for p in spec):
+        if any(p.startswith("S(") and shape[int(p[2 : p.index(")")])] % WORLD_SIZE for spec, shape in placed for p in spec):
             self.uneven += 1
         attention_ops = ("autoplan.sdpa.default", "aten.bmm.default", "aten._softmax.default")
         if any(d["op"] in attention_ops and any(_is_split(s) for s in d["out"]) for d in plan.nodes.values()):

@@ -399,7 +399,7 @@ def _edit(data: dict, case: str) -> None:
 RUN_MISFITS = {
     "shard_dim_beyond_rank": "placements.params['0.weight'] shards dim 5 of a 2-D tensor (32, 16)",
     "renamed_param": "placements.params['0.wieght'] names no parameter of this model (close: 0.weight",
-    "partial_param": "placements.params['0.bias'] is P: an input or parameter is R or S(d)",
+    "partial_param": "placements.params['0.bias'] is P: an input or parameter is R, S(d) or S(d)/k",
     "input_dim_beyond_rank": "placements.inputs[0] shards dim 3 of a 2-D tensor (8, 16)",
     "node_dim_beyond_rank": "nodes['addmm'].out[0] shards dim 2 of a 2-D tensor (8, 32)",
     "renamed_node": "nodes['addmm_x'] (op 'aten.addmm.default') is not an operator of this model's program",

@@ -25,7 +25,7 @@ from autoplan.passes.comm_order import CommSchedule
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.liveness import MemoryEstimate
 from autoplan.passes.overlap import StepSchedule
-from autoplan.passes.placement import parse_spec, spec_str, spec_strs
+from autoplan.passes.placement import parse_spec, pin_admits, spec_str, spec_strs
 from autoplan.passes.redistribute import Redistribution
 from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, ValueRef
 from autoplan.passes.trace import TracedProgram, param_node_name
@@ -47,7 +47,9 @@ def _placeholder_of(traced: TracedProgram, pattern: str) -> list[str]:
 
 
 def apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None:
-    """Restrict pinned placeholders (params by FQN glob, ``input_<i>``, ``target_<i>``) to one spec."""
+    """Restrict pinned placeholders (params by FQN glob, ``input_<i>``, ``target_<i>``) to one spec
+    (a pinned ``S(d)`` also keeps ``S(d)/k``, the same column split of a fused projection taken
+    segment by segment: :func:`~autoplan.passes.placement.pin_admits`)."""
     ndim = len(table.mesh_shape)
     example = ",".join(["R"] * ndim)
     for pattern, value in pins.items():
@@ -76,7 +78,7 @@ def apply_pins(table: StrategyTable, traced: TracedProgram, pins: Pins) -> None:
             )
         for node in matched:
             ns = table.nodes[node]
-            keep = tuple(s for s in ns.strategies if s.output_specs[0] == spec)
+            keep = tuple(s for s in ns.strategies if pin_admits(spec, s.output_specs[0]))
             if not keep:
                 shape = tuple(_node_shape(traced, node))
                 raise PlanError(

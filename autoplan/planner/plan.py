@@ -714,7 +714,7 @@ def _misfit(plan: Plan, traced: TracedProgram) -> str | None:
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    from autoplan.passes.placement import parse_spec, spec_str
+    from autoplan.passes.placement import is_segment_shard, parse_spec, shard_dim, spec_str
     from autoplan.passes.strategies import tensor_args
 
     nodes = {n.name: n for n in traced.graph_module.graph.nodes}
@@ -723,10 +723,11 @@ def _misfit(plan: Plan, traced: TracedProgram) -> str | None:
         if not isinstance(val, torch.Tensor):
             return "is for a value that is not a tensor"
         for p in parse_spec(spec):
-            if placeholder and not isinstance(p, (Replicate, Shard)):
-                return f"is {spec_str(parse_spec(spec))}: an input or parameter is R or S(d) on each axis"
-            if isinstance(p, Shard) and p.dim >= val.dim():
-                return f"shards dim {p.dim} of a {val.dim()}-D tensor {tuple(val.shape)}"
+            if placeholder and not (isinstance(p, (Replicate, Shard)) or is_segment_shard(p)):
+                return f"is {spec_str(parse_spec(spec))}: an input or parameter is R, S(d) or S(d)/k on each axis"
+            d = shard_dim(p)
+            if d is not None and d >= val.dim():
+                return f"shards dim {d} of a {val.dim()}-D tensor {tuple(val.shape)}"
         return None
 
     model_params = set(traced.param_names)

@@ -54,7 +54,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoplan.cost_models.errors import CheckpointError, CorruptCheckpointError
 from autoplan.planner.plan import Plan
@@ -412,6 +413,21 @@ def _state_dict(
     return sd
 
 
+def _plain_layout(sd: dict[str, Any]) -> dict[str, DTensor]:
+    """Replace every entry of ``sd`` sharded segment by segment (``S(d)/k``, DTensor's
+    ``_StridedShard``: a fused projection split by heads) by a copy sharded plainly on the same
+    dim, and return the originals by key. DCP records a rank's local shard as one contiguous chunk
+    of the global tensor, which a strided shard is not ("overlapping chunks"); the plain layout
+    also keeps the checkpoint independent of how a plan splits a fused weight."""
+    originals: dict[str, DTensor] = {}
+    for key, value in sd.items():
+        if isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements):
+            plain = [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in value.placements]
+            originals[key] = value
+            sd[key] = value.redistribute(value.device_mesh, plain)
+    return originals
+
+
 def _rank0_rng_state() -> torch.Tensor:
     box = [torch.get_rng_state()]
     dist.broadcast_object_list(box, src=0)
@@ -433,6 +449,7 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
     dist.barrier()
     sd = _state_dict(_owned(model), optimizer, _rank0_rng_state(), step)
+    _plain_layout(sd)
     dcp.save(sd, checkpoint_id=str(tmp))
     dist.barrier()
     files = _checksum_files(tmp)
@@ -497,7 +514,10 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
             )
         if key.startswith(("model.", "optim.")):
             _check_shape(ckpt, key, meta, tuple(value.shape))
+    segmented = _plain_layout(sd)
     _load_state_dict(ckpt, sd, no_dist=False)
+    for key, original in segmented.items():
+        _copy_into(original, sd[key])
     # other local copies of a tied parameter (and their optimizer state) get the loaded values
     for fqn, _stage, p in _parameter_copies(model):
         src = params[fqn]

@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.node import Argument
 from torch.utils import _pytree as pytree
 
@@ -67,6 +68,8 @@ def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], 
         kwargs: dict[str, Argument] = {"axis": st.axis}
         if isinstance(st.dst, Shard) and st.kind in ("reduce_scatter", "all_to_all", "shard"):
             kwargs["dim"] = st.dst.dim
+        if isinstance(st.dst, _StridedShard) and st.kind == "shard":
+            kwargs["dim"], kwargs["segments"] = st.dst.dim, st.dst.split_factor
         if st.kind == "to_partial" and isinstance(st.dst, Partial) and st.dst.reduce_op != "sum":
             kwargs["reduce_op"] = st.dst.reduce_op
         x = graph.create_node("call_function", STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
 
@@ -32,7 +33,7 @@ def replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 
 def all_gather(x: DTensor, axis: int) -> DTensor:
-    """``S(d) -> R`` on ``axis``."""
+    """``S(d) -> R`` (or ``S(d)/k -> R``: DTensor re-joins each segment's shards) on ``axis``."""
     return _move(x, axis, Replicate())
 
 
@@ -59,9 +60,10 @@ def all_to_all(x: DTensor, axis: int, dim: int) -> DTensor:
     )
 
 
-def shard(x: DTensor, axis: int, dim: int) -> DTensor:
-    """``R -> S(dim)`` on ``axis``: local slice, no communication."""
-    return _move(x, axis, Shard(dim))
+def shard(x: DTensor, axis: int, dim: int, segments: int = 1) -> DTensor:
+    """``R -> S(dim)`` on ``axis`` (``R -> S(dim)/segments``: this rank's slice of each of the
+    ``segments`` equal segments of ``dim``): local slices, no communication."""
+    return _move(x, axis, Shard(dim) if segments == 1 else _StridedShard(dim, split_factor=segments))
 
 
 def to_partial(x: DTensor, axis: int, reduce_op: str = "sum") -> DTensor:
