@@ -1,0 +1,103 @@
+"""How many forward weight matmuls run on a sharded weight under tensor-parallel pins (issue #20).
+
+    AUTOPLAN_NO_PLAN_CACHE=1 python benchmarks/tp_sharded_matmuls.py [--slowdown 1e5] [-v]
+
+For tiny Hugging Face decoders (``examples/hf_models.py`` zoo configs) planned for ``2xCPU`` with
+Megatron pins on the projection weights (column-parallel fused/in projections, row-parallel
+out/down projections), count the forward mm/addmm/bmm/linear nodes whose weight operand derives
+(through views/transposes) from a 2-D parameter, and how many of them get that operand sharded
+(``S(d)`` or a fused projection's ``S(d)/k``). The tied ``lm_head`` is not pinned and stays
+replicated in every family. Prints a row per family and a final line::
+
+    tp_sharded_matmuls: gpt2=8/9 phi3=4/9 falcon=6/9 bloom=4/9 llama=14/15
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import autoplan  # noqa: E402
+from autoplan.passes.trace import param_node_name, trace_training_step  # noqa: E402
+from examples import hf_models  # noqa: E402
+from tests.harness import cpu_cluster  # noqa: E402
+
+_MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default"}
+_VIEW_LIKE = {
+    "aten.t.default", "aten.view.default", "aten._unsafe_view.default", "aten.transpose.int",
+    "aten.permute.default", "aten.expand.default", "aten.clone.default", "aten.reshape.default",
+}  # fmt: skip
+
+# torch Linear weight is (out, in): column-parallel S(0), row-parallel S(1); HF Conv1D is (in, out).
+FAMILIES = {
+    "gpt2 (c_attn, Conv1D)": (hf_models.gpt2_zoo, {
+        "*attn.c_attn.weight": "S(1)", "*attn.c_proj.weight": "S(0)",
+        "*mlp.c_fc.weight": "S(1)", "*mlp.c_proj.weight": "S(0)"}),
+    "phi3 (qkv_proj, gate_up_proj)": (hf_models.phi3_zoo, {
+        "*qkv_proj.weight": "S(0)", "*o_proj.weight": "S(1)",
+        "*gate_up_proj.weight": "S(0)", "*down_proj.weight": "S(1)"}),
+    "falcon (query_key_value, MQA)": (hf_models.falcon_zoo, {
+        "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
+        "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
+    "bloom (query_key_value)": (hf_models.bloom_zoo, {
+        "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
+        "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
+    "llama (control, unfused)": (hf_models.llama_zoo, {
+        "*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
+        "*o_proj.weight": "S(1)", "*gate_proj.weight": "S(0)", "*up_proj.weight": "S(0)",
+        "*down_proj.weight": "S(1)"}),
+}  # fmt: skip
+
+
+def weight_matmuls(wl: autoplan.Workload, plan: autoplan.Plan) -> list[tuple[str, str, str]]:
+    """(node, parameter, planned spec of the weight operand) of every forward weight matmul."""
+    traced = trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)
+    fqn_of = {param_node_name(n): n for n in traced.param_names}
+    rows = []
+    for node in traced.graph_module.graph.nodes:
+        if str(node.target) not in _MATMULS or node.meta.get("autoplan.phase") != "fwd":
+            continue
+        layout = plan.nodes[node.name]
+        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        for i, arg in enumerate(args):
+            src = arg
+            while isinstance(src, torch.fx.Node) and str(src.target) in _VIEW_LIKE:
+                src = src.args[0]
+            if isinstance(src, torch.fx.Node) and src.name in fqn_of and src.meta["val"].dim() == 2:
+                rows.append((node.name, fqn_of[src.name], "".join(layout["in"][i])))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--slowdown", type=float, default=1.0, help="compute slowdown of the 2xCPU preset")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    cluster = cpu_cluster("2xCPU", compute_slowdown=args.slowdown)
+    summary = []
+    for family, (build, pins) in FAMILIES.items():
+        if args.only and args.only not in family:
+            continue
+        torch.manual_seed(0)
+        wl = build()
+        plan = autoplan.plan(
+            wl.model, cluster, example_inputs=wl.example_inputs, loss_fn=wl.loss_fn,
+            example_targets=wl.example_targets, optimizer=wl.optimizer, pins=pins,
+        )  # fmt: skip
+        rows = weight_matmuls(wl, plan)
+        sharded = [r for r in rows if "S" in r[2]]
+        print(f"{family:34s} sharded {len(sharded)}/{len(rows)}", flush=True)
+        summary.append(f"{family.split()[0]}={len(sharded)}/{len(rows)}")
+        if args.verbose:
+            for r in rows:
+                print("   ", *r)
+    print("tp_sharded_matmuls: " + " ".join(summary))
+
+
+if __name__ == "__main__":
+    main()
