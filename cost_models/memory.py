@@ -264,13 +264,15 @@ def stage_memory_parts(
                                           sum of the earlier ones is alive, at most m - 1 in flight)
                  G_j = sum_{i >= j} g_i   (the stage's later segments made theirs first)
                  f = inflight, m = micro-batches per step
-        reductions:     G + 2 bucket                 (after the schedule; activations freed)
+        reductions:     G + bucket + reduced     (after the schedule; activations freed)
         optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)
         peak     = W + O + max( max_j backward of j, reductions, optimizer step ) + allocator margin
         gathered = ZeRO-3: (1 + prefetch) max_j P_j w if reshard_after_forward else sum_j P_j w
-        bucket   = dp > 1: min(sum_j T'_j g, bucket_cap)    (the flat copy of one gradient bucket
-                   and the reduced result: :mod:`autoplan.runtime.pipeline` converts a stage's
-                   gradients once per step, after the schedule, bucket by bucket)
+        bucket   = dp > 1: min(sum_j T'_j g, bucket_cap)    (the flat copy of one gradient bucket:
+                   :mod:`autoplan.runtime.pipeline` converts a stage's gradients once per step,
+                   after the schedule, bucket by bucket)
+        reduced  = 0 for ZeRO 0 (the bucket is all-reduced in place, as DDP's), bucket / dp for
+                   ZeRO >= 1 (the reduce-scatter's result beside the bucket)
         opt_step = optimizer_temp_bytes(the trained weights' fp32 copies / (dp if zero_stage >= 1))
 
     Transients of different segments never coexist (a max, not a sum). ``gathered``: FSDP2's
@@ -319,8 +321,10 @@ def stage_memory_parts(
         activations = inflight * (own + max(s.shared_input_bytes for s in segments))
         transients = [s.saved_bytes + t for s, t in zip(segments, transients, strict=True)]
     bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
+    reduced = bucket / dp if zero_stage >= 1 else 0.0  # ZeRO 0: all-reduced in place
     at_peak, grads_at_peak = _backward_peak(
-        activations, transients, grads, gathered=gathered, bucket=bucket, inflight=inflight, num_microbatches=num_microbatches
+        activations, transients, grads, gathered=gathered, reduction=bucket + reduced, inflight=inflight,
+        num_microbatches=num_microbatches,
     )
     master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
     opt_params = trainable * master / (dp if zero_stage >= 1 else 1)
@@ -344,7 +348,7 @@ def _backward_peak(
     grads: Sequence[float],
     *,
     gathered: float,
-    bucket: float,
+    reduction: float,
     inflight: int,
     num_microbatches: int,
 ) -> tuple[float, float]:
@@ -360,7 +364,7 @@ def _backward_peak(
             for j, t in enumerate(transients)
         ]
     # the reductions, after the schedule: gradients, one bucket's flat copy and its result
-    backward.append((total_grads + 2 * bucket, total_grads))
+    backward.append((total_grads + reduction, total_grads))
     return max(backward, default=(activations + gathered, 0.0))
 
 

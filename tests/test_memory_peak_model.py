@@ -141,10 +141,14 @@ def test_a_later_micro_batch_runs_beside_the_gradient_sum_with_fewer_activations
 
 
 def test_gradient_reductions_after_the_schedule_hold_one_bucket_and_its_result() -> None:
+    """ZeRO 0 all-reduces the flat bucket in place (one copy); ZeRO >= 1 reduce-scatters it, the
+    result (1/dp of the bucket) beside it (autoplan.runtime.collectives)."""
     segs = [_seg(0, 0, 0, numel=1000)]
-    parts = _parts(segs, dp=2)
     g = 4.0
-    assert parts["grads"] == 1000 * g and parts["transient"] == 2 * 1000 * g  # the bucket under its cap
+    ddp = _parts(segs, dp=2)
+    assert ddp["grads"] == 1000 * g and ddp["transient"] == 1000 * g  # the bucket under its cap
+    zero1 = _parts(segs, dp=2, zero_stage=1)
+    assert zero1["grads"] == 1000 * g and zero1["transient"] == 1000 * g * (1 + 1 / 2)
 
 
 def test_zero3_gathered_weights_follow_the_reshard_policy() -> None:

@@ -80,7 +80,9 @@ def to_partial(x: DTensor, axis: int, reduce_op: str = "sum") -> DTensor:
 
 
 def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
-    """``P -> R`` on ``axis`` for several tensors with one flat all-reduce (gradient bucketing)."""
+    """``P -> R`` on ``axis`` for several tensors with one flat all-reduce (gradient bucketing): the
+    local tensors are concatenated into one fresh buffer, reduced in place (one copy, as DDP's
+    bucket), and each result is a view into it."""
     first = xs[0]
     mesh = first.device_mesh
     partial = first.placements[axis]
@@ -91,8 +93,10 @@ def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
     if partial.reduce_op not in ("sum", "avg"):
         raise TypeError(f"all_reduce_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
     # a functional collective: asynchronous (waited where a reduced gradient is first read; in
-    # the lowered program that is the optimizer step, autoplan.runtime.lowering)
-    flat = funcol.all_reduce(flat, "sum", mesh.get_group(axis))  # (gloo has no AVG)
+    # the lowered program that is the optimizer step, autoplan.runtime.lowering). In place on the
+    # fresh flat buffer, as DDP reduces its bucket: ``funcol.all_reduce`` would first clone it.
+    group_name = funcol._resolve_group_name(mesh.get_group(axis))
+    flat = funcol._maybe_wrap_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group_name))  # (gloo has no AVG)
     if partial.reduce_op == "avg":
         flat = flat / mesh.size(axis)
     out = []

@@ -15,7 +15,7 @@ from autoplan.passes.placement import parse_spec, spec_str
 from autoplan.passes.trace import TracedProgram
 from autoplan.planner.plan import Plan
 from autoplan.runtime.codegen import GeneratedProgram, expected_output_placements
-from autoplan.runtime.lowering import LocalProgram, lower_to_local
+from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
 
@@ -160,14 +160,20 @@ class ParallelModel(torch.nn.Module):
                 f"expected {len(self._input_specs)} inputs and {len(self._target_specs)} targets as planned, "
                 f"got {len(inputs)} and {len(targets)}"
             )
-        args = [p.detach() for p in self._params] + list(self._buffers_list)
-        args += self._distribute(inputs, self._input_specs) + self._distribute(targets, self._target_specs)
         if check:
+            args = [p.detach() for p in self._params] + list(self._buffers_list)
+            args += self._distribute(inputs, self._input_specs) + self._distribute(targets, self._target_specs)
             with torch.no_grad(), implicit_replication():
                 outs = _CheckedInterpreter(self.program).run(*args)
         else:
-            with torch.no_grad():
-                outs = self.lowered()(*args)
+            program = self.lowered()
+            with torch.no_grad():  # the lowered program reads local tensors: no DTensor op runs here
+                args = [p.to_local() for p in self._params] + [b.to_local() for b in self._buffers_list]
+                args += [
+                    local_shard(t.to(self.device), self.mesh, spec)
+                    for t, spec in zip([*inputs, *targets], [*self._input_specs, *self._target_specs], strict=True)
+                ]
+                outs = program(*args)
         loss, *grads = outs
         for p, g in zip(self._trainable, grads, strict=True):
             p.grad = g

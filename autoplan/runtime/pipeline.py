@@ -54,7 +54,7 @@ from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
 from autoplan.runtime.codegen import STEP_FN, generate_program
-from autoplan.runtime.lowering import LocalProgram, lower_to_local
+from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
 
@@ -186,52 +186,77 @@ class StageModule(torch.nn.Module):
         current = [p._local_tensor for p in self.params]
         if self._local_params is None or any(a is not b for a, b in zip(current, self._local_params[0], strict=True)):
             self._local_params = (current, [t.detach() for t in current])
-        return self._local_params[1] + list(self._buffers_list)
+        return self._local_params[1] + [b.to_local() for b in self._buffers_list]
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+        """The stage's forward program on local tensors: ``inputs`` as received (stage 0: the
+        micro-batch as given, of which this rank keeps its shard) -> (outputs, saved values),
+        all local: DTensors are built only to lower the program at its first call."""
         prog = self.program
-        if prog.index == 0:  # the micro-batch as given: keep this rank's shard
+        if prog.index == 0:
             args = [
-                distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None) if v.spec is not None else x
+                local_shard(x, self.mesh, list(v.spec)) if v.spec is not None else x
                 for x, v in zip(inputs, prog.inputs, strict=True)
             ]
         else:
-            args = [_wrap(x, v, self.mesh) for x, v in zip(inputs, prog.inputs, strict=True)]
-        res = self._run("forward", prog.forward, args)
+            args = list(inputs)
+
+        def as_dtensors() -> list[Any]:
+            if prog.index == 0:
+                return [
+                    distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None) if v.spec is not None else x
+                    for x, v in zip(inputs, prog.inputs, strict=True)
+                ]
+            return [_wrap(x, v, self.mesh) for x, v in zip(inputs, prog.inputs, strict=True)]
+
+        res = self._run("forward", prog.forward, args, as_dtensors)
         n_out = len(prog.outputs)
         return [_unwrap(o) for o in res[:n_out]], list(res[n_out:])
 
     def run_backward(self, saved: list[Any], grad_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         prog = self.program
         grads = [
-            _wrap(g, v, self.mesh) if g is not None else _zeros(v, self.mesh)
+            g if g is not None else torch.zeros(_local_shape(v, self.mesh), dtype=v.dtype)
             for g, v in zip(grad_outputs, prog.output_grads, strict=True)
             if v is not None
         ]
         n_in = sum(1 for v in prog.input_grads if v is not None)
         if self.split is None:
-            res = self._run("backward", prog.backward, [*saved, *grads])
+            res = self._run("backward", prog.backward, [*saved, *grads], lambda: self._as_dtensors(saved, grads))
             param_grads = res[n_in:]
         else:  # B now; W later, when the schedule calls the runner dw_builder hands it
             with torch.no_grad(), implicit_replication():
-                res = self.split[0](*self._args(), *saved, *grads)
+                res = self.split[0](*self._args(), *self._as_dtensors(saved, grads))
                 carry = res[n_in:]
                 self.pending_w.append(lambda: self._weight_grads(carry))
-                param_grads = ()
+                param_grads = []
         it = iter(res[:n_in])
         in_grads = [_unwrap(next(it)) if v is not None else None for v in prog.input_grads]
         if self.split is None:
             self._accumulate(param_grads)
         return in_grads
 
-    def _run(self, which: str, program: torch.fx.GraphModule, rest: list[Any]) -> tuple[Any, ...]:
-        """Run a stage program lowered to local tensors (lowered at its first call, from the
-        DTensor arguments) on the parameters, the buffers and ``rest``."""
+    def _as_dtensors(self, saved: Sequence[Any], grads: Sequence[torch.Tensor]) -> list[Any]:
+        """The backward program's local arguments as the DTensors its DTensor form takes: saved
+        values in the layouts the lowered forward gave them, output gradients in the plan's."""
+        n_out = len(self.program.outputs)
+        layouts = self.lowered["forward"].output_layouts[n_out:]
+        out = [lay.wrap(x) if lay is not None else x for x, lay in zip(saved, layouts, strict=True)]
+        specs = [v for v in self.program.output_grads if v is not None]
+        return out + [_wrap(g, v, self.mesh) for g, v in zip(grads, specs, strict=True)]
+
+    def _run(
+        self, which: str, program: torch.fx.GraphModule, rest: list[Any], as_dtensors: Callable[[], list[Any]]
+    ) -> list[Any]:
+        """Run a stage program lowered to local tensors on the parameters, the buffers and
+        ``rest`` (local tensors); outputs stay local. At its first call the program is lowered
+        from its DTensor arguments (``as_dtensors()``: ``rest`` as DTensors)."""
         local = self.lowered.get(which)
         if local is None:
-            local = self.lowered[which] = lower_to_local(program, [*self._args(), *rest])
+            local = self.lowered[which] = lower_to_local(program, [*self._args(), *as_dtensors()])
         with torch.no_grad():
-            return local(*self._local_args(), *rest)
+            args = self._local_args()
+        return local.run_local(*args, *rest)
 
     def _weight_grads(self, carry: Sequence[Any]) -> None:
         assert self.split is not None
@@ -249,10 +274,6 @@ class StageModule(torch.nn.Module):
             else:
                 self.grad_acc[fqn] = acc + local
                 self._owned.add(fqn)
-
-
-def _zeros(v: ValueInfo, mesh: DeviceMesh) -> torch.Tensor:
-    return _wrap(torch.zeros(_local_shape(v, mesh), dtype=v.dtype), v, mesh)
 
 
 class PipelineModel(torch.nn.Module):
