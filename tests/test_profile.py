@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -364,25 +364,29 @@ def test_cli_profile_on_cuda_without_a_gpu_exits_2(capsys: pytest.CaptureFixture
     assert rc == 2 and len(err) == 1 and "--device cuda needs a CUDA GPU" in err[0]
 
 
-def test_cpu_keys_are_timed_interleaved_in_turn() -> None:
+def test_cpu_keys_are_timed_interleaved_in_turn(monkeypatch) -> None:  # noqa: ANN001
     """On CPU each round calls every key once, in turn (as a program runs different ops one
-    after the other), each call timed alone; a key's time is its median round."""
+    after the other), each call timed alone; a key's time is its median round. The clock is a
+    fake one each call advances by a scripted duration (a busy wait on the real clock failed
+    under load: a 3 ms wait measured 12 ms), with one slow round per key that the median drops."""
+    import autoplan.runtime.op_timing as op_timing
 
+    now = [0.0]
+    monkeypatch.setattr(op_timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))  # this module's clock only
     calls: list[str] = []
+    # per key: warm-up round, then 5 timed rounds; the 3rd timed round is slow for every key
+    durations = {"a": [5e-3, 1e-3, 1e-3, 9e-3, 1e-3, 1e-3], "b": [5e-3, 3e-3, 3e-3, 20e-3, 3e-3, 3e-3], "c": [0.0] * 6}
 
-    def busy(name: str, seconds: float) -> Callable[[], None]:
+    def timed(name: str) -> Callable[[], None]:
         def fn() -> None:
+            now[0] += durations[name][sum(1 for c in calls if c == name)]
             calls.append(name)
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                pass
 
         return fn
 
-    times = _interleaved_times_s([busy("a", 1e-3), busy("b", 3e-3), busy("c", 0.0)], warmup=1, repeats=5)
+    times = _interleaved_times_s([timed("a"), timed("b"), timed("c")], warmup=1, repeats=5)
     assert calls == ["a", "b", "c"] * 6  # one warm-up round, then 5 timed ones, never twice in a row
-    assert times[0] == pytest.approx(1e-3, rel=0.5) and times[1] == pytest.approx(3e-3, rel=0.5)
-    assert times[2] < 5e-4
+    assert times == [pytest.approx(1e-3), pytest.approx(3e-3), 0.0]
 
 
 def test_interleaved_chunks_bound_keys_and_input_bytes(traced: TracedProgram, planned, monkeypatch) -> None:  # noqa: ANN001
