@@ -91,7 +91,9 @@ def build(shape: Shape) -> tuple[torch.nn.Module, torch.Tensor]:
     return model, ids
 
 
-GRID = SearchSpace(balanced_stages=False, per_stage_recompute=False, microbatch_sizes=(1, 2, 4, 8))
+GRID = SearchSpace(
+    balanced_stages=False, per_stage_recompute=False, microbatch_sizes=(1, 2, 4, 8), virtual_stages=(2, 4)
+)
 PLANNER = SearchSpace(microbatch_sizes=(1, 2, 4, 8))
 
 

@@ -49,7 +49,7 @@ and the bubble fraction ``(T - m v (f + B)) / T`` with ``c = 0`` (:func:`bubble_
   Using Megatron-LM", SC 2021, sec. 2.2.1): a rank's work is m v chunk passes and the fill and
   drain still cost p - 1 of them, so the bubble is 1/v of 1F1B's in units of a rank's work per
   micro-batch: T = (m + (p - 1)/v) v (f + B). The p2p term was checked for p <= 8, v <= 4,
-  m <= 8p; larger c also slows the steady state: simulate.
+  m <= 8p and for p <= 16, v <= 16, m <= 4p (c <= f); larger c also slows the steady state: simulate.
 * Zero-bubble ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, sec. 3.1): B only
   computes input gradients, so fill and drain cost (p - 1)(f + b); rank r defers r W's into its
   drain, where they hide (min(m, p) - 1) min(f, b, w) of that idle time. With f = b = w and

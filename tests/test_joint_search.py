@@ -12,7 +12,7 @@ from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.cost_models.step import evaluate
 from autoplan.planner.joint import estimate, search_config
-from autoplan.planner.search import SearchSpace, search
+from autoplan.planner.search import SearchSpace, candidates, expand_blocks, search, virtual_stage_counts
 from autoplan.planner.segment_model import SegmentCostModel
 from tests.zoo import gpt2_tiny, lm_loss, token_batch
 
@@ -190,3 +190,36 @@ def test_workers_come_from_the_environment(monkeypatch):
         default_workers()
     monkeypatch.delenv("AUTOPLAN_WORKERS")
     assert default_workers() >= 1
+
+
+def test_virtual_stage_counts_take_every_even_split_while_the_bubble_can_still_shrink():
+    """2 and 4 chunks always (when every stage gets a block), larger counts when p v divides the
+    blocks and the bubble (p - 1) / (u m) of the largest count u below them is still >= 1%."""
+    # GPT-3 175B: 96 layers on pp=8 (Narayanan et al. 2021): 12 blocks per rank, every divisor
+    assert virtual_stage_counts(pp=8, num_microbatches=48, num_blocks=96) == (2, 3, 4, 6, 12)
+    # 12 blocks on pp=2: 6 per rank; v=5 does not divide, 6 does (one block per stage)
+    assert virtual_stage_counts(pp=2, num_microbatches=4, num_blocks=12) == (2, 3, 4, 6)
+    # 80 layers on pp=2, m=64: after v=4 the bubble is 1 / 256 < 1%, no larger count can gain 1%
+    assert virtual_stage_counts(pp=2, num_microbatches=64, num_blocks=80) == (2, 4)
+    # Llama-3 405B: 126 layers on pp=16 never split evenly (16 v does not divide 126): 2 and 4 chunks
+    assert virtual_stage_counts(pp=16, num_microbatches=32, num_blocks=126) == (2, 4)
+    assert virtual_stage_counts(pp=4, num_microbatches=8, num_blocks=6) == ()
+
+
+def test_search_tries_six_chunks_per_rank_and_prices_a_smaller_bubble_than_two(costs):  # noqa: ANN001
+    """On a 12-block model the search's candidates hold interleaved-1f1b with v=6 on pp=2, and the
+    cost model gives it a smaller bubble than the same configuration with fewer chunks that split
+    the blocks evenly (v=4 cuts them into chunks of 1 and 2 blocks, and its bubble is v=3's)."""
+    cluster = Cluster.preset(CLUSTER)
+    tried = candidates(cluster, num_blocks=12, global_batch_size=16, space=SearchSpace())
+    assert {c.virtual_stages for c in tried if c.pp == 2 and c.schedule == "interleaved-1f1b"} == {2, 3, 4, 6}
+    deep = expand_blocks(costs(4, 1), 12)
+    bubble_s = [
+        evaluate(
+            ParallelConfig(tp=4, pp=2, num_microbatches=16, schedule="interleaved-1f1b", virtual_stages=v),
+            deep,
+            cluster,
+        ).bubble_s
+        for v in (2, 3, 6)
+    ]
+    assert all(later < earlier for earlier, later in zip(bubble_s, bubble_s[1:], strict=False))

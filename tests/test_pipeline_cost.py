@@ -72,6 +72,27 @@ def test_interleaved_makespan_is_m_v_plus_p_minus_1_chunk_passes(p: int, v: int,
     assert bubble_fraction("interleaved-1f1b", p, m, v) == pytest.approx((p - 1) / (m * v + p - 1))
 
 
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (8, 16)])
+def test_interleaved_bubble_shrinks_as_p_minus_1_over_v_m_beyond_four_chunks(p: int, m: int) -> None:
+    # Narayanan et al. 2021 (Megatron-LM, SC 2021) sec. 2.2.1: bubble time / ideal time = (p - 1) / (v m).
+    # A rank's model part costs f + B = 3 per micro-batch, cut into v chunks of 3 / v: the ideal time is
+    # 3 m for every v and the bubble (p - 1) chunk passes = 3 (p - 1) / v. Uniform chunks and free
+    # transfers: exact, so the tolerance is rounding only (rel 1e-9), simulated and closed form alike
+    bubbles = []
+    for v in (1, 2, 3, 4, 6, 8, 12):
+        chunk = StageTimes(
+            fwd_s=STAGE.fwd_s / v, bwd_input_s=STAGE.bwd_input_s / v, bwd_weight_s=STAGE.bwd_weight_s / v
+        )
+        ideal_s = m * 3.0
+        tl = simulate(_uniform(chunk, p * v), "interleaved-1f1b", m, num_ranks=p, p2p_s=0.0, virtual_stages=v)
+        closed_s = fast_step_time(_uniform(chunk, p * v), "interleaved-1f1b", m, num_ranks=p, p2p_s=0.0,
+                                  virtual_stages=v, max_simulated_actions=0)  # fmt: skip
+        assert (tl.step_s - ideal_s) / ideal_s == pytest.approx((p - 1) / (v * m), rel=1e-9)
+        assert closed_s == pytest.approx(tl.step_s, rel=1e-9)
+        bubbles.append(tl.step_s - ideal_s)
+    assert all(later < earlier for earlier, later in zip(bubbles, bubbles[1:], strict=False))
+
+
 @pytest.mark.parametrize("p, m", [(2, 2), (4, 4), (4, 8), (8, 8), (8, 24)])
 def test_zero_bubble_h1_with_equal_f_b_w_leaves_p_minus_1_f_idle(p: int, m: int) -> None:
     # f = b = w, m >= p: T = m (f + b + w) + (p - 1)(f + b - w) = 3 m + (p - 1), the ZB-H1 paper's

@@ -263,11 +263,13 @@ def test_tied_embedding_gets_a_copy_and_a_partial_gradient_per_stage() -> None:
 # --- the public path: autoplan.plan(global_batch_size=, config=) -> autoplan.parallelize ------------
 
 
-def _train_public(rank: int, world_size: int, model_name: str, config: object, plan_json: str) -> dict[str, object]:
+def _train_public(
+    rank: int, world_size: int, model_name: str, config: object, plan_json: str, num_layers: int = NUM_LAYERS
+) -> dict[str, object]:
     import autoplan
 
     plan = autoplan.Plan.from_dict(__import__("json").loads(plan_json))
-    model = BUILDERS[model_name](num_layers=NUM_LAYERS)
+    model = BUILDERS[model_name](num_layers=num_layers)
     reference = copy.deepcopy(model)
     ids, labels = _batch(0)
     pm = autoplan.parallelize(
@@ -308,6 +310,29 @@ def test_planned_pipeline_runs_like_single_device(
     # planned on 2 traced blocks (autoplan.passes.depth), the later blocks take block 1's placements
     assert plan.pipeline.traced_blocks == 2 and len(plan.pipeline.segment_names) == NUM_LAYERS + 2
     results = run_ranks(_train_public, world, model_name, cfg, json.dumps(plan.to_dict()), timeout_s=900)
+    assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
+
+
+def test_interleaved_pipeline_with_six_chunks_per_rank_runs_like_single_device() -> None:
+    """A 12-layer GPT-2 planned by autoplan.plan with a fixed pp=2 interleaved-1f1b
+    configuration of v=6 chunks per rank (12 stages of one block each, the prologue joining the
+    first and the epilogue the last) trains like the single-device model on 2 ranks."""
+    import json
+
+    import autoplan
+    from autoplan.cost_models.config import ParallelConfig
+
+    num_layers, v = 12, 6
+    cfg = ParallelConfig(pp=2, microbatch_size=GLOBAL_BATCH // NUM_MICROBATCHES, num_microbatches=NUM_MICROBATCHES,
+                         schedule="interleaved-1f1b", virtual_stages=v)  # fmt: skip
+    ids, labels = _batch(0)
+    plan = autoplan.plan(
+        BUILDERS["gpt2"](num_layers=num_layers), "1x2xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss,
+        example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
+    )  # fmt: skip
+    assert plan.config == cfg and plan.pipeline is not None
+    assert len(plan.pipeline.stage_starts) == 2 * v and len(plan.pipeline.segment_names) == num_layers + 2
+    results = run_ranks(_train_public, 2, "gpt2", cfg, json.dumps(plan.to_dict()), num_layers, timeout_s=900)
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 

@@ -14,7 +14,7 @@ degrees together minimise the slowest stage (:func:`hetero_split`, a dynamic pro
 stages x segments x devices); the candidate keeps it when the full evaluation is faster.
 
 The outer search enumerates every ``c`` (pp | world, tp | devices per node, b with
-``B % (dp b) == 0``, schedules, v, recompute, ZeRO) and, per ``c``, the stage boundaries that
+``B % (dp b) == 0``, schedules, v (:func:`virtual_stage_counts`), recompute, ZeRO) and, per ``c``, the stage boundaries that
 minimise the slowest stage (min-max contiguous partition by dynamic programming) next to the
 uniform split; the recomputation may differ per stage (the least that fits). It returns the
 feasible ``c`` with the smallest ``T(c)``, visiting candidates by increasing lower bound
@@ -47,7 +47,9 @@ class SearchSpace:
     """What the outer search may choose (defaults: everything)."""
 
     schedules: tuple[Schedule, ...] = SCHEDULES
-    virtual_stages: tuple[int, ...] = (2, 4)
+    virtual_stages: tuple[int, ...] | None = None
+    """Model chunks per rank tried for ``interleaved-1f1b``; ``None``: those of
+    :func:`virtual_stage_counts` for each pp, micro-batch count and depth."""
     recompute: tuple[Recompute, ...] = RECOMPUTE
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -124,6 +126,40 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+MIN_BUBBLE_GAIN = 0.01
+"""The least share of the ideal step a larger chunk count must still be able to remove
+(:func:`virtual_stage_counts`); plan quality is judged at 0.99 of the best step
+(``benchmarks/plan_quality.py``), so a count that can gain less is not worth its evaluation."""
+
+
+def virtual_stage_counts(*, pp: int, num_microbatches: int, num_blocks: int) -> tuple[int, ...]:
+    """Chunk counts ``v >= 2`` the search tries for ``interleaved-1f1b`` on ``pp`` ranks.
+
+    With ``p = pp``, ``m = num_microbatches`` and uniform chunks, interleaving leaves the bubble
+    ``(p - 1) / (v m)`` of the ideal step ``m v (f + B)`` (Narayanan et al., "Efficient
+    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021, sec. 2.2.1;
+    :mod:`autoplan.cost_models.schedule`), while every extra chunk adds two transfers per
+    micro-batch. So ``v`` is tried when ``p v <= num_blocks`` (every stage holds a block, the
+    stage split's rule) and
+
+    * ``v`` is 2 or 4, the counts the search always tried (any depth: the minimum-maximum split
+      evens out the blocks), or
+    * any other ``v``: ``p v`` divides ``num_blocks`` (every chunk holds ``num_blocks / (p v)`` blocks,
+      the rule of Megatron-LM's interleaved schedule, ``num_layers % (pp * v) == 0``) and the
+      largest count ``u < v`` tried still leaves a bubble ``(p - 1) / (u m)`` of at least
+      :data:`MIN_BUBBLE_GAIN`: no ``v > u`` can remove more than that share of the step.
+
+    torch's ScheduleInterleaved1F1B puts no bound on ``v``; its micro-batch rule is
+    :func:`~autoplan.cost_models.config.schedule_problem`'s."""
+    out: list[int] = []
+    for v in range(2, num_blocks // pp + 1):
+        if v in (2, 4):
+            out.append(v)
+        elif num_blocks % (pp * v) == 0 and (pp - 1) / (out[-1] * num_microbatches) >= MIN_BUBBLE_GAIN:
+            out.append(v)
+    return tuple(out)
+
+
 def candidates(
     cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace
 ) -> list[ParallelConfig]:
@@ -149,9 +185,12 @@ def candidates(
                 else:
                     for sch in space.schedules:
                         if sch == "interleaved-1f1b":
+                            counts = space.virtual_stages
+                            if counts is None:
+                                counts = virtual_stage_counts(pp=pp, num_microbatches=m, num_blocks=num_blocks)
                             scheds += [
                                 (sch, v)
-                                for v in space.virtual_stages
+                                for v in counts
                                 if pp * v <= num_blocks
                                 and schedule_problem(sch, pp=pp, num_microbatches=m, virtual_stages=v) is None
                             ]
@@ -522,4 +561,5 @@ __all__ = [
     "hetero_split",
     "lower_bound_s",
     "search",
+    "virtual_stage_counts",
 ]
