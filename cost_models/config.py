@@ -56,7 +56,12 @@ def schedule_problem(
     """What is wrong with running ``schedule`` on ``pp`` pipeline ranks with ``num_microbatches``
     micro-batches and ``virtual_stages`` model chunks per rank (``None``: nothing). The one
     statement of the schedule rules: :class:`ParallelConfig`, the schedule simulator, the search
-    and the runtime all ask here. ``allow_none``: ``"none"`` (no pipeline) is a valid name."""
+    and the runtime all ask here. ``allow_none``: ``"none"`` (no pipeline) is a valid name.
+
+    interleaved-1f1b takes any number of chunks ``v`` (torch 2.13's ScheduleInterleaved1F1B
+    bounds none) and ``m`` divisible by ``pp``: a subset of torch's rule ``m % max(1, m // pp)
+    == 0`` (its rounds of ``m // max(1, m // pp)`` micro-batches), kept because the closed forms
+    and in-flight counts of :mod:`autoplan.cost_models.schedule` assume rounds of ``pp``."""
     if schedule not in SCHEDULES and not (allow_none and schedule == "none"):
         return f"unknown schedule {schedule!r}: use one of {', '.join(SCHEDULES)}"
     if pp < 1:
