@@ -313,6 +313,7 @@ def test_planned_pipeline_runs_like_single_device(
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 25-45 s of 2 ranks, with the v=2 interleaved cases above (the suite is near its 15-minute budget)
 def test_interleaved_pipeline_with_six_chunks_per_rank_runs_like_single_device() -> None:
     """A 12-layer GPT-2 planned by autoplan.plan with a fixed pp=2 interleaved-1f1b
     configuration of v=6 chunks per rank (12 stages of one block each, the prologue joining the
