@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
@@ -80,34 +81,41 @@ def to_partial(x: DTensor, axis: int, reduce_op: str = "sum") -> DTensor:
 
 
 def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
-    """``P -> R`` on ``axis`` for several tensors with one flat all-reduce (gradient bucketing): the
-    local tensors are concatenated into one fresh buffer, reduced in place (one copy, as DDP's
-    bucket), and each result is a view into it."""
+    """``P -> R`` on ``axis`` for several tensors with one flat all-reduce (gradient bucketing):
+    :func:`all_reduce_flat` on their local tensors, each result a view into the reduced buffer."""
     first = xs[0]
     mesh = first.device_mesh
     partial = first.placements[axis]
     if not isinstance(partial, Partial) or any(x.placements[axis] != partial for x in xs):
         raise TypeError("all_reduce_coalesced expects tensors with the same Partial placement on that axis")
-    locals_ = [x.to_local() for x in xs]
-    flat = torch.cat([t.reshape(-1) for t in locals_])
     if partial.reduce_op not in ("sum", "avg"):
         raise TypeError(f"all_reduce_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
-    # a functional collective: asynchronous (waited where a reduced gradient is first read; in
-    # the lowered program that is the optimizer step, autoplan.runtime.lowering). In place on the
-    # fresh flat buffer, as DDP reduces its bucket: ``funcol.all_reduce`` would first clone it.
-    group_name = funcol._resolve_group_name(mesh.get_group(axis))
-    flat = funcol._maybe_wrap_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group_name))  # (gloo has no AVG)
-    if partial.reduce_op == "avg":
-        flat = flat / mesh.size(axis)
+    pieces = all_reduce_flat([x.to_local() for x in xs], mesh.get_group(axis), average=partial.reduce_op == "avg")
     out = []
-    offset = 0
-    for x, t in zip(xs, locals_, strict=True):
-        piece = flat[offset : offset + t.numel()].view(t.shape)
-        offset += t.numel()
+    for x, piece in zip(xs, pieces, strict=True):
         placements = list(x.placements)
         placements[axis] = Replicate()
         out.append(DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
     return tuple(out)
+
+
+def all_reduce_flat(locals_: list[torch.Tensor], group: Any, *, average: bool) -> list[torch.Tensor]:
+    """Sum (``average``: mean) of each local tensor over ``group`` with one flat all-reduce: the
+    tensors are concatenated into one fresh buffer, reduced in place (one copy, as DDP's bucket:
+    ``funcol.all_reduce`` would clone it first), and each result is a view into it. A functional
+    collective: asynchronous, waited where a result is first read (in the lowered program that
+    is the optimizer step, :mod:`autoplan.runtime.lowering`)."""
+    flat = torch.cat([t.reshape(-1) for t in locals_])
+    group_name = funcol._resolve_group_name(group)
+    flat = funcol._maybe_wrap_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group_name))  # (gloo has no AVG)
+    if average:
+        flat = flat / dist.get_world_size(group)
+    out = []
+    offset = 0
+    for t in locals_:
+        out.append(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
 
 
 def all_gather_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
@@ -146,13 +154,8 @@ def all_gather_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
 
 def reduce_scatter_coalesced(xs: tuple[DTensor, ...], axis: int, dims: tuple[int, ...]) -> tuple[DTensor, ...]:
     """``P -> S(dims[i])`` on ``axis`` for several tensors with one flat reduce-scatter (FSDP2's
-    per-bucket gradient reduce-scatter). Each tensor is padded along its dim to ``n`` equal
-    chunks of ``ceil(size / n)`` rows; row ``r`` of the ``(n, -1)`` buffer holds every tensor's
-    chunk ``r``, flattened. After the reduce-scatter a rank cuts its row back per tensor and
-    narrows each piece to its own (possibly short or empty) shard of DTensor's uneven split.
-    Asynchronous like :func:`all_gather_coalesced`."""
+    per-bucket gradient reduce-scatter): :func:`reduce_scatter_flat` on their local tensors."""
     mesh = xs[0].device_mesh
-    n = mesh.size(axis)
     partial = xs[0].placements[axis]
     if not isinstance(partial, Partial) or any(x.placements[axis] != partial for x in xs):
         raise TypeError("reduce_scatter_coalesced expects tensors with the same Partial placement on that axis")
@@ -160,37 +163,53 @@ def reduce_scatter_coalesced(xs: tuple[DTensor, ...], axis: int, dims: tuple[int
         raise TypeError(f"reduce_scatter_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
     if len(dims) != len(xs):
         raise TypeError(f"reduce_scatter_coalesced needs one shard dim per tensor, got {len(dims)} for {len(xs)}")
+    pieces = reduce_scatter_flat(
+        [x.to_local() for x in xs], dims, mesh.get_group(axis), mesh.get_local_rank(axis),
+        average=partial.reduce_op == "avg",
+    )
+    out = []
+    for x, dim, piece in zip(xs, dims, pieces, strict=True):
+        placements = list(x.placements)
+        placements[axis] = Shard(dim)
+        out.append(DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
+    return tuple(out)
+
+
+def reduce_scatter_flat(
+    locals_: list[torch.Tensor], dims: tuple[int, ...], group: Any, coord: int, *, average: bool
+) -> list[torch.Tensor]:
+    """This rank's (``coord`` in ``group``) shard of the sum (``average``: mean) over ``group`` of
+    each local tensor, split along ``dims[i]`` as DTensor splits ``S(dims[i])`` (uneven: the last
+    ranks shorter or empty), with one flat reduce-scatter. Each tensor is padded along its dim to
+    ``n`` equal chunks of ``ceil(size / n)`` rows; row ``r`` of the ``(n, -1)`` buffer holds every
+    tensor's chunk ``r``, flattened. After the reduce-scatter a rank cuts its row back per tensor
+    and narrows each piece to its own (possibly short or empty) shard. Asynchronous like
+    :func:`all_gather_coalesced`."""
+    n = dist.get_world_size(group)
     rows, chunks = [], []
-    for x, dim in zip(xs, dims, strict=True):
-        local = x.to_local()
-        chunk = -(-local.shape[dim] // n)
-        short = chunk * n - local.shape[dim]
+    for local, dim in zip(locals_, dims, strict=True):
+        size = local.shape[dim]
+        chunk = -(-size // n)
+        short = chunk * n - size
         if short:
             local = torch.nn.functional.pad(local, [0, 0] * (local.ndim - 1 - dim) + [0, short])
         rows.append(torch.stack([c.reshape(-1) for c in local.split(chunk, dim=dim)]))
-        chunks.append((chunk, local.shape))
+        chunks.append((chunk, local.shape, size))
     flat = torch.cat(rows, dim=1).reshape(-1)
-    mine = funcol.reduce_scatter_single(flat, "sum", 0, mesh.get_group(axis))  # (gloo has no AVG)
-    if partial.reduce_op == "avg":
+    mine = funcol.reduce_scatter_single(flat, "sum", 0, group)  # (gloo has no AVG)
+    if average:
         mine = mine / n
-    coord = mesh.get_local_rank(axis)
     out = []
     offset = 0
-    for x, dim, (chunk, padded_shape) in zip(xs, dims, chunks, strict=True):
+    for dim, (chunk, padded_shape, size) in zip(dims, chunks, strict=True):
         shape = list(padded_shape)
         shape[dim] = chunk
         numel = math.prod(shape)
         piece = mine[offset : offset + numel].view(shape)
         offset += numel
-        keep = max(0, min(chunk, x.shape[dim] - coord * chunk))
-        placements = list(x.placements)
-        placements[axis] = Shard(dim)
-        out.append(
-            DTensor.from_local(
-                piece.narrow(dim, 0, keep).contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=x.stride()
-            )
-        )
-    return tuple(out)
+        keep = max(0, min(chunk, size - coord * chunk))
+        out.append(piece.narrow(dim, 0, keep).contiguous())
+    return out
 
 
 def replicated_call(op: Any, *args: Any, **kwargs: Any) -> Any:

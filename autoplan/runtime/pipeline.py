@@ -336,80 +336,85 @@ class PipelineModel(torch.nn.Module):
         return loss
 
     def _finish_grads(self) -> None:
-        mesh = self.stage_mesh
-        m = self.num_microbatches
-        tied_local: dict[str, torch.Tensor] = {}
-        for st in self._stages:
-            converted: dict[str, Any] = {}  # FQN -> DTensor gradient in the parameter's placement
-            groups: dict[tuple[str, ...], list[tuple[str, Any, int | None]]] = {}
-            # backward order (the last parameters' gradients exist first), as the step model buckets
-            held = dict(zip(st.program.param_names, st.params, strict=True))
-            for fqn, v in reversed(st.program.param_grads):
-                local = st.grad_acc.get(fqn)
-                dst = st.param_specs[fqn]
-                assert local is not None, fqn
-                if st.grads_converted:  # the backward program reduced it already, bucket by bucket
-                    p = held[fqn]
-                    converted[fqn] = DTensor.from_local(
-                        local, mesh, list(dst), run_check=False, shape=p.shape, stride=p.stride()
-                    )
-                    continue
-                assert v.spec is not None, fqn
-                g = _wrap(local, v, mesh)
-                steps = plan_transition(v.spec, dst) if v.spec != dst else ()
-                kind = bucket_kind(steps)
-                if kind == "all_reduce":
-                    key = ("all_reduce", spec_str(v.spec), spec_str(dst))
-                    groups.setdefault(key, []).append((fqn, g, None))
-                elif kind == "reduce_scatter" and isinstance(steps[0].dst, Shard):
-                    key = ("reduce_scatter", str(steps[0].axis), spec_str(v.spec))
-                    groups.setdefault(key, []).append((fqn, g, steps[0].dst.dim))
-                else:
-                    converted[fqn] = _run_steps(g, steps)
-            for (kind, *_), members in groups.items():
-                sizes = [g.numel() * g.element_size() for _, g, _ in members]
-                for bucket in gradient_buckets(sizes, DEFAULT_POLICY):
-                    part = [members[i] for i in bucket]
-                    group = tuple(g for _, g, _ in part)
-                    if kind == "reduce_scatter":
-                        axis = next(i for i, p in enumerate(group[0].placements) if isinstance(p, Partial))
-                        group = runtime.reduce_scatter_coalesced(group, axis, tuple(d for _, _, d in part))
-                    else:
-                        for axis, placement in enumerate(group[0].placements):
-                            if isinstance(placement, Partial):
-                                group = runtime.all_reduce_coalesced(group, axis)
-                    converted.update({fqn: g for (fqn, _, _), g in zip(part, group, strict=True)})
-            for fqn, p in zip(st.program.param_names, st.params, strict=True):
-                if not p.requires_grad:  # frozen: no gradient, as on one device
-                    p.grad = None
-                    continue
-                total: Any = converted.get(fqn)
-                if total is None:
-                    total = DTensor.from_local(
-                        torch.zeros_like(p.to_local()),
-                        mesh,
-                        p.placements,
-                        run_check=False,
-                        shape=p.shape,
-                        stride=p.stride(),
-                    )
-                local = total.to_local() / m if m > 1 else total.to_local()
-                if fqn in self._tied_groups:
-                    tied_local[fqn] = tied_local[fqn] + local if fqn in tied_local else local
-                p.grad = DTensor.from_local(
-                    local, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                )
-        for fqn in sorted(self._tied_groups):
-            _, tied_group = self._tied_groups[fqn]
-            total = tied_local[fqn].contiguous()
-            if tied_group is not None:
-                dist.all_reduce(total, group=tied_group)
+        """Each stage's raw gradients (summed over micro-batches) -> the parameters' placements, in
+        backward order and in the step model's buckets (one flat all-reduce or reduce-scatter per
+        bucket and mesh axis: :func:`~autoplan.runtime.collectives.all_reduce_flat`,
+        :func:`~autoplan.runtime.collectives.reduce_scatter_flat`, on local tensors), divided by
+        the number of micro-batches, summed over the stages holding a tied copy; then ``.grad``."""
+        with torch.no_grad():
+            tied_local: dict[str, torch.Tensor] = {}
             for st in self._stages:
-                for name, p in zip(st.program.param_names, st.params, strict=True):
-                    if name == fqn:
-                        p.grad = DTensor.from_local(
-                            total.clone(), mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                        )
+                converted = self._converted_grads(st)
+                for fqn, p in zip(st.program.param_names, st.params, strict=True):
+                    if not p.requires_grad:  # frozen: no gradient, as on one device
+                        p.grad = None
+                        continue
+                    local = converted.get(fqn)
+                    if local is None:
+                        local = torch.zeros_like(p.to_local())
+                    elif self.num_microbatches > 1:
+                        local = local / self.num_microbatches
+                    if fqn in self._tied_groups:
+                        tied_local[fqn] = tied_local[fqn] + local if fqn in tied_local else local
+                    p.grad = DTensor(local, p._spec, requires_grad=False)  # as FSDP2 sets its gradients
+            for fqn in sorted(self._tied_groups):
+                _, tied_group = self._tied_groups[fqn]
+                total = tied_local[fqn].contiguous()
+                if tied_group is not None:
+                    dist.all_reduce(total, group=tied_group)
+                for st in self._stages:
+                    for name, p in zip(st.program.param_names, st.params, strict=True):
+                        if name == fqn:
+                            p.grad = DTensor(total.clone(), p._spec, requires_grad=False)
+
+    def _converted_grads(self, st: StageModule) -> dict[str, torch.Tensor]:
+        """FQN -> the stage's local gradient in the parameter's placement (summed over the step's
+        micro-batches, not yet divided)."""
+        mesh = self.stage_mesh
+        converted: dict[str, torch.Tensor] = {}
+        groups: dict[tuple[str, ...], list[tuple[str, torch.Tensor, int | None]]] = {}
+        specs: dict[tuple[str, ...], Any] = {}
+        # backward order (the last parameters' gradients exist first), as the step model buckets
+        for fqn, v in reversed(st.program.param_grads):
+            local = st.grad_acc.get(fqn)
+            dst = st.param_specs[fqn]
+            assert local is not None, fqn
+            if st.grads_converted:  # the backward program reduced it already, bucket by bucket
+                converted[fqn] = local
+                continue
+            assert v.spec is not None, fqn
+            steps = plan_transition(v.spec, dst) if v.spec != dst else ()
+            kind = bucket_kind(steps)
+            if kind == "all_reduce":
+                key: tuple[str, ...] = ("all_reduce", spec_str(v.spec), spec_str(dst))
+                dim = None
+            elif kind == "reduce_scatter" and isinstance(steps[0].dst, Shard):
+                key, dim = ("reduce_scatter", str(steps[0].axis), spec_str(v.spec)), steps[0].dst.dim
+            else:
+                converted[fqn] = _run_steps(_wrap(local, v, mesh), steps).to_local()  # type: ignore[attr-defined]
+                continue
+            groups.setdefault(key, []).append((fqn, local, dim))
+            specs[key] = v.spec
+        for key, members in groups.items():
+            spec = specs[key]
+            sizes = [t.numel() * t.element_size() for _, t, _ in members]
+            for bucket in gradient_buckets(sizes, DEFAULT_POLICY):
+                part = [members[i] for i in bucket]
+                out = [t for _, t, _ in part]
+                # one flat collective per Partial mesh axis (a reduce-scatter: its own axis)
+                axes = [int(key[1])] if key[0] == "reduce_scatter" else [i for i, p in enumerate(spec) if isinstance(p, Partial)]
+                for axis in axes:
+                    placement = spec[axis]
+                    assert isinstance(placement, Partial) and placement.reduce_op in ("sum", "avg"), spec
+                    average = placement.reduce_op == "avg"
+                    group = mesh.get_group(axis)
+                    if key[0] == "reduce_scatter":
+                        dims = tuple(d for _, _, d in part if d is not None)
+                        out = runtime.reduce_scatter_flat(out, dims, group, mesh.get_local_rank(axis), average=average)
+                    else:
+                        out = runtime.all_reduce_flat(out, group, average=average)
+                converted.update({fqn: t for (fqn, _, _), t in zip(part, out, strict=True)})
+        return converted
 
     def forward_backward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """Same contract as ``ParallelModel.forward_backward``: one step on the global batch,
