@@ -9,6 +9,7 @@ step is local (``shard``, ``to_partial``). They are thin wrappers over
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
+
+Finish = Callable[[], list[torch.Tensor]]
+"""Waits for an issued flat collective and returns its per-tensor results."""
 
 
 def _move(x: DTensor, axis: int, dst: Placement) -> DTensor:
@@ -82,7 +86,7 @@ def to_partial(x: DTensor, axis: int, reduce_op: str = "sum") -> DTensor:
 
 def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
     """``P -> R`` on ``axis`` for several tensors with one flat all-reduce (gradient bucketing):
-    :func:`all_reduce_flat` on their local tensors, each result a view into the reduced buffer."""
+    :func:`start_all_reduce_flat` on their local tensors, each result a view into the reduced buffer."""
     first = xs[0]
     mesh = first.device_mesh
     partial = first.placements[axis]
@@ -90,7 +94,7 @@ def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
         raise TypeError("all_reduce_coalesced expects tensors with the same Partial placement on that axis")
     if partial.reduce_op not in ("sum", "avg"):
         raise TypeError(f"all_reduce_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
-    pieces = all_reduce_flat([x.to_local() for x in xs], mesh.get_group(axis), average=partial.reduce_op == "avg")
+    pieces = start_all_reduce_flat([x.to_local() for x in xs], mesh.get_group(axis), average=partial.reduce_op == "avg")()
     out = []
     for x, piece in zip(xs, pieces, strict=True):
         placements = list(x.placements)
@@ -99,23 +103,32 @@ def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
     return tuple(out)
 
 
-def all_reduce_flat(locals_: list[torch.Tensor], group: Any, *, average: bool) -> list[torch.Tensor]:
-    """Sum (``average``: mean) of each local tensor over ``group`` with one flat all-reduce: the
-    tensors are concatenated into one fresh buffer, reduced in place (one copy, as DDP's bucket:
-    ``funcol.all_reduce`` would clone it first), and each result is a view into it. A functional
-    collective: asynchronous, waited where a result is first read (in the lowered program that
-    is the optimizer step, :mod:`autoplan.runtime.lowering`)."""
+def start_all_reduce_flat(locals_: list[torch.Tensor], group: Any, *, average: bool) -> Finish:
+    """Issue the sum (``average``: mean) of each local tensor over ``group`` as one flat
+    all-reduce; the returned ``finish()`` waits for it and gives the results. The tensors are
+    concatenated into one fresh buffer, reduced in place (one copy, as DDP's bucket:
+    ``funcol.all_reduce`` would clone it first), and each result is a view into it.
+
+    A functional collective: everything between the issue and ``finish()`` overlaps it. In the
+    lowered program the wait then moves to where a result is first read (the optimizer step,
+    :mod:`autoplan.runtime.lowering`); run eagerly, several buckets are issued before the first
+    is finished (:class:`~autoplan.runtime.pipeline.PipelineModel`)."""
     flat = torch.cat([t.reshape(-1) for t in locals_])
-    group_name = funcol._resolve_group_name(group)
-    flat = funcol._maybe_wrap_tensor(torch.ops._c10d_functional.all_reduce_(flat, "sum", group_name))  # (gloo has no AVG)
-    if average:
-        flat = flat / dist.get_world_size(group)
-    out = []
-    offset = 0
-    for t in locals_:
-        out.append(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return out
+    issued = torch.ops._c10d_functional.all_reduce_(flat, "sum", funcol._resolve_group_name(group))  # (gloo has no AVG)
+    shapes = [t.shape for t in locals_]
+
+    def finish() -> list[torch.Tensor]:
+        done = torch.ops._c10d_functional.wait_tensor(issued)
+        if average:
+            done = done / dist.get_world_size(group)
+        out, offset = [], 0
+        for shape in shapes:
+            numel = math.prod(shape)
+            out.append(done[offset : offset + numel].view(shape))
+            offset += numel
+        return out
+
+    return finish
 
 
 def all_gather_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
@@ -154,7 +167,7 @@ def all_gather_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
 
 def reduce_scatter_coalesced(xs: tuple[DTensor, ...], axis: int, dims: tuple[int, ...]) -> tuple[DTensor, ...]:
     """``P -> S(dims[i])`` on ``axis`` for several tensors with one flat reduce-scatter (FSDP2's
-    per-bucket gradient reduce-scatter): :func:`reduce_scatter_flat` on their local tensors."""
+    per-bucket gradient reduce-scatter): :func:`start_reduce_scatter_flat` on their local tensors."""
     mesh = xs[0].device_mesh
     partial = xs[0].placements[axis]
     if not isinstance(partial, Partial) or any(x.placements[axis] != partial for x in xs):
@@ -163,10 +176,10 @@ def reduce_scatter_coalesced(xs: tuple[DTensor, ...], axis: int, dims: tuple[int
         raise TypeError(f"reduce_scatter_coalesced supports sum and avg partials, got {partial.reduce_op!r}")
     if len(dims) != len(xs):
         raise TypeError(f"reduce_scatter_coalesced needs one shard dim per tensor, got {len(dims)} for {len(xs)}")
-    pieces = reduce_scatter_flat(
+    pieces = start_reduce_scatter_flat(
         [x.to_local() for x in xs], dims, mesh.get_group(axis), mesh.get_local_rank(axis),
         average=partial.reduce_op == "avg",
-    )
+    )()
     out = []
     for x, dim, piece in zip(xs, dims, pieces, strict=True):
         placements = list(x.placements)
@@ -175,16 +188,17 @@ def reduce_scatter_coalesced(xs: tuple[DTensor, ...], axis: int, dims: tuple[int
     return tuple(out)
 
 
-def reduce_scatter_flat(
+def start_reduce_scatter_flat(
     locals_: list[torch.Tensor], dims: tuple[int, ...], group: Any, coord: int, *, average: bool
-) -> list[torch.Tensor]:
-    """This rank's (``coord`` in ``group``) shard of the sum (``average``: mean) over ``group`` of
-    each local tensor, split along ``dims[i]`` as DTensor splits ``S(dims[i])`` (uneven: the last
-    ranks shorter or empty), with one flat reduce-scatter. Each tensor is padded along its dim to
-    ``n`` equal chunks of ``ceil(size / n)`` rows; row ``r`` of the ``(n, -1)`` buffer holds every
-    tensor's chunk ``r``, flattened. After the reduce-scatter a rank cuts its row back per tensor
-    and narrows each piece to its own (possibly short or empty) shard. Asynchronous like
-    :func:`all_gather_coalesced`."""
+) -> Finish:
+    """Issue, as one flat reduce-scatter, this rank's (``coord`` in ``group``) shard of the sum
+    (``average``: mean) over ``group`` of each local tensor, split along ``dims[i]`` as DTensor
+    splits ``S(dims[i])`` (uneven: the last ranks shorter or empty); the returned ``finish()``
+    waits for it and gives the shards. Each tensor is padded along its dim to ``n`` equal chunks
+    of ``ceil(size / n)`` rows; row ``r`` of the ``(n, -1)`` buffer holds every tensor's chunk
+    ``r``, flattened. After the reduce-scatter a rank cuts its row back per tensor and narrows
+    each piece to its own (possibly short or empty) shard. Asynchronous like
+    :func:`start_all_reduce_flat`."""
     n = dist.get_world_size(group)
     rows, chunks = [], []
     for local, dim in zip(locals_, dims, strict=True):
@@ -196,20 +210,25 @@ def reduce_scatter_flat(
         rows.append(torch.stack([c.reshape(-1) for c in local.split(chunk, dim=dim)]))
         chunks.append((chunk, local.shape, size))
     flat = torch.cat(rows, dim=1).reshape(-1)
-    mine = funcol.reduce_scatter_single(flat, "sum", 0, group)  # (gloo has no AVG)
-    if average:
-        mine = mine / n
-    out = []
-    offset = 0
-    for dim, (chunk, padded_shape, size) in zip(dims, chunks, strict=True):
-        shape = list(padded_shape)
-        shape[dim] = chunk
-        numel = math.prod(shape)
-        piece = mine[offset : offset + numel].view(shape)
-        offset += numel
-        keep = max(0, min(chunk, size - coord * chunk))
-        out.append(piece.narrow(dim, 0, keep).contiguous())
-    return out
+    issued = torch.ops._c10d_functional.reduce_scatter_tensor(flat, "sum", n, funcol._resolve_group_name(group))
+
+    def finish() -> list[torch.Tensor]:
+        mine = torch.ops._c10d_functional.wait_tensor(issued)
+        if average:  # (gloo has no AVG)
+            mine = mine / n
+        out = []
+        offset = 0
+        for dim, (chunk, padded_shape, size) in zip(dims, chunks, strict=True):
+            shape = list(padded_shape)
+            shape[dim] = chunk
+            numel = math.prod(shape)
+            piece = mine[offset : offset + numel].view(shape)
+            offset += numel
+            keep = max(0, min(chunk, size - coord * chunk))
+            out.append(piece.narrow(dim, 0, keep).contiguous())
+        return out
+
+    return finish
 
 
 def replicated_call(op: Any, *args: Any, **kwargs: Any) -> Any:

@@ -395,25 +395,40 @@ class PipelineModel(torch.nn.Module):
                 continue
             groups.setdefault(key, []).append((fqn, local, dim))
             specs[key] = v.spec
+        # a bucket is issued before the previous one is waited for (its copy-in overlaps that
+        # collective), at most two in flight as FSDP2 keeps its reduce-scatters; a raw gradient is
+        # dropped once copied into its bucket (several Partial axes: one after the other)
+        pending: list[tuple[list[str], runtime.Finish]] = []
         for key, members in groups.items():
             spec = specs[key]
             sizes = [t.numel() * t.element_size() for _, t, _ in members]
             for bucket in gradient_buckets(sizes, DEFAULT_POLICY):
-                part = [members[i] for i in bucket]
-                out = [t for _, t, _ in part]
-                # one flat collective per Partial mesh axis (a reduce-scatter: its own axis)
+                names = [members[i][0] for i in bucket]
+                dims = tuple(d for i in bucket if (d := members[i][2]) is not None)
+                out = [members[i][1] for i in bucket]
+                for i in bucket:
+                    members[i] = (members[i][0], _DROPPED, members[i][2])
+                    st.grad_acc.pop(members[i][0], None)
                 axes = [int(key[1])] if key[0] == "reduce_scatter" else [i for i, p in enumerate(spec) if isinstance(p, Partial)]
+                finish: runtime.Finish | None = None
                 for axis in axes:
                     placement = spec[axis]
                     assert isinstance(placement, Partial) and placement.reduce_op in ("sum", "avg"), spec
                     average = placement.reduce_op == "avg"
+                    out = finish() if finish is not None else out
                     group = mesh.get_group(axis)
                     if key[0] == "reduce_scatter":
-                        dims = tuple(d for _, _, d in part if d is not None)
-                        out = runtime.reduce_scatter_flat(out, dims, group, mesh.get_local_rank(axis), average=average)
+                        finish = runtime.start_reduce_scatter_flat(out, dims, group, mesh.get_local_rank(axis), average=average)
                     else:
-                        out = runtime.all_reduce_flat(out, group, average=average)
-                converted.update({fqn: t for (fqn, _, _), t in zip(part, out, strict=True)})
+                        finish = runtime.start_all_reduce_flat(out, group, average=average)
+                del out
+                assert finish is not None, spec
+                if len(pending) == 2:
+                    done_names, done = pending.pop(0)
+                    converted.update(zip(done_names, done(), strict=True))
+                pending.append((names, finish))
+        for names, finish_bucket in pending:
+            converted.update(zip(names, finish_bucket(), strict=True))
         return converted
 
     def forward_backward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
@@ -447,6 +462,10 @@ class PipelineModel(torch.nn.Module):
             for k, t in d.items():
                 out.setdefault(k, t)
         return out
+
+
+_DROPPED = torch.empty(0)
+"""Stands for a raw gradient already copied into its bucket (its memory is released)."""
 
 
 def _run_steps(g: torch.Tensor, steps: Sequence[Any]) -> torch.Tensor:
