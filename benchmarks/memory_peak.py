@@ -8,8 +8,8 @@ Two gloo CPU ranks (one thread each), a GPT-2-shaped model from the test zoo (``
 
 * ``plain``: the per-operator ILP's plan pinned to pure data parallelism (inputs ``S(0)``, every
   parameter ``R``); predicted peak: the plan's liveness timeline (:func:`autoplan.passes.liveness.peak_memory`);
-* ``dp``, ``recompute``, ``zero3``, ``pp2``: joint-search plans with the configuration fixed
-  (``dp=2`` without recomputation, with full recomputation, with ZeRO-3; ``pp=2`` with 2
+* ``dp``, ``selective``, ``recompute``, ``zero3``, ``pp2``: joint-search plans with the configuration
+  fixed (``dp=2`` without recomputation, with selective and with full recomputation, with ZeRO-3; ``pp=2`` with 2
   micro-batches, 1F1B); predicted peak: the joint search's per-rank memory
   (:func:`autoplan.cost_models.memory.stage_memory_parts`, ``estimate.memory_per_device_bytes``).
 
@@ -52,6 +52,9 @@ TARGET = 0.05
 DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
 CONFIGS = {
     "dp": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1),
+    "selective": ParallelConfig(
+        dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, recompute="selective"
+    ),
     "recompute": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, recompute="full"),
     "zero3": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, zero_stage=3),
     "pp2": ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=BATCH // 2, num_microbatches=2),

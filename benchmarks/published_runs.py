@@ -24,8 +24,9 @@ Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.
   ``_apply_ac_to_transformer_block``: ``_save_list`` = mm, SDPA (flash/efficient), reduce_scatter;
   "Saves output of all compute ops, except every second mm", a counter per block) saves the SDPA
   output and the 1st, 3rd, 5th and 7th ``mm`` of a block's forward (wq, wv, w1, w2) and recomputes
-  the rest, the 2nd, 4th and 6th ``mm`` (wk, wo, w3) included; autoplan's ``selective`` keeps every
-  matmul output and recomputes only the ops between them. autoplan cannot express "every second
+  the rest, the 2nd, 4th and 6th ``mm`` (wk, wo, w3) included; autoplan's ``selective``
+  (``autoplan/passes/recompute.py``) keeps the matmul outputs the re-run ops need and recomputes
+  only the ops between them. autoplan cannot express "every second
   mm", so the estimate is priced from its parts: autoplan's ``selective`` step time plus, per
   block, the forward time of the wk, wo and w3 matmuls (``compute.roofline_time_s`` of
   ``aten.mm`` with the block's shapes, as the cost model prices them in the trace), times the

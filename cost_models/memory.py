@@ -133,7 +133,9 @@ class SegmentMemory(Protocol):
     @property
     def saved_bytes(self) -> float: ...
     @property
-    def saved_matmul_bytes(self) -> float: ...
+    def selective_kept_bytes(self) -> float: ...
+    @property
+    def selective_recomputed_bytes(self) -> float: ...
     @property
     def input_bytes(self) -> float: ...
     @property
@@ -158,16 +160,17 @@ def segment_activation_bytes(seg: SegmentMemory, recompute: str) -> tuple[float,
 
         none       kept = saved                                  shared = 0
                    transient = max(fwd_T, bwd_T)
-        selective  kept = min(saved, saved_matmul + in - shared)   shared = shared_in
-                   transient = max(fwd_T, saved - kept + bwd_T)
+        selective  kept = selective_kept                         shared = 0
+                   transient = max(fwd_T, selective_recomputed + bwd_T)
 
-    (``in`` = ``input_bytes``, ``fwd_T``/``bwd_T`` the segment's forward/backward transient
-    peaks): a selectively recomputed segment's backward first re-creates what it did not keep."""
+    (``fwd_T``/``bwd_T`` the segment's forward/backward transient peaks; ``selective_kept`` and
+    ``selective_recomputed`` the storages of ``K`` and of the saved values not in ``K``,
+    :mod:`autoplan.passes.recompute`): a selectively recomputed segment's backward re-creates what
+    it did not keep as its ops need it. A value several later segments read (a causal mask) is
+    kept once, in the segment that makes it, as under ``none``."""
     fwd_t, bwd_t = seg.fwd_transient_bytes, seg.bwd_transient_bytes
     if recompute == "selective":
-        own = max(0.0, seg.input_bytes - seg.shared_input_bytes)
-        kept = min(seg.saved_bytes, seg.saved_matmul_bytes + own)
-        return kept, seg.shared_input_bytes, max(fwd_t, seg.saved_bytes - kept + bwd_t)
+        return seg.selective_kept_bytes, 0.0, max(fwd_t, seg.selective_recomputed_bytes + bwd_t)
     return seg.saved_bytes, 0.0, max(fwd_t, bwd_t)
 
 

@@ -22,7 +22,7 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
 
     F_k = sum_{j in K} fwd_s[j]
     B_k = sum_{j in K} bwd_s[j] + R_k        R_k = 0 | sum selective_recompute_s | F_k   (recompute)
-    A_k = sum_{j in K} a_j                   a_j = saved_bytes | saved_matmul + input | input
+    A_k = sum_{j in K} a_j                   a_j = saved_bytes | selective_kept_bytes | input
     S_k = P_k w + T_k (g + o)                P_k parameter elements, T_k of them trainable (not
                                              frozen); w, g, o bytes per element of weights, grads
                                              and optimizer state (autoplan.cost_models.memory, by precision
@@ -146,7 +146,8 @@ class SegmentCost:
     """Part of ``fwd_s`` spent in collectives (tensor/sequence parallel conversions)."""
     bwd_comm_s: float
     selective_recompute_s: float
-    """Forward time of the non-matmul ops (what selective recomputation runs again)."""
+    """Forward time of the ops selective recomputation re-runs in the backward (``R`` of
+    :mod:`autoplan.passes.recompute`: the non-matmul ops between the kept values)."""
     grad_sync_s: float
     """Gradient conversions of the segment's parameters, once per step."""
     optimizer_s: float
@@ -157,8 +158,9 @@ class SegmentCost:
     param_itemsize: int
     saved_bytes: float
     """Activations saved for the backward, per micro-batch."""
-    saved_matmul_bytes: float
-    """Part of ``saved_bytes`` produced by matmul-family ops (kept by selective recompute)."""
+    selective_kept_bytes: float
+    """Activations selective recomputation keeps from the forward to the backward, per micro-batch:
+    the storages of ``K`` of :mod:`autoplan.passes.recompute` (matmul outputs, block inputs)."""
     input_bytes: float
     """Bytes of the values entering the segment from earlier ones (kept by full recompute)."""
     flops: float
@@ -168,6 +170,9 @@ class SegmentCost:
     a stage keeps it once."""
     fwd_transient_bytes: float = 0.0
     """Peak bytes the segment's forward holds on top of the saved activations (per micro-batch)."""
+    selective_recomputed_bytes: float = 0.0
+    """The storages of ``saved_bytes`` selective recomputation does not keep and re-creates in the
+    backward (per micro-batch)."""
     bwd_transient_bytes: float = 0.0
     """Peak bytes the segment's backward holds on top of the saved activations and the parameter
     gradients (activation gradients, the loss's fp32 temporaries), per micro-batch."""
@@ -367,8 +372,7 @@ def recompute_parts(seg: SegmentCost, recompute: str) -> tuple[float, float, flo
     if recompute == "none":
         return 0.0, seg.saved_bytes, 0.0
     if recompute == "selective":
-        kept = min(seg.saved_bytes, seg.saved_matmul_bytes + seg.input_bytes)
-        return seg.selective_recompute_s, kept, seg.saved_bytes - kept
+        return seg.selective_recompute_s, seg.selective_kept_bytes, seg.selective_recomputed_bytes
     return seg.fwd_s, min(seg.saved_bytes, seg.input_bytes), seg.saved_bytes
 
 

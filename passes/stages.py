@@ -61,6 +61,11 @@ from autoplan.passes.trace import TracedProgram, param_node_name
 
 Phase = Literal["fwd", "bwd"]
 
+RECOMPUTED_META = "autoplan.recomputed"
+"""``node.meta`` key on the forward ops a selectively recomputed backward re-runs
+(:mod:`autoplan.passes.recompute`); :func:`split_backward` keeps them in B, where the step model
+prices recomputation."""
+
 
 @dataclass(frozen=True, slots=True)
 class ValueInfo:
@@ -767,7 +772,9 @@ def split_backward(gm: fx.GraphModule, num_input_grads: int) -> tuple[fx.GraphMo
     B program holds every op the input gradients depend on and returns ``(*input_grads,
     *carry)``; the W program takes ``carry`` (the B values and placeholders the remaining ops
     read) and returns the parameter gradients. Running B then W computes exactly what ``gm``
-    does; each op runs in exactly one of them."""
+    does; each op runs in exactly one of them. Forward ops a selective backward re-runs
+    (``meta["autoplan.recomputed"]``, :mod:`autoplan.passes.recompute`) run in B, where the step
+    model prices recomputation."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     outs = list(out.args[0])
@@ -783,7 +790,7 @@ def split_backward(gm: fx.GraphModule, num_input_grads: int) -> tuple[fx.GraphMo
                 stack.extend(n.all_input_nodes)
         return seen
 
-    need_b = ancestors(in_outs)
+    need_b = ancestors([*in_outs, *(n for n in graph.nodes if n.meta.get(RECOMPUTED_META))])
     need_w = {n for n in ancestors(w_outs) if n not in need_b and n.op != "placeholder"}
     carry = [
         n

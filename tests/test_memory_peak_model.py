@@ -86,7 +86,7 @@ def _seg(saved: float, fwd_t: float, bwd_t: float, *, numel: int = 1000, inputs:
     return SegmentCost(
         fwd_s=1e-3, bwd_s=2e-3, bwd_weight_s=1e-3, fwd_comm_s=0.0, bwd_comm_s=0.0, selective_recompute_s=0.0,
         grad_sync_s=0.0, optimizer_s=0.0, param_numel=numel, trainable_numel=numel, param_itemsize=4,
-        saved_bytes=saved, saved_matmul_bytes=saved / 2, input_bytes=inputs, flops=1.0,
+        saved_bytes=saved, selective_kept_bytes=saved / 2, input_bytes=inputs, flops=1.0,
         fwd_transient_bytes=fwd_t, bwd_transient_bytes=bwd_t,
     )  # fmt: skip
 

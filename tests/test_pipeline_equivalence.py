@@ -68,6 +68,8 @@ class PipeCase:
     virtual_stages: int = 1
     pp: int = 2
     stage_size: int = 2
+    recompute: str = "none"
+    """Every stage's recomputation (``none``, ``selective``, ``full``)."""
 
 
 def _stage_starts(num_segments: int, num_stages: int) -> list[int]:
@@ -110,6 +112,7 @@ def train_pipeline_and_reference(rank: int, world_size: int, case: PipeCase, pla
         fallback_nodes=frozenset(plan.fallback_ops),
         device=torch.device("cpu"),
         optimizer="sgd_momentum",
+        stage_recompute=[case.recompute] * num_stages,
     )
     return _train_both(pm, reference)
 

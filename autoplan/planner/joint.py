@@ -231,13 +231,13 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
 
 EXECUTABLE_SPACE = SearchSpace(
     schedules=SCHEDULES,
-    recompute=("none", "full"),
+    recompute=("none", "selective", "full"),
     zero_stages=(0, 3),
     hetero_stages=False,
 )
 """What ``autoplan.parallelize`` can run today: plans are searched in this space (the what-if
-:func:`estimate` and :func:`search_config` also price selective recomputation, ZeRO 1-2 and
-stages on sub-meshes of different sizes)."""
+:func:`estimate` and :func:`search_config` also price ZeRO 1-2 and stages on sub-meshes of
+different sizes)."""
 
 
 def _check_executable(config: ParallelConfig) -> None:

@@ -14,13 +14,18 @@ epilogue) and the bytes that cross each cut between consecutive segments — the
     bwd_weight_s[k] = the part of bwd_s no earlier segment's backward depends on (weight gradients)
     grad_sync_s[k] = sum_{p trainable param of k} c[grad(p) -> p] (once per step, not per micro-batch)
     saved_bytes[k] = sum_{storage a: born by a fwd op of k, read by a bwd op} b[a, s]
+    selective_recompute_s[k] = sum_{v fwd op in k, v in R} t[v, s_v]
+    selective_kept_bytes[k] = sum_{storage a of a value in K, first in k} b[a, s]
+    selective_recomputed_bytes[k] = the storages of saved_bytes[k] not among those of K
     input_bytes[k] = sum_{value born in segments < k, read by a fwd op of k} b[a, s]
     shared_input_bytes[k] = the part of input_bytes[k] also read by other later segments
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
     fwd_transient_bytes[k] = max_{fwd op i of k} T(i)      bwd_transient_bytes[k] = the same over bwd ops
     T(i) = sum_{storage a alive at i, a not saved, not a parameter gradient} b[a, s]
 
-``T(i)`` is the liveness timeline of the step (:func:`autoplan.passes.liveness.transient_timeline`,
+``K`` (kept) and ``R`` (re-run) are selective recomputation's partition of the forward
+(:func:`autoplan.passes.recompute.joint_selective_partition`, the rule the pipeline runtime
+executes). ``T(i)`` is the liveness timeline of the step (:func:`autoplan.passes.liveness.transient_timeline`,
 the lifetimes the ILP's plan is priced with) without the saved activations (``saved_bytes``,
 counted per micro-batch in flight) and the parameter gradients (counted with the parameters):
 what a segment's forward or backward allocates on top of them, e.g. the fp32 logits-sized
@@ -45,12 +50,14 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.fx as fx
 
-from autoplan.cost_models.compute import cost_key, is_matmul, op_flops
+from autoplan.cost_models.comm import plan_transition
+from autoplan.cost_models.compute import cost_key, op_flops
 from autoplan.cost_models.step import SegmentCost, SegmentCosts
 from autoplan.passes import liveness
 from autoplan.passes.costing import CostProblem, Edge
 from autoplan.passes.layers import Layering
-from autoplan.passes.placement import local_numel
+from autoplan.passes.placement import Spec, local_numel
+from autoplan.passes.recompute import SelectivePartition, communicates, joint_selective_partition
 from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
 
 
@@ -117,12 +124,13 @@ def segment_costs(
     phase = {n.name: n.meta.get("autoplan.phase") for n in gm.graph.nodes}
     sums = _Sums.zeros(layering.num_segments)
     feeds_earlier = _feeds_earlier(gm, phase, seg_of)
+    selective = _selective_partition(gm, layering, problem, choice)
     _add_node_times(
-        sums, gm, problem, choice, seg_of, phase, feeds_earlier,
-        param_nodes=param_nodes, trainable=set(trainable_param_nodes), param_segments=layering.param_segments,
+        sums, gm, problem, choice, seg_of, phase, feeds_earlier, param_nodes=param_nodes,
+        trainable=set(trainable_param_nodes), param_segments=layering.param_segments, recomputed=selective.recomputed_ops,
     )  # fmt: skip
     _add_conversions(sums, problem, choice, seg_of, phase, feeds_earlier)
-    _add_activations(sums, gm, problem, choice, seg_of, phase, trainable_param_nodes)
+    _add_activations(sums, gm, problem, choice, seg_of, phase, trainable_param_nodes, selective)
     return sums.costs(optimizer)
 
 
@@ -144,7 +152,8 @@ class _Sums:
     itemsize: list[int]
     flops: list[float]
     saved: list[float]
-    saved_mm: list[float]
+    sel_kept: list[float]
+    sel_recomputed: list[float]
     inputs: list[float]
     shared_inputs: list[float]
     tied_numel: list[int]
@@ -160,7 +169,7 @@ class _Sums:
             fwd=[0.0] * nseg, bwd=[0.0] * nseg, bwd_w=[0.0] * nseg, fwd_comm=[0.0] * nseg, bwd_comm=[0.0] * nseg,
             selective=[0.0] * nseg, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
             trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
-            saved_mm=[0.0] * nseg, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
+            sel_kept=[0.0] * nseg, sel_recomputed=[0.0] * nseg, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
             tied_trainable=[0] * nseg, tied_owner=[-1] * nseg, fwd_transient=[0.0] * nseg,
             bwd_transient=[0.0] * nseg, cut=[0.0] * max(nseg - 1, 0),
         )  # fmt: skip
@@ -181,7 +190,8 @@ class _Sums:
                     trainable_numel=self.trainable_numel[k],
                     param_itemsize=self.itemsize[k],
                     saved_bytes=self.saved[k],
-                    saved_matmul_bytes=self.saved_mm[k],
+                    selective_kept_bytes=self.sel_kept[k],
+                    selective_recomputed_bytes=self.sel_recomputed[k],
                     input_bytes=self.inputs[k],
                     shared_input_bytes=self.shared_inputs[k],
                     tied_param_numel=self.tied_numel[k],
@@ -224,10 +234,13 @@ def _add_node_times(
     param_nodes: Sequence[str],
     trainable: set[str],
     param_segments: Mapping[str, tuple[int, ...]],
+    recomputed: frozenset[str],
 ) -> None:
-    """Each chosen node's time: operators into forward / backward (and FLOPs), parameters into
-    the optimizer step (and their local elements; a parameter read by later segments too, a tied
-    embedding, into their ``tied_*`` fields: a pipeline stage without its first reader keeps a copy)."""
+    """Each chosen node's time: operators into forward / backward (and FLOPs; those of
+    ``recomputed``, selective recomputation's ``R``, into ``selective_recompute_s`` too),
+    parameters into the optimizer step (and their local elements; a parameter read by later
+    segments too, a tied embedding, into their ``tied_*`` fields: a pipeline stage without its
+    first reader keeps a copy)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     mesh_shape = problem.cluster.mesh_shape
     for name, times in problem.node_time_s.items():
@@ -255,7 +268,7 @@ def _add_node_times(
         sums.flops[k] += op_flops(cost_key(node.target, node.args, node.kwargs), ins, outs)
         if phase[name] == "fwd":
             sums.fwd[k] += t
-            if not is_matmul(node.target):
+            if name in recomputed:
                 sums.selective[k] += t
         else:
             sums.bwd[k] += t
@@ -299,10 +312,11 @@ def _add_activations(
     seg_of: Mapping[str, int],
     phase: Mapping[str, object],
     trainable_param_nodes: Sequence[str],
+    selective: SelectivePartition,
 ) -> None:
-    """Activations: storages born in the forward and read by the backward; values crossing cuts;
-    each segment's transient peaks (the module docstring's ``T``)."""
-    nodes = {n.name: n for n in gm.graph.nodes}
+    """Activations: storages born in the forward and read by the backward (and selective
+    recomputation's share of them, :func:`_add_selective_bytes`); values crossing cuts; each
+    segment's transient peaks (the module docstring's ``T``)."""
     live = liveness.analyze(gm, list(trainable_param_nodes))
 
     def local_bytes(ref: ValueRef) -> float:
@@ -312,7 +326,7 @@ def _add_activations(
             return 0.0
         return sizes[choice[storage.node]]
 
-    counted: set[ValueRef] = set()
+    counted: dict[ValueRef, int] = {}  # saved storage -> the segment it is counted in
     for n in gm.graph.nodes:
         if n.op != "call_function" or phase[n.name] != "fwd" or n.name not in seg_of:
             continue
@@ -321,11 +335,8 @@ def _add_activations(
         if any(phase.get(u.name) == "bwd" for u in readers):
             storage = live.storage_of.get(resolve_value(n), resolve_value(n))
             if storage not in counted:
-                counted.add(storage)
-                b = local_bytes(storage)
-                sums.saved[k] += b
-                if is_matmul(nodes[storage.node].target):
-                    sums.saved_mm[k] += b
+                counted[storage] = k
+                sums.saved[k] += local_bytes(storage)
         later = sorted({seg_of[u.name] for u in readers if phase.get(u.name) == "fwd" and seg_of.get(u.name, k) > k})
         if later:
             b = local_bytes(resolve_value(n))
@@ -335,11 +346,90 @@ def _add_activations(
                 sums.inputs[j] += b
                 if len(later) > 1:
                     sums.shared_inputs[j] += b
+    _add_selective_bytes(sums, selective, counted, seg_of, lambda v: live.storage_of.get(v, v), local_bytes)
+    _add_kept_conversions(sums, gm, problem, choice, selective, seg_of)
     grads = {live.storage_of[g] for g in live.grads.values()}
-    timeline = liveness.transient_timeline(live, local_bytes, excluded=counted | grads)
+    timeline = liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads)
     for n in gm.graph.nodes:
         k = seg_of.get(n.name)
         if n.op != "call_function" or k is None:
             continue
         peaks = sums.fwd_transient if phase[n.name] == "fwd" else sums.bwd_transient
         peaks[k] = max(peaks[k], timeline[live.position[n.name]])
+
+
+def _add_selective_bytes(
+    sums: _Sums,
+    selective: SelectivePartition,
+    saved: Mapping[ValueRef, int],
+    seg_of: Mapping[str, int],
+    storage_of: Callable[[ValueRef], ValueRef],
+    local_bytes: Callable[[ValueRef], float],
+) -> None:
+    """Selective recomputation's activations: the storages of the kept values ``K``, each once, in
+    the segment of its first kept value (a kept placeholder: of its first reader; placeholders
+    hold no activation bytes), and the ``saved`` storages (storage -> segment) not among them,
+    re-created in the backward."""
+    kept: set[ValueRef] = set()
+    for v in selective.kept:
+        k = seg_of.get(v.name)
+        if k is None:
+            k = min((seg_of[u.name] for u in v.users if u.name in seg_of), default=None)
+        storage = storage_of(resolve_value(v))
+        if k is None or storage in kept:
+            continue
+        kept.add(storage)
+        sums.sel_kept[k] += local_bytes(storage)
+    for storage, k in saved.items():
+        if storage not in kept:
+            sums.sel_recomputed[k] += local_bytes(storage)
+
+
+def _converted_specs(problem: CostProblem, choice: Mapping[str, int]) -> dict[tuple[str, int], tuple[Spec, Spec]]:
+    """(consumer, tensor-argument index) -> the chosen (producer, required) specs of its edge, where
+    they differ (a conversion code generation inserts)."""
+    out: dict[tuple[str, int], tuple[Spec, Spec]] = {}
+    for e in problem.edges:
+        if e.arg_index < 0 or e.producer.node not in choice:
+            continue
+        p, q = e.src_spec(choice[e.producer.node]), e.dst_spec(choice.get(e.consumer))
+        if p != q:
+            out[(e.consumer, e.arg_index)] = (p, q)
+    return out
+
+
+def _selective_partition(
+    gm: fx.GraphModule, layering: Layering, problem: CostProblem, choice: Mapping[str, int]
+) -> SelectivePartition:
+    """Selective recomputation's ``K`` and ``R`` for the chosen plan
+    (:func:`autoplan.passes.recompute.joint_selective_partition`): an input reaching a re-run op
+    through a communicating conversion is kept converted."""
+    mesh_shape = problem.cluster.mesh_shape
+    specs = _converted_specs(problem, choice)
+
+    def converted(v: fx.Node, i: int) -> bool:
+        pq = specs.get((v.name, i))
+        return pq is not None and any(communicates(st.kind, st.axis, mesh_shape) for st in plan_transition(*pq))
+
+    return joint_selective_partition(gm, layering.segment_of, mesh_shape=mesh_shape, converted=converted)
+
+
+def _add_kept_conversions(
+    sums: _Sums,
+    gm: fx.GraphModule,
+    problem: CostProblem,
+    choice: Mapping[str, int],
+    selective: SelectivePartition,
+    seg_of: Mapping[str, int],
+) -> None:
+    """The inputs selective recomputation keeps as a communicating conversion made them: each
+    conversion's local bytes in its consumer's layout, in the consumer's segment (one
+    conversion per consumer, as code generation emits them)."""
+    if not selective.kept_conversions:
+        return
+    nodes = {n.name: n for n in gm.graph.nodes}
+    specs = _converted_specs(problem, choice)
+    for consumer, i in selective.kept_conversions:
+        val = tensor_args(nodes[consumer])[i].meta["val"]
+        _, q = specs[(consumer, i)]
+        sums.sel_kept[seg_of[consumer]] += liveness.local_bytes(q, val, problem.cluster.mesh_shape)

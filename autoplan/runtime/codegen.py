@@ -38,6 +38,7 @@ from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
 from autoplan.passes.comm_order import START, CommSchedule, schedule_collectives
 from autoplan.passes.layers import Layering, find_layers
 from autoplan.passes.placement import Spec
+from autoplan.passes.recompute import TRANSITION_META
 from autoplan.passes.redistribute import OUTPUT, Redistribution, edge_redistributions
 from autoplan.passes.strategies import Strategy, resolve_value, tensor_args
 from autoplan.passes.trace import TracedProgram, param_node_name
@@ -73,6 +74,7 @@ def _emit_steps(graph: fx.Graph, x: fx.Node, steps: tuple[TransitionStep, ...], 
         if st.kind == "to_partial" and isinstance(st.dst, Partial) and st.dst.reduce_op != "sum":
             kwargs["reduce_op"] = st.dst.reduce_op
         x = graph.create_node("call_function", STEP_FN[st.kind], (x,), kwargs, name=f"{st.kind}_{axis_names[st.axis]}")
+        x.meta[TRANSITION_META] = (st.kind, st.axis)
     return x
 
 
@@ -265,6 +267,7 @@ class _ProgramEmitter:
             {"axis": axis},
             name=f"all_gather_coalesced_{self.axis_names[axis]}",
         )
+        red.meta[TRANSITION_META] = ("all_gather", axis)
         for j, r in enumerate(rs):
             self.converted[(r.consumer, r.arg_index)] = self.graph.call_function(operator.getitem, (red, j))
 

@@ -20,6 +20,13 @@ all-reduce or reduce-scatter per bucket and mesh axis), divided by
 the number of micro-batches, and summed over the stages holding a copy of a tied parameter.
 A frozen parameter (``requires_grad=False``) is held and read like the others but gets no
 gradient and no optimizer state.
+
+Recomputation, per stage (``stage_recompute``): ``none`` keeps what the stage's backward reads;
+``selective`` runs the stage program of :func:`autoplan.passes.recompute.selective_stage_program`
+(the forward keeps matmul outputs, block inputs, collective and random-op outputs; the backward
+re-runs the ops between them, each right before its first reader; zero-bubble runs them in B),
+the rule :mod:`autoplan.planner.segment_costs` prices; ``full`` keeps the stage's inputs and
+re-runs its whole forward in the backward.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
+from autoplan.passes.recompute import selective_stage_program
 from autoplan.passes.redistribute import OUTPUT, edge_redistributions
 from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, split_stages
 from autoplan.passes.strategies import Strategy
@@ -81,8 +89,11 @@ def _unwrap(x: torch.Tensor) -> torch.Tensor:
     return local.contiguous()
 
 
-EXECUTABLE_RECOMPUTE: tuple[str, ...] = ("none", "full")
-"""Recomputation the stage runtime implements (selective is priced by the search only)."""
+EXECUTABLE_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
+"""Recomputation the stage runtime implements: ``selective`` runs the stage program of
+:func:`autoplan.passes.recompute.selective_stage_program` (the forward keeps matmul outputs and
+block inputs, the backward re-runs the cheap ops between them), ``full`` keeps the stage's inputs
+and re-runs its whole forward in the backward."""
 
 
 class _StageFunction(torch.autograd.Function):
@@ -557,7 +568,11 @@ def build_pipeline(
     mine = [s for s in range(num_stages) if s % pp == pp_rank]
     modules = [
         StageModule(
-            split.stages[s],
+            selective_stage_program(
+                split.stages[s], layering.segment_of, last=s == num_stages - 1, mesh_shape=tuple(stage_mesh.shape)
+            )
+            if recompute[s] == "selective"
+            else split.stages[s],
             model=model,
             assignment=assignment,
             mesh=stage_mesh,
