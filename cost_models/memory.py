@@ -135,7 +135,7 @@ class SegmentMemory(Protocol):
     @property
     def selective_kept_bytes(self) -> float: ...
     @property
-    def selective_recomputed_bytes(self) -> float: ...
+    def selective_bwd_transient_bytes(self) -> float: ...
     @property
     def input_bytes(self) -> float: ...
     @property
@@ -161,16 +161,17 @@ def segment_activation_bytes(seg: SegmentMemory, recompute: str) -> tuple[float,
         none       kept = saved                                  shared = 0
                    transient = max(fwd_T, bwd_T)
         selective  kept = selective_kept                         shared = 0
-                   transient = max(fwd_T, selective_recomputed + bwd_T)
+                   transient = max(fwd_T, selective_bwd_T)
 
-    (``fwd_T``/``bwd_T`` the segment's forward/backward transient peaks; ``selective_kept`` and
-    ``selective_recomputed`` the storages of ``K`` and of the saved values not in ``K``,
-    :mod:`autoplan.passes.recompute`): a selectively recomputed segment's backward re-creates what
-    it did not keep as its ops need it. A value several later segments read (a causal mask) is
+    (``fwd_T``/``bwd_T`` the segment's forward/backward transient peaks; ``selective_kept`` the
+    storages of ``K``, :mod:`autoplan.passes.recompute`; ``selective_bwd_T`` the backward's peak
+    with the storages selective recomputation re-creates, each alive from its first backward
+    reader to its last, :mod:`autoplan.planner.segment_costs`): a selectively recomputed
+    segment's backward re-creates what it did not keep as its ops need it. A value several later segments read (a causal mask) is
     kept once, in the segment that makes it, as under ``none``."""
     fwd_t, bwd_t = seg.fwd_transient_bytes, seg.bwd_transient_bytes
     if recompute == "selective":
-        return seg.selective_kept_bytes, 0.0, max(fwd_t, seg.selective_recomputed_bytes + bwd_t)
+        return seg.selective_kept_bytes, 0.0, max(fwd_t, seg.selective_bwd_transient_bytes)
     return seg.saved_bytes, 0.0, max(fwd_t, bwd_t)
 
 

@@ -173,6 +173,9 @@ class SegmentCost:
     selective_recomputed_bytes: float = 0.0
     """The storages of ``saved_bytes`` selective recomputation does not keep and re-creates in the
     backward (per micro-batch)."""
+    selective_bwd_transient_bytes: float = 0.0
+    """``bwd_transient_bytes`` under selective recomputation: with the re-created storages alive,
+    each from its first backward reader to its last (per micro-batch)."""
     bwd_transient_bytes: float = 0.0
     """Peak bytes the segment's backward holds on top of the saved activations and the parameter
     gradients (activation gradients, the loss's fp32 temporaries), per micro-batch."""
@@ -372,7 +375,8 @@ def recompute_parts(seg: SegmentCost, recompute: str) -> tuple[float, float, flo
     if recompute == "none":
         return 0.0, seg.saved_bytes, 0.0
     if recompute == "selective":
-        return seg.selective_recompute_s, seg.selective_kept_bytes, seg.selective_recomputed_bytes
+        extra_transient = max(0.0, seg.selective_bwd_transient_bytes - seg.bwd_transient_bytes)
+        return seg.selective_recompute_s, seg.selective_kept_bytes, extra_transient
     return seg.fwd_s, min(seg.saved_bytes, seg.input_bytes), seg.saved_bytes
 
 

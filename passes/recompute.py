@@ -2,7 +2,7 @@ r"""Pass — selective recomputation: what a selectively recomputed forward keep
 and the backward that re-creates the rest (issue #20 item 4).
 
 The rule, defined once here, priced by :mod:`autoplan.planner.segment_costs`
-(``selective_recompute_s``, ``selective_kept_bytes``, ``selective_recomputed_bytes``) and executed
+(``selective_recompute_s``, ``selective_kept_bytes``, ``selective_bwd_transient_bytes``) and executed
 by :mod:`autoplan.runtime.pipeline` (:func:`selective_stage_program`)::
 
     keeps(v) = v is a placeholder                  (parameter, buffer, program or stage input)

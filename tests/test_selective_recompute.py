@@ -158,6 +158,9 @@ def test_selective_block_keeps_its_matmul_outputs_and_its_output() -> None:
         assert block.saved_bytes == pytest.approx(16 * sbh_fp32, rel=0.02)
         assert block.selective_kept_bytes == pytest.approx(10 * sbh_fp32, rel=0.01)
         assert block.selective_recomputed_bytes == pytest.approx(8 * sbh_fp32, rel=0.02)
+        # re-created as the backward reaches them and freed after their last reader: never all at once
+        recreated_at_peak = block.selective_bwd_transient_bytes - block.bwd_transient_bytes
+        assert 0 < recreated_at_peak < block.selective_recomputed_bytes
         assert 0 < block.selective_recompute_s < block.fwd_s
 
 

@@ -17,6 +17,7 @@ epilogue) and the bytes that cross each cut between consecutive segments — the
     selective_recompute_s[k] = sum_{v fwd op in k, v in R} t[v, s_v]
     selective_kept_bytes[k] = sum_{storage a of a value in K, first in k} b[a, s]
     selective_recomputed_bytes[k] = the storages of saved_bytes[k] not among those of K
+    selective_bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + sum_{a re-created, f(a) <= i <= l(a)} b[a, s]
     input_bytes[k] = sum_{value born in segments < k, read by a fwd op of k} b[a, s]
     shared_input_bytes[k] = the part of input_bytes[k] also read by other later segments
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
@@ -25,7 +26,8 @@ epilogue) and the bytes that cross each cut between consecutive segments — the
 
 ``K`` (kept) and ``R`` (re-run) are selective recomputation's partition of the forward
 (:func:`autoplan.passes.recompute.joint_selective_partition`, the rule the pipeline runtime
-executes). ``T(i)`` is the liveness timeline of the step (:func:`autoplan.passes.liveness.transient_timeline`,
+executes); a re-created storage ``a`` lives from its first backward reader ``f(a)`` (the runtime
+re-runs its ops right before it) to its last reader ``l(a)``. ``T(i)`` is the liveness timeline of the step (:func:`autoplan.passes.liveness.transient_timeline`,
 the lifetimes the ILP's plan is priced with) without the saved activations (``saved_bytes``,
 counted per micro-batch in flight) and the parameter gradients (counted with the parameters):
 what a segment's forward or backward allocates on top of them, e.g. the fp32 logits-sized
@@ -43,6 +45,7 @@ are per micro-batch on one device of the stage mesh, except ``grad_sync_s`` and
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -56,6 +59,7 @@ from autoplan.cost_models.step import SegmentCost, SegmentCosts
 from autoplan.passes import liveness
 from autoplan.passes.costing import CostProblem, Edge
 from autoplan.passes.layers import Layering
+from autoplan.passes.liveness import is_view_op
 from autoplan.passes.placement import Spec, local_numel
 from autoplan.passes.recompute import SelectivePartition, communicates, joint_selective_partition
 from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
@@ -154,6 +158,7 @@ class _Sums:
     saved: list[float]
     sel_kept: list[float]
     sel_recomputed: list[float]
+    sel_bwd_transient: list[float]
     inputs: list[float]
     shared_inputs: list[float]
     tied_numel: list[int]
@@ -169,7 +174,7 @@ class _Sums:
             fwd=[0.0] * nseg, bwd=[0.0] * nseg, bwd_w=[0.0] * nseg, fwd_comm=[0.0] * nseg, bwd_comm=[0.0] * nseg,
             selective=[0.0] * nseg, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
             trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
-            sel_kept=[0.0] * nseg, sel_recomputed=[0.0] * nseg, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
+            sel_kept=[0.0] * nseg, sel_recomputed=[0.0] * nseg, sel_bwd_transient=[0.0] * nseg, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
             tied_trainable=[0] * nseg, tied_owner=[-1] * nseg, fwd_transient=[0.0] * nseg,
             bwd_transient=[0.0] * nseg, cut=[0.0] * max(nseg - 1, 0),
         )  # fmt: skip
@@ -192,6 +197,7 @@ class _Sums:
                     saved_bytes=self.saved[k],
                     selective_kept_bytes=self.sel_kept[k],
                     selective_recomputed_bytes=self.sel_recomputed[k],
+                    selective_bwd_transient_bytes=self.sel_bwd_transient[k],
                     input_bytes=self.inputs[k],
                     shared_input_bytes=self.shared_inputs[k],
                     tied_param_numel=self.tied_numel[k],
@@ -346,7 +352,7 @@ def _add_activations(
                 sums.inputs[j] += b
                 if len(later) > 1:
                     sums.shared_inputs[j] += b
-    _add_selective_bytes(sums, selective, counted, seg_of, lambda v: live.storage_of.get(v, v), local_bytes)
+    recreated = _add_selective_bytes(sums, selective, counted, seg_of, lambda v: live.storage_of.get(v, v), local_bytes)
     _add_kept_conversions(sums, gm, problem, choice, selective, seg_of)
     grads = {live.storage_of[g] for g in live.grads.values()}
     timeline = liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads)
@@ -356,6 +362,49 @@ def _add_activations(
             continue
         peaks = sums.fwd_transient if phase[n.name] == "fwd" else sums.bwd_transient
         peaks[k] = max(peaks[k], timeline[live.position[n.name]])
+    _add_selective_bwd_transient(sums, gm, live, timeline, recreated, local_bytes, seg_of, phase)
+
+
+def _add_selective_bwd_transient(
+    sums: _Sums,
+    gm: fx.GraphModule,
+    live: liveness.Liveness,
+    timeline: Sequence[float],
+    recreated: set[ValueRef],
+    local_bytes: Callable[[ValueRef], float],
+    seg_of: Mapping[str, int],
+    phase: Mapping[str, object],
+) -> None:
+    """Each segment's backward peak under selective recomputation: ``T(i)`` plus the re-created
+    storages alive at ``i``, each from its first backward reader to its last reader (module
+    docstring; an alias such as autograd's early ``detach`` reads where its own readers do, as the
+    runtime places it)."""
+
+    def first_read(u: fx.Node) -> int:
+        if is_view_op(u.target) and u.users:
+            return min(first_read(w) for w in u.users)
+        return live.position.get(u.name, live.end)
+
+    first: dict[ValueRef, int] = {}
+    for n in gm.graph.nodes:
+        if phase.get(n.name) != "fwd" or n.op != "call_function":
+            continue
+        storage = live.storage_of.get(resolve_value(n), resolve_value(n))
+        if storage not in recreated:
+            continue
+        for u in n.users:
+            if phase.get(u.name) == "bwd":
+                first[storage] = min(first.get(storage, live.end), first_read(u))
+    extra = [0.0] * (live.end + 2)
+    for storage, born in first.items():
+        extra[born] += local_bytes(storage)
+        extra[max(born, live.last_use.get(storage, born)) + 1] -= local_bytes(storage)
+    alive = list(itertools.accumulate(extra))
+    for n in gm.graph.nodes:
+        k = seg_of.get(n.name)
+        if n.op == "call_function" and k is not None and phase[n.name] != "fwd":
+            i = live.position[n.name]
+            sums.sel_bwd_transient[k] = max(sums.sel_bwd_transient[k], timeline[i] + alive[i])
 
 
 def _add_selective_bytes(
@@ -365,11 +414,11 @@ def _add_selective_bytes(
     seg_of: Mapping[str, int],
     storage_of: Callable[[ValueRef], ValueRef],
     local_bytes: Callable[[ValueRef], float],
-) -> None:
+) -> set[ValueRef]:
     """Selective recomputation's activations: the storages of the kept values ``K``, each once, in
     the segment of its first kept value (a kept placeholder: of its first reader; placeholders
     hold no activation bytes), and the ``saved`` storages (storage -> segment) not among them,
-    re-created in the backward."""
+    re-created in the backward (returned)."""
     kept: set[ValueRef] = set()
     for v in selective.kept:
         k = seg_of.get(v.name)
@@ -380,9 +429,10 @@ def _add_selective_bytes(
             continue
         kept.add(storage)
         sums.sel_kept[k] += local_bytes(storage)
-    for storage, k in saved.items():
-        if storage not in kept:
-            sums.sel_recomputed[k] += local_bytes(storage)
+    recreated = {storage for storage in saved if storage not in kept}
+    for storage in recreated:
+        sums.sel_recomputed[saved[storage]] += local_bytes(storage)
+    return recreated
 
 
 def _converted_specs(problem: CostProblem, choice: Mapping[str, int]) -> dict[tuple[str, int], tuple[Spec, Spec]]:

@@ -335,7 +335,8 @@ def scale_costs(costs: SegmentCosts, factor: float) -> SegmentCosts:
     scale, parameters, gradient synchronisation and the optimizer step do not."""
     per_sample = ("fwd_s", "bwd_s", "bwd_weight_s", "fwd_comm_s", "bwd_comm_s", "selective_recompute_s",
                   "saved_bytes", "selective_kept_bytes", "input_bytes", "shared_input_bytes", "fwd_transient_bytes",
-                  "bwd_transient_bytes", "selective_recomputed_bytes", "flops")  # fmt: skip
+                  "bwd_transient_bytes", "selective_recomputed_bytes",
+                  "selective_bwd_transient_bytes", "flops")  # fmt: skip
     return dataclasses.replace(
         costs,
         segments=tuple(
