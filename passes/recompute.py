@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from autoplan.cost_models.cluster import COLLECTIVE_KINDS
 from autoplan.cost_models.compute import is_matmul
 from autoplan.passes.liveness import is_view_op
 from autoplan.passes.stages import RECOMPUTED_META, StageProgram
@@ -63,13 +64,11 @@ TRANSITION_META = "autoplan.transition"
 """``node.meta`` key on every conversion code generation inserts (:mod:`autoplan.runtime.codegen`):
 ``(step kind, mesh axis)``, a coalesced gather the kind of its collective."""
 
-COMMUNICATING_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
-"""Transition steps that move data between devices (``shard`` and ``to_partial`` are local)."""
-
 
 def communicates(kind: str, axis: int, mesh_shape: Sequence[int]) -> bool:
-    """Whether a conversion step of ``kind`` on mesh axis ``axis`` moves data between devices."""
-    return kind in COMMUNICATING_KINDS and mesh_shape[axis] > 1
+    """Whether a conversion step of ``kind`` on mesh axis ``axis`` moves data between devices
+    (``cluster.COLLECTIVE_KINDS``; ``shard`` and ``to_partial`` are local)."""
+    return kind in COLLECTIVE_KINDS and mesh_shape[axis] > 1
 
 
 def keeps_op(n: fx.Node, mesh_shape: Sequence[int]) -> bool:
@@ -314,7 +313,11 @@ def _backward_recomputing(
     for n in stage.backward.graph.nodes:
         if n.op == "placeholder":
             continue
-        if n.op == "call_function" and is_view_op(n.target) and any(saved_of.get(a) in recomputed for a in n.all_input_nodes):
+        if (
+            n.op == "call_function"
+            and is_view_op(n.target)
+            and any(saved_of.get(a) in recomputed for a in n.all_input_nodes)
+        ):
             deferred.add(n)  # an alias of a re-run value (autograd's early ``detach``): made where first read
             continue
         emit(n)

@@ -108,7 +108,9 @@ def test_selective_backward_reruns_no_matmul_collective_or_random_op_and_what_th
             assert "autoplan.phase" in n.meta, f"{n.name}: an inserted collective or conversion re-run"
             assert torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()), n.name
         rerun |= {n.name for n in ops if n.op == "call_function"}
-        part = stage_selective_partition(st, layering.segment_of, last=st.index == len(split.stages) - 1, mesh_shape=MESH)
+        part = stage_selective_partition(
+            st, layering.segment_of, last=st.index == len(split.stages) - 1, mesh_shape=MESH
+        )
         assert rerun >= part.recomputed_ops
     kinds = {str(n.target) for n in traced.graph_module.graph.nodes if n.name in rerun}
     assert {"aten.native_layer_norm.default", "aten.tanh.default", "aten.add.Tensor"} <= kinds
@@ -264,9 +266,15 @@ def test_selective_peak_lies_between_full_and_none_as_priced() -> None:
     plans = {
         name: json.dumps(
             autoplan.plan(
-                build_model(), CLUSTER, example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
-                optimizer="sgd", global_batch_size=BATCH, config=ParallelConfig(**cfg),  # type: ignore[arg-type]
-            ).to_dict()  # fmt: skip
+                build_model(),
+                CLUSTER,
+                example_inputs=(ids,),
+                loss_fn=zoo.lm_loss,
+                example_targets=(labels,),
+                optimizer="sgd",
+                global_batch_size=BATCH,
+                config=ParallelConfig(**cfg),  # type: ignore[arg-type]
+            ).to_dict()
         )
         for name, cfg in MEMORY_CONFIGS.items()
     }
