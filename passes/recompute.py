@@ -60,6 +60,10 @@ from autoplan.passes.liveness import is_view_op
 from autoplan.passes.stages import RECOMPUTED_META, StageProgram
 from autoplan.passes.strategies import tensor_args
 
+OP_META = "autoplan.op"
+"""``node.meta`` key on every op of a generated program: the traced op (a fallback node's target
+is the runtime's ``replicated_call`` wrapper), so the rule sees the op the pricing sees."""
+
 TRANSITION_META = "autoplan.transition"
 """``node.meta`` key on every conversion code generation inserts (:mod:`autoplan.runtime.codegen`):
 ``(step kind, mesh axis)``, a coalesced gather the kind of its collective."""
@@ -86,7 +90,8 @@ def keeps_op(n: fx.Node, mesh_shape: Sequence[int]) -> bool:
     if transition is not None:
         kind, axis = transition
         return communicates(kind, axis, mesh_shape)
-    return is_matmul(n.target) or torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+    op = n.meta.get(OP_META, n.target)
+    return is_matmul(op) or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
 from autoplan.passes.comm_order import START, CommSchedule, schedule_collectives
 from autoplan.passes.layers import Layering, find_layers
 from autoplan.passes.placement import Spec
-from autoplan.passes.recompute import TRANSITION_META
+from autoplan.passes.recompute import OP_META, TRANSITION_META
 from autoplan.passes.redistribute import OUTPUT, Redistribution, edge_redistributions
 from autoplan.passes.strategies import Strategy, resolve_value, tensor_args
 from autoplan.passes.trace import TracedProgram, param_node_name
@@ -316,6 +316,7 @@ class _ProgramEmitter:
         else:
             new = graph.create_node("call_function", node.target, tuple(new_args), new_kwargs, name=node.name)
         new.meta = dict(node.meta)
+        new.meta[OP_META] = node.target  # the op a fallback node runs through runtime.replicated_call
         strat = self.assignment[node.name]
         new.meta["autoplan.output_specs"] = strat.output_specs
         env[node] = new
