@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.compute import is_matmul
 from autoplan.passes.layers import find_layers
 from autoplan.passes.liveness import is_view_op
@@ -34,9 +35,12 @@ from autoplan.passes.recompute import (
     selective_stage_program,
     stage_selective_partition,
 )
-from autoplan.passes.stages import RECOMPUTED_META, StageProgram, split_backward
-from autoplan.planner.mesh import as_cluster
+from autoplan.passes.stages import RECOMPUTED_META, StageProgram, split_backward, split_stages
+from autoplan.passes.trace import trace_training_step
+from autoplan.planner.ilp import plan_traced
+from autoplan.planner.mesh import as_cluster, planning_mesh
 from autoplan.planner.segment_model import SegmentCostModel
+from autoplan.runtime.codegen import generate_program
 from tests import zoo
 from tests.harness import SeededBatches, assert_trains_like_reference, run_ranks, train_both
 from tests.test_pipeline_equivalence import PipeCase, _plan_json, _split, train_pipeline_and_reference
@@ -122,6 +126,39 @@ def test_selective_backward_reruns_no_matmul_collective_or_random_op_and_what_th
     # the pricing sums the forward time of exactly these ops (segment_costs' selective_recompute_s)
     priced = joint_selective_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH)
     assert priced.recomputed_ops == rerun
+
+
+def test_under_megatron_pins_the_kept_all_reduces_are_what_the_pricing_keeps() -> None:
+    """GPT-2 with Megatron tensor parallelism (and the sequence-parallel conversions the solver
+    picks) on a stage mesh of 2: the runtime keeps the results of the collectives that feed
+    re-run ops, the pricing keeps the same inputs as converted (its conversions are edges:
+    ``converted`` from the plan's redistributions), and both re-run the same ops."""
+    from autoplan.passes.redistribute import edge_redistributions
+
+    net = zoo.gpt2_tiny(num_layers=4)
+    ids, labels = zoo.token_batch(batch=2)
+    traced = trace_training_step(net, (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,))
+    layering = find_layers(traced)
+    cluster = Cluster.preset("2xCPU")
+    pins = {"input_0": "R", "target_0": "R"} | zoo.GPT2_TP_PINS
+    with planning_mesh(cluster) as mesh:
+        plan = plan_traced(traced, cluster, mesh=mesh, pins=pins)
+        gen = generate_program(
+            traced, plan.assignment(), fallback_nodes=frozenset(plan.fallback_ops), axis_names=cluster.mesh_axis_names,
+            device=torch.device("cpu"), mesh=mesh, defer_grad_conversions=True,
+        )  # fmt: skip
+    (stage,) = split_stages(gen.graph_module, traced, layering, plan.assignment(), stage_starts=[0], mesh_ndim=1).stages
+    executed = stage_selective_partition(stage, layering.segment_of, last=True, mesh_shape=MESH)
+    collectives = [v for v in executed.kept if TRANSITION_META in v.meta]
+    assert collectives, "the all-reduces/reduce-scatters after the row-parallel matmuls are kept"
+    steps = {(r.consumer, r.arg_index): r.steps for r in edge_redistributions(traced, plan.assignment(), 1)}
+
+    def converted(v: fx.Node, i: int) -> bool:
+        return any(communicates(st.kind, st.axis, MESH) for st in steps.get((v.name, i), ()))
+
+    priced = joint_selective_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH, converted=converted)
+    assert priced.recomputed_ops == executed.recomputed_ops
+    assert priced.kept_conversions
 
 
 def test_zero_bubble_split_runs_the_recomputation_in_b(gpt2_split) -> None:
