@@ -312,18 +312,7 @@ def stage_memory_parts(
         largest = max((s.param_numel for s in segments), default=0)
         kept_numel = (1 + policy.prefetch_blocks) * largest if policy.reshard_after_forward else param_numel
         gathered = min(kept_numel, param_numel) * element.weights
-    per_segment = [segment_activation_bytes(s, recompute) for s in segments]
-    kept = sum(k for k, _, _ in per_segment)
-    activations = inflight * (kept + max((sh for _, sh, _ in per_segment), default=0.0))
-    transients = [t for _, _, t in per_segment]
-    if recompute == "full" and segments and FULL_RECOMPUTE_UNIT == "stage":
-        # the stage keeps its inputs; its backward re-runs the whole stage's forward first
-        activations = inflight * segments[0].input_bytes
-        transients = [kept + t for t in transients]
-    elif recompute == "full" and segments:  # per segment: each keeps its inputs, one re-created at a time
-        own = sum(max(0.0, s.input_bytes - s.shared_input_bytes) for s in segments)
-        activations = inflight * (own + max(s.shared_input_bytes for s in segments))
-        transients = [s.saved_bytes + t for s, t in zip(segments, transients, strict=True)]
+    activations, transients = _activations_and_transients(segments, recompute, inflight)
     bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
     reduced = bucket / dp if zero_stage >= 1 else 0.0  # ZeRO 0: all-reduced in place
     at_peak, grads_at_peak = _backward_peak(
@@ -344,6 +333,26 @@ def stage_memory_parts(
         "transient": at_peak - activations - grads_at_peak,
     }
     return _with_allocator(parts, device_kind)
+
+
+def _activations_and_transients(
+    segments: Sequence[SegmentMemory], recompute: str, inflight: int
+) -> tuple[float, list[float]]:
+    """``A`` (the activations of the ``inflight`` micro-batches) and each segment's ``T_j`` of
+    :func:`stage_memory_parts`, full recomputation per :data:`FULL_RECOMPUTE_UNIT`."""
+    per_segment = [segment_activation_bytes(s, recompute) for s in segments]
+    kept = sum(k for k, _, _ in per_segment)
+    activations = inflight * (kept + max((sh for _, sh, _ in per_segment), default=0.0))
+    transients = [t for _, _, t in per_segment]
+    if recompute == "full" and segments and FULL_RECOMPUTE_UNIT == "stage":
+        # the stage keeps its inputs; its backward re-runs the whole stage's forward first
+        activations = inflight * segments[0].input_bytes
+        transients = [kept + t for t in transients]
+    elif recompute == "full" and segments:  # per segment: each keeps its inputs, one re-created at a time
+        own = sum(max(0.0, s.input_bytes - s.shared_input_bytes) for s in segments)
+        activations = inflight * (own + max(s.shared_input_bytes for s in segments))
+        transients = [s.saved_bytes + t for s, t in zip(segments, transients, strict=True)]
+    return activations, transients
 
 
 def _backward_peak(
