@@ -373,12 +373,17 @@ def _place_unanchored(
         if n in param_grad_stage:
             user_stages.append(param_grad_stage[n])
         if not _is_original(n):  # an inserted collective: its consumer's stage and phase
-            if prog.output in n.users:
+            if n.target is operator.getitem:
+                continue  # a coalesced collective's result: resolved below with its parent
+            # a coalesced collective's consumers are its getitems' users; it runs where the
+            # first of them does (the forward, if any consumer is in the forward)
+            consumers = [c for u in n.users for c in (u.users if u.target is operator.getitem else [u])]
+            if prog.output in consumers:
                 stage[n], phase[n] = last, "bwd" if n in from_bwd else "fwd"
             elif n in from_bwd and last == 0:  # (only one stage converts gradients in its program)
                 stage[n], phase[n] = last, "bwd"
             else:
-                u = next(iter(n.users))
+                u = min(consumers, key=lambda c: phase[c] != "fwd")
                 stage[n], phase[n] = stage[u], phase[u]
             continue
         if n.target is operator.getitem:
@@ -391,8 +396,8 @@ def _place_unanchored(
         else:
             stage[n] = max(user_stages)
         phase[n] = "bwd"
-    for n in prog.nodes:  # getitems of unanchored multi-output backward ops
-        if _is_original(n) and n.target is operator.getitem and n not in stage and n not in removed:
+    for n in prog.nodes:  # getitems of unanchored multi-output backward ops and of inserted collectives
+        if n.target is operator.getitem and n not in stage and n not in removed:
             parent = n.args[0]
             assert isinstance(parent, fx.Node)
             stage[n], phase[n] = stage[parent], phase[parent]

@@ -316,6 +316,15 @@ def test_planned_pipeline_runs_like_single_device(
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # 12-25 s of 2 ranks
+def test_single_stage_tensor_parallel_gathers_stay_in_the_forward() -> None:
+    """One stage on a 2-rank stage mesh (Megatron TP pins, GPipe): the parameter gathers of a
+    block are one coalesced collective whose results the backward also reads; the stage split
+    saves its getitems, not the tuple (the backward once read fake tensors from the forward's
+    lowering and failed)."""
+    run_pipeline_case(PipeCase(model="llama", layout="tp", schedule="gpipe", pp=1, stage_size=2))
+
+
 @pytest.mark.slow  # 25-45 s of 2 ranks, with the v=2 interleaved cases above (the suite is near its 15-minute budget)
 def test_interleaved_pipeline_with_six_chunks_per_rank_runs_like_single_device() -> None:
     """A 12-layer GPT-2 planned by autoplan.plan with a fixed pp=2 interleaved-1f1b
