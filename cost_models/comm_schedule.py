@@ -49,9 +49,22 @@ class OverlapPolicy:
     reshard_after_forward: bool = True
     """Free gathered parameters after the forward and gather them again for the backward
     (FSDP2's default; pipelined FSDP keeps them: ``False``)."""
+    reduce_scatters_in_flight: int = 2
+    """Gradient reduce-scatters issued and not yet waited for, at most: each holds a full-size
+    bucket until its wait (FSDP2 waits for one before issuing the one two after it)."""
 
 
 DEFAULT_POLICY = OverlapPolicy()
+
+
+def gradients_reduced_in_backward(*, num_stages: int, num_microbatches: int, schedule: str) -> bool:
+    """Whether a pipeline plan's backward program converts the parameter gradients itself, in
+    buckets issued as their gradients exist (DDP's all-reduces, FSDP2's reduce-scatters): one
+    stage per rank and one micro-batch (nothing to accumulate first), not zero-bubble (its split
+    weight-gradient programs). Otherwise the runtime converts a stage's raw gradients once per
+    step, after the schedule. The runtime (:mod:`autoplan.runtime.pipeline`) and the memory model
+    (:func:`autoplan.cost_models.memory.stage_memory_parts`) both read this rule."""
+    return num_stages == 1 and num_microbatches == 1 and schedule != "zero-bubble"
 
 
 def gradient_buckets(sizes_bytes: Sequence[float], policy: OverlapPolicy = DEFAULT_POLICY) -> tuple[tuple[int, ...], ...]:

@@ -253,6 +253,7 @@ def stage_memory_parts(
     device_kind: str,
     first_segment: int = 0,
     policy: OverlapPolicy = DEFAULT_POLICY,
+    reduced_in_backward: bool = False,
 ) -> dict[str, float]:
     """Peak bytes per device of one pipeline stage (:mod:`autoplan.cost_models.step`), by part:
     the liveness peak of the step as it runs. Per segment ``j`` of the stage (in order):
@@ -261,14 +262,19 @@ def stage_memory_parts(
     (:func:`precision_bytes`)::
 
         weights  W = sum_j P_j w / (dp if zero_stage >= 3)     optimizer  O = sum_j T'_j o / (dp if zero_stage >= 1)
-        grads    g_j = T'_j g / (dp if zero_stage >= 2)
+        grads    g_j = T'_j g / (dp if zero_stage >= 2)      raw  r_j = T'_j g   (the backward's output,
+                 not yet reduced: the runtime converts a stage's gradients after the schedule)
         A        = inflight * (sum_j kept_j + max_j shared_j)            (micro-batches in flight)
-        backward of j:  A + T_j + gathered + G_j                    (the first micro-batch)
-                        A min(f, m - 1) / f + T_j + gathered + G + G_j  (a later one, m > 1: the
+        backward of j:  A + T_j + gathered + R_j                    (the first micro-batch)
+                        A min(f, m - 1) / f + T_j + gathered + R + R_j  (a later one, m > 1: the
                                           sum of the earlier ones is alive, at most m - 1 in flight)
-                 G_j = sum_{i >= j} g_i   (the stage's later segments made theirs first)
+                 R_j = sum_{i >= j} r_i   (the stage's later segments made theirs first), R = R_0
                  f = inflight, m = micro-batches per step
-        reductions:     G + bucket + reduced     (after the schedule; activations freed)
+        reductions:     R + bucket + reduced     (after the schedule; activations freed)
+        reduced_in_backward (one stage, one micro-batch:
+        comm_schedule.gradients_reduced_in_backward) with ZeRO >= 1: the backward reduce-scatters
+        its buckets as they fill, at most ``reduce_scatters_in_flight`` unwaited, so
+                 R_j -> G_j + min(R_j, (in_flight + 1) bucket)    and no reductions after it
         optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)
         peak     = W + O + max( max_j backward of j, reductions, optimizer step ) + allocator margin
         gathered = ZeRO-3: (1 + prefetch) max_j P_j w if reshard_after_forward else sum_j P_j w
@@ -302,11 +308,11 @@ def stage_memory_parts(
     w = float(param_numel * element.weights) / (dp if zero_stage >= 3 else 1)
     o = float(trainable * element.optimizer) / (dp if zero_stage >= 1 else 1)
     tied_grads = {id(s) for s in tied.values()}
-    grads = [
+    raw = [
         float((s.trainable_numel + (s.tied_trainable_numel if id(s) in tied_grads else 0)) * element.grads)
-        / (dp if zero_stage >= 2 else 1)
         for s in segments
     ]
+    grads = [r / (dp if zero_stage >= 2 else 1) for r in raw]
     gathered = 0.0
     if zero_stage >= 3:
         largest = max((s.param_numel for s in segments), default=0)
@@ -315,8 +321,10 @@ def stage_memory_parts(
     activations, transients = _activations_and_transients(segments, recompute, inflight)
     bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
     reduced = bucket / dp if zero_stage >= 1 else 0.0  # ZeRO 0: all-reduced in place
+    in_backward = reduced_in_backward and zero_stage >= 1 and dp > 1
+    held, reduction = _gradients_held(raw, grads, bucket, reduced, in_backward=in_backward, policy=policy)
     at_peak, grads_at_peak = _backward_peak(
-        activations, transients, grads, gathered=gathered, reduction=bucket + reduced, inflight=inflight,
+        activations, transients, held, sum(raw), gathered=gathered, reduction=reduction, inflight=inflight,
         num_microbatches=num_microbatches,
     )
     master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
@@ -355,10 +363,25 @@ def _activations_and_transients(
     return activations, transients
 
 
+def _gradients_held(
+    raw: Sequence[float], grads: Sequence[float], bucket: float, reduced: float, *, in_backward: bool,
+    policy: OverlapPolicy,
+) -> tuple[list[float], float]:
+    """Per segment ``j``, the gradient bytes alive in its backward (the first micro-batch), and
+    the bytes the reductions after the schedule add (0: none; :func:`stage_memory_parts`)."""
+    if in_backward:
+        # reduce-scattered as they exist: the reduced shards, plus the full-size buckets in flight
+        # and the one filling (at most the raw gradients made so far)
+        flight = (policy.reduce_scatters_in_flight + 1) * bucket
+        return [sum(grads[j:]) + min(sum(raw[j:]), flight) for j in range(len(raw))], 0.0
+    return [sum(raw[j:]) for j in range(len(raw))], bucket + reduced
+
+
 def _backward_peak(
     activations: float,
     transients: Sequence[float],
-    grads: Sequence[float],
+    held: Sequence[float],
+    raw_total: float,
     *,
     gathered: float,
     reduction: float,
@@ -366,18 +389,19 @@ def _backward_peak(
     num_microbatches: int,
 ) -> tuple[float, float]:
     """(bytes, gradient bytes among them) at the stage's peak from its backward passes to its
-    gradient reductions, on top of weights and optimizer state (:func:`stage_memory_parts`)."""
-    total_grads = sum(grads)
+    gradient reductions, on top of weights and optimizer state (:func:`stage_memory_parts`):
+    ``held[j]`` the gradient bytes alive in segment ``j``'s backward (the first micro-batch),
+    ``raw_total`` the stage's raw gradients, summed over micro-batches until after the schedule;
+    ``reduction`` the bytes the reductions after the schedule add to them (0: none)."""
     # the first micro-batch's backward: every micro-batch in flight, no gradient sum yet
-    backward = [(activations + t + gathered + sum(grads[j:]), sum(grads[j:])) for j, t in enumerate(transients)]
+    backward = [(activations + t + gathered + h, h) for t, h in zip(transients, held, strict=True)]
     if num_microbatches > 1 and inflight > 0:  # a later one's: the sum of the earlier ones is alive
         alive = activations * min(inflight, num_microbatches - 1) / inflight
         backward += [
-            (alive + t + gathered + total_grads + sum(grads[j:]), total_grads + sum(grads[j:]))
-            for j, t in enumerate(transients)
+            (alive + t + gathered + raw_total + h, raw_total + h) for t, h in zip(transients, held, strict=True)
         ]
-    # the reductions, after the schedule: gradients, one bucket's flat copy and its result
-    backward.append((total_grads + reduction, total_grads))
+    if reduction > 0:  # the reductions, after the schedule: gradients, one bucket's flat copy and its result
+        backward.append((raw_total + reduction, raw_total))
     return max(backward, default=(activations + gathered, 0.0))
 
 

@@ -115,7 +115,14 @@ from typing import Any
 
 from autoplan.cost_models.cluster import Cluster, LinkSpec
 from autoplan.cost_models.comm import link_time_s, overlaps_compute
-from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, CommRow, CommTotals, OverlapPolicy, gradient_buckets
+from autoplan.cost_models.comm_schedule import (
+    DEFAULT_POLICY,
+    CommRow,
+    CommTotals,
+    OverlapPolicy,
+    gradient_buckets,
+    gradients_reduced_in_backward,
+)
 from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
@@ -722,6 +729,10 @@ def _price_stage(
         first_segment=segments[0],
         device_kind=device_kind(cluster.device),
         policy=policy,
+        reduced_in_backward=gradients_reduced_in_backward(
+            num_stages=config.pp * config.virtual_stages, num_microbatches=config.num_microbatches,
+            schedule=config.schedule,
+        ),
     )
     # W = the weight-gradient-only ops of the stage (plus recomputation lands in B)
     w_s = min(bwd, sum(s.bwd_weight_s for s in part))

@@ -244,3 +244,46 @@ def test_a_gradient_bucket_is_reduce_scattered_as_one_coalesced_collective_with_
     ]
     for r in run_ranks(_reduce_scatter_bucket, 2):
         assert r == expected
+
+
+def test_a_lowered_program_keeps_at_most_two_reduce_scatters_in_flight() -> None:
+    """Five gradient buckets reduce-scattered during a backward, every wait sunk to the output by
+    ``sink_waits``: ``bound_reduce_scatters`` moves the wait of bucket ``k`` before the issue of
+    bucket ``k + 2`` (FSDP2's bound, ``OverlapPolicy.reduce_scatters_in_flight``), and the
+    program still runs and computes the same values."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autoplan.runtime.lowering import REDUCE_SCATTER, WAIT, bound_reduce_scatters, sink_waits
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = dist.group.WORLD
+
+        def backward(x: torch.Tensor) -> list[torch.Tensor]:
+            finishes, h = [], x
+            for _ in range(5):  # each "layer" makes a gradient bucket, reduce-scattered as it exists
+                h = torch.tanh(h @ h.t())
+                finishes.append(runtime.start_reduce_scatter_flat([h * 2], (0,), group, 0, average=False))
+            return [t for f in finishes for t in f()] + [h]
+
+        gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4))
+        sink_waits(gm)
+
+        def in_flight() -> int:
+            nodes = list(gm.graph.nodes)
+            issues = [i for i, n in enumerate(nodes) if n.target is REDUCE_SCATTER]
+            waits = [i for i, n in enumerate(nodes) if n.target is WAIT and n.args[0].target is REDUCE_SCATTER]
+            return max(sum(i <= at for i in issues) - sum(w <= at for w in waits) for at in issues)
+
+        assert in_flight() == 5  # sink_waits alone: every wait at the output
+        x = torch.randn(4, 4)
+        before = gm(x)
+        assert bound_reduce_scatters(gm) == 3
+        assert in_flight() == 2
+        after = gm(x)
+        # (the fake process group's reduce-scatters return unset memory: compare the computed values)
+        assert [a.shape for a in after] == [b.shape for b in before] and torch.equal(after[-1], before[-1])
+    finally:
+        dist.destroy_process_group()

@@ -46,6 +46,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from autoplan.cost_models.comm_schedule import DEFAULT_POLICY
+
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 COLLECTIVE_NAMESPACE = "_c10d_functional"
 
@@ -156,6 +158,7 @@ def lower_to_local(program: Callable[..., Sequence[Any]], example_args: Sequence
     with torch.no_grad():
         gm = make_fx(local_step, tracing_mode="fake")(*[_unwrap(a) for a in example_args])
     sink_waits(gm)
+    bound_reduce_scatters(gm)
     return LocalProgram(graph_module=gm, output_layouts=tuple(out_layouts))
 
 
@@ -203,6 +206,44 @@ def sink_waits(gm: fx.GraphModule) -> int:
                 continue
         for c in chain:
             first.prepend(c)
+        moved += 1
+    graph.lint()
+    gm.recompile()
+    return moved
+
+
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+def bound_reduce_scatters(gm: fx.GraphModule, in_flight: int = DEFAULT_POLICY.reduce_scatters_in_flight) -> int:
+    """After :func:`sink_waits`: the wait of the ``k``-th reduce-scatter (with the ops that depend
+    only on it) moves to right before the issue of the ``k + in_flight``-th when it sat later, so
+    at most ``in_flight`` full-size gradient buckets are alive (a gradient's bucket is freed when
+    its reduce-scatter is waited for). Returns how many waits moved."""
+    graph = gm.graph
+    issues = [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_SCATTER]
+    moved = 0
+    for k, issue in enumerate(issues[: len(issues) - in_flight]):
+        waits = [u for u in issue.users if u.target is WAIT]
+        if len(waits) != 1:
+            continue
+        nodes = list(graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        limit = issues[k + in_flight]
+        wait = waits[0]
+        if pos[wait] < pos[limit]:
+            continue
+        # the wait and what depends only on it and on values older than the limit
+        chain, in_chain = [wait], {wait}
+        for n in nodes[pos[wait] + 1 :]:
+            if n.op != "call_function" or _is_collective(n) or n.target is WAIT:
+                continue
+            ins = n.all_input_nodes
+            if any(a in in_chain for a in ins) and all(a in in_chain or pos[a] < pos[limit] for a in ins):
+                chain.append(n)
+                in_chain.add(n)
+        for c in chain:
+            limit.prepend(c)
         moved += 1
     graph.lint()
     gm.recompile()

@@ -50,13 +50,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.cost_models.comm import bucket_kind, plan_transition
-from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy, gradient_buckets
+from autoplan.cost_models.comm_schedule import (
+    DEFAULT_POLICY,
+    OverlapPolicy,
+    gradient_buckets,
+    gradients_reduced_in_backward,
+)
 from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
 from autoplan.passes.recompute import selective_stage_program
-from autoplan.passes.redistribute import OUTPUT, edge_redistributions
 from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, split_stages
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
@@ -494,27 +498,16 @@ def _dw_builder(mod: StageModule) -> Callable[[], Callable[[], None]]:
     return mod.pending_w.pop
 
 
-def _reduces_in_backward(
-    traced_mb: TracedProgram,
-    assignment: Mapping[str, Strategy],
-    *,
-    num_stages: int,
-    num_microbatches: int,
-    schedule: str,
-    mesh_ndim: int,
-) -> bool:
-    """Whether the backward program reduces the parameter gradients itself: one stage, one
-    micro-batch and only all-reduced gradients (ZeRO 0-1, DDP's buckets issued as their gradients
-    exist, overlapping the rest of the backward, as the step model prices). Otherwise they are
-    converted once per step after the schedule, on the gradients summed over micro-batches.
-    Reduce-scattered (ZeRO 2-3) gradients stay after the schedule: inside the lowered program
-    every bucket's full-size buffer would live until the backward's end (its wait sits at the
-    output), the whole model's unsharded gradients at once (measured on 2 CPU ranks: the ZeRO-3
-    peak 30.4 -> 36.3 MiB); FSDP2 frees each as its reduce-scatter finishes."""
-    if num_stages != 1 or num_microbatches != 1 or schedule == "zero-bubble":
-        return False
-    grads = [r for r in edge_redistributions(traced_mb, assignment, mesh_ndim) if r.arg_index == -1 and r.consumer != OUTPUT]
-    return all(bucket_kind(r.steps) == "all_reduce" for r in grads)
+def _reduces_in_backward(*, num_stages: int, num_microbatches: int, schedule: str) -> bool:
+    """Whether the backward program converts the parameter gradients itself
+    (:func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`): DDP's
+    all-reduce buckets or FSDP2's reduce-scatter buckets issued as their gradients exist,
+    overlapping the rest of the backward, as the step model prices; at most
+    ``reduce_scatters_in_flight`` reduce-scatters unwaited
+    (:func:`~autoplan.runtime.lowering.bound_reduce_scatters`), so the unsharded gradients never
+    all live at once. Otherwise they are converted once per step after the schedule, on the
+    gradients summed over micro-batches."""
+    return gradients_reduced_in_backward(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
 
 
 def build_pipeline(
@@ -543,10 +536,7 @@ def build_pipeline(
     check_schedule(schedule, pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages, executable=True)
     recompute = _stage_recompute(stage_recompute, num_stages)
     stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
-    in_program = _reduces_in_backward(
-        traced_mb, assignment, num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
-        mesh_ndim=len(axis_names),
-    )  # fmt: skip
+    in_program = _reduces_in_backward(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
     program = generate_program(
         traced_mb,
         assignment,
