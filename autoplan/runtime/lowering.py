@@ -204,6 +204,20 @@ def _is_collective(n: fx.Node) -> bool:
     )
 
 
+def _wait_chain(wait: fx.Node, nodes: list[fx.Node], pos: dict[fx.Node, int], *, before: int) -> list[fx.Node]:
+    """``wait`` and the pure ops after it that read it (or the chain) and otherwise only values
+    placed before position ``before``: what can move together with the wait."""
+    chain, in_chain = [wait], {wait}
+    for n in nodes[pos[wait] + 1 :]:
+        if n.op != "call_function" or _is_collective(n) or n.target is WAIT:
+            continue
+        ins = n.all_input_nodes
+        if any(a in in_chain for a in ins) and all(a in in_chain or pos[a] < before for a in ins):
+            chain.append(n)
+            in_chain.add(n)
+    return chain
+
+
 def sink_waits(gm: fx.GraphModule) -> int:
     """Move every ``wait_tensor``, with the ops that depend only on it and on values that existed
     before its collective was issued, to right before the first other op that reads them.
@@ -217,16 +231,9 @@ def sink_waits(gm: fx.GraphModule) -> int:
         nodes = list(graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         issue_pos = pos[issue]
-        chain = [wait]
-        in_chain = {wait}
         # the reshaping after the wait: ops all of whose inputs are chain nodes or older than the issue
-        for n in nodes[pos[wait] + 1 :]:
-            if n.op != "call_function" or _is_collective(n) or n.target is WAIT:
-                continue
-            ins = n.all_input_nodes
-            if any(a in in_chain for a in ins) and all(a in in_chain or pos[a] < issue_pos for a in ins):
-                chain.append(n)
-                in_chain.add(n)
+        chain = _wait_chain(wait, nodes, pos, before=issue_pos)
+        in_chain = set(chain)
         users = [u for c in chain for u in c.users if u not in in_chain]
         if not users:
             continue
@@ -266,15 +273,7 @@ def bound_reduce_scatters(gm: fx.GraphModule, in_flight: int = DEFAULT_POLICY.re
         if pos[wait] < pos[limit]:
             continue
         # the wait and what depends only on it and on values older than the limit
-        chain, in_chain = [wait], {wait}
-        for n in nodes[pos[wait] + 1 :]:
-            if n.op != "call_function" or _is_collective(n) or n.target is WAIT:
-                continue
-            ins = n.all_input_nodes
-            if any(a in in_chain for a in ins) and all(a in in_chain or pos[a] < pos[limit] for a in ins):
-                chain.append(n)
-                in_chain.add(n)
-        for c in chain:
+        for c in _wait_chain(wait, nodes, pos, before=pos[limit]):
             limit.prepend(c)
         moved += 1
     graph.lint()
