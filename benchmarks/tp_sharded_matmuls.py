@@ -22,15 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import autoplan  # noqa: E402
-from autoplan.passes.trace import param_node_name, trace_training_step  # noqa: E402
+from autoplan.passes.trace import trace_training_step  # noqa: E402
 from examples import hf_models  # noqa: E402
-from tests.harness import cpu_cluster  # noqa: E402
-
-_MATMULS = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default"}
-_VIEW_LIKE = {
-    "aten.t.default", "aten.view.default", "aten._unsafe_view.default", "aten.transpose.int",
-    "aten.permute.default", "aten.expand.default", "aten.clone.default", "aten.reshape.default",
-}  # fmt: skip
+from tests.harness import cpu_cluster, forward_matmul_operands  # noqa: E402
 
 # torch Linear weight is (out, in): column-parallel S(0), row-parallel S(1); HF Conv1D is (in, out).
 FAMILIES = {
@@ -56,19 +50,12 @@ FAMILIES = {
 def weight_matmuls(wl: autoplan.Workload, plan: autoplan.Plan) -> list[tuple[str, str, str]]:
     """(node, parameter, planned spec of the weight operand) of every forward weight matmul."""
     traced = trace_training_step(wl.model, wl.example_inputs, loss_fn=wl.loss_fn, example_targets=wl.example_targets)
-    fqn_of = {param_node_name(n): n for n in traced.param_names}
     rows = []
-    for node in traced.graph_module.graph.nodes:
-        if str(node.target) not in _MATMULS or node.meta.get("autoplan.phase") != "fwd":
-            continue
+    for node, operands in forward_matmul_operands(traced):
         layout = plan.nodes[node.name]
-        args = [a for a in node.args if isinstance(a, torch.fx.Node)]
-        for i, arg in enumerate(args):
-            src = arg
-            while isinstance(src, torch.fx.Node) and str(src.target) in _VIEW_LIKE:
-                src = src.args[0]
-            if isinstance(src, torch.fx.Node) and src.name in fqn_of and src.meta["val"].dim() == 2:
-                rows.append((node.name, fqn_of[src.name], "".join(layout["in"][i])))
+        for i, fqn, src in operands:
+            if fqn is not None and src.meta["val"].dim() == 2:
+                rows.append((node.name, fqn, "".join(layout["in"][i])))
     return rows
 
 

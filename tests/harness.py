@@ -479,3 +479,33 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     results in rank order, or :class:`RankFailure` with each failing rank's traceback."""
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         return pool.run(fn, *args)
+
+
+FORWARD_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.bmm.default", "aten.linear.default"})
+"""The traced matmul ops whose weight operand the tensor-parallel checks follow."""
+VIEW_LIKE = frozenset({
+    "aten.t.default", "aten.view.default", "aten._unsafe_view.default", "aten.transpose.int",
+    "aten.permute.default", "aten.expand.default", "aten.clone.default", "aten.reshape.default",
+})  # fmt: skip
+"""Ops a weight passes through unchanged in value on its way to a matmul."""
+
+
+def forward_matmul_operands(traced: Any) -> list[tuple[torch.fx.Node, list[tuple[int, str | None, torch.fx.Node]]]]:
+    """Every forward matmul of a traced step (``FORWARD_MATMULS``), with each tensor argument's
+    index, the parameter it derives from through ``VIEW_LIKE`` ops (``None``: not a parameter)
+    and the node it derives from."""
+    from autoplan.passes.trace import param_node_name
+
+    fqn_of = {param_node_name(n): n for n in traced.param_names}
+    out = []
+    for node in traced.graph_module.graph.nodes:
+        if str(node.target) not in FORWARD_MATMULS or node.meta.get("autoplan.phase") != "fwd":
+            continue
+        operands = []
+        for i, arg in enumerate(a for a in node.args if isinstance(a, torch.fx.Node)):
+            src = arg
+            while isinstance(src, torch.fx.Node) and str(src.target) in VIEW_LIKE:
+                src = src.args[0]
+            operands.append((i, fqn_of.get(src.name), src))
+        out.append((node, operands))
+    return out

@@ -49,24 +49,11 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
 import autoplan
-from autoplan.passes.trace import param_node_name, trace_training_step
+from autoplan.passes.trace import trace_training_step
 from tests import zoo
-from tests.harness import Case, SeededBatches, assert_trains_like_reference, param_errors
+from tests.harness import Case, SeededBatches, assert_trains_like_reference, forward_matmul_operands, param_errors
 from tests.harness import run_case as run_on_ranks
-
-_MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
-_VIEW_LIKE = (
-    "aten.t.default",
-    "aten.view.default",
-    "aten._unsafe_view.default",
-    "aten.transpose.int",
-    "aten.permute.default",
-    "aten.expand.default",
-    "aten.clone.default",
-)
 
 
 def forward_matmuls(case: Case, plan: autoplan.Plan) -> list[dict[str, Any]]:
@@ -74,19 +61,13 @@ def forward_matmuls(case: Case, plan: autoplan.Plan) -> list[dict[str, Any]]:
     a parameter (directly or through transposes/views), that parameter and the argument's spec."""
     x, y = case.batches(0)
     traced = trace_training_step(case.build_model(), (x,), loss_fn=case.loss_fn, example_targets=(y,))
-    fqn_of = {param_node_name(n): n for n in traced.param_names}
     rows = []
-    for node in traced.graph_module.graph.nodes:
-        if str(node.target) not in _MATMULS or node.meta.get("autoplan.phase") != "fwd":
-            continue
+    for node, operands in forward_matmul_operands(traced):
         layout = plan.nodes[node.name]
         row = {"node": node.name, "out": tuple(layout["out"][0]), "weight": None, "weight_spec": None}
-        for i, arg in enumerate(node.args):  # every mm/addmm/bmm argument is a tensor
-            src = arg
-            while isinstance(src, torch.fx.Node) and str(src.target) in _VIEW_LIKE:
-                src = src.args[0]
-            if isinstance(src, torch.fx.Node) and src.name in fqn_of:
-                row["weight"], row["weight_spec"] = fqn_of[src.name], tuple(layout["in"][i])
+        for i, fqn, _ in operands:
+            if fqn is not None:
+                row["weight"], row["weight_spec"] = fqn, tuple(layout["in"][i])
         rows.append(row)
     return rows
 
