@@ -387,7 +387,7 @@ class PipelineModel(torch.nn.Module):
         micro-batches, not yet divided)."""
         mesh = self.stage_mesh
         converted: dict[str, torch.Tensor] = {}
-        groups: dict[tuple[str, ...], list[tuple[str, torch.Tensor, int | None]]] = {}
+        groups: dict[tuple[str, ...], list[tuple[str, int | None, int]]] = {}  # (FQN, shard dim, bytes)
         specs: dict[tuple[str, ...], Any] = {}
         # backward order (the last parameters' gradients exist first), as the step model buckets
         for fqn, v in reversed(st.program.param_grads):
@@ -408,22 +408,19 @@ class PipelineModel(torch.nn.Module):
             else:
                 converted[fqn] = _run_steps(_wrap(local, v, mesh), steps).to_local()  # type: ignore[attr-defined]
                 continue
-            groups.setdefault(key, []).append((fqn, local, dim))
+            groups.setdefault(key, []).append((fqn, dim, local.numel() * local.element_size()))
             specs[key] = v.spec
         # a bucket is issued before the previous one is waited for (its copy-in overlaps that
-        # collective), at most two in flight as FSDP2 keeps its reduce-scatters; a raw gradient is
-        # dropped once copied into its bucket (several Partial axes: one after the other)
+        # collective), at most two in flight as FSDP2 keeps its reduce-scatters; a raw gradient
+        # leaves grad_acc as its bucket takes it, so it is freed once copied in (several Partial
+        # axes: one after the other)
         pending: list[tuple[list[str], runtime.Finish]] = []
         for key, members in groups.items():
             spec = specs[key]
-            sizes = [t.numel() * t.element_size() for _, t, _ in members]
-            for bucket in gradient_buckets(sizes, DEFAULT_POLICY):
+            for bucket in gradient_buckets([nbytes for _, _, nbytes in members], DEFAULT_POLICY):
                 names = [members[i][0] for i in bucket]
-                dims = tuple(d for i in bucket if (d := members[i][2]) is not None)
-                out = [members[i][1] for i in bucket]
-                for i in bucket:
-                    members[i] = (members[i][0], _DROPPED, members[i][2])
-                    st.grad_acc.pop(members[i][0], None)
+                dims = tuple(d for i in bucket if (d := members[i][1]) is not None)
+                out = [st.grad_acc.pop(name) for name in names]
                 axes = [int(key[1])] if key[0] == "reduce_scatter" else [i for i, p in enumerate(spec) if isinstance(p, Partial)]
                 finish: runtime.Finish | None = None
                 for axis in axes:
@@ -477,10 +474,6 @@ class PipelineModel(torch.nn.Module):
             for k, t in d.items():
                 out.setdefault(k, t)
         return out
-
-
-_DROPPED = torch.empty(0)
-"""Stands for a raw gradient already copied into its bucket (its memory is released)."""
 
 
 def _run_steps(g: torch.Tensor, steps: Sequence[Any]) -> torch.Tensor:
