@@ -51,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.cost_models.errors import UnsupportedModelError
 from autoplan.passes.attention import attention_as_single_op, causal_masks_as_flag
+from autoplan.passes.losses import mean_losses_as_sums
 from autoplan.passes.plan_text import param_node_name, placeholder_name
 
 log = logging.getLogger(__name__)
@@ -293,6 +294,7 @@ def trace_training_step(
     _check_grads(gm, trainable_names)
     causal_masks_as_flag(gm)  # before _clean_graph, whose dead-code elimination drops the masks
     _clean_graph(gm)
+    mean_losses_as_sums(gm)  # a sharded batch's mean loss is exact whatever the ignored targets
     _canonicalize(gm)
     _name_placeholders(gm, param_names, buffer_names, len(inputs), len(targets))
     _mark_phases(gm)
