@@ -9,6 +9,7 @@ world size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -597,6 +598,14 @@ class Plan:
                 "it with `autoplan plan`"
             ) from exc
         return plan
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the plan's content as saved without wall-clock timings, read back
+        (``1`` and ``1.0`` are one number) and with keys sorted: equal plans give equal digests,
+        whether made here, loaded, or saved with ``timings``."""
+        as_read = Plan.from_dict(json.loads(json.dumps(self.to_dict(timings=False)))).to_dict(timings=False)
+        text = json.dumps(as_read, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     def save(self, path: str | os.PathLike[str], *, timings: bool = False) -> None:
         """Write the plan as JSON, atomically (a temporary file renamed into place). Without

@@ -1,21 +1,35 @@
-"""``autoplan run``: train a workload with a plan on local ranks under torchrun.
+"""``autoplan run``: train a workload with a plan under torchrun, on this machine or on several nodes.
 
     autoplan run my_models.py:build --plan plan.json --steps 10
     autoplan run my_models.py:build --cluster 2xCPU --steps 10        # plans first
+    autoplan run my_models.py:build --plan plan.json --nnodes 2 --rdzv-endpoint node1:29400  # on each node
 
 Everything a rank would otherwise find out late is checked here first, in this order: the
-options, where the ranks write (``--checkpoint-dir``, ``--save-final``) and the torchrun port;
-then, before planning, the batch and ``--nproc`` against the workload and the cluster; then the
-plan (loaded and checked against the model, or made); then the checkpoint to resume from. Only
-then is ``python -m torch.distributed.run ... -m autoplan.tools.worker`` launched, one rank per
-device of the plan (``autoplan/tools/worker.py``).
+options (the nodes among them, :mod:`autoplan.tools.nodes`), where the ranks write
+(``--checkpoint-dir``, ``--save-final``) and the torchrun port; then, before planning, the batch,
+``--nproc`` and the ranks per node against the workload and the cluster; then the plan (loaded
+and checked against the model, or made); then the checkpoint to resume from. Only then is
+``python -m torch.distributed.run ... -m autoplan.tools.worker`` launched, one rank per device of
+the plan on one node, or ``--nproc-per-node`` ranks on each of ``--nnodes`` nodes joined by
+torchrun's c10d rendezvous.
+
+On several nodes each node runs the same command; without ``--plan`` each node plans for itself,
+and the ranks check at start-up that they all hold the same plan (its digest, all-gathered in
+``autoplan/tools/worker.py``) before building anything: the planner is deterministic for the same
+inputs, but a node with other measured op times, links or versions plans otherwise, and one
+program per rank from two plans would not add up to one model. A mismatch stops every node with
+one error line (plan once and give every node ``--plan``).
+
+Bad input found in the ranks (that mismatch, a checkpoint no rank can load) comes back through a
+file the ranks write before exiting 0 (``--bad-input-file``): a non-zero exit is a crash to
+torchrun, which would print its failure report and, under ``--max-restarts``, start the ranks
+again on the same bad input. This command then prints the one line and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,11 +38,14 @@ from typing import Any
 from autoplan.cost_models.errors import PlanError, PlanMismatchError
 from autoplan.cost_models.files import refuse_overwriting_inputs
 from autoplan.planner.plan import Plan
-from autoplan.tools import common, console, launch
+from autoplan.tools import common, console, launch, nodes
+from autoplan.tools.nodes import Nodes
 
 DEFAULT_MASTER_PORT = 29533
 WORKER_MODULE = "autoplan.tools.worker"
 """The rank entry point torchrun starts (``python -m``)."""
+BAD_INPUT_FILE = "bad_input.txt"
+"""Where the ranks of one node report bad input found after launch (in this command's temporary directory)."""
 
 
 def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
@@ -47,8 +64,10 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
     p.add_argument(
         "--master-port",
         type=common.port,
-        help=f"torchrun port on 127.0.0.1, refused if in use (default: {DEFAULT_MASTER_PORT}, or a free port if that is taken)",
+        help=f"torchrun port on 127.0.0.1 of a one-node run, refused if in use (default: {DEFAULT_MASTER_PORT}, "
+        "or a free port if that is taken)",
     )
+    nodes.add_arguments(p)
     p.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
@@ -63,38 +82,43 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    master_port = _check_options(args)
-    _check_before_planning(args)
-    tmpdir = None
-    if args.plan is not None:
-        plan = _load_checked_plan(args)
-        plan_path = args.plan
-    else:
-        plan = common.make_plan(args)
-        tmpdir = tempfile.mkdtemp(prefix="autoplan-")
-        plan_path = os.path.join(tmpdir, "plan.json")
-        plan.save(plan_path)
-    if args.checkpoint_dir is not None:
-        _check_resumable(args, plan)
-    if not args.quiet:
-        print(plan.summary(), file=console.stdout(), flush=True)
-    try:
+    layout, master_port = _check_options(args)
+    _check_before_planning(args, layout)
+    with tempfile.TemporaryDirectory(prefix="autoplan-", ignore_cleanup_errors=True) as tmpdir:
+        if args.plan is not None:
+            plan = _load_checked_plan(args, layout)
+            plan_path = args.plan
+        else:
+            plan = common.make_plan(args)
+            plan_path = os.path.join(tmpdir, "plan.json")
+            plan.save(plan_path)
+        nproc_per_node = layout.ranks_per_node(plan.world_size, what="the plan")
+        if args.checkpoint_dir is not None:
+            _check_resumable(args, plan)
+        if not args.quiet:
+            print(plan.summary(), file=console.stdout(), flush=True)
+            if layout.num_nodes > 1:
+                print(f"{layout}: {nproc_per_node} local ranks", file=console.stdout(), flush=True)
+                _note_other_layout(plan, layout.num_nodes, nproc_per_node)
+        bad_input = Path(tmpdir, BAD_INPUT_FILE)
+        rendezvous = layout.torchrun_args(nproc_per_node=nproc_per_node, master_port=master_port)
         rc = launch.call_torchrun(
-            _torchrun_command(args, plan, plan_path, master_port),
-            env=_rank_environment(args),
+            _torchrun_command(args, plan_path, rendezvous, bad_input),
+            env={**_rank_environment(args), **layout.torchrun_env()},
             stdout=console.subprocess_stdout(),
         )
-    finally:
-        if tmpdir is not None:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+        if bad_input.exists():  # the ranks found bad input (module docstring)
+            raise PlanError(bad_input.read_text(encoding="utf-8").strip())
     return common.EXIT_BAD_INPUT if rc == common.EXIT_BAD_INPUT else rc
 
 
-def _check_options(args: argparse.Namespace) -> int:
-    """Check the options, where the ranks write and their port, before any planning or
-    training; returns the torchrun port."""
+def _check_options(args: argparse.Namespace) -> tuple[Nodes, int | None]:
+    """Check the options, the nodes, where the ranks write and their port, before any planning
+    or training; returns the nodes and the torchrun port of a one-node run (``None`` on several
+    nodes: they meet at the rendezvous endpoint)."""
     if args.plan is None and args.cluster is None:
         raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
+    layout = nodes.nodes_from_args(args, os.environ)
     if args.save_final is not None:
         refuse_overwriting_inputs(args.save_final, common.planning_inputs(args), option="--save-final")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
@@ -109,12 +133,14 @@ def _check_options(args: argparse.Namespace) -> int:
         _check_writable("--checkpoint-dir", Path(args.checkpoint_dir), is_dir=True)
     if args.save_final is not None:
         _check_writable("--save-final", Path(args.save_final), is_dir=False)
-    return launch.master_port(args.master_port, default=DEFAULT_MASTER_PORT)
+    if layout.num_nodes > 1:
+        return layout, None
+    return layout, launch.master_port(args.master_port, default=DEFAULT_MASTER_PORT)
 
 
-def _check_before_planning(args: argparse.Namespace) -> None:
-    """Without ``--plan``: ``--global-batch-size`` and ``--nproc`` against the workload and the
-    cluster, before planning, which may take long."""
+def _check_before_planning(args: argparse.Namespace, layout: Nodes) -> None:
+    """Without ``--plan``: ``--global-batch-size``, ``--nproc`` and the ranks per node against
+    the workload and the cluster, before planning, which may take long."""
     # the workload loader imports torch: loaded when the command runs, not at CLI start-up
     from autoplan.tools.loader import build_workload
 
@@ -126,18 +152,19 @@ def _check_before_planning(args: argparse.Namespace) -> None:
                 f"--global-batch-size {args.global_batch_size} does not match the {batch} samples of the workload's "
                 f"inputs, which `autoplan run` trains on: give --global-batch-size {batch} or change the workload"
             )
-    if args.plan is None and args.nproc is not None:
+    if args.plan is None:
         cluster = common.cluster_from_args(args.cluster, args.mesh)
-        if args.nproc != cluster.world_size:
+        layout.ranks_per_node(cluster.world_size, what=f"--cluster {args.cluster}")
+        if args.nproc is not None and args.nproc != cluster.world_size:
             raise PlanMismatchError(
                 f"--nproc {args.nproc} does not match the {cluster.world_size} devices of --cluster {args.cluster}: "
                 f"drop --nproc or plan for a cluster of {args.nproc} devices"
             )
 
 
-def _load_checked_plan(args: argparse.Namespace) -> Plan:
-    """``--plan``, checked against ``--nproc`` and the model before any rank is launched (a meta
-    trace is cheap)."""
+def _load_checked_plan(args: argparse.Namespace, layout: Nodes) -> Plan:
+    """``--plan``, checked against ``--nproc``, the nodes and the model before any rank is
+    launched (a meta trace is cheap)."""
     # the tracer, the planner and the workload loader import torch: loaded when the command runs
     from autoplan.passes.trace import trace_training_step
     from autoplan.planner.ilp import check_plan_fits
@@ -150,6 +177,7 @@ def _load_checked_plan(args: argparse.Namespace) -> Plan:
             f"--nproc {args.nproc} does not match the plan's {plan.world_size} devices: "
             f"drop --nproc or re-plan for {args.nproc} devices"
         )
+    layout.ranks_per_node(plan.world_size, what="the plan")
     wl = build_workload(args.target, device="meta", seed=args.seed)
     if plan.config is not None:  # a plan for a global batch is made for one micro-batch's step
         traced = trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
@@ -174,22 +202,15 @@ def _check_resumable(args: argparse.Namespace, plan: Plan) -> None:
         check_compatible(latest, plan, {n: tuple(p.shape) for n, p in model.named_parameters()})
 
 
-def _torchrun_command(args: argparse.Namespace, plan: Plan, plan_path: str, master_port: int) -> list[str]:
-    """``python -m torch.distributed.run ... -m autoplan.tools.worker TARGET --plan ...``: one
-    local rank per device of the plan."""
+def _torchrun_command(args: argparse.Namespace, plan_path: str, rendezvous: list[str], bad_input: Path) -> list[str]:
+    """``python -m torch.distributed.run RENDEZVOUS ... -m autoplan.tools.worker TARGET --plan ...``:
+    this node's local ranks (``rendezvous``: :meth:`Nodes.torchrun_args`)."""
     restarts = ["--max-restarts", str(args.max_restarts)] if args.max_restarts else []
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node",
-        str(plan.world_size),
-        "--nnodes",
-        "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(master_port),
+        *rendezvous,
         *restarts,
         "-m",
         WORKER_MODULE,
@@ -200,6 +221,8 @@ def _torchrun_command(args: argparse.Namespace, plan: Plan, plan_path: str, mast
         str(args.steps),
         "--seed",
         str(args.seed),
+        "--bad-input-file",
+        str(bad_input),
     ]
     if args.compare:
         cmd.append("--compare")
@@ -212,6 +235,21 @@ def _torchrun_command(args: argparse.Namespace, plan: Plan, plan_path: str, mast
     if args.save_final is not None:
         cmd += ["--save-final", os.path.abspath(args.save_final)]
     return cmd
+
+
+def _note_other_layout(plan: Plan, num_nodes: int, nproc_per_node: int) -> None:
+    """A plan priced for another split into nodes runs the same numbers, but its link prices
+    (within a node, between nodes) are not those of the run: say so on stderr."""
+    cluster = plan.cluster
+    if (cluster.num_nodes, cluster.devices_per_node) != (num_nodes, nproc_per_node):
+        print(
+            f"autoplan: the plan was priced for {cluster.num_nodes} node(s) of {cluster.devices_per_node} devices and "
+            f"runs on {num_nodes} nodes of {nproc_per_node}: same results, other link costs; plan for "
+            f"{num_nodes}x{nproc_per_node}x{cluster.device.name} "
+            "to price the links between nodes",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _rank_environment(args: argparse.Namespace) -> dict[str, str]:

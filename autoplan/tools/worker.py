@@ -1,7 +1,13 @@
 """Per-rank entry point of ``autoplan run`` (started by torchrun; not a public API).
 
 torchrun --nproc-per-node=N -m autoplan.tools.worker TARGET --plan plan.json --steps 10 [--compare]
-         [--checkpoint-dir DIR --checkpoint-every N] [--save-final params.pt]
+         [--checkpoint-dir DIR --checkpoint-every N] [--save-final params.pt] [--bad-input-file PATH]
+
+Before building anything the ranks check that they all hold the same plan (:func:`_check_same_plan`:
+each node of a multi-node run loads its own file, or planned for itself). Bad input found in the
+ranks (a ``PlanError``) is printed by each node's local rank 0; with ``--bad-input-file`` it is
+written there instead and the ranks exit 0, for ``autoplan run`` to print and exit 2
+(``autoplan/tools/run.py`` says why), else they exit 2.
 
 With ``--checkpoint-dir`` the job resumes from the newest complete checkpoint there
 (:mod:`autoplan.runtime.checkpoint`) and saves one every ``--checkpoint-every`` steps and after the last.
@@ -18,6 +24,7 @@ import argparse
 import copy
 import io
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -25,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.api import parallelize
-from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.errors import PlanError, PlanMismatchError
 from autoplan.cost_models.files import atomic_write
 from autoplan.planner.plan import Plan
 from autoplan.runtime import checkpoint
@@ -103,6 +110,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--save-final", metavar="PATH")
+    p.add_argument("--bad-input-file", metavar="PATH")
     return p.parse_args(argv)
 
 
@@ -118,10 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _train(args, rank)
     except PlanError as exc:
-        if rank == 0:
-            print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
+        _report_bad_input(exc, args.bad_input_file)
         destroy_process_groups(failed=True)
-        return 2
+        return 0 if args.bad_input_file is not None else 2
     # every rank past its last collective (and the pipeline's last sends) before the groups go:
     # a rank tearing gloo down while its peer still communicates aborts the job. The groups are
     # released here, not at interpreter exit (autoplan/runtime/teardown.py)
@@ -129,10 +136,44 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _report_bad_input(exc: PlanError, bad_input_file: str | None) -> None:
+    """Each node's local rank 0 reports: into ``bad_input_file`` (``autoplan run`` prints it) or
+    as one line on stderr."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    if bad_input_file is not None:
+        atomic_write(bad_input_file, str(exc), what="bad-input report")
+    else:
+        print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
+
+
+def _check_same_plan(plan: Plan) -> None:
+    """Every rank holds the same plan (:meth:`Plan.digest`, all-gathered with the host names);
+    else the same PlanMismatchError on every rank, naming which ranks hold which plan."""
+    held: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (plan.digest(), socket.gethostname()))
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for rank, entry in enumerate(held):
+        assert entry is not None, "all_gather_object fills every slot"
+        groups.setdefault(entry[0], []).append((rank, entry[1]))
+    if len(groups) == 1:
+        return
+    held_by = "; ".join(
+        f"ranks {','.join(str(r) for r, _ in ranks)} on {','.join(sorted({h for _, h in ranks}))}: plan {digest[:12]}"
+        for digest, ranks in groups.items()
+    )
+    raise PlanMismatchError(
+        f"the ranks hold {len(groups)} different plans ({held_by}): the nodes planned differently (other measured "
+        "op times, links or versions) or were given different --plan files; plan once with `autoplan plan ... "
+        "--out plan.json`, copy the file to every node and run with --plan plan.json"
+    )
+
+
 def _train(args: argparse.Namespace, rank: int) -> None:
     """Parallelize the workload with the plan, resume from a checkpoint if asked, train, and
     report (``--compare``) and save (``--save-final``) the result."""
     plan = Plan.load(args.plan)
+    _check_same_plan(plan)
     wl = build_workload(args.target, device="cpu", seed=args.seed)
     reference = copy.deepcopy(wl.model) if args.compare else None
     pm = parallelize(
