@@ -27,6 +27,7 @@ _EXPORTS = {
     "TrainingEstimate": "autoplan.cost_models.step",
     "estimate": "autoplan.api",
     "ParallelModel": "autoplan.runtime.parallel",
+    "PipelineModel": "autoplan.runtime.pipeline",
     "Plan": "autoplan.planner.plan",
     "Workload": "autoplan.workload",
     "Cluster": "autoplan.cost_models.cluster",
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     )
     from autoplan.planner.plan import Plan
     from autoplan.runtime.parallel import ParallelModel
+    from autoplan.runtime.pipeline import PipelineModel
     from autoplan.workload import Workload
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "InfeasiblePlanError",
     "ParallelConfig",
     "ParallelModel",
+    "PipelineModel",
     "Plan",
     "PlanError",
     "PlanFileError",

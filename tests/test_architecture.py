@@ -74,6 +74,7 @@ FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
     ("autoplan", "autoplan.api"): f"{_TORCH_FREE}{_LAZY}",
     ("autoplan", "autoplan.cost_models.step"): f"{_TORCH_FREE}{_LAZY}",
     ("autoplan", "autoplan.runtime.parallel"): f"{_TORCH_FREE}{_LAZY}",
+    ("autoplan", "autoplan.runtime.pipeline"): f"{_TORCH_FREE}{_LAZY}",
     ("autoplan", "autoplan.workload"): f"{_TORCH_FREE}{_LAZY}",
     ("autoplan", "autoplan.cost_models.cluster"): f"{_LAZY}: every public name resolves through the one table",
     ("autoplan", "autoplan.cost_models.config"): f"{_LAZY}: every public name resolves through the one table",

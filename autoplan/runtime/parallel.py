@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -10,10 +10,12 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.modules.module import _IncompatibleKeys
 
 from autoplan.passes.placement import parse_spec, spec_str
 from autoplan.passes.trace import TracedProgram
 from autoplan.planner.plan import Plan
+from autoplan.runtime import training
 from autoplan.runtime.codegen import GeneratedProgram, expected_output_placements
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
@@ -88,6 +90,8 @@ class ParallelModel(torch.nn.Module):
         self.schedule = program.schedule
         self._local: LocalProgram | None = None
         """The program lowered to local tensors (autoplan.runtime.lowering), built at the first step."""
+        self._anchor = torch.ones((), device=device, requires_grad=True)
+        """Makes the loss :meth:`forward` returns require grad (autoplan.runtime.training)."""
 
     # -- parameters -------------------------------------------------------------------------
     def named_sharded_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -180,4 +184,26 @@ class ParallelModel(torch.nn.Module):
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def forward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        return self.forward_backward(*inputs, targets=targets)
+        """``loss = pmodel(*inputs, targets=...)`` in a standard loop: runs the step (forward
+        and backward) and returns the loss, whose ``backward()`` puts the gradients in ``.grad``
+        (:mod:`autoplan.runtime.training`)."""
+        before = [p.grad for p in self._trainable]
+        loss = self.forward_backward(*inputs, targets=targets)
+        return training.loss_installing_grads(self._anchor, loss, self._trainable, before)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm across every rank's shards, as
+        ``torch.nn.utils.clip_grad_norm_`` does on one device; returns the norm (collective)."""
+        return training.clip_grad_norm_(self._trainable, self._trainable, max_norm, norm_type=norm_type)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # noqa: ARG002
+        """The parameters by the model's own names, as sharded DTensors (DCP saves and loads
+        them in place)."""
+        return training.sharded_state_dict(dict(self.named_sharded_parameters()))
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ARG002
+        """Load full tensors or DTensors by the model's parameter names into the shards."""
+        missing, unexpected = training.load_sharded_state_dict(
+            dict(self.named_sharded_parameters()), state_dict, strict=strict
+        )
+        return _IncompatibleKeys(missing, unexpected)

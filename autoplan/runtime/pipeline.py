@@ -48,6 +48,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.modules.module import _IncompatibleKeys
 
 from autoplan.cost_models.comm import bucket_kind, plan_transition
 from autoplan.cost_models.comm_schedule import (
@@ -65,6 +66,7 @@ from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, spli
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
+from autoplan.runtime import training
 from autoplan.runtime.codegen import STEP_FN, generate_program
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
@@ -306,6 +308,7 @@ class PipelineModel(torch.nn.Module):
         tied_groups: Mapping[str, tuple[tuple[int, ...], dist.ProcessGroup | None]],
         optimizer: str,
         num_stages: int,
+        tied_stages: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         super().__init__()
         self.stage_modules = torch.nn.ModuleList(stages)
@@ -317,6 +320,10 @@ class PipelineModel(torch.nn.Module):
         self._tied_groups = tied_groups
         self._optimizer = optimizer
         self.num_stages = num_stages
+        self._tied_stages = dict(tied_stages or {})
+        """FQN -> the stages holding a copy of a parameter tied across stages (all ranks' view)."""
+        self._anchor = torch.ones((), requires_grad=True)
+        """Makes the loss :meth:`forward` returns require grad (autoplan.runtime.training)."""
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # noqa: ARG002
         for st in self._stages:
@@ -421,7 +428,11 @@ class PipelineModel(torch.nn.Module):
                 names = [members[i][0] for i in bucket]
                 dims = tuple(d for i in bucket if (d := members[i][1]) is not None)
                 out = [st.grad_acc.pop(name) for name in names]
-                axes = [int(key[1])] if key[0] == "reduce_scatter" else [i for i, p in enumerate(spec) if isinstance(p, Partial)]
+                axes = (
+                    [int(key[1])]
+                    if key[0] == "reduce_scatter"
+                    else [i for i, p in enumerate(spec) if isinstance(p, Partial)]
+                )
                 finish: runtime.Finish | None = None
                 for axis in axes:
                     placement = spec[axis]
@@ -430,7 +441,9 @@ class PipelineModel(torch.nn.Module):
                     out = finish() if finish is not None else out
                     group = mesh.get_group(axis)
                     if key[0] == "reduce_scatter":
-                        finish = runtime.start_reduce_scatter_flat(out, dims, group, mesh.get_local_rank(axis), average=average)
+                        finish = runtime.start_reduce_scatter_flat(
+                            out, dims, group, mesh.get_local_rank(axis), average=average
+                        )
                     else:
                         finish = runtime.start_all_reduce_flat(out, group, average=average)
                 del out
@@ -447,6 +460,50 @@ class PipelineModel(torch.nn.Module):
         """Same contract as ``ParallelModel.forward_backward``: one step on the global batch,
         gradients left in ``.grad``, the loss returned (every rank)."""
         return self.step(inputs, targets)
+
+    def forward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``loss = pmodel(*inputs, targets=...)`` in a standard loop: runs the step (every
+        micro-batch) and returns the loss, whose ``backward()`` puts the gradients in ``.grad``
+        (:mod:`autoplan.runtime.training`)."""
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        before = [p.grad for p in trainable]
+        loss = self.step(inputs, targets)
+        return training.loss_installing_grads(self._anchor, loss, trainable, before)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm over every stage's shards (a parameter tied
+        across stages counted once), as ``torch.nn.utils.clip_grad_norm_`` does on one device;
+        returns the norm (collective: every rank)."""
+        copies = list(self._named_copies())
+        owned = [
+            p for fqn, stage, p in copies if p.requires_grad and stage == min(self._tied_stages.get(fqn, (stage,)))
+        ]
+        every = [p for _, _, p in copies if p.requires_grad]
+        return training.clip_grad_norm_(owned, every, max_norm, norm_type=norm_type)
+
+    def _named_copies(self) -> Iterator[tuple[str, int, torch.nn.Parameter]]:
+        """``(fqn, stage, parameter)`` of every parameter copy this rank holds."""
+        for st in self._stages:
+            for fqn, p in zip(st.program.param_names, st.params, strict=True):
+                yield fqn, st.program.index, p
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # noqa: ARG002
+        """This rank's parameters by the model's own names, as sharded DTensors (DCP saves and
+        loads them in place); a parameter tied across stages comes from the lowest stage holding it."""
+        owned = {fqn: p for fqn, stage, p in self._named_copies() if stage == min(self._tied_stages.get(fqn, (stage,)))}
+        return training.sharded_state_dict(owned)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ARG002
+        """Load full tensors or DTensors by the model's parameter names into every copy this
+        rank holds; keys of parameters held only by other pipeline ranks are accepted."""
+        missing: set[str] = set()
+        for st in self._stages:
+            named = dict(zip(st.program.param_names, st.params, strict=True))
+            miss, _ = training.load_sharded_state_dict(
+                named, state_dict, strict=strict, elsewhere=frozenset(state_dict)
+            )
+            missing.update(miss)
+        return _IncompatibleKeys(sorted(missing), [])
 
     @property
     def code(self) -> str:
@@ -590,6 +647,7 @@ def build_pipeline(
         tied_groups=tied_groups,
         optimizer=optimizer,
         num_stages=num_stages,
+        tied_stages=split.tied_params,
     )
 
 

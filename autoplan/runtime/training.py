@@ -1,0 +1,179 @@
+"""The user's own training loop over a parallelized model (issue #21 item 3).
+
+A generated step program computes the loss *and* the parameter gradients in one run (the joint
+forward/backward graph the plan was made for): there is no separate forward whose autograd graph
+a later ``loss.backward()`` could walk. Calling the model therefore runs the whole step and
+returns the loss as a tensor whose backward *installs* those gradients, so a standard loop reads
+as it does on one device::
+
+    pmodel = autoplan.parallelize(model, cluster, example_inputs=(ids,), loss_fn=loss_fn, example_targets=(labels,))
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=3e-4)       # any torch.optim optimizer (DTensor parameters)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    for ids, labels in batches:
+        loss = pmodel(ids, targets=(labels,))                   # the step's forward and backward run here
+        loss.backward()                                         # gradients land in .grad (summed if already there)
+        torch.nn.utils.clip_grad_norm_(pmodel.parameters(), 1.0)  # the global norm across shards
+        opt.step(); sched.step(); opt.zero_grad()
+
+Semantics of the returned loss ``L`` (:func:`loss_installing_grads`): ``L.backward(g)`` adds
+``g * dL/dp`` to each trainable parameter's ``.grad`` (DTensors in the parameters' placements),
+so scaling the loss scales the gradients and two calls before one ``backward`` each accumulate,
+as autograd does. Not supported: a backward through anything computed *from the model's output*
+other than the planned loss (the loss function is part of the traced and planned step); under
+``torch.no_grad()`` the step still computes gradients and drops them.
+
+State dicts use the model's own parameter names (:func:`sharded_state_dict`): values are the
+sharded parameters themselves (DTensors), so ``torch.distributed.checkpoint.save`` /
+``load`` work on them in place, and :func:`load_sharded_state_dict` takes full tensors (a
+single-device checkpoint) or DTensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+
+from autoplan.cost_models.errors import PlanError
+from autoplan.runtime.lowering import local_shard
+
+
+class _InstallGrads(torch.autograd.Function):
+    """Identity on the loss; its backward adds ``grad_output * grad`` to each parameter's ``.grad``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,  # noqa: ARG004 - makes the output require grad
+        loss: torch.Tensor,
+        params: Sequence[torch.nn.Parameter],
+        grads: Sequence[torch.Tensor | None],
+    ) -> torch.Tensor:
+        ctx.params, ctx.grads = list(params), list(grads)
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+        if ctx.grads is None:
+            raise RuntimeError(
+                "the loss of a parallelized step was back-propagated twice: call the model again for another step"
+            )
+        with torch.no_grad(), implicit_replication():
+            for p, g in zip(ctx.params, ctx.grads, strict=True):
+                if g is None:
+                    continue
+                scaled = g * grad_output.to(g.dtype)
+                p.grad = scaled if p.grad is None else p.grad + scaled
+        ctx.params = ctx.grads = None
+        return None, None, None, None
+
+
+def loss_installing_grads(
+    anchor: torch.Tensor,
+    loss: torch.Tensor,
+    params: Sequence[torch.nn.Parameter],
+    before: Sequence[torch.Tensor | None],
+) -> torch.Tensor:
+    """After a step that left its gradients in ``params``' ``.grad``: put back the gradients
+    ``before`` it and return ``loss`` as a tensor whose backward adds the step's (module
+    docstring). ``anchor``: a scalar that requires grad, so that the loss does."""
+    grads = [p.grad for p in params]
+    for p, g in zip(params, before, strict=True):
+        p.grad = g
+    if not torch.is_grad_enabled():
+        return loss.detach()
+    return _InstallGrads.apply(anchor, loss, list(params), grads)
+
+
+def sharded_state_dict(named: Mapping[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """``{fqn: parameter}`` with the model's own names; the values are the sharded parameters,
+    detached (they share storage: loading into them in place updates the model)."""
+    return {fqn: p.detach() for fqn, p in named.items()}
+
+
+def load_sharded_state_dict(
+    named: Mapping[str, torch.nn.Parameter],
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    elsewhere: frozenset[str] = frozenset(),
+) -> tuple[list[str], list[str]]:
+    """Copy ``state_dict`` (FQN -> a full tensor, or a DTensor in any placement) into the sharded
+    parameters ``named``; returns the (missing, unexpected) keys. ``strict``: every parameter
+    must be given and no other key, except the ``elsewhere`` ones (parameters other pipeline
+    ranks hold). Collective when a DTensor on another mesh is given."""
+    missing = sorted(set(named) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(named) - elsewhere)
+    if strict and (missing or unexpected):
+        raise PlanError(
+            f"state dict does not match the model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}: give the model's parameter "
+            "names (model.state_dict() keys), or load with strict=False"
+        )
+    with torch.no_grad():
+        for fqn, p in named.items():
+            if fqn not in state_dict:
+                continue
+            value, param = state_dict[fqn], p.detach()
+            assert isinstance(param, DTensor)
+            if tuple(value.shape) != tuple(param.shape):
+                raise PlanError(
+                    f"state dict entry {fqn!r} has shape {tuple(value.shape)}, the model's parameter "
+                    f"{tuple(param.shape)}: load a checkpoint of this model"
+                )
+            if isinstance(value, DTensor) and value.device_mesh == param.device_mesh:
+                local = value.redistribute(param.device_mesh, param.placements).to_local()
+            else:
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                local = local_shard(full.to(param.device), param.device_mesh, param.placements)
+            param.to_local().copy_(local)
+    return missing, unexpected
+
+
+def clip_grad_norm_(
+    owned: Sequence[torch.nn.Parameter],
+    copies: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    group: Any = None,
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over every rank's shards: the norm of all gradients
+    of the model, as one device computes it, and every copy's gradient scaled by
+    ``min(1, max_norm / (norm + 1e-6))``. Collective over ``group`` (default: every rank).
+
+    ``owned``: the parameters this rank counts (a copy of a parameter tied across pipeline
+    stages counted once, on the stage that owns it); ``copies``: every parameter it scales. A
+    gradient replicated over mesh axes is counted once per replica group: each rank adds its
+    local shard's ``sum |g|^p`` divided by the number of ranks holding the same shard (the
+    product of the sizes of the axes its placement replicates), the sum over ranks is the norm's
+    ``p``-th power. ``norm_type`` 2 (or any ``p > 0``) or ``inf`` (a max over ranks)."""
+    if not (norm_type == float("inf") or norm_type > 0):
+        raise PlanError(f"clip_grad_norm_ norm_type={norm_type}: give a positive p or inf")
+    grads = [p.grad for p in owned if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            if norm_type == float("inf"):
+                total = torch.maximum(total, local.abs().max().to(torch.float64)) if local.numel() else total
+            else:
+                replicas = 1
+                if isinstance(g, DTensor):
+                    for size, placement in zip(g.device_mesh.shape, g.placements, strict=True):
+                        replicas *= size if placement.is_replicate() else 1
+                total = total + local.to(torch.float64).abs().pow(norm_type).sum() / replicas
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op, group=group)
+        norm = total if norm_type == float("inf") else total.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in copies:
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local.mul_(coef.to(local.dtype))
+    return norm.to(torch.float32)

@@ -1,0 +1,131 @@
+"""The user's own training loop over a parallelized model (issue #21 item 3,
+``autoplan/runtime/training.py``): ``loss = pmodel(...)``, ``loss.backward()``, any torch.optim
+optimizer with its LR scheduler, ``clip_grad_norm_`` by the global norm across shards, and state
+dicts under the model's own parameter names; equal to the same loop on one device."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autoplan
+from tests import zoo
+from tests.harness import cpu_cluster, mismatches, run_ranks
+
+STEPS, LR, MAX_NORM = 4, 3e-3, 0.05
+
+
+def _standard_loop(
+    model: torch.nn.Module, params: list[torch.nn.Parameter], clip: Any
+) -> tuple[list[float], list[float]]:
+    """The loop a user writes: AdamW, cosine LR, clipping, ``loss.backward()``; ``clip(params)``
+    clips by the global norm and returns it. Returns the losses and the norms."""
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, labels = zoo.token_batch(seed=step + 1)
+        loss = (
+            model(ids, targets=(labels,))
+            if isinstance(model, autoplan.ParallelModel | autoplan.PipelineModel)
+            else zoo.lm_loss(model(ids), labels)
+        )
+        loss.backward()
+        norms.append(float(clip(params)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, norms
+
+
+def _pipeline_plan(config: autoplan.ParallelConfig) -> autoplan.Plan:
+    """Planned outside the job (the stage sub-mesh is planned on its own devices)."""
+    ids, labels = zoo.token_batch(seed=1)
+    return autoplan.plan(zoo.gpt2_tiny(), cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(ids,),
+                             loss_fn=zoo.lm_loss, example_targets=(labels,), config=config, global_batch_size=ids.shape[0])  # fmt: skip
+
+
+def _rank(rank: int, world_size: int, pins: dict[str, str], plan: autoplan.Plan | None) -> dict[str, Any]:  # noqa: ARG001
+    model = zoo.gpt2_tiny()
+    reference = copy.deepcopy(model)
+    ids, labels = zoo.token_batch(seed=1)
+    pm = autoplan.parallelize(model, cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(ids,),
+                              loss_fn=zoo.lm_loss, example_targets=(labels,), pins=pins, plan=plan, profile=None)  # fmt: skip
+    params = [p for p in pm.parameters() if p.requires_grad]
+    losses, norms = _standard_loop(pm, params, lambda ps: pm.clip_grad_norm_(MAX_NORM))
+    ref_losses, ref_norms = _standard_loop(reference, list(reference.parameters()),
+                                lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))  # fmt: skip
+    sd = pm.state_dict()
+    full = {k: v.full_tensor().clone() for k, v in sd.items()}  # a copy: full_tensor() of an unsharded one is a view
+    # a full (single-device) state dict loads back into the shards
+    pm.load_state_dict({k: torch.zeros_like(v) for k, v in full.items()}, strict=False)
+    zeroed = all(float(v.full_tensor().abs().sum()) == 0 for v in pm.state_dict().values())
+    pm.load_state_dict(full, strict=False)
+    return {
+        "rank": rank,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
+        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+        "state_dict_keys": sorted(sd),
+        "zeroed_by_load": zeroed,
+        "reloaded_equal": all(torch.equal(full[k], v.full_tensor()) for k, v in pm.state_dict().items()),
+    }
+
+
+def _check(results: list[dict[str, Any]], model_keys: set[str]) -> None:
+    assert not mismatches(results), mismatches(results)
+    for r in results:  # the clipping was active (norm above the threshold) and saw every shard
+        torch.testing.assert_close(r["norms"], r["ref_norms"], rtol=1e-5, atol=0)
+        assert min(r["ref_norms"]) > MAX_NORM, r["ref_norms"]
+    held = set().union(*(r["state_dict_keys"] for r in results))
+    assert held == model_keys, held ^ model_keys
+    assert all(r["zeroed_by_load"] and r["reloaded_equal"] for r in results)
+
+
+def test_standard_loop_with_adamw_cosine_lr_and_clipping_under_tensor_parallelism_trains_like_single_device() -> None:
+    pins = {"input_0": "R", "target_0": "R"} | zoo.GPT2_TP_PINS
+    results = run_ranks(_rank, 2, pins, None)
+    _check(results, {n for n, _ in zoo.gpt2_tiny().named_parameters()})
+
+
+@pytest.mark.slow
+def test_standard_loop_on_a_two_stage_pipeline_trains_like_single_device() -> None:
+    """Clipping sums the squared norms over both stages; the tied embedding counts once."""
+    config = autoplan.ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=4, num_microbatches=2)
+    results = run_ranks(_rank, 2, {}, _pipeline_plan(config))
+    _check(results, {n for n, _ in zoo.gpt2_tiny().named_parameters()})
+
+
+def test_loss_backward_scales_and_accumulates_like_autograd() -> None:
+    """Two calls then one backward of their weighted sum: the gradients add up, scaled."""
+    results = run_ranks(_accumulate_rank, 2)
+    for r in results:
+        assert r["max_rel_err"] < 1e-5, r
+        assert not r["no_grad_loss_requires_grad"]
+
+
+def _accumulate_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG001
+    model = zoo.gpt2_tiny()
+    reference = copy.deepcopy(model)
+    (a, la), (b, lb) = zoo.token_batch(seed=1), zoo.token_batch(seed=2)
+    pm = autoplan.parallelize(model, cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(a,),
+                              loss_fn=zoo.lm_loss, example_targets=(la,), pins={"input_0": "S(0)", "target_0": "S(0)"}, profile=None)  # fmt: skip
+    (0.25 * pm(a, targets=(la,)) + 2.0 * pm(b, targets=(lb,))).backward()
+    (0.25 * zoo.lm_loss(reference(a), la) + 2.0 * zoo.lm_loss(reference(b), lb)).backward()
+    ref = dict(reference.named_parameters())
+    err = 0.0
+    for n, p in pm.named_sharded_parameters():
+        g = p.grad.full_tensor()
+        err = max(err, float((g - ref[n].grad).abs().max() / ref[n].grad.abs().max().clamp_min(1e-12)))
+    with torch.no_grad():
+        loss = pm(a, targets=(la,))
+    dist.barrier()
+    return {"max_rel_err": err, "no_grad_loss_requires_grad": loss.requires_grad}
