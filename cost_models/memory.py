@@ -137,6 +137,10 @@ class SegmentMemory(Protocol):
     @property
     def selective_bwd_transient_bytes(self) -> float: ...
     @property
+    def full_kept_bytes(self) -> float: ...
+    @property
+    def full_bwd_transient_bytes(self) -> float: ...
+    @property
     def input_bytes(self) -> float: ...
     @property
     def shared_input_bytes(self) -> float: ...
@@ -153,8 +157,7 @@ class SegmentMemory(Protocol):
 
 
 def segment_activation_bytes(seg: SegmentMemory, recompute: str) -> tuple[float, float, float]:
-    """``(kept, shared, transient)`` bytes of one segment of a micro-batch under ``recompute``
-    (``none`` or ``selective``; a fully recomputed stage: :func:`stage_memory_parts`): ``kept``
+    """``(kept, shared, transient)`` bytes of one segment of a micro-batch under ``recompute``: ``kept``
     from its forward to its backward, ``shared`` kept too but read by other segments as well (a
     causal mask: held once per stage), ``transient`` on top of them while the segment runs::
 
@@ -162,24 +165,23 @@ def segment_activation_bytes(seg: SegmentMemory, recompute: str) -> tuple[float,
                    transient = max(fwd_T, bwd_T)
         selective  kept = selective_kept                         shared = 0
                    transient = max(fwd_T, selective_bwd_T)
+        full       kept = full_kept                              shared = 0
+                   transient = max(fwd_T, full_bwd_T)
 
-    (``fwd_T``/``bwd_T`` the segment's forward/backward transient peaks; ``selective_kept`` the
-    storages of ``K``, :mod:`autoplan.passes.recompute`; ``selective_bwd_T`` the backward's peak
-    with the storages selective recomputation re-creates, each alive from its first backward
-    reader to its last, :mod:`autoplan.planner.segment_costs`): a selectively recomputed
-    segment's backward re-creates what it did not keep as its ops need it. A value several later segments read (a causal mask) is
-    kept once, in the segment that makes it, as under ``none``."""
+    (``fwd_T``/``bwd_T`` the segment's forward/backward transient peaks; ``selective_kept`` and
+    ``full_kept`` the storages of ``K`` of that policy, :mod:`autoplan.passes.recompute`;
+    ``selective_bwd_T``/``full_bwd_T`` the backward's peak with the storages the policy
+    re-creates, each alive from where the runtime re-runs it to its last reader,
+    :mod:`autoplan.planner.segment_costs`): a recomputed segment's backward re-creates what it did
+    not keep as its ops need it (under ``full``: nearly the whole block when its backward starts,
+    one block at a time, as Megatron and torchtitan checkpoint per block). A value several later
+    segments read (a causal mask) is kept once, in the segment that makes it, as under ``none``."""
     fwd_t, bwd_t = seg.fwd_transient_bytes, seg.bwd_transient_bytes
     if recompute == "selective":
         return seg.selective_kept_bytes, 0.0, max(fwd_t, seg.selective_bwd_transient_bytes)
+    if recompute == "full":
+        return seg.full_kept_bytes, 0.0, max(fwd_t, seg.full_bwd_transient_bytes)
     return seg.saved_bytes, 0.0, max(fwd_t, bwd_t)
-
-
-FULL_RECOMPUTE_UNIT: Literal["stage", "segment"] = "stage"
-"""What full recomputation re-runs in the backward, as :mod:`autoplan.runtime.pipeline` executes
-it: ``stage``, the whole stage's forward at once (``_StageFunction`` keeps the stage's inputs);
-``segment``, one block at a time (Megatron's and torchtitan's per-block checkpointing), for a
-runtime that checkpoints per block (:func:`stage_memory_parts` prices both)."""
 
 ALLOCATOR_MARGIN_FRACTION = 0.05
 """Bytes PyTorch's CUDA caching allocator reserves beyond the allocated peak (fragmentation: freed
@@ -277,7 +279,9 @@ def stage_memory_parts(
                  R_j -> G_j + min(R_j, (in_flight + 1) bucket)    and no reductions after it
         optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)
         peak     = W + O + max( max_j backward of j, reductions, optimizer step ) + allocator margin
-        gathered = ZeRO-3: (1 + prefetch) max_j P_j w if reshard_after_forward else sum_j P_j w
+        gathered = ZeRO-3: (1 + prefetch + full) max_j P_j w if reshard_after_forward else sum_j P_j w
+                   (full = 1 under full recomputation: the re-run forward's own gather of the
+                   block, beside the backward's)
         bucket   = dp > 1: min(sum_j T'_j g, bucket_cap)    (the flat copy of one gradient bucket:
                    :mod:`autoplan.runtime.pipeline` converts a stage's gradients once per step,
                    after the schedule, bucket by bucket)
@@ -294,13 +298,8 @@ def stage_memory_parts(
     transient (the rest), allocator. A pipeline rank's stages combine with :func:`rank_memory_parts`.
     A segment reading a tied parameter held before ``first_segment`` (the stage's first segment)
     adds the stage's own copy of it (``tied_param_numel``) to ``P_j`` and ``T'_j``.
-
-    Full recomputation is priced as :mod:`autoplan.runtime.pipeline` executes it
-    (:data:`FULL_RECOMPUTE_UNIT` ``stage``): a stage keeps the inputs of its first segment
-    (``in_0``) per micro-batch in flight and, in its backward, re-runs the whole stage's forward,
-    so one micro-batch's saved activations of every segment come back at once
-    (``T_j`` += ``sum_i kept_i``). Per block (``segment``, Megatron's and torchtitan's way): ``A`` =
-    inflight * (sum_j (in_j - shared_in_j) + max_j shared_in_j), ``T_j`` += ``saved_j``."""
+    Recomputation (selective or full, per block as :mod:`autoplan.runtime.pipeline` executes it)
+    enters only through ``kept_j`` and ``T_j``."""
     # a tied parameter held by a segment before the stage (``first_segment``): the stage's own copy
     tied = {s.tied_param_owner: s for s in segments if 0 <= s.tied_param_owner < first_segment}
     param_numel = sum(s.param_numel for s in segments) + sum(s.tied_param_numel for s in tied.values())
@@ -316,7 +315,8 @@ def stage_memory_parts(
     gathered = 0.0
     if zero_stage >= 3:
         largest = max((s.param_numel for s in segments), default=0)
-        kept_numel = (1 + policy.prefetch_blocks) * largest if policy.reshard_after_forward else param_numel
+        regather = recompute == "full"  # the re-run forward gathers its block's weights once more
+        kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else param_numel
         gathered = min(kept_numel, param_numel) * element.weights
     activations, transients = _activations_and_transients(segments, recompute, inflight)
     bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
@@ -347,20 +347,11 @@ def _activations_and_transients(
     segments: Sequence[SegmentMemory], recompute: str, inflight: int
 ) -> tuple[float, list[float]]:
     """``A`` (the activations of the ``inflight`` micro-batches) and each segment's ``T_j`` of
-    :func:`stage_memory_parts`, full recomputation per :data:`FULL_RECOMPUTE_UNIT`."""
+    :func:`stage_memory_parts`."""
     per_segment = [segment_activation_bytes(s, recompute) for s in segments]
     kept = sum(k for k, _, _ in per_segment)
     activations = inflight * (kept + max((sh for _, sh, _ in per_segment), default=0.0))
-    transients = [t for _, _, t in per_segment]
-    if recompute == "full" and segments and FULL_RECOMPUTE_UNIT == "stage":
-        # the stage keeps its inputs; its backward re-runs the whole stage's forward first
-        activations = inflight * segments[0].input_bytes
-        transients = [kept + t for t in transients]
-    elif recompute == "full" and segments:  # per segment: each keeps its inputs, one re-created at a time
-        own = sum(max(0.0, s.input_bytes - s.shared_input_bytes) for s in segments)
-        activations = inflight * (own + max(s.shared_input_bytes for s in segments))
-        transients = [s.saved_bytes + t for s, t in zip(segments, transients, strict=True)]
-    return activations, transients
+    return activations, [t for _, _, t in per_segment]
 
 
 def _gradients_held(

@@ -21,8 +21,9 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
 :mod:`autoplan.planner.segment_costs`. For stage ``k`` with segments ``K``::
 
     F_k = sum_{j in K} fwd_s[j]
-    B_k = sum_{j in K} bwd_s[j] + R_k        R_k = 0 | sum selective_recompute_s | F_k   (recompute)
-    A_k = sum_{j in K} a_j                   a_j = saved_bytes | selective_kept_bytes | input
+    B_k = sum_{j in K} bwd_s[j] + R_k        R_k = 0 | sum selective_recompute_s | sum full_recompute_s
+    A_k = sum_{j in K} a_j                   a_j = saved_bytes | selective_kept_bytes | full_kept_bytes
+                                             (recompute none | selective | full: autoplan.passes.recompute)
     S_k = P_k w + T_k (g + o)                P_k parameter elements, T_k of them trainable (not
                                              frozen); w, g, o bytes per element of weights, grads
                                              and optimizer state (autoplan.cost_models.memory, by precision
@@ -31,7 +32,7 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
     ZeRO-3: F_k, B_k = the passes of the communication schedule below (gathers exposed)
     M_k = S_k + inflight_k(schedule, m, v) * A_k + T_k  <=  capacity          (memory)
 
-with ``T_k`` the transient of recomputing one segment (full recompute) and the ZeRO-3 gather
+with ``T_k`` the transient of one segment's backward with what it re-creates and the ZeRO-3 gather
 buffer (:func:`autoplan.cost_models.memory.stage_memory_parts`). The step time is the pipeline
 makespan of :mod:`autoplan.cost_models.schedule` over the ``(F_k, B_k)`` with point-to-point
 transfers of ``cut_bytes`` between stages, plus per stage what the last micro-batch's gradient
@@ -57,7 +58,9 @@ issue order, so concurrent collectives share it). With ``c_j`` the segment's com
 
 so the first gather of every pass is exposed and a later one only where the previous block's
 compute is shorter than it. ZeRO-3 gathers every segment's weights (``param_numel * w`` bytes) in
-every micro-batch's forward and, with ``reshard_after_forward``, again in its backward.
+every micro-batch's forward and, with ``reshard_after_forward``, again in its backward (and under
+full recomputation once more there: the re-run forward gathers its block's weights itself,
+:mod:`autoplan.passes.recompute`).
 Gradients are reduced only in the last micro-batch's backward (gradient accumulation):
 segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(bytes / cap)`` equal
 pieces produced evenly over its backward, the pieces are grouped by
@@ -155,6 +158,9 @@ class SegmentCost:
     selective_recompute_s: float
     """Forward time of the ops selective recomputation re-runs in the backward (``R`` of
     :mod:`autoplan.passes.recompute`: the non-matmul ops between the kept values)."""
+    full_recompute_s: float
+    """The same under full recomputation (``R`` of the ``full`` policy: the block's forward but its
+    random ops, its collectives included)."""
     grad_sync_s: float
     """Gradient conversions of the segment's parameters, once per step."""
     optimizer_s: float
@@ -168,8 +174,11 @@ class SegmentCost:
     selective_kept_bytes: float
     """Activations selective recomputation keeps from the forward to the backward, per micro-batch:
     the storages of ``K`` of :mod:`autoplan.passes.recompute` (matmul outputs, block inputs)."""
+    full_kept_bytes: float
+    """The same under full recomputation (the segment's output a later block reads, random-op
+    outputs)."""
     input_bytes: float
-    """Bytes of the values entering the segment from earlier ones (kept by full recompute)."""
+    """Bytes of the values entering the segment from earlier ones."""
     flops: float
     """Forward + backward FLOPs of the segment's ops for the whole (unsharded) micro-batch."""
     shared_input_bytes: float = 0.0
@@ -182,7 +191,12 @@ class SegmentCost:
     backward (per micro-batch)."""
     selective_bwd_transient_bytes: float = 0.0
     """``bwd_transient_bytes`` under selective recomputation: with the re-created storages alive,
-    each from its first backward reader to its last (per micro-batch)."""
+    each from its first backward reader (or the re-run op needing it, if earlier) to its last (per
+    micro-batch)."""
+    full_recomputed_bytes: float = 0.0
+    """``selective_recomputed_bytes`` under full recomputation."""
+    full_bwd_transient_bytes: float = 0.0
+    """``selective_bwd_transient_bytes`` under full recomputation."""
     bwd_transient_bytes: float = 0.0
     """Peak bytes the segment's backward holds on top of the saved activations and the parameter
     gradients (activation gradients, the loss's fp32 temporaries), per micro-batch."""
@@ -384,7 +398,8 @@ def recompute_parts(seg: SegmentCost, recompute: str) -> tuple[float, float, flo
     if recompute == "selective":
         extra_transient = max(0.0, seg.selective_bwd_transient_bytes - seg.bwd_transient_bytes)
         return seg.selective_recompute_s, seg.selective_kept_bytes, extra_transient
-    return seg.fwd_s, min(seg.saved_bytes, seg.input_bytes), seg.saved_bytes
+    extra_transient = max(0.0, seg.full_bwd_transient_bytes - seg.bwd_transient_bytes)
+    return seg.full_recompute_s, seg.full_kept_bytes, extra_transient
 
 
 # --- the communication schedule of one stage (module docstring) -------------------------------
@@ -585,7 +600,8 @@ def _stage_comm(
     # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention)
     gather_bytes = [s.param_numel * bpe.weights if z >= 3 else 0.0 for s in part]
     gather_f = [time_of("all_gather")(b) if b > 0 else 0.0 for b in gather_bytes]
-    gather_b = gather_f[::-1] if policy.reshard_after_forward else [0.0] * len(part)
+    regather = recompute == "full"  # the re-run forward gathers its block's weights again
+    gather_b = [g * (policy.reshard_after_forward + regather) for g in gather_f[::-1]]
     red_kind = "all_reduce" if z == 0 else "reduce_scatter"
     grad_bytes = [s.trainable_numel * bpe.grads for s in part][::-1]
     reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
@@ -610,7 +626,7 @@ def _stage_comm(
     reduce_exposed = min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
     n_gathered = sum(1 for b in gather_bytes if b > 0)
     if gathers_total > 0:
-        passes = 2 if policy.reshard_after_forward else 1
+        passes = 1 + policy.reshard_after_forward + regather
         rows.append(CommRow(kind="all_gather", axis="dp", count=m * passes * n_gathered,
                             bytes=m * passes * sum(gather_bytes), total_s=gathers_total, exposed_s=gathers_exposed))  # fmt: skip
     if reductions:

@@ -1,15 +1,17 @@
-r"""Pass — selective recomputation: what a selectively recomputed forward keeps for its backward,
-and the backward that re-creates the rest (issue #20 item 4).
+r"""Pass — recomputation: what a recomputed forward keeps for its backward, and the backward that
+re-creates the rest, under the two policies ``selective`` (issue #20 item 4) and ``full``.
 
 The rule, defined once here, priced by :mod:`autoplan.planner.segment_costs`
-(``selective_recompute_s``, ``selective_kept_bytes``, ``selective_bwd_transient_bytes``) and executed
-by :mod:`autoplan.runtime.pipeline` (:func:`selective_stage_program`)::
+(``selective_recompute_s``, ``selective_kept_bytes``, ``selective_bwd_transient_bytes`` and their
+``full_*`` twins) and executed by :mod:`autoplan.runtime.pipeline` (:func:`recompute_stage_program`)::
 
     keeps(v) = v is a placeholder                  (parameter, buffer, program or stage input)
-            or op(v) is a matmul                   (compute.is_matmul: mm, addmm, bmm, ..., autoplan::sdpa)
             or op(v) draws random numbers          (torch.Tag.nondeterministic_seeded: a re-run draws others)
-            or op(v) is a collective on a mesh axis of more than one device  (never re-run communication)
             or v is read by a forward op of a later segment   (a block's input, as Megatron keeps it)
+            or policy = selective and op(v) is a matmul
+                                                   (compute.is_matmul: mm, addmm, bmm, ..., autoplan::sdpa)
+            or policy = selective and op(v) is a collective on a mesh axis of more than one device
+                                                   (selective never re-runs communication)
     keeps(getitem(x, i)) = keeps(x)
 
     S = the forward values the backward reads (what ``recompute="none"`` keeps)
@@ -17,23 +19,35 @@ by :mod:`autoplan.runtime.pipeline` (:func:`selective_stage_program`)::
                                       op in R, a input of op, not keeps(a)  =>  op(a) in R
     K = {v in S : keeps(v)}  u  {a input of an op in R : keeps(a)}       (what the forward keeps)
 
-    extra backward time      = sum_{op in R} t(op)
+    extra backward time      = sum_{op in R} t(op)  (+ the conversions into them that are re-run)
     activations per micro-batch = storages of K;  re-created in the backward: storages of S not in K
+
+``full`` is Megatron's and torchtitan's per-block full recomputation: each block keeps its input
+(and its random ops' outputs, so a re-run draws the same dropout mask), and its backward re-creates
+the block's activations, matmuls included, when it starts (the first value it reads needs nearly
+the whole block's forward), one block at a time. It re-runs the block's collectives too, as
+Megatron does (the tensor-parallel all-reduces: ``cost_models.step`` prices three forward passes of
+them) and as ZeRO-3 must: a kept gathered parameter would keep every block's full weights from
+forward to backward, against ``reshard_after_forward`` (the re-run gathers them once more in the
+backward; FSDP2 under torchtitan's checkpointing reuses its backward gather instead, which this
+runtime does not: :func:`autoplan.cost_models.memory.stage_memory_parts` prices the extra block).
 
 Conversions: in the generated program, a conversion code generation inserts between a producer
 and a consumer is a node of its own (``meta["autoplan.transition"]``); one that communicates is
 kept like any collective, a local one (``shard``, ``to_partial``, any step on a one-device axis)
-is re-run. In the traced graph the pricing reads, the same conversion is an edge: an input of an
-op of ``R`` that arrives through a communicating conversion is kept in its converted layout
-(``SelectivePartition.kept_conversions``) and the walk does not go past it.
+is re-run (under ``full`` every conversion is). In the traced graph the pricing reads, the same
+conversion is an edge: under ``selective`` an input of an op of ``R`` that arrives through a
+communicating conversion is kept in its converted layout (``RecomputePartition.kept_conversions``)
+and the walk does not go past it.
 
 The forward returns ``K`` in place of ``S``; the backward runs each op of ``R`` right before its
 first reader (so one segment's re-created values live while that segment's backward runs, as
 :func:`autoplan.cost_models.memory.segment_activation_bytes` prices; an alias of a re-run value,
-such as the ``detach`` autograd records at the start of the backward, moves to its own first reader). The ops of ``R`` are the
-cheap ones between the matmuls: norms, activations, residual adds, views, the loss's softmax.
+such as the ``detach`` autograd records at the start of the backward, moves to its own first
+reader). Under ``selective`` the ops of ``R`` are the cheap ones between the matmuls: norms,
+activations, residual adds, views, the loss's softmax; under ``full``, a block's whole forward.
 
-Why the attention core is kept and not re-run: ``autoplan::sdpa_backward``
+Why ``selective`` keeps the attention core and does not re-run it: ``autoplan::sdpa_backward``
 (:mod:`autoplan.passes.attention`) recomputes the attention probabilities from q, k and v itself
 (FlashAttention), so the ``(B, H, T, S)`` scores, softmax and dropout mask that selective
 recomputation re-runs in Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -50,6 +64,7 @@ import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -59,6 +74,11 @@ from autoplan.cost_models.compute import is_matmul
 from autoplan.passes.liveness import is_view_op
 from autoplan.passes.stages import RECOMPUTED_META, StageProgram
 from autoplan.passes.strategies import tensor_args
+
+Policy = Literal["selective", "full"]
+"""What a recomputed forward keeps (module docstring); ``ParallelConfig.recompute`` minus ``none``."""
+
+POLICIES: tuple[Policy, ...] = ("selective", "full")
 
 OP_META = "autoplan.op"
 """``node.meta`` key on every op of a generated program: the traced op (a fallback node's target
@@ -75,9 +95,9 @@ def communicates(kind: str, axis: int, mesh_shape: Sequence[int]) -> bool:
     return kind in COLLECTIVE_KINDS and mesh_shape[axis] > 1
 
 
-def keeps_op(n: fx.Node, mesh_shape: Sequence[int]) -> bool:
-    """The op half of ``keeps`` (module docstring): placeholders, matmuls, random ops and
-    communicating conversions (on a mesh of ``mesh_shape``)."""
+def keeps_op(n: fx.Node, mesh_shape: Sequence[int], policy: Policy = "selective") -> bool:
+    """The op half of ``keeps`` (module docstring): placeholders, random ops and, under
+    ``selective``, matmuls and communicating conversions (on a mesh of ``mesh_shape``)."""
     if n.op == "placeholder":
         return True
     if n.op != "call_function":
@@ -85,18 +105,19 @@ def keeps_op(n: fx.Node, mesh_shape: Sequence[int]) -> bool:
     if n.target is operator.getitem:
         parent = n.args[0]
         assert isinstance(parent, fx.Node)
-        return keeps_op(parent, mesh_shape)
+        return keeps_op(parent, mesh_shape, policy)
     transition = n.meta.get(TRANSITION_META)
     if transition is not None:
         kind, axis = transition
-        return communicates(kind, axis, mesh_shape)
+        return policy == "selective" and communicates(kind, axis, mesh_shape)
     op = n.meta.get(OP_META, n.target)
-    return is_matmul(op) or torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    random = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+    return random or (policy == "selective" and is_matmul(op))
 
 
 @dataclass(frozen=True, slots=True)
-class SelectivePartition:
-    """``K`` and ``R`` of the module docstring, each in graph order."""
+class RecomputePartition:
+    """``K`` and ``R`` of the module docstring under one policy, each in graph order."""
 
     kept: tuple[fx.Node, ...]
     recomputed: tuple[fx.Node, ...]
@@ -111,16 +132,19 @@ class SelectivePartition:
         return frozenset(n.name for n in self.recomputed if n.op == "call_function")
 
 
-def selective_partition(
+def recompute_partition(
     saved: Sequence[fx.Node],
     *,
     boundary: Set[fx.Node],
     mesh_shape: Sequence[int],
+    policy: Policy = "selective",
     converted: Callable[[fx.Node, int], bool] = lambda v, i: False,  # noqa: ARG005
-) -> SelectivePartition:
+) -> RecomputePartition:
     """``saved`` (S), the values read by a later segment's forward (``boundary``) and the inputs
-    arriving through a communicating conversion (``converted(op, tensor-argument index)``) ->
-    ``K`` and ``R`` (module docstring)."""
+    arriving through a communicating conversion (``converted(op, tensor-argument index)``: kept
+    converted under ``selective``, re-run under ``full``) -> ``K`` and ``R`` (module docstring)."""
+    if policy == "full":
+        converted = lambda v, i: False  # noqa: ARG005, E731  (full re-runs every conversion)
 
     def keeps(v: fx.Node) -> bool:
         if v in boundary:
@@ -129,7 +153,7 @@ def selective_partition(
             parent = v.args[0]
             assert isinstance(parent, fx.Node)
             return keeps(parent)  # a tuple is kept or re-run whole, never returned as one value
-        return keeps_op(v, mesh_shape)
+        return keeps_op(v, mesh_shape, policy)
 
     kept: set[fx.Node] = {v for v in saved if keeps(v)}
     kept_conversions: set[tuple[str, int]] = set()
@@ -152,9 +176,9 @@ def selective_partition(
             elif a not in recomputed:
                 stack.append(a)
     if not saved:
-        return SelectivePartition(kept=(), recomputed=())
+        return RecomputePartition(kept=(), recomputed=())
     order = {n: i for i, n in enumerate(saved[0].graph.nodes)}
-    return SelectivePartition(
+    return RecomputePartition(
         kept=tuple(sorted(kept, key=order.__getitem__)),
         recomputed=tuple(sorted(recomputed, key=order.__getitem__)),
         kept_conversions=tuple(sorted(kept_conversions)),
@@ -182,13 +206,14 @@ def _read_by_later_segment(
     return out
 
 
-def joint_selective_partition(
+def joint_recompute_partition(
     gm: fx.GraphModule,
     segment_of: Mapping[str, int],
     *,
     mesh_shape: Sequence[int],
+    policy: Policy = "selective",
     converted: Callable[[fx.Node, int], bool] = lambda v, i: False,  # noqa: ARG005
-) -> SelectivePartition:
+) -> RecomputePartition:
     """The rule on the traced joint forward-backward graph (what the pricing reads): forward ops
     carry ``meta["autoplan.phase"] == "fwd"``, and a ``getitem`` is in its producer's phase; a
     constant (no placeholder among its inputs) is not saved: every stage program computes it
@@ -211,12 +236,17 @@ def joint_selective_partition(
         if n in fwd and n not in const and any(u.op == "call_function" and u not in fwd for u in n.users)
     ]
     boundary = _read_by_later_segment(nodes, segment_of, fwd.__contains__)
-    return selective_partition(saved, boundary=boundary, mesh_shape=mesh_shape, converted=converted)
+    return recompute_partition(saved, boundary=boundary, mesh_shape=mesh_shape, policy=policy, converted=converted)
 
 
-def stage_selective_partition(
-    stage: StageProgram, segment_of: Mapping[str, int], *, last: bool, mesh_shape: Sequence[int]
-) -> SelectivePartition:
+def stage_recompute_partition(
+    stage: StageProgram,
+    segment_of: Mapping[str, int],
+    *,
+    last: bool,
+    mesh_shape: Sequence[int],
+    policy: Policy = "selective",
+) -> RecomputePartition:
     """The rule on one pipeline stage's forward program: ``S`` is what it returns for its
     backward, the boundary adds its outputs (a later stage's forward reads them; the last stage's
     output is the loss)."""
@@ -228,16 +258,21 @@ def stage_selective_partition(
     if not last:
         boundary |= {o for o in outs[:n_out] if isinstance(o, fx.Node)}
     saved = [o for o in outs[n_out:] if isinstance(o, fx.Node)]
-    return selective_partition(saved, boundary=boundary, mesh_shape=mesh_shape)
+    return recompute_partition(saved, boundary=boundary, mesh_shape=mesh_shape, policy=policy)
 
 
-def selective_stage_program(
-    stage: StageProgram, segment_of: Mapping[str, int], *, last: bool, mesh_shape: Sequence[int]
+def recompute_stage_program(
+    stage: StageProgram,
+    segment_of: Mapping[str, int],
+    *,
+    last: bool,
+    mesh_shape: Sequence[int],
+    policy: Policy = "selective",
 ) -> StageProgram:
-    """``stage`` with selective recomputation: the same :class:`StageProgram` contract, its
+    """``stage`` with recomputation under ``policy``: the same :class:`StageProgram` contract, its
     forward returning ``(*outputs, *K)`` and its backward taking ``(*params, *buffers, *K,
     *output_grads)`` and re-running ``R`` (module docstring), each op right before its first reader."""
-    part = stage_selective_partition(stage, segment_of, last=last, mesh_shape=mesh_shape)
+    part = stage_recompute_partition(stage, segment_of, last=last, mesh_shape=mesh_shape, policy=policy)
     fwd_nodes = list(stage.forward.graph.nodes)
     outs = next(n for n in fwd_nodes if n.op == "output").args[0]
     assert isinstance(outs, tuple)
@@ -264,7 +299,7 @@ def _backward_recomputing(
     stage: StageProgram, recomputed_nodes: Sequence[fx.Node], *, kept: Sequence[fx.Node], saved: Sequence[fx.Node]
 ) -> fx.GraphModule:
     """The stage's backward reading ``K`` and re-running ``R`` just in time (see
-    :func:`selective_stage_program`)."""
+    :func:`recompute_stage_program`)."""
     fwd_ph = [n for n in stage.forward.graph.nodes if n.op == "placeholder"]
     bwd_ph = [n for n in stage.backward.graph.nodes if n.op == "placeholder"]
     n_pb, n_saved = len(stage.param_names) + len(stage.buffer_names), len(saved)
@@ -290,7 +325,7 @@ def _backward_recomputing(
                 stack.pop()
                 continue
             if x not in recomputed:
-                raise AssertionError(f"selective backward reads {x.name}, which is neither kept nor recomputed")
+                raise AssertionError(f"recomputing backward reads {x.name}, which is neither kept nor recomputed")
             missing = [a for a in x.all_input_nodes if a not in env_f]
             if missing:
                 stack.extend(missing)

@@ -31,9 +31,10 @@ def _seg(weight: float, b: int, *, params: int = 1_000_000) -> SegmentCost:
     t = weight * b * UNIT_S
     return SegmentCost(
         fwd_s=t / 3, bwd_s=2 * t / 3, bwd_weight_s=t / 3, fwd_comm_s=0.0, bwd_comm_s=0.0,
-        selective_recompute_s=t / 10, grad_sync_s=0.0, optimizer_s=1e-6, param_numel=params,
+        selective_recompute_s=t / 10, full_recompute_s=t / 3, grad_sync_s=0.0, optimizer_s=1e-6, param_numel=params,
         trainable_numel=params, param_itemsize=4,
-        saved_bytes=1e6 * b, selective_kept_bytes=5e5 * b, input_bytes=1e5 * b, flops=1e9 * weight * b,
+        saved_bytes=1e6 * b, selective_kept_bytes=5e5 * b, full_kept_bytes=1e5 * b,
+        input_bytes=1e5 * b, flops=1e9 * weight * b,
     )  # fmt: skip
 
 

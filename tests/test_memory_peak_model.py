@@ -85,6 +85,7 @@ def test_loss_backward_transient_holds_two_fp32_logits(gpt2_costs) -> None:
 def _seg(saved: float, fwd_t: float, bwd_t: float, *, numel: int = 1000, inputs: float = 10.0) -> SegmentCost:
     return SegmentCost(
         fwd_s=1e-3, bwd_s=2e-3, bwd_weight_s=1e-3, fwd_comm_s=0.0, bwd_comm_s=0.0, selective_recompute_s=0.0,
+        full_recompute_s=1e-3, full_kept_bytes=inputs, full_bwd_transient_bytes=saved + bwd_t,
         grad_sync_s=0.0, optimizer_s=0.0, param_numel=numel, trainable_numel=numel, param_itemsize=4,
         saved_bytes=saved, selective_kept_bytes=saved / 2, input_bytes=inputs, flops=1.0,
         fwd_transient_bytes=fwd_t, bwd_transient_bytes=bwd_t,
@@ -105,12 +106,14 @@ def test_segment_transients_are_a_max_not_a_sum() -> None:
     assert sum(parts.values()) == 370
 
 
-def test_full_recompute_keeps_stage_inputs_and_rebuilds_the_whole_stage() -> None:
-    """The stage runtime (autoplan.runtime.pipeline) re-runs the whole stage's forward."""
+def test_full_recompute_keeps_block_inputs_and_rebuilds_one_block_at_a_time() -> None:
+    """Full recomputation per block (autoplan.passes.recompute, policy ``full``): each segment
+    keeps ``full_kept`` per micro-batch in flight, and its backward re-creates its own activations
+    only (here ``full_bwd_transient = saved + bwd_T``): the transients are a max, not a sum."""
     segs = [_seg(100, 5, 50, numel=0, inputs=7), _seg(100, 5, 70, numel=0, inputs=9)]
     parts = _parts(segs, recompute="full", inflight=3)
-    assert parts["activations"] == 3 * 7
-    assert parts["transient"] == 200 + 70
+    assert parts["activations"] == 3 * (7 + 9)
+    assert parts["transient"] == 100 + 70
 
 
 def test_gradients_alive_at_a_segments_backward_are_those_of_later_segments() -> None:

@@ -1,11 +1,13 @@
-"""Selective recomputation, priced = executed (issue #20 item 4, :mod:`autoplan.passes.recompute`).
+"""Selective and full recomputation, priced = executed (issue #20 item 4, :mod:`autoplan.passes.recompute`).
 
 * The rule on a GPT-2 stage: the forward keeps matmul outputs and block inputs, fewer bytes than
   without recomputation and more than full recomputation; the backward re-runs no matmul, no
   collective and no random op, and exactly the ops the pricing counts
-  (:func:`~autoplan.passes.recompute.joint_selective_partition`, read by
+  (:func:`~autoplan.passes.recompute.joint_recompute_partition`, read by
   :mod:`autoplan.planner.segment_costs`).
 * The pricing on a traced GPT-2 block, restated per Korthikanti et al. 2022.
+* Full recomputation per block: the same rule under policy ``full`` keeps fewer bytes than
+  selective and re-runs the matmuls, as priced; a dp=2 plan trains like the single device.
 * Equivalence: selectively recomputed plans (pp=2 with 1F1B and zero-bubble, pp=1 with dp=2 or
   tp=2) on 2
   gloo CPU ranks train like the single-device model (loss and parameters after 3 SGD-with-momentum
@@ -31,9 +33,9 @@ from autoplan.passes.recompute import (
     OP_META,
     TRANSITION_META,
     communicates,
-    joint_selective_partition,
-    selective_stage_program,
-    stage_selective_partition,
+    joint_recompute_partition,
+    recompute_stage_program,
+    stage_recompute_partition,
 )
 from autoplan.passes.stages import RECOMPUTED_META, StageProgram, split_backward, split_stages
 from autoplan.passes.trace import trace_training_step
@@ -88,7 +90,7 @@ def test_selective_stage_keeps_fewer_bytes_than_none_and_more_than_full(gpt2_spl
     _, layering, split = gpt2_split
     for st in split.stages:
         last = st.index == len(split.stages) - 1
-        sel = selective_stage_program(st, layering.segment_of, last=last, mesh_shape=MESH)
+        sel = recompute_stage_program(st, layering.segment_of, last=last, mesh_shape=MESH)
         none_bytes = _bytes(_returned_for_backward(st))
         sel_bytes = _bytes(_returned_for_backward(sel))
         inputs = [n for n in st.forward.graph.nodes if n.op == "placeholder"][
@@ -107,7 +109,7 @@ def test_selective_backward_reruns_no_matmul_collective_or_random_op_and_what_th
     traced, layering, split = gpt2_split
     rerun: set[str] = set()
     for st in split.stages:
-        sel = selective_stage_program(st, layering.segment_of, last=st.index == len(split.stages) - 1, mesh_shape=MESH)
+        sel = recompute_stage_program(st, layering.segment_of, last=st.index == len(split.stages) - 1, mesh_shape=MESH)
         ops = [n for n in sel.backward.graph.nodes if n.meta.get(RECOMPUTED_META)]
         assert ops, "a GPT-2 stage re-runs its norms, GeLUs and residual adds"
         for n in ops:
@@ -117,14 +119,14 @@ def test_selective_backward_reruns_no_matmul_collective_or_random_op_and_what_th
             assert not communicates(kind, axis, MESH), f"{n.name}: a collective re-run"
             assert torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()), n.name
         rerun |= {n.name for n in ops if n.op == "call_function"}
-        part = stage_selective_partition(
+        part = stage_recompute_partition(
             st, layering.segment_of, last=st.index == len(split.stages) - 1, mesh_shape=MESH
         )
         assert rerun >= part.recomputed_ops
     kinds = {str(n.target) for n in traced.graph_module.graph.nodes if n.name in rerun}
     assert {"aten.native_layer_norm.default", "aten.tanh.default", "aten.add.Tensor"} <= kinds
     # the pricing sums the forward time of exactly these ops (segment_costs' selective_recompute_s)
-    priced = joint_selective_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH)
+    priced = joint_recompute_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH)
     assert priced.recomputed_ops == rerun
 
 
@@ -148,7 +150,7 @@ def test_under_megatron_pins_the_kept_all_reduces_are_what_the_pricing_keeps() -
             device=torch.device("cpu"), mesh=mesh, defer_grad_conversions=True,
         )  # fmt: skip
     (stage,) = split_stages(gen.graph_module, traced, layering, plan.assignment(), stage_starts=[0], mesh_ndim=1).stages
-    executed = stage_selective_partition(stage, layering.segment_of, last=True, mesh_shape=MESH)
+    executed = stage_recompute_partition(stage, layering.segment_of, last=True, mesh_shape=MESH)
     collectives = [v for v in executed.kept if TRANSITION_META in v.meta]
     assert collectives, "the all-reduces/reduce-scatters after the row-parallel matmuls are kept"
     steps = {(r.consumer, r.arg_index): r.steps for r in edge_redistributions(traced, plan.assignment(), 1)}
@@ -156,7 +158,7 @@ def test_under_megatron_pins_the_kept_all_reduces_are_what_the_pricing_keeps() -
     def converted(v: fx.Node, i: int) -> bool:
         return any(communicates(st.kind, st.axis, MESH) for st in steps.get((v.name, i), ()))
 
-    priced = joint_selective_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH, converted=converted)
+    priced = joint_recompute_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH, converted=converted)
     assert priced.recomputed_ops == executed.recomputed_ops
     assert priced.kept_conversions
 
@@ -166,12 +168,33 @@ def test_zero_bubble_split_runs_the_recomputation_in_b(gpt2_split) -> None:
     there), each op in exactly one of B and W."""
     _, layering, split = gpt2_split
     st = split.stages[1]
-    sel = selective_stage_program(st, layering.segment_of, last=True, mesh_shape=MESH)
+    sel = recompute_stage_program(st, layering.segment_of, last=True, mesh_shape=MESH)
     b, w = split_backward(sel.backward, sum(1 for v in sel.input_grads if v is not None))
     rerun = {n.name for n in sel.backward.graph.nodes if n.meta.get(RECOMPUTED_META)}
     b_ops = {n.name for n in b.graph.nodes if n.op == "call_function"}
     w_ops = {n.name for n in w.graph.nodes if n.op == "call_function"}
     assert rerun <= b_ops and not rerun & w_ops and not b_ops & w_ops
+
+
+def test_full_recompute_reruns_the_matmuls_and_keeps_only_block_inputs(gpt2_split) -> None:
+    """Policy ``full`` on the GPT-2 stages: the forward returns fewer bytes than selective's,
+    the backward re-runs the matmuls too (one block at a time), and exactly the ops the pricing
+    counts for ``full_recompute_s``."""
+    traced, layering, split = gpt2_split
+    rerun: set[str] = set()
+    for st in split.stages:
+        last = st.index == len(split.stages) - 1
+        sel = recompute_stage_program(st, layering.segment_of, last=last, mesh_shape=MESH)
+        full = recompute_stage_program(st, layering.segment_of, last=last, mesh_shape=MESH, policy="full")
+        assert _bytes(_returned_for_backward(full)) < _bytes(_returned_for_backward(sel))
+        ops = [n for n in full.backward.graph.nodes if n.meta.get(RECOMPUTED_META)]
+        assert any(is_matmul(n.meta.get(OP_META, n.target)) for n in ops), "full re-runs the matmuls"
+        # conversions code generation inserted are nodes here, edges in the traced graph the
+        # pricing reads (their time goes into full_recompute_s with their re-run consumer)
+        rerun |= {n.name for n in ops if n.op == "call_function" and TRANSITION_META not in n.meta}
+        assert full.outputs == st.outputs and full.input_grads == st.input_grads
+    priced = joint_recompute_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH, policy="full")
+    assert priced.recomputed_ops == rerun
 
 
 # --- the pricing on a traced block -------------------------------------------------------------------
@@ -208,13 +231,39 @@ def test_selective_block_keeps_its_matmul_outputs_and_its_output() -> None:
         assert 0 < block.selective_recompute_s < block.fwd_s
 
 
+def test_full_block_keeps_fewer_bytes_than_selective_and_none_and_reruns_its_matmuls() -> None:
+    """Per block segment of the priced GPT-2 (the block of the test above): ``full`` keeps the
+    block's output (the next block's input, 1 s*b*h) < selective's 10 < none's 16; it re-creates
+    the rest in the backward, never all blocks at once, and its re-run time includes the
+    matmuls: more than selective's, at most the whole forward."""
+    torch.manual_seed(0)
+    model = zoo.gpt2_lm(layers=2, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, positions=SEQ)
+    for block in model.transformer.h:
+        block.mlp.act = nn.GELU()
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    costs = SegmentCostModel(model, (ids,), zoo.lm_loss, (ids,), as_cluster("1xCPU"), optimizer="sgd", workers=1)(
+        1, BATCH
+    )
+    sbh_fp32 = SEQ * BATCH * HIDDEN * 4
+    for block in costs.segments[1:-1]:
+        assert block.full_kept_bytes < block.selective_kept_bytes < block.saved_bytes
+        assert block.full_kept_bytes == pytest.approx(1 * sbh_fp32, rel=0.01)
+        assert block.full_recomputed_bytes == pytest.approx(block.saved_bytes - block.full_kept_bytes, rel=0.02)
+        recreated_at_peak = block.full_bwd_transient_bytes - block.bwd_transient_bytes
+        assert block.selective_bwd_transient_bytes < block.full_bwd_transient_bytes
+        # never every segment's at once (the epilogue's logits-sized values live until the tied
+        # lm_head's weight gradient, late in the backward, as under selective)
+        assert 0 < recreated_at_peak < sum(s.full_recomputed_bytes for s in costs.segments)
+        assert block.selective_recompute_s < block.full_recompute_s <= block.fwd_s
+
+
 # --- equivalence on 2 gloo CPU ranks ---------------------------------------------------------------
 
 GLOBAL_BATCH, NUM_LAYERS = 8, 4
 _batch = SeededBatches(zoo.token_batch, {"batch": GLOBAL_BATCH})
 
 
-def _train(rank: int, world_size: int, plan_json: str) -> dict[str, object]:  # noqa: ARG001
+def _train(rank: int, world_size: int, plan_json: str, recompute: str = "selective") -> dict[str, object]:  # noqa: ARG001
     import autoplan
 
     plan = autoplan.Plan.from_dict(json.loads(plan_json))
@@ -224,7 +273,7 @@ def _train(rank: int, world_size: int, plan_json: str) -> dict[str, object]:  # 
     pm = autoplan.parallelize(
         model, plan.cluster, example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(labels,), plan=plan
     )
-    assert all(r == "selective" for r in plan.pipeline.stage_recompute)  # type: ignore[union-attr]
+    assert all(r == recompute for r in plan.pipeline.stage_recompute)  # type: ignore[union-attr]
     return train_both(
         pm,
         reference,
@@ -259,6 +308,23 @@ def test_selective_recompute_trains_like_single_device(
     )  # fmt: skip
     assert plan.config == cfg and plan.estimate.memory_per_device_bytes
     results = run_ranks(_train, 2, json.dumps(plan.to_dict()), timeout_s=600)
+    assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
+
+
+def test_full_recompute_per_block_trains_like_single_device() -> None:
+    """dp=2, one stage, full recomputation per block: every block keeps its input, its backward
+    re-runs the block's forward (matmuls included) one block at a time."""
+    import autoplan
+    from autoplan.cost_models.config import ParallelConfig
+
+    cfg = ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=GLOBAL_BATCH // 2, num_microbatches=1, recompute="full")
+    ids, labels = _batch(0)
+    plan = autoplan.plan(
+        zoo.gpt2_tiny(num_layers=NUM_LAYERS), "1x2xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss,
+        example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
+    )  # fmt: skip
+    assert plan.config == cfg
+    results = run_ranks(_train, 2, json.dumps(plan.to_dict()), "full", timeout_s=600)
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 

@@ -38,9 +38,9 @@ GPU = dataclasses.replace(
 def _seg(fwd_s: float, params: int, *, tp_comm_s: float = 0.0) -> SegmentCost:
     return SegmentCost(
         fwd_s=fwd_s + tp_comm_s, bwd_s=2 * fwd_s + tp_comm_s, bwd_weight_s=fwd_s, fwd_comm_s=tp_comm_s,
-        bwd_comm_s=tp_comm_s, selective_recompute_s=fwd_s / 10, grad_sync_s=0.0, optimizer_s=1e-6,
+        bwd_comm_s=tp_comm_s, selective_recompute_s=fwd_s / 10, full_recompute_s=fwd_s + tp_comm_s, grad_sync_s=0.0, optimizer_s=1e-6,
         param_numel=params, trainable_numel=params, param_itemsize=4, saved_bytes=1e6, selective_kept_bytes=5e5,
-        input_bytes=1e5, flops=1e9,
+        full_kept_bytes=1e5, input_bytes=1e5, flops=1e9,
     )  # fmt: skip
 
 

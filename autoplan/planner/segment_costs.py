@@ -14,20 +14,25 @@ epilogue) and the bytes that cross each cut between consecutive segments — the
     bwd_weight_s[k] = the part of bwd_s no earlier segment's backward depends on (weight gradients)
     grad_sync_s[k] = sum_{p trainable param of k} c[grad(p) -> p] (once per step, not per micro-batch)
     saved_bytes[k] = sum_{storage a: born by a fwd op of k, read by a bwd op} b[a, s]
-    selective_recompute_s[k] = sum_{v fwd op in k, v in R} t[v, s_v]
+    selective_recompute_s[k] = sum_{v fwd op in k, v in R} t[v, s_v] + sum_{e into v, re-run} c[e, p_e, q_e]
     selective_kept_bytes[k] = sum_{storage a of a value in K, first in k} b[a, s]
     selective_recomputed_bytes[k] = the storages of saved_bytes[k] not among those of K
     selective_bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + sum_{a re-created, f(a) <= i <= l(a)} b[a, s]
+    full_recompute_s, full_kept_bytes, full_recomputed_bytes, full_bwd_transient_bytes: the same
+                   under the ``full`` policy
     input_bytes[k] = sum_{value born in segments < k, read by a fwd op of k} b[a, s]
     shared_input_bytes[k] = the part of input_bytes[k] also read by other later segments
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
     fwd_transient_bytes[k] = max_{fwd op i of k} T(i)      bwd_transient_bytes[k] = the same over bwd ops
     T(i) = sum_{storage a alive at i, a not saved, not a parameter gradient} b[a, s]
 
-``K`` (kept) and ``R`` (re-run) are selective recomputation's partition of the forward
-(:func:`autoplan.passes.recompute.joint_selective_partition`, the rule the pipeline runtime
-executes); a re-created storage ``a`` lives from its first backward reader ``f(a)`` (the runtime
-re-runs its ops right before it) to its last reader ``l(a)``. ``T(i)`` is the liveness timeline of the step (:func:`autoplan.passes.liveness.transient_timeline`,
+``K`` (kept) and ``R`` (re-run) are recomputation's partition of the forward under each policy
+(:func:`autoplan.passes.recompute.joint_recompute_partition`, the rule the pipeline runtime
+executes); a conversion into an op of ``R`` is re-run with it unless the policy keeps it
+converted. A re-created storage ``a`` lives from ``f(a)`` to its last reader ``l(a)``: the runtime
+re-runs an op right before its first backward reader or before the re-run op that needs it,
+whichever comes first, so ``f(a)`` = min(first backward reader of ``a``, ``f`` of the re-run ops
+reading ``a``) (under ``full`` a block's first backward op re-creates nearly all of it). ``T(i)`` is the liveness timeline of the step (:func:`autoplan.passes.liveness.transient_timeline`,
 the lifetimes the ILP's plan is priced with) without the saved activations (``saved_bytes``,
 counted per micro-batch in flight) and the parameter gradients (counted with the parameters):
 what a segment's forward or backward allocates on top of them, e.g. the fp32 logits-sized
@@ -61,7 +66,7 @@ from autoplan.passes.costing import CostProblem, Edge
 from autoplan.passes.layers import Layering
 from autoplan.passes.liveness import is_view_op
 from autoplan.passes.placement import Spec, local_numel
-from autoplan.passes.recompute import SelectivePartition, communicates, joint_selective_partition
+from autoplan.passes.recompute import POLICIES, Policy, RecomputePartition, communicates, joint_recompute_partition
 from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
 
 
@@ -128,13 +133,13 @@ def segment_costs(
     phase = {n.name: n.meta.get("autoplan.phase") for n in gm.graph.nodes}
     sums = _Sums.zeros(layering.num_segments)
     feeds_earlier = _feeds_earlier(gm, phase, seg_of)
-    selective = _selective_partition(gm, layering, problem, choice)
+    parts = {policy: _recompute_partition(gm, layering, problem, choice, policy) for policy in POLICIES}
     _add_node_times(
         sums, gm, problem, choice, seg_of, phase, feeds_earlier, param_nodes=param_nodes,
-        trainable=set(trainable_param_nodes), param_segments=layering.param_segments, recomputed=selective.recomputed_ops,
+        trainable=set(trainable_param_nodes), param_segments=layering.param_segments, partitions=parts,
     )  # fmt: skip
-    _add_conversions(sums, problem, choice, seg_of, phase, feeds_earlier)
-    _add_activations(sums, gm, problem, choice, seg_of, phase, trainable_param_nodes, selective)
+    _add_conversions(sums, problem, choice, seg_of, phase, feeds_earlier, parts)
+    _add_activations(sums, gm, problem, choice, seg_of, phase, trainable_param_nodes, parts)
     return sums.costs(optimizer)
 
 
@@ -148,7 +153,8 @@ class _Sums:
     bwd_w: list[float]
     fwd_comm: list[float]
     bwd_comm: list[float]
-    selective: list[float]
+    redo_s: dict[Policy, list[float]]
+    """Per policy: the forward time its backward re-runs."""
     grad_sync: list[float]
     opt: list[float]
     numel: list[int]
@@ -156,9 +162,10 @@ class _Sums:
     itemsize: list[int]
     flops: list[float]
     saved: list[float]
-    sel_kept: list[float]
-    sel_recomputed: list[float]
-    sel_bwd_transient: list[float]
+    kept: dict[Policy, list[float]]
+    recreated: dict[Policy, list[float]]
+    redo_transient: dict[Policy, list[float]]
+    """Per policy: the backward's transient peak with the re-created storages."""
     inputs: list[float]
     shared_inputs: list[float]
     tied_numel: list[int]
@@ -172,9 +179,10 @@ class _Sums:
     def zeros(cls, nseg: int) -> _Sums:
         return cls(
             fwd=[0.0] * nseg, bwd=[0.0] * nseg, bwd_w=[0.0] * nseg, fwd_comm=[0.0] * nseg, bwd_comm=[0.0] * nseg,
-            selective=[0.0] * nseg, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
+            redo_s={p: [0.0] * nseg for p in POLICIES}, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
             trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
-            sel_kept=[0.0] * nseg, sel_recomputed=[0.0] * nseg, sel_bwd_transient=[0.0] * nseg, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
+            kept={p: [0.0] * nseg for p in POLICIES}, recreated={p: [0.0] * nseg for p in POLICIES},
+            redo_transient={p: [0.0] * nseg for p in POLICIES}, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
             tied_trainable=[0] * nseg, tied_owner=[-1] * nseg, fwd_transient=[0.0] * nseg,
             bwd_transient=[0.0] * nseg, cut=[0.0] * max(nseg - 1, 0),
         )  # fmt: skip
@@ -188,16 +196,20 @@ class _Sums:
                     bwd_weight_s=self.bwd_w[k],
                     fwd_comm_s=self.fwd_comm[k],
                     bwd_comm_s=self.bwd_comm[k],
-                    selective_recompute_s=self.selective[k],
+                    selective_recompute_s=self.redo_s["selective"][k],
+                    full_recompute_s=self.redo_s["full"][k],
                     grad_sync_s=self.grad_sync[k],
                     optimizer_s=self.opt[k],
                     param_numel=self.numel[k],
                     trainable_numel=self.trainable_numel[k],
                     param_itemsize=self.itemsize[k],
                     saved_bytes=self.saved[k],
-                    selective_kept_bytes=self.sel_kept[k],
-                    selective_recomputed_bytes=self.sel_recomputed[k],
-                    selective_bwd_transient_bytes=self.sel_bwd_transient[k],
+                    selective_kept_bytes=self.kept["selective"][k],
+                    selective_recomputed_bytes=self.recreated["selective"][k],
+                    selective_bwd_transient_bytes=self.redo_transient["selective"][k],
+                    full_kept_bytes=self.kept["full"][k],
+                    full_recomputed_bytes=self.recreated["full"][k],
+                    full_bwd_transient_bytes=self.redo_transient["full"][k],
                     input_bytes=self.inputs[k],
                     shared_input_bytes=self.shared_inputs[k],
                     tied_param_numel=self.tied_numel[k],
@@ -240,10 +252,10 @@ def _add_node_times(
     param_nodes: Sequence[str],
     trainable: set[str],
     param_segments: Mapping[str, tuple[int, ...]],
-    recomputed: frozenset[str],
+    partitions: Mapping[Policy, RecomputePartition],
 ) -> None:
-    """Each chosen node's time: operators into forward / backward (and FLOPs; those of
-    ``recomputed``, selective recomputation's ``R``, into ``selective_recompute_s`` too),
+    """Each chosen node's time: operators into forward / backward (and FLOPs; those of each
+    policy's ``R`` into its ``*_recompute_s`` too),
     parameters into the optimizer step (and their local elements; a parameter read by later
     segments too, a tied embedding, into their ``tied_*`` fields: a pipeline stage without its
     first reader keeps a copy)."""
@@ -274,8 +286,9 @@ def _add_node_times(
         sums.flops[k] += op_flops(cost_key(node.target, node.args, node.kwargs), ins, outs)
         if phase[name] == "fwd":
             sums.fwd[k] += t
-            if name in recomputed:
-                sums.selective[k] += t
+            for policy, part in partitions.items():
+                if name in part.recomputed_ops:
+                    sums.redo_s[policy][k] += t
         else:
             sums.bwd[k] += t
             if not feeds_earlier.get(name, False):
@@ -289,9 +302,12 @@ def _add_conversions(
     seg_of: Mapping[str, int],
     phase: Mapping[str, object],
     feeds_earlier: Mapping[str, bool],
+    partitions: Mapping[Policy, RecomputePartition],
 ) -> None:
     """Each chosen conversion's time: gradient synchronisation, or the consumer's forward /
-    backward communication."""
+    backward communication (a forward one into an op a policy re-runs, unless the policy keeps it
+    converted, into its ``*_recompute_s`` too)."""
+    rerun = {p: (part.recomputed_ops, set(part.kept_conversions)) for p, part in partitions.items()}
     for e in problem.edges:
         c = _chosen_specs(problem, choice, e)
         if not c:
@@ -303,6 +319,9 @@ def _add_conversions(
             if phase.get(e.consumer) == "fwd":
                 sums.fwd[k] += c
                 sums.fwd_comm[k] += c
+                for policy, (ops, kept) in rerun.items():
+                    if e.consumer in ops and (e.consumer, e.arg_index) not in kept:
+                        sums.redo_s[policy][k] += c
             else:
                 sums.bwd[k] += c
                 sums.bwd_comm[k] += c
@@ -318,11 +337,11 @@ def _add_activations(
     seg_of: Mapping[str, int],
     phase: Mapping[str, object],
     trainable_param_nodes: Sequence[str],
-    selective: SelectivePartition,
+    partitions: Mapping[Policy, RecomputePartition],
 ) -> None:
-    """Activations: storages born in the forward and read by the backward (and selective
-    recomputation's share of them, :func:`_add_selective_bytes`); values crossing cuts; each
-    segment's transient peaks (the module docstring's ``T``)."""
+    """Activations: storages born in the forward and read by the backward (and each
+    recomputation policy's share of them, :func:`_add_recompute_bytes`); values crossing cuts;
+    each segment's transient peaks (the module docstring's ``T``)."""
     live = liveness.analyze(gm, list(trainable_param_nodes))
 
     def local_bytes(ref: ValueRef) -> float:
@@ -352,8 +371,14 @@ def _add_activations(
                 sums.inputs[j] += b
                 if len(later) > 1:
                     sums.shared_inputs[j] += b
-    recreated = _add_selective_bytes(sums, selective, counted, seg_of, lambda v: live.storage_of.get(v, v), local_bytes)
-    _add_kept_conversions(sums, gm, problem, choice, selective, seg_of)
+    recreated = {
+        policy: _add_recompute_bytes(
+            sums, policy, part, counted, seg_of, lambda v: live.storage_of.get(v, v), local_bytes
+        )
+        for policy, part in partitions.items()
+    }
+    for policy, part in partitions.items():
+        _add_kept_conversions(sums, gm, problem, choice, policy, part, seg_of)
     grads = {live.storage_of[g] for g in live.grads.values()}
     timeline = liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads)
     for n in gm.graph.nodes:
@@ -362,21 +387,24 @@ def _add_activations(
             continue
         peaks = sums.fwd_transient if phase[n.name] == "fwd" else sums.bwd_transient
         peaks[k] = max(peaks[k], timeline[live.position[n.name]])
-    _add_selective_bwd_transient(sums, gm, live, timeline, recreated, local_bytes, seg_of, phase)
+    for policy, part in partitions.items():
+        peaks = sums.redo_transient[policy]
+        _add_recompute_bwd_transient(peaks, gm, live, timeline, part, recreated[policy], local_bytes, seg_of, phase)
 
 
-def _add_selective_bwd_transient(
-    sums: _Sums,
+def _add_recompute_bwd_transient(
+    peaks: list[float],
     gm: fx.GraphModule,
     live: liveness.Liveness,
     timeline: Sequence[float],
+    part: RecomputePartition,
     recreated: set[ValueRef],
     local_bytes: Callable[[ValueRef], float],
     seg_of: Mapping[str, int],
     phase: Mapping[str, object],
 ) -> None:
-    """Each segment's backward peak under selective recomputation: ``T(i)`` plus the re-created
-    storages alive at ``i``, each from its first backward reader to its last reader (module
+    """Each segment's backward peak under one recomputation policy (``peaks``): ``T(i)`` plus
+    the re-created storages alive at ``i``, each from ``f(a)`` to its last reader (module
     docstring; an alias such as autograd's early ``detach`` reads where its own readers do, as the
     runtime places it)."""
 
@@ -385,16 +413,16 @@ def _add_selective_bwd_transient(
             return min(first_read(w) for w in u.users)
         return live.position.get(u.name, live.end)
 
+    rerun = set(part.recomputed)
+    made: dict[fx.Node, int] = {}  # re-run op -> where the runtime re-runs it
+    for n in reversed(part.recomputed):
+        reads = [first_read(u) for u in n.users if phase.get(u.name) == "bwd"]
+        made[n] = min([*reads, *(made[u] for u in n.users if u in rerun)], default=live.end)
     first: dict[ValueRef, int] = {}
-    for n in gm.graph.nodes:
-        if phase.get(n.name) != "fwd" or n.op != "call_function":
-            continue
+    for n, when in made.items():
         storage = live.storage_of.get(resolve_value(n), resolve_value(n))
-        if storage not in recreated:
-            continue
-        for u in n.users:
-            if phase.get(u.name) == "bwd":
-                first[storage] = min(first.get(storage, live.end), first_read(u))
+        if storage in recreated:
+            first[storage] = min(first.get(storage, live.end), when)
     extra = [0.0] * (live.end + 2)
     for storage, born in first.items():
         extra[born] += local_bytes(storage)
@@ -404,23 +432,24 @@ def _add_selective_bwd_transient(
         k = seg_of.get(n.name)
         if n.op == "call_function" and k is not None and phase[n.name] != "fwd":
             i = live.position[n.name]
-            sums.sel_bwd_transient[k] = max(sums.sel_bwd_transient[k], timeline[i] + alive[i])
+            peaks[k] = max(peaks[k], timeline[i] + alive[i])
 
 
-def _add_selective_bytes(
+def _add_recompute_bytes(
     sums: _Sums,
-    selective: SelectivePartition,
+    policy: Policy,
+    part: RecomputePartition,
     saved: Mapping[ValueRef, int],
     seg_of: Mapping[str, int],
     storage_of: Callable[[ValueRef], ValueRef],
     local_bytes: Callable[[ValueRef], float],
 ) -> set[ValueRef]:
-    """Selective recomputation's activations: the storages of the kept values ``K``, each once, in
+    """One recomputation policy's activations: the storages of the kept values ``K``, each once, in
     the segment of its first kept value (a kept placeholder: of its first reader; placeholders
     hold no activation bytes), and the ``saved`` storages (storage -> segment) not among them,
     re-created in the backward (returned)."""
     kept: set[ValueRef] = set()
-    for v in selective.kept:
+    for v in part.kept:
         k = seg_of.get(v.name)
         if k is None:
             k = min((seg_of[u.name] for u in v.users if u.name in seg_of), default=None)
@@ -428,10 +457,10 @@ def _add_selective_bytes(
         if k is None or storage in kept:
             continue
         kept.add(storage)
-        sums.sel_kept[k] += local_bytes(storage)
+        sums.kept[policy][k] += local_bytes(storage)
     recreated = {storage for storage in saved if storage not in kept}
     for storage in recreated:
-        sums.sel_recomputed[saved[storage]] += local_bytes(storage)
+        sums.recreated[policy][saved[storage]] += local_bytes(storage)
     return recreated
 
 
@@ -448,12 +477,12 @@ def _converted_specs(problem: CostProblem, choice: Mapping[str, int]) -> dict[tu
     return out
 
 
-def _selective_partition(
-    gm: fx.GraphModule, layering: Layering, problem: CostProblem, choice: Mapping[str, int]
-) -> SelectivePartition:
-    """Selective recomputation's ``K`` and ``R`` for the chosen plan
-    (:func:`autoplan.passes.recompute.joint_selective_partition`): an input reaching a re-run op
-    through a communicating conversion is kept converted."""
+def _recompute_partition(
+    gm: fx.GraphModule, layering: Layering, problem: CostProblem, choice: Mapping[str, int], policy: Policy
+) -> RecomputePartition:
+    """Recomputation's ``K`` and ``R`` under ``policy`` for the chosen plan
+    (:func:`autoplan.passes.recompute.joint_recompute_partition`): under ``selective`` an input
+    reaching a re-run op through a communicating conversion is kept converted."""
     mesh_shape = problem.cluster.mesh_shape
     specs = _converted_specs(problem, choice)
 
@@ -461,7 +490,9 @@ def _selective_partition(
         pq = specs.get((v.name, i))
         return pq is not None and any(communicates(st.kind, st.axis, mesh_shape) for st in plan_transition(*pq))
 
-    return joint_selective_partition(gm, layering.segment_of, mesh_shape=mesh_shape, converted=converted)
+    return joint_recompute_partition(
+        gm, layering.segment_of, mesh_shape=mesh_shape, policy=policy, converted=converted
+    )
 
 
 def _add_kept_conversions(
@@ -469,17 +500,18 @@ def _add_kept_conversions(
     gm: fx.GraphModule,
     problem: CostProblem,
     choice: Mapping[str, int],
-    selective: SelectivePartition,
+    policy: Policy,
+    part: RecomputePartition,
     seg_of: Mapping[str, int],
 ) -> None:
-    """The inputs selective recomputation keeps as a communicating conversion made them: each
+    """The inputs ``policy`` keeps as a communicating conversion made them: each
     conversion's local bytes in its consumer's layout, in the consumer's segment (one
     conversion per consumer, as code generation emits them)."""
-    if not selective.kept_conversions:
+    if not part.kept_conversions:
         return
     nodes = {n.name: n for n in gm.graph.nodes}
     specs = _converted_specs(problem, choice)
-    for consumer, i in selective.kept_conversions:
+    for consumer, i in part.kept_conversions:
         val = tensor_args(nodes[consumer])[i].meta["val"]
         _, q = specs[(consumer, i)]
-        sums.sel_kept[seg_of[consumer]] += liveness.local_bytes(q, val, problem.cluster.mesh_shape)
+        sums.kept[policy][seg_of[consumer]] += liveness.local_bytes(q, val, problem.cluster.mesh_shape)

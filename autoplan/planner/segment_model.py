@@ -336,7 +336,8 @@ def scale_costs(costs: SegmentCosts, factor: float) -> SegmentCosts:
     per_sample = ("fwd_s", "bwd_s", "bwd_weight_s", "fwd_comm_s", "bwd_comm_s", "selective_recompute_s",
                   "saved_bytes", "selective_kept_bytes", "input_bytes", "shared_input_bytes", "fwd_transient_bytes",
                   "bwd_transient_bytes", "selective_recomputed_bytes",
-                  "selective_bwd_transient_bytes", "flops")  # fmt: skip
+                  "selective_bwd_transient_bytes", "full_recompute_s", "full_kept_bytes", "full_recomputed_bytes",
+                  "full_bwd_transient_bytes", "flops")  # fmt: skip
     return dataclasses.replace(
         costs,
         segments=tuple(

@@ -22,11 +22,12 @@ A frozen parameter (``requires_grad=False``) is held and read like the others bu
 gradient and no optimizer state.
 
 Recomputation, per stage (``stage_recompute``): ``none`` keeps what the stage's backward reads;
-``selective`` runs the stage program of :func:`autoplan.passes.recompute.selective_stage_program`
-(the forward keeps matmul outputs, block inputs, collective and random-op outputs; the backward
-re-runs the ops between them, each right before its first reader; zero-bubble runs them in B),
-the rule :mod:`autoplan.planner.segment_costs` prices; ``full`` keeps the stage's inputs and
-re-runs its whole forward in the backward.
+``selective`` and ``full`` run the stage program of
+:func:`autoplan.passes.recompute.recompute_stage_program` under that policy, the rule
+:mod:`autoplan.planner.segment_costs` prices: the forward keeps random-op outputs and block inputs
+(``selective`` also matmul and collective outputs), the backward re-runs the ops between them,
+each right before its first reader (``full``: one block's forward at a time, as Megatron and
+torchtitan checkpoint per block; zero-bubble runs them in B).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
-from autoplan.passes.recompute import selective_stage_program
+from autoplan.passes.recompute import POLICIES, recompute_stage_program
 from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, split_stages
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
@@ -96,10 +97,10 @@ def _unwrap(x: torch.Tensor) -> torch.Tensor:
 
 
 EXECUTABLE_RECOMPUTE: tuple[str, ...] = ("none", "selective", "full")
-"""Recomputation the stage runtime implements: ``selective`` runs the stage program of
-:func:`autoplan.passes.recompute.selective_stage_program` (the forward keeps matmul outputs and
-block inputs, the backward re-runs the cheap ops between them), ``full`` keeps the stage's inputs
-and re-runs its whole forward in the backward."""
+"""Recomputation the stage runtime implements: ``selective`` and ``full`` run the stage program of
+:func:`autoplan.passes.recompute.recompute_stage_program` under that policy (``selective``: the
+forward keeps matmul outputs and block inputs, the backward re-runs the cheap ops between them;
+``full``: each block keeps its input and the backward re-runs the block)."""
 
 
 class _StageFunction(torch.autograd.Function):
@@ -109,8 +110,7 @@ class _StageFunction(torch.autograd.Function):
     def forward(ctx: Any, module: StageModule, anchor: torch.Tensor, *inputs: torch.Tensor) -> Any:  # noqa: ARG004
         outs, saved = module.run_forward(inputs)
         ctx.module = module
-        # full recomputation keeps only the stage's inputs and runs the forward again in backward
-        ctx.saved_values, ctx.saved_inputs = (None, [x.detach() for x in inputs]) if module.recompute else (saved, None)
+        ctx.saved_values = saved
         ctx.set_materialize_grads(False)
         ids = {id(x) for x in inputs}
         outs = [o.clone() if id(o) in ids else o for o in outs]
@@ -123,11 +123,8 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
-        saved = ctx.saved_values
-        if saved is None:
-            _, saved = ctx.module.run_forward(ctx.saved_inputs)
-        grads = ctx.module.run_backward(saved, grad_outputs)
-        ctx.saved_values = ctx.saved_inputs = None
+        grads = ctx.module.run_backward(ctx.saved_values, grad_outputs)
+        ctx.saved_values = None
         return (None, None, *grads)
 
 
@@ -143,13 +140,10 @@ class StageModule(torch.nn.Module):
         mesh: DeviceMesh,
         num_stages: int,
         device: torch.device,
-        recompute: bool = False,
         split_weight_grads: bool = False,
     ) -> None:
         super().__init__()
         self.program = program
-        self.recompute = recompute
-        """Full activation recomputation: keep the inputs, re-run the forward in the backward."""
         self.split = (
             split_backward(program.backward, sum(1 for v in program.input_grads if v is not None))
             if split_weight_grads
@@ -608,17 +602,15 @@ def build_pipeline(
     mine = [s for s in range(num_stages) if s % pp == pp_rank]
     modules = [
         StageModule(
-            selective_stage_program(
-                split.stages[s], layering.segment_of, last=s == num_stages - 1, mesh_shape=tuple(stage_mesh.shape)
-            )
-            if recompute[s] == "selective"
-            else split.stages[s],
+            _recomputing(
+                split.stages[s], recompute[s], layering=layering, last=s == num_stages - 1,
+                mesh_shape=tuple(stage_mesh.shape),
+            ),
             model=model,
             assignment=assignment,
             mesh=stage_mesh,
             num_stages=num_stages,
             device=device,
-            recompute=recompute[s] == "full",
             split_weight_grads=schedule == "zero-bubble",
         )  # fmt: skip
         for s in mine
@@ -662,6 +654,19 @@ def _check_stage_count(num_stages: int, *, layering: Layering, pp: int, virtual_
         raise PlanError(
             f"{num_stages} stage starts for pp={pp} x virtual_stages={virtual_stages}: give {pp * virtual_stages}"
         )
+
+
+def _recomputing(
+    stage: StageProgram, recompute: str, *, layering: Layering, last: bool, mesh_shape: tuple[int, ...]
+) -> StageProgram:
+    """``stage`` as it runs under ``recompute`` (``none``: as split; a policy of
+    :mod:`autoplan.passes.recompute`: :func:`~autoplan.passes.recompute.recompute_stage_program`)."""
+    for policy in POLICIES:
+        if recompute == policy:
+            return recompute_stage_program(
+                stage, layering.segment_of, last=last, mesh_shape=mesh_shape, policy=policy
+            )
+    return stage
 
 
 def _stage_recompute(stage_recompute: Sequence[str] | None, num_stages: int) -> list[str]:
