@@ -18,7 +18,12 @@ pytorch/torchtitan docs/performance.md, 2024). Add runs as rows of ``RUNS`` with
 
 Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.recompute``):
 
-- ``none`` -> ``none``; ``full`` -> ``full`` (every block keeps only its input): exact.
+- ``none`` -> ``none``: exact. ``full`` -> ``full`` (every block keeps only its input, its
+  backward re-creates the block; ``autoplan/passes/recompute.py``): not exact in two ways.
+  autoplan re-runs only what the backward reads, so not a block's last matmul (its output only
+  feeds the residual add), where torchtitan's ``checkpoint_wrapper`` re-runs the whole block; and
+  under ZeRO-3 autoplan's re-run gathers the block's weights once more (a third gather pass),
+  where FSDP2 reuses its backward gather.
 - ``selective, per op`` -> ``selective`` plus the matmuls torchtitan recomputes and autoplan's
   ``selective`` keeps. torchtitan's op policy (``torchtitan/parallelisms/parallelize_llama.py``,
   ``_apply_ac_to_transformer_block``: ``_save_list`` = mm, SDPA (flash/efficient), reduce_scatter;
@@ -265,7 +270,7 @@ def breakdown(run: PublishedRun) -> list[str]:
     """Where the predicted step goes (``--breakdown``), per autoplan configuration of the run:
     the roofline time of the traced step's ops by kind (matmuls, fused attention, the other ops;
     forward and backward, every block), the recomputation the configuration adds (``full``: the
-    forward; ``selective``: the forward's non-matmul ops; plus torchtitan's per-op matmuls),
+    forward but its random ops; ``selective``: the forward's non-matmul ops; plus torchtitan's per-op matmuls),
     FSDP2's copies (:func:`fsdp2_copy_s`, added to the step), and from the estimate the optimizer
     step, the compute stream's total (the slowdown beside communication included), the
     communication it waits for and the step (without the two benchmark-side terms)."""
@@ -309,7 +314,7 @@ def breakdown(run: PublishedRun) -> list[str]:
             model, cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
             global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
         )  # fmt: skip
-        redo = {"none": 0.0, "full": sum(x.fwd_s for x in seg.segments),
+        redo = {"none": 0.0, "full": sum(x.full_recompute_s for x in seg.segments),
                 "selective": sum(x.selective_recompute_s for x in seg.segments)}[recompute]  # fmt: skip
         if run.activation_checkpointing == "selective, per op":
             redo += op_sac_extra_recompute_s(run)
