@@ -270,7 +270,8 @@ def stage_memory_parts(
         backward of j:  A + T_j + gathered + R_j                    (the first micro-batch)
                         A min(f, m - 1) / f + T_j + gathered + R + R_j  (a later one, m > 1: the
                                           sum of the earlier ones is alive, at most m - 1 in flight)
-                 R_j = sum_{i >= j} r_i   (the stage's later segments made theirs first), R = R_0
+                 R_j = sum_{i > j} r_i   (the stage's later segments made theirs first; T_j holds
+                 j's own as its backward makes them, segment_costs' G_k), R = sum_i r_i
                  f = inflight, m = micro-batches per step
         reductions:     R + bucket + reduced     (after the schedule; activations freed)
         reduced_in_backward (one stage, one micro-batch:
@@ -358,14 +359,15 @@ def _gradients_held(
     raw: Sequence[float], grads: Sequence[float], bucket: float, reduced: float, *, in_backward: bool,
     policy: OverlapPolicy,
 ) -> tuple[list[float], float]:
-    """Per segment ``j``, the gradient bytes alive in its backward (the first micro-batch), and
+    """Per segment ``j``, the gradient bytes of the later segments alive in its backward (the
+    first micro-batch; ``j``'s own, made as its backward runs, are in its transient ``T_j``), and
     the bytes the reductions after the schedule add (0: none; :func:`stage_memory_parts`)."""
     if in_backward:
         # reduce-scattered as they exist: the reduced shards, plus the full-size buckets in flight
         # and the one filling (at most the raw gradients made so far)
         flight = (policy.reduce_scatters_in_flight + 1) * bucket
-        return [sum(grads[j:]) + min(sum(raw[j:]), flight) for j in range(len(raw))], 0.0
-    return [sum(raw[j:]) for j in range(len(raw))], bucket + reduced
+        return [sum(grads[j + 1 :]) + min(sum(raw[j + 1 :]), flight) for j in range(len(raw))], 0.0
+    return [sum(raw[j + 1 :]) for j in range(len(raw))], bucket + reduced
 
 
 def _backward_peak(

@@ -117,30 +117,33 @@ def test_full_recompute_keeps_block_inputs_and_rebuilds_one_block_at_a_time() ->
 
 
 def test_gradients_alive_at_a_segments_backward_are_those_of_later_segments() -> None:
-    """One micro-batch: the first segment's backward peaks with every gradient made; with
-    accumulation the earlier micro-batches' sum is alive beside the gradients made so far."""
-    segs = [_seg(0, 0, 100, numel=10), _seg(0, 0, 1, numel=1000)]
+    """A segment's transient ``bwd_transient_bytes`` holds the gradients its own backward has made
+    so far (segment_costs' ``G_k``); the memory model adds those of the later segments, made
+    before it. With accumulation the earlier micro-batches' sum is alive beside them."""
     g = 4.0  # fp32
-    once = _parts(segs)
-    assert once["grads"] == 1010 * g and once["transient"] == 100  # peak in the first segment's backward
-    late = _parts([_seg(0, 0, 1, numel=10), _seg(0, 0, 100, numel=1000)])
-    assert late["grads"] == 1000 * g  # peak in the last segment's backward: only its own gradients
-    accumulated = _parts([_seg(0, 0, 1, numel=10), _seg(0, 0, 100, numel=1000)], num_microbatches=2)
-    assert accumulated["grads"] == (1010 + 1000) * g  # the first micro-batch's sum + the last segment's own
-    assert accumulated["transient"] == 100
+    # the first segment's backward peaks (transient 100) beside the second segment's gradients
+    once = _parts([_seg(0, 0, 100, numel=10), _seg(0, 0, 1, numel=1000)])
+    assert once["grads"] == 1000 * g and once["transient"] == 100
+    # the last segment's backward (made first) holds only its transient: its own gradients are in it
+    late = _parts([_seg(0, 0, 1, numel=10), _seg(0, 0, 5000, numel=1000)])
+    assert late["grads"] == 0 and late["transient"] == 5000
+    accumulated = _parts([_seg(0, 0, 1, numel=10), _seg(0, 0, 5000, numel=1000)], num_microbatches=2)
+    assert accumulated["grads"] == 1010 * g  # the first micro-batch's sum beside the second's transient
+    assert accumulated["transient"] == 5000
 
 
 def test_a_later_micro_batch_runs_beside_the_gradient_sum_with_fewer_activations_in_flight() -> None:
     """1F1B with 2 micro-batches both in flight: the first one's backward holds both micro-batches'
-    activations and no sum; the second's holds one micro-batch's activations and the sum."""
+    activations and no sum; the second's holds one micro-batch's activations and the sum (the
+    segment's own new gradients are in its transient, 10 here)."""
     segs = [_seg(100, 0, 10, numel=5)]
     g = 4.0
     two = _parts(segs, inflight=2, num_microbatches=2)
-    first = 2 * 100 + 10 + 5 * g
-    second = 100 + 10 + 2 * 5 * g
+    first = 2 * 100 + 10
+    second = 100 + 10 + 5 * g
     assert sum(two.values()) == max(first, second) + 5 * g  # + the weights
     many = _parts(segs, inflight=2, num_microbatches=8)  # steady state: 2 in flight beside the sum
-    assert sum(many.values()) == 2 * 100 + 10 + 2 * 5 * g + 5 * g
+    assert sum(many.values()) == 2 * 100 + 10 + 5 * g + 5 * g
 
 
 def test_gradient_reductions_after_the_schedule_hold_one_bucket_and_its_result() -> None:

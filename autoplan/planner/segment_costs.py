@@ -17,13 +17,14 @@ epilogue) and the bytes that cross each cut between consecutive segments — the
     selective_recompute_s[k] = sum_{v fwd op in k, v in R} t[v, s_v] + sum_{e into v, re-run} c[e, p_e, q_e]
     selective_kept_bytes[k] = sum_{storage a of a value in K, first in k} b[a, s]
     selective_recomputed_bytes[k] = the storages of saved_bytes[k] not among those of K
-    selective_bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + sum_{a re-created, f(a) <= i <= l(a)} b[a, s]
+    selective_bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + G_k(i) + sum_{a re-created, f(a) <= i <= l(a)} b[a, s]
     full_recompute_s, full_kept_bytes, full_recomputed_bytes, full_bwd_transient_bytes: the same
                    under the ``full`` policy
     input_bytes[k] = sum_{value born in segments < k, read by a fwd op of k} b[a, s]
     shared_input_bytes[k] = the part of input_bytes[k] also read by other later segments
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
-    fwd_transient_bytes[k] = max_{fwd op i of k} T(i)      bwd_transient_bytes[k] = the same over bwd ops
+    fwd_transient_bytes[k] = max_{fwd op i of k} T(i)      bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + G_k(i)
+    G_k(i) = sum_{parameter gradient storage a born by a bwd op of k at or before i} b[a, s]
     T(i) = sum_{storage a alive at i, a not saved, not a parameter gradient} b[a, s]
 
 ``K`` (kept) and ``R`` (re-run) are recomputation's partition of the forward under each policy
@@ -36,7 +37,10 @@ reading ``a``) (under ``full`` a block's first backward op re-creates nearly all
 the lifetimes the ILP's plan is priced with) without the saved activations (``saved_bytes``,
 counted per micro-batch in flight) and the parameter gradients (counted with the parameters):
 what a segment's forward or backward allocates on top of them, e.g. the fp32 logits-sized
-gradients of the loss's log-softmax backward. A value read by several later segments (a causal
+gradients of the loss's log-softmax backward. ``G_k(i)``: the parameter gradients segment ``k``'s
+own backward has made by op ``i``, which the memory model does not yet count as held there
+(:func:`autoplan.cost_models.memory.stage_memory_parts` holds a segment's gradients from the end
+of its backward: counting them all at its transient peak over-counted the gradients made after it). A value read by several later segments (a causal
 mask, rotary tables) is stored once: saved once, in the segment that makes it, crossing each cut
 once, and ``shared_input_bytes`` lets a recomputed stage keep it once
 (:func:`autoplan.cost_models.memory.stage_memory_parts`).
@@ -380,7 +384,10 @@ def _add_activations(
     for policy, part in partitions.items():
         _add_kept_conversions(sums, gm, problem, choice, policy, part, seg_of)
     grads = {live.storage_of[g] for g in live.grads.values()}
-    timeline = liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads)
+    timeline = _with_own_gradients(
+        liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads),
+        gm, live, grads, local_bytes, seg_of, phase,
+    )  # fmt: skip
     for n in gm.graph.nodes:
         k = seg_of.get(n.name)
         if n.op != "call_function" or k is None:
@@ -390,6 +397,36 @@ def _add_activations(
     for policy, part in partitions.items():
         peaks = sums.redo_transient[policy]
         _add_recompute_bwd_transient(peaks, gm, live, timeline, part, recreated[policy], local_bytes, seg_of, phase)
+
+
+def _with_own_gradients(
+    timeline: Sequence[float],
+    gm: fx.GraphModule,
+    live: liveness.Liveness,
+    grads: set[ValueRef],
+    local_bytes: Callable[[ValueRef], float],
+    seg_of: Mapping[str, int],
+    phase: Mapping[str, object],
+) -> list[float]:
+    """``T(i)`` plus, at a backward op ``i`` of segment ``k``, the parameter gradients segment
+    ``k``'s backward has made by ``i`` (module docstring): they are alive from their birth to the
+    step's end, but the memory model counts a segment's gradients as held only once its backward
+    is over (:func:`autoplan.cost_models.memory.stage_memory_parts`), so the peak inside that
+    backward sees the ones made so far, not all of them."""
+    births: dict[int, list[tuple[int, float]]] = {}
+    for storage, born in live.births().items():
+        k = seg_of.get(storage.node)
+        if storage in grads and k is not None:
+            births.setdefault(k, []).append((born, local_bytes(storage)))
+    made = {k: sorted(v) for k, v in births.items()}
+    out = list(timeline)
+    for n in gm.graph.nodes:
+        k = seg_of.get(n.name)
+        if n.op != "call_function" or k is None or phase.get(n.name) == "fwd" or k not in made:
+            continue
+        i = live.position[n.name]
+        out[i] += sum(b for born, b in made[k] if born <= i)
+    return out
 
 
 def _add_recompute_bwd_transient(
