@@ -174,17 +174,23 @@ def train_both(
     num_steps: int = NUM_STEPS,
     check: bool = True,
     after_backward: Callable[[], None] | None = None,
+    local_batches: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
     """``num_steps`` steps of the parallel model ``pm`` (a ``ParallelModel`` or a pipeline) and of
     the single-device ``reference``, step ``k`` on ``batches(k) = (inputs, targets)``;
     ``check=True`` also asserts every op output has its planned placement (not for pipelines);
-    ``after_backward()`` runs after each sharded backward, before the optimizer step. Returns the
-    losses of both sides and the full parameters after the last step."""
+    ``after_backward()`` runs after each sharded backward, before the optimizer step;
+    ``local_batches(k)`` (a sharded loader's ``LocalBatch`` of the same samples as ``batches(k)``)
+    is what the parallel model gets instead of the global batch. Returns the losses of both sides
+    and the full parameters after the last step."""
     losses, ref_losses = [], []
     for step in range(num_steps):
         inputs, targets = batches(step)
         kwargs = {"check": True} if check else {}
-        losses.append(pm.forward_backward(*inputs, targets=tuple(targets), **kwargs).item())
+        if local_batches is not None:
+            losses.append(pm.forward_backward(local_batches(step), **kwargs).item())
+        else:
+            losses.append(pm.forward_backward(*inputs, targets=tuple(targets), **kwargs).item())
         if after_backward is not None:
             after_backward()
         opt.step()

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.modules.module import _IncompatibleKeys
 
+from autoplan.cost_models.errors import PlanError
 from autoplan.passes.placement import parse_spec, spec_str
 from autoplan.passes.trace import TracedProgram
 from autoplan.planner.plan import Plan
 from autoplan.runtime import training
 from autoplan.runtime.codegen import GeneratedProgram, expected_output_placements
+from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
@@ -130,14 +133,83 @@ class ParallelModel(torch.nn.Module):
             self._local = lower_to_local(self.program, self._example_args())
         return self._local
 
+    def _batch_values(self) -> list[torch.Tensor]:
+        """The traced step's batch (inputs, then targets) as fake or meta values: shapes and dtypes."""
+        placeholders = [n for n in self._traced.graph_module.graph.nodes if n.op == "placeholder"]
+        batch = placeholders[len(placeholders) - len(self._input_specs) - len(self._target_specs) :]
+        return [n.meta["val"] for n in batch]
+
     def _example_args(self) -> list[DTensor]:
         """Arguments shaped as the traced step's (the batch's values do not matter: the lowering
         traces on fake tensors)."""
-        placeholders = [n for n in self._traced.graph_module.graph.nodes if n.op == "placeholder"]
-        batch = placeholders[len(placeholders) - len(self._input_specs) - len(self._target_specs) :]
-        zeros = [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype) for n in batch]
+        zeros = [torch.zeros(v.shape, dtype=v.dtype) for v in self._batch_values()]
         args = [p.detach() for p in self._params] + list(self._buffers_list)
         return args + self._distribute(zeros, [*self._input_specs, *self._target_specs])
+
+    # -- data -------------------------------------------------------------------------------
+    def batch_layout(self, global_batch_size: int | None = None) -> BatchLayout:
+        """What this rank's program reads of each global batch (:mod:`autoplan.runtime.data`).
+        Every field must be batched along dim 0 with the planned global batch."""
+        values = self._batch_values()
+        planned = int(values[0].shape[0]) if values and values[0].ndim else 0
+        layout = BatchLayout(
+            global_batch_size=check_global_batch_size(planned, global_batch_size),
+            mesh_shape=tuple(self.mesh.shape),
+            coordinate=tuple(cast(list[int], self.mesh.get_coordinate())),
+            specs=(*self._input_specs, *self._target_specs),
+            num_inputs=len(self._input_specs),
+            sample_shapes=tuple(tuple(v.shape[1:]) for v in values),
+        )
+        for i, v in enumerate(values):
+            if v.ndim == 0 or v.shape[0] != planned:
+                raise PlanError(
+                    f"{layout.field_name(i)} was traced with shape {list(v.shape)}, not batched along dim 0 like "
+                    f"input 0 ({planned} samples): the sharded loader needs every field batched; feed global batches"
+                )
+        return layout
+
+    def data_loader(
+        self,
+        dataset: Any,
+        *,
+        global_batch_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        collate_fn: Any = None,
+    ) -> ShardedLoader:
+        """A loader yielding this rank's :class:`~autoplan.runtime.data.LocalBatch` of each step
+        of ``dataset`` (a ``Dataset`` or ``IterableDataset`` of ``(*inputs, *targets)`` samples):
+        ``for batch in loader: loss = pmodel.forward_backward(batch)``."""
+        layout = self.batch_layout(global_batch_size)
+        return ShardedLoader(dataset, layout, shuffle=shuffle, seed=seed, collate_fn=collate_fn, device=self.device)
+
+    def _local_fields(self, batch: LocalBatch) -> list[torch.Tensor]:
+        """A loaded batch's tensors, checked against the local shapes this rank's program reads."""
+        specs = [*self._input_specs, *self._target_specs]
+        tensors = [*batch.inputs, *batch.targets]
+        values = self._batch_values()
+        if len(batch.inputs) != len(self._input_specs) or len(batch.targets) != len(self._target_specs):
+            raise PlanError(
+                f"the batch holds {len(batch.inputs)} inputs and {len(batch.targets)} targets; the plan reads "
+                f"{len(self._input_specs)} and {len(self._target_specs)}: load it with this model's data_loader"
+            )
+        for i, (t, v, spec) in enumerate(zip(tensors, values, specs, strict=True)):
+            expected, _ = compute_local_shape_and_global_offset(v.shape, self.mesh, list(spec))
+            if tuple(t.shape) != tuple(expected):
+                raise PlanError(
+                    f"field {i} of the batch has local shape {list(t.shape)}; this rank reads {list(expected)} of a "
+                    f"global {list(v.shape)}: load the batch with this model's data_loader (global batch "
+                    f"{batch.global_batch_size})"
+                )
+        return [t.to(self.device) for t in tensors]
+
+    def _from_local(self, tensors: Sequence[torch.Tensor]) -> list[DTensor]:
+        """Local batch fields as the DTensors of the planned global batch (the checked path)."""
+        specs = [*self._input_specs, *self._target_specs]
+        return [
+            DTensor.from_local(t, self.mesh, list(spec), run_check=False, shape=v.shape, stride=v.stride())
+            for t, v, spec in zip(tensors, self._batch_values(), specs, strict=True)
+        ]
 
     def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
         """The optimizer the plan was costed for, over the sharded trainable parameters."""
@@ -153,31 +225,40 @@ class ParallelModel(torch.nn.Module):
         ]
 
     def forward_backward(
-        self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = (), check: bool = False
+        self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = (), check: bool = False
     ) -> torch.Tensor:
         """Run one step's forward and backward on the *global* batch (identical on every rank;
-        each rank keeps its shard). Returns the loss; gradients land in ``.grad``.
+        each rank keeps its shard), or on a :class:`~autoplan.runtime.data.LocalBatch` from
+        :meth:`data_loader` (already this rank's shard): ``forward_backward(batch)``. Returns the
+        loss; gradients land in ``.grad``.
 
         ``check=True`` asserts every intermediate has its planned placement (slower)."""
-        if len(inputs) != len(self._input_specs) or len(targets) != len(self._target_specs):
+        specs = [*self._input_specs, *self._target_specs]
+        local: list[torch.Tensor] | None = None
+        if len(inputs) == 1 and isinstance(inputs[0], LocalBatch):
+            if targets:
+                raise PlanError("a LocalBatch holds its targets: call forward_backward(batch) without targets=")
+            local = self._local_fields(inputs[0])
+        elif len(inputs) != len(self._input_specs) or len(targets) != len(self._target_specs):
             raise ValueError(
                 f"expected {len(self._input_specs)} inputs and {len(self._target_specs)} targets as planned, "
                 f"got {len(inputs)} and {len(targets)}"
             )
+        batch = [*cast(tuple[torch.Tensor, ...], inputs), *targets]
         if check:
             args = [p.detach() for p in self._params] + list(self._buffers_list)
-            args += self._distribute(inputs, self._input_specs) + self._distribute(targets, self._target_specs)
+            args += self._distribute(batch, specs) if local is None else self._from_local(local)
             with torch.no_grad(), implicit_replication():
                 outs = _CheckedInterpreter(self.program).run(*args)
         else:
             program = self.lowered()
             with torch.no_grad():  # the lowered program reads local tensors: no DTensor op runs here
                 args = [p.to_local() for p in self._params] + [b.to_local() for b in self._buffers_list]
-                args += [
-                    local_shard(t.to(self.device), self.mesh, spec)
-                    for t, spec in zip([*inputs, *targets], [*self._input_specs, *self._target_specs], strict=True)
-                ]
-                outs = program(*args)
+                if local is None:
+                    local = [
+                        local_shard(t.to(self.device), self.mesh, spec) for t, spec in zip(batch, specs, strict=True)
+                    ]
+                outs = program(*args, *local)
         loss, *grads = outs
         for p, g in zip(self._trainable, grads, strict=True):
             p.grad = g

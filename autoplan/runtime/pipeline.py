@@ -33,7 +33,7 @@ torchtitan checkpoint per block; zero-bubble runs them in B).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,7 @@ from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
 from autoplan.runtime import training
 from autoplan.runtime.codegen import STEP_FN, generate_program
+from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
@@ -150,6 +151,9 @@ class StageModule(torch.nn.Module):
             else None
         )
         """Zero-bubble schedules: the backward as an input-gradient (B) and a weight-gradient (W) program."""
+        self.batch_is_local = False
+        """Stage 0: this step's batch came from a sharded loader (already this rank's shard of
+        each micro-batch); else each micro-batch is global and :meth:`run_forward` cuts it."""
         self.pending_w: list[Callable[[], None]] = []
         """W work of backwards already run, newest last (handed to the schedule by ``dw_builder``)."""
         self.mesh = mesh
@@ -204,7 +208,7 @@ class StageModule(torch.nn.Module):
         micro-batch as given, of which this rank keeps its shard) -> (outputs, saved values),
         all local: DTensors are built only to lower the program at its first call."""
         prog = self.program
-        if prog.index == 0:
+        if prog.index == 0 and not self.batch_is_local:
             args = [
                 local_shard(x, self.mesh, list(v.spec)) if v.spec is not None else x
                 for x, v in zip(inputs, prog.inputs, strict=True)
@@ -213,7 +217,7 @@ class StageModule(torch.nn.Module):
             args = list(inputs)
 
         def as_dtensors() -> list[Any]:
-            if prog.index == 0:
+            if prog.index == 0 and not self.batch_is_local:
                 return [
                     distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None) if v.spec is not None else x
                     for x, v in zip(inputs, prog.inputs, strict=True)
@@ -302,9 +306,17 @@ class PipelineModel(torch.nn.Module):
         tied_groups: Mapping[str, tuple[tuple[int, ...], dist.ProcessGroup | None]],
         optimizer: str,
         num_stages: int,
+        batch_values: Sequence[ValueInfo],
+        num_inputs: int,
+        device: torch.device,
         tied_stages: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         super().__init__()
+        self.batch_values = tuple(batch_values)
+        """Stage 0's inputs: the micro-batch's model inputs then its loss targets, with their
+        placements on the stage mesh (every rank knows them; only first-stage ranks read them)."""
+        self.num_inputs = num_inputs
+        self.device = device
         self.stage_modules = torch.nn.ModuleList(stages)
         self._stages: list[StageModule] = list(stages)
         self.schedule = schedule
@@ -336,12 +348,36 @@ class PipelineModel(torch.nn.Module):
                 f"global batch {batch} is not divisible by num_microbatches={self.num_microbatches}: "
                 "change the batch or the number of micro-batches"
             )
+        return self._run_schedule(tuple(inputs) + tuple(targets))
+
+    def step_local(self, batch: LocalBatch) -> torch.Tensor:
+        """One training step on this rank's :class:`~autoplan.runtime.data.LocalBatch` (from
+        :meth:`data_loader`: on first-stage ranks its shard of every micro-batch, elsewhere
+        nothing); returns the loss (every rank)."""
+        layout = self.batch_layout(batch.global_batch_size)
+        fields = (*batch.inputs, *batch.targets)
+        if layout.reads_batch and len(fields) != layout.num_fields:
+            raise PlanError(
+                f"the batch holds {len(fields)} fields; stage 0 reads {layout.num_fields}: load it with this model's "
+                "data_loader"
+            )
+        first = [st for st in self._stages if st.program.index == 0]
+        for st in first:
+            st.batch_is_local = True
+        try:
+            return self._run_schedule(fields if layout.reads_batch else ())
+        finally:
+            for st in first:
+                st.batch_is_local = False
+
+    def _run_schedule(self, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Run the schedule on stage 0's arguments (the whole batch; ``()`` where no stage 0
+        runs), convert the gradients, and broadcast the loss from the last stage."""
         for st in self._stages:
             st.grad_acc.clear()
             st._owned.clear()
         losses: list[torch.Tensor] = []
-        args = tuple(inputs) + tuple(targets)
-        dummy_target = torch.zeros(batch)
+        dummy_target = torch.zeros(self.num_microbatches)  # the loss is the last stage's output
         self.schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
         self._finish_grads()
         pp_group = self.mesh.get_group("pp")
@@ -350,6 +386,37 @@ class PipelineModel(torch.nn.Module):
         last_rank = dist.get_global_rank(pp_group, (self.num_stages - 1) % self.mesh.size(0))
         dist.broadcast(loss, src=last_rank, group=pp_group)
         return loss
+
+    def batch_layout(self, global_batch_size: int | None = None) -> BatchLayout:
+        """What this rank reads of each global batch (:mod:`autoplan.runtime.data`): first-stage
+        ranks their shard of every micro-batch, inputs and targets; the others nothing."""
+        values = self.batch_values
+        planned = values[0].shape[0] * self.num_microbatches if values and values[0].shape else 0
+        coordinate = cast(list[int], self.mesh.get_coordinate())
+        return BatchLayout(
+            global_batch_size=check_global_batch_size(planned, global_batch_size),
+            num_microbatches=self.num_microbatches,
+            mesh_shape=tuple(self.stage_mesh.shape),
+            coordinate=tuple(coordinate[1:]),
+            specs=tuple(v.spec for v in values),
+            num_inputs=self.num_inputs,
+            sample_shapes=tuple(tuple(v.shape[1:]) for v in values),
+            reads_batch=coordinate[0] == 0,
+        )
+
+    def data_loader(
+        self,
+        dataset: Any,
+        *,
+        global_batch_size: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        collate_fn: Any = None,
+    ) -> ShardedLoader:
+        """As ``ParallelModel.data_loader``: this rank's :class:`~autoplan.runtime.data.LocalBatch`
+        of each step (nothing on ranks without the first stage); ``forward_backward(batch)``."""
+        layout = self.batch_layout(global_batch_size)
+        return ShardedLoader(dataset, layout, shuffle=shuffle, seed=seed, collate_fn=collate_fn, device=self.device)
 
     def _finish_grads(self) -> None:
         """Each stage's raw gradients (summed over micro-batches) -> the parameters' placements, in
@@ -450,10 +517,17 @@ class PipelineModel(torch.nn.Module):
             converted.update(zip(names, finish_bucket(), strict=True))
         return converted
 
-    def forward_backward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """Same contract as ``ParallelModel.forward_backward``: one step on the global batch,
-        gradients left in ``.grad``, the loss returned (every rank)."""
-        return self.step(inputs, targets)
+    def forward_backward(
+        self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = ()
+    ) -> torch.Tensor:
+        """Same contract as ``ParallelModel.forward_backward``: one step on the global batch or
+        on a :class:`~autoplan.runtime.data.LocalBatch` (``forward_backward(batch)``), gradients
+        left in ``.grad``, the loss returned (every rank)."""
+        if len(inputs) == 1 and isinstance(inputs[0], LocalBatch):
+            if targets:
+                raise PlanError("a LocalBatch holds its targets: call forward_backward(batch) without targets=")
+            return self.step_local(inputs[0])
+        return self.step(cast(tuple[torch.Tensor, ...], inputs), targets)
 
     def forward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """``loss = pmodel(*inputs, targets=...)`` in a standard loop: runs the step (every
@@ -640,6 +714,9 @@ def build_pipeline(
         optimizer=optimizer,
         num_stages=num_stages,
         tied_stages=split.tied_params,
+        batch_values=split.stages[0].inputs,
+        num_inputs=traced_mb.num_inputs,
+        device=device,
     )
 
 

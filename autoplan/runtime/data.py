@@ -1,0 +1,292 @@
+"""Sharded data loading: each rank materialises only the samples its program reads.
+
+The steps (``DistributedSampler``'s rule, computed alike on every rank)::
+
+    order  = randperm(len(dataset), seed + epoch) if shuffle else arange(len(dataset))
+    step k = dataset[order[k*B : (k+1)*B]]          B = global batch size; a partial last batch is dropped
+
+The rows a rank keeps of step ``k`` are, per field (the model inputs, then the loss targets), what
+:func:`~autoplan.runtime.lowering.local_shard` keeps of the global batch for the field's planned
+placement: dim 0 is split by the mesh axes whose placement is ``S(0)``, in axis order, as DTensor
+splits it (``torch.chunk``: chunks of ``ceil(n / k)`` rows, the last ones shorter or empty); an
+axis placing the field ``R`` or ``S(d)`` with ``d > 0`` keeps the same rows (tensor-parallel peers
+load the same samples). ``S(d)`` with ``d > 0`` is cut after collation, as ``local_shard`` cuts it.
+
+Pipelines (``M`` micro-batches of ``mb = B / M`` rows): the schedule cuts the batch into
+micro-batches and stage 0 keeps its shard of each, so a first-stage rank keeps the rows
+``m * mb + r`` for ``m`` in ``0..M-1`` and ``r`` in its shard of ``mb`` rows; their concatenation
+is what the schedule splits into the ``M`` local micro-batches. The pipeline runtime passes the
+targets from stage 0 to the last stage with the activations (:mod:`autoplan.passes.stages`), so
+first-stage ranks load inputs *and* targets and every other rank loads nothing.
+
+An ``IterableDataset`` is read whole by every rank (so all ranks agree on the number of steps);
+each keeps, of every ``B`` consecutive samples, the rows above and collates only those. Shuffle
+such a stream in the stream itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+from autoplan.cost_models.errors import PlanError
+from autoplan.passes.placement import spec_str
+
+Spec = tuple[Placement, ...]
+
+
+def _rows_kept(num_rows: int, spec: Spec | None, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> range:
+    """The rows of a dim 0 of ``num_rows`` this mesh coordinate keeps: DTensor's split over the
+    axes placing dim 0 ``S(0)`` (every other axis keeps them all)."""
+    if spec is None:
+        return range(num_rows)
+    dim0: list[Placement] = [p if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in spec]
+    (size,), (start,) = _compute_local_shape_and_global_offset((num_rows,), tuple(mesh_shape), list(coordinate), dim0)
+    return range(start, start + size)
+
+
+def check_global_batch_size(planned: int, given: int | None) -> int:
+    """The global batch a loader yields: the one the program was traced with (``given`` must
+    equal it), or :class:`PlanError`."""
+    if given is not None and given != planned:
+        raise PlanError(
+            f"global_batch_size={given}, but the plan's program was traced for a global batch of {planned} "
+            f"samples: pass global_batch_size={planned} or re-plan with a batch of {given}"
+        )
+    return planned
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchLayout:
+    """What one rank's program reads of each global batch: the fields' placements on the mesh
+    they are planned on and this rank's coordinate there."""
+
+    global_batch_size: int
+    """Samples per step (``B``)."""
+    num_microbatches: int = 1
+    """Micro-batches the (pipeline) schedule cuts the batch into; 1 for a ``ParallelModel``."""
+    mesh_shape: tuple[int, ...]
+    """The mesh the specs are on (a pipeline's stage mesh)."""
+    coordinate: tuple[int, ...]
+    """This rank's coordinate on that mesh."""
+    specs: tuple[Spec | None, ...]
+    """One placement per mesh axis for each field, the inputs then the targets (``None``: the
+    same full tensor on every rank)."""
+    num_inputs: int
+    """How many of ``specs`` are model inputs (the rest are loss targets)."""
+    sample_shapes: tuple[tuple[int, ...], ...]
+    """The planned shape of one sample of each field (the field's shape without dim 0)."""
+    reads_batch: bool = True
+    """False on pipeline ranks without the first stage: they load nothing."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1 or self.global_batch_size % self.num_microbatches:
+            raise PlanError(
+                f"global batch of {self.global_batch_size} samples does not split into "
+                f"{self.num_microbatches} micro-batches: use a multiple of {self.num_microbatches}"
+            )
+        if len(self.sample_shapes) != len(self.specs) or not 0 <= self.num_inputs <= len(self.specs):
+            raise PlanError(
+                f"{len(self.specs)} field specs, {len(self.sample_shapes)} sample shapes, {self.num_inputs} inputs"
+            )
+        for i, spec in enumerate(self.specs):
+            if spec is None:
+                continue
+            if len(spec) != len(self.mesh_shape) or not all(type(p) in (Shard, Replicate) for p in spec):
+                raise PlanError(
+                    f"{self.field_name(i)} is placed {spec_str(spec)} on a mesh of shape {self.mesh_shape}: the "
+                    "sharded loader handles one R or S(d) per mesh axis; feed global batches to forward_backward"
+                )
+
+    def field_name(self, i: int) -> str:
+        return f"input {i}" if i < self.num_inputs else f"target {i - self.num_inputs}"
+
+    @property
+    def num_fields(self) -> int:
+        return len(self.specs)
+
+    def rows(self, i: int) -> tuple[int, ...]:
+        """Positions in the global batch of the rows of field ``i`` this rank materialises, in the
+        order the program reads them (empty when it reads no batch)."""
+        if not self.reads_batch:
+            return ()
+        mb = self.global_batch_size // self.num_microbatches
+        kept = _rows_kept(mb, self.specs[i], self.mesh_shape, self.coordinate)
+        return tuple(m * mb + r for m in range(self.num_microbatches) for r in kept)
+
+    def cut_sample_dims(self, i: int, rows: torch.Tensor) -> torch.Tensor:
+        """Field ``i``'s collated rows cut along its ``S(d)``, ``d > 0``, placements (as
+        ``local_shard`` cuts the global batch)."""
+        spec = self.specs[i]
+        if spec is None or not any(isinstance(p, Shard) and p.dim > 0 for p in spec):
+            return rows
+        mb = self.global_batch_size // self.num_microbatches
+        shape, offset = _compute_local_shape_and_global_offset(
+            (mb, *rows.shape[1:]), self.mesh_shape, list(self.coordinate), list(spec)
+        )
+        for dim in range(1, rows.ndim):
+            if shape[dim] != rows.shape[dim]:
+                rows = rows.narrow(dim, offset[dim], shape[dim])
+        return rows.contiguous()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalBatch:
+    """One step's batch as this rank's program reads it: ``forward_backward(batch)`` runs on it
+    without cutting it again."""
+
+    inputs: tuple[torch.Tensor, ...]
+    """This rank's rows of each model input (``()`` on a pipeline rank that reads no batch)."""
+    targets: tuple[torch.Tensor, ...]
+    """This rank's rows of each loss target (``()`` likewise)."""
+    global_batch_size: int
+    step: int
+    """Step within the epoch (0-based)."""
+    sample_indices: tuple[tuple[int, ...], ...] = field(repr=False)
+    """Per field, the dataset index (an ``IterableDataset``: the stream position) of each row."""
+
+    def __str__(self) -> str:
+        shapes = ", ".join(str(list(t.shape)) for t in (*self.inputs, *self.targets)) or "nothing"
+        return f"LocalBatch(step {self.step}, {shapes} of {self.global_batch_size})"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors this rank materialised."""
+        return sum(t.numel() * t.element_size() for t in (*self.inputs, *self.targets))
+
+
+class ShardedLoader:
+    """Yields one :class:`LocalBatch` per step from a map-style ``Dataset`` or an
+    ``IterableDataset`` (the module docstring gives the order and the rows). ``collate_fn`` turns
+    a list of samples into one batched tensor per field (default: ``default_collate``; a sample is
+    a tuple ``(*inputs, *targets)`` or, with one field, a tensor)."""
+
+    def __init__(
+        self,
+        dataset: Dataset[Any] | IterableDataset[Any],
+        layout: BatchLayout,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.dataset = dataset
+        self.layout = layout
+        self.shuffle = shuffle
+        self.seed = seed
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.device = torch.device(device)
+        self.epoch = 0
+        self._iterable = isinstance(dataset, IterableDataset)
+        if self._iterable and shuffle:
+            raise PlanError("shuffle=True needs a map-style Dataset: shuffle the IterableDataset's stream itself")
+        if not self._iterable:
+            num_samples = len(dataset)  # type: ignore[arg-type]
+            if num_samples < layout.global_batch_size:
+                raise PlanError(self._too_short(num_samples))
+        fields = [layout.rows(i) for i in range(layout.num_fields)]
+        self._union = tuple(sorted(set().union(*fields)))
+        """Rows of the global batch this rank loads (every field's, once)."""
+        if layout.reads_batch and not self._union:
+            raise PlanError(
+                f"this rank keeps no sample of a global batch of {layout.global_batch_size} "
+                f"(mesh {layout.mesh_shape}): use a global batch of at least the data-parallel degree"
+            )
+        where = {r: k for k, r in enumerate(self._union)}
+        self._picks = [None if rows == self._union else torch.tensor([where[r] for r in rows]) for rows in fields]
+        """Per field, its rows' positions among :attr:`_union` (``None``: all, in order)."""
+
+    def _too_short(self, num_samples: int) -> str:
+        return (
+            f"the dataset has {num_samples} samples; one step needs a global batch of "
+            f"{self.layout.global_batch_size}: add samples or plan for a smaller global batch"
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order :meth:`__iter__` yields (shuffled with ``seed + epoch``)."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Steps per epoch (map-style datasets)."""
+        if self._iterable:
+            raise TypeError("an IterableDataset has no length: iterate the loader")
+        return len(self.dataset) // self.layout.global_batch_size  # type: ignore[arg-type]
+
+    def order(self) -> torch.Tensor:
+        """This epoch's sample order (the same on every rank)."""
+        num_samples = len(self.dataset)  # type: ignore[arg-type]
+        if not self.shuffle:
+            return torch.arange(num_samples)
+        return torch.randperm(num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def batch(self, step: int, order: torch.Tensor | None = None) -> LocalBatch:
+        """Step ``step`` of this epoch (map-style datasets)."""
+        if self._iterable or not 0 <= step < len(self):
+            raise PlanError(f"step {step} is not one of this epoch's {len(self)} steps of a map-style dataset")
+        order = self.order() if order is None else order
+        base = step * self.layout.global_batch_size
+        indices = [int(order[base + r]) for r in self._union]
+        return self._assemble(step, indices, [self.dataset[i] for i in indices])
+
+    def __iter__(self) -> Iterator[LocalBatch]:
+        if self._iterable:
+            yield from self._iter_stream(iter(self.dataset))
+            return
+        order = self.order()
+        for step in range(len(self)):
+            yield self.batch(step, order)
+
+    def _iter_stream(self, stream: Iterable[Any]) -> Iterator[LocalBatch]:
+        """Every ``B`` consecutive samples are one step; keep this rank's rows of each."""
+        batch_size, keep = self.layout.global_batch_size, set(self._union)
+        step, num_read, kept, positions = 0, 0, [], []
+        for position, sample in enumerate(stream):
+            num_read = position + 1
+            if position % batch_size in keep:
+                kept.append(sample)
+                positions.append(position)
+            if position % batch_size == batch_size - 1:
+                yield self._assemble(step, positions, kept)
+                step, kept, positions = step + 1, [], []
+        if step == 0:
+            raise PlanError(self._too_short(num_read))
+
+    def _assemble(self, step: int, indices: Sequence[int], samples: list[Any]) -> LocalBatch:
+        """The loaded samples (the rows of :attr:`_union`) -> each field's local tensor."""
+        layout = self.layout
+        if not layout.reads_batch:
+            return LocalBatch(inputs=(), targets=(), global_batch_size=layout.global_batch_size, step=step,
+                              sample_indices=((),) * layout.num_fields)  # fmt: skip
+        collated = self.collate_fn(samples)
+        fields = [collated] if isinstance(collated, torch.Tensor) else list(collated)
+        if len(fields) != layout.num_fields or not all(isinstance(f, torch.Tensor) for f in fields):
+            raise PlanError(
+                f"a collated batch has {len(fields)} fields; the program reads {layout.num_inputs} input(s) and "
+                f"{layout.num_fields - layout.num_inputs} target(s): make samples (*inputs, *targets) tuples of "
+                "tensors or pass collate_fn"
+            )
+        out, sample_indices = [], []
+        for i, (f, pick) in enumerate(zip(fields, self._picks, strict=True)):
+            if tuple(f.shape[1:]) != layout.sample_shapes[i]:
+                raise PlanError(
+                    f"{layout.field_name(i)} samples have shape {list(f.shape[1:])}; the plan was made for "
+                    f"{list(layout.sample_shapes[i])}: make the dataset's samples that shape or re-plan"
+                )
+            rows = f if pick is None else f.index_select(0, pick)
+            out.append(layout.cut_sample_dims(i, rows).to(self.device))
+            sample_indices.append(tuple(indices[k] for k in (range(len(indices)) if pick is None else pick.tolist())))
+        n = layout.num_inputs
+        return LocalBatch(
+            inputs=tuple(out[:n]),
+            targets=tuple(out[n:]),
+            global_batch_size=layout.global_batch_size,
+            step=step,
+            sample_indices=tuple(sample_indices),
+        )

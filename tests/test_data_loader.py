@@ -1,0 +1,320 @@
+"""Sharded data loading (autoplan.runtime.data): every rank materialises exactly the rows of each
+step's global batch that ``local_shard`` would keep of it for the planned placement.
+
+Single process: each of 4 ranks is played on a fake process group (no communication); its mesh
+gives the coordinate, ``local_shard`` of the global batch gives the expected rows, and the
+loader's :class:`BatchLayout` is built from the specs and that coordinate alone. A sample's
+value is its dataset index, so a loaded tensor names the samples it holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils.data import Dataset, IterableDataset
+
+import autoplan
+from autoplan.cost_models.errors import PlanError
+from autoplan.passes.layers import find_layers
+from autoplan.passes.placement import parse_spec
+from autoplan.passes.trace import trace_training_step
+from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader
+from autoplan.runtime.lowering import local_shard
+from tests import test_pipeline_equivalence as pipe
+from tests import zoo
+from tests.harness import RankPool, assert_trains_like_reference, cpu_cluster, reference_optimizer, train_both
+
+WORLD = 4
+SEQ = 4
+
+
+class IndexedTokens(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Sample ``i``: input ``(SEQ,)`` and target ``(SEQ,)`` holding ``100 * i + position``."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = 100 * i + torch.arange(SEQ)
+        return row, row + 1
+
+
+class IndexedStream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, num_samples: int) -> None:
+        self.data = IndexedTokens(num_samples)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return (self.data[i] for i in range(len(self.data)))
+
+
+def _on_rank(rank: int, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
+    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+
+
+def _layout(
+    mesh: DeviceMesh, spec: Sequence[str], *, batch: int, microbatches: int = 1, reads: bool = True
+) -> BatchLayout:
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    return BatchLayout(
+        global_batch_size=batch,
+        num_microbatches=microbatches,
+        mesh_shape=tuple(mesh.shape),
+        coordinate=tuple(coordinate),
+        specs=(parse_spec(spec), parse_spec(spec)),
+        num_inputs=1,
+        sample_shapes=((SEQ,), (SEQ,)),
+        reads_batch=reads,
+    )
+
+
+def _global_batch(
+    dataset: IndexedTokens, order: torch.Tensor, step: int, batch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    samples = [dataset[int(i)] for i in order[step * batch : (step + 1) * batch]]
+    return torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "spec", "batch"),
+    [
+        ((4,), ("S(0)",), 8),  # dp=4
+        ((4,), ("S(0)",), 10),  # dp=4, uneven: DTensor keeps 3, 3, 3, 1 rows
+        ((2, 2), ("S(0)", "R"), 8),  # dp=2 x tp=2: tensor-parallel peers load the same rows
+        ((2, 2), ("S(0)", "S(1)"), 8),  # dp=2 x sequence-parallel: rows, then the sequence cut
+        ((2, 2), ("S(0)", "S(0)"), 8),  # batch split over both axes
+    ],
+)
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_each_rank_loads_the_rows_local_shard_keeps(
+    mesh_shape: tuple[int, ...], spec: tuple[str, ...], batch: int, shuffle: bool
+) -> None:
+    dataset = IndexedTokens(3 * batch + 1)  # three steps; the partial last batch is dropped
+    loaded_rows: list[set[int]] = []
+    for rank in range(WORLD):
+        mesh = _on_rank(rank, mesh_shape, tuple(f"a{i}" for i in range(len(mesh_shape))))
+        try:
+            loader = ShardedLoader(dataset, _layout(mesh, spec, batch=batch), shuffle=shuffle, seed=7)
+            assert len(loader) == 3
+            order = loader.order()
+            steps = list(loader)
+            for step, got in enumerate(steps):
+                x, y = _global_batch(dataset, order, step, batch)
+                assert torch.equal(got.inputs[0], local_shard(x, mesh, parse_spec(spec)))
+                assert torch.equal(got.targets[0], local_shard(y, mesh, parse_spec(spec)))
+                assert list(got.sample_indices[0]) == [int(v) // 100 for v in got.inputs[0][:, 0]]
+                assert got.nbytes == got.inputs[0].nbytes + got.targets[0].nbytes
+            loaded_rows.append({i for b in steps for i in b.sample_indices[0]})
+        finally:
+            dist.destroy_process_group()
+    # the order is the same on every rank: together the ranks load each step's samples, no other
+    assert set().union(*loaded_rows) == set(order[: 3 * batch].tolist())
+    if shuffle:
+        assert order.tolist() != sorted(order.tolist())
+
+
+def test_pipeline_first_stage_loads_its_share_of_every_microbatch_and_other_stages_nothing() -> None:
+    """pp=2 x dp=2, 2 micro-batches: the schedule cuts the batch into micro-batches and stage 0
+    keeps its shard of each (StageModule.run_forward); the loader yields that concatenation."""
+    batch, microbatches = 8, 2
+    dataset = IndexedTokens(2 * batch)
+    for rank in range(WORLD):
+        mesh = _on_rank(rank, (2, 2), ("pp", "dp"))
+        try:
+            stage_mesh = mesh["dp"]
+            first = mesh.get_local_rank("pp") == 0
+            coordinate = mesh.get_coordinate()
+            assert coordinate is not None
+            layout = BatchLayout(
+                global_batch_size=batch,
+                num_microbatches=microbatches,
+                mesh_shape=tuple(stage_mesh.shape),
+                coordinate=tuple(coordinate[1:]),
+                specs=(parse_spec(["S(0)"]), parse_spec(["S(0)"])),
+                num_inputs=1,
+                sample_shapes=((SEQ,), (SEQ,)),
+                reads_batch=first,
+            )
+            for step, got in enumerate(ShardedLoader(dataset, layout)):
+                x, _ = _global_batch(dataset, torch.arange(len(dataset)), step, batch)
+                if not first:
+                    assert got.inputs == () and got.targets == () and got.nbytes == 0
+                    continue
+                expected = torch.cat([local_shard(mb, stage_mesh, parse_spec(["S(0)"])) for mb in x.tensor_split(2)])
+                assert torch.equal(got.inputs[0], expected)
+                # what the schedule hands stage 0 is each micro-batch's shard
+                assert [c.shape[0] for c in got.inputs[0].tensor_split(microbatches)] == [2, 2]
+        finally:
+            dist.destroy_process_group()
+
+
+def test_iterable_dataset_keeps_the_same_rows_as_the_map_style_one() -> None:
+    layout = BatchLayout(
+        global_batch_size=4, mesh_shape=(2, 2), coordinate=(1, 0), specs=(parse_spec(["S(0)", "R"]),) * 2,
+        num_inputs=1, sample_shapes=((SEQ,), (SEQ,)),
+    )  # fmt: skip
+    mapped = list(ShardedLoader(IndexedTokens(9), layout))
+    streamed = list(ShardedLoader(IndexedStream(9), layout))
+    assert len(streamed) == len(mapped) == 2
+    for a, b in zip(mapped, streamed, strict=True):
+        assert torch.equal(a.inputs[0], b.inputs[0]) and a.sample_indices == b.sample_indices
+    assert mapped[1].sample_indices[0] == (6, 7)
+
+
+def _dp2_layout(**overrides: object) -> BatchLayout:
+    kwargs: dict[str, object] = dict(
+        global_batch_size=4, mesh_shape=(2,), coordinate=(0,), specs=(parse_spec(["S(0)"]),) * 2,
+        num_inputs=1, sample_shapes=((SEQ,), (SEQ,)),
+    )  # fmt: skip
+    return BatchLayout(**(kwargs | overrides))  # type: ignore[arg-type]
+
+
+def test_bad_data_raises_plan_errors_that_name_the_fix() -> None:
+    with pytest.raises(PlanError, match="one step needs a global batch of 4: add samples"):
+        ShardedLoader(IndexedTokens(3), _dp2_layout())
+    with pytest.raises(PlanError, match="one step needs a global batch of 4"):
+        list(ShardedLoader(IndexedStream(3), _dp2_layout()))
+    with pytest.raises(PlanError, match="does not split into 3 micro-batches"):
+        _dp2_layout(num_microbatches=3)
+    with pytest.raises(PlanError, match="keeps no sample"):
+        ShardedLoader(IndexedTokens(8), _dp2_layout(global_batch_size=1, coordinate=(1,)))
+    with pytest.raises(PlanError, match="1 fields; the program reads 1 input.* and 1 target.*collate_fn"):
+        next(iter(ShardedLoader(IndexedTokens(8), _dp2_layout(), collate_fn=lambda s: torch.stack([x for x, _ in s]))))
+    with pytest.raises(PlanError, match=r"input 0 samples have shape \[4\]; the plan was made for \[5\]"):
+        next(iter(ShardedLoader(IndexedTokens(8), _dp2_layout(sample_shapes=((5,), (SEQ,))))))
+    with pytest.raises(PlanError, match="shuffle the IterableDataset"):
+        ShardedLoader(IndexedStream(8), _dp2_layout(), shuffle=True)
+    with pytest.raises(PlanError, match="handles one R or S"):
+        _dp2_layout(specs=(parse_spec(["P"]),) * 2)
+
+
+def test_local_batch_prints_its_shapes() -> None:
+    batch = next(iter(ShardedLoader(IndexedTokens(4), _dp2_layout())))
+    assert isinstance(batch, LocalBatch)
+    assert str(batch) == "LocalBatch(step 0, [2, 4], [2, 4] of 4)"
+
+
+# --- training through the loader equals the single-device model (2 gloo ranks) --------------------
+
+LM_SEQ = 16
+LM_BATCH = 8
+
+
+class TokenWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``num_samples`` seeded windows of ``LM_SEQ + 1`` tokens: ``(input_ids, next tokens)``."""
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, zoo.VOCAB, (num_samples, LM_SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
+class MLPSamples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, num_samples: int) -> None:
+        self.x, self.y = zoo.mlp_batch(num_samples, seed=5)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def _global_batches(loader: ShardedLoader) -> Callable[[int], tuple[tuple[torch.Tensor], tuple[torch.Tensor]]]:
+    """Step ``k``'s whole batch in the loader's order: what the single-device reference trains on."""
+    order = loader.order()
+    batch = loader.layout.global_batch_size
+
+    def batches(step: int) -> tuple[tuple[torch.Tensor], tuple[torch.Tensor]]:
+        samples = [loader.dataset[int(i)] for i in order[step * batch : (step + 1) * batch]]
+        return (torch.stack([x for x, _ in samples]),), (torch.stack([y for _, y in samples]),)
+
+    return batches
+
+
+def _mlp_data_parallel(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG001
+    """MLP, dp=2 (Adam), 3 shuffled steps of 64 samples through the loader."""
+    model = zoo.mlp()
+    reference = copy.deepcopy(model)
+    dataset = MLPSamples(3 * 64 + 5)
+    x, y = dataset.x[:64], dataset.y[:64]
+    pins = {"input_0": "S(0)", "target_0": "S(0)", "*.weight": "R", "*.bias": "R"}
+    pm = autoplan.parallelize(
+        model, cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(x,), loss_fn=zoo.mse_loss,
+        example_targets=(y,), pins=pins, optimizer="adam",
+    )  # fmt: skip
+    loader = pm.data_loader(dataset, shuffle=True, seed=11)
+    steps = list(loader)
+    # the checked DTensor program reads the same local batch as the lowered one
+    checked = pm.forward_backward(steps[0], check=True).item()
+    assert checked == pm.forward_backward(steps[0]).item()
+    pm.make_optimizer().zero_grad()
+    result = train_both(
+        pm, reference, batches=_global_batches(loader), local_batches=steps.__getitem__, loss_fn=zoo.mse_loss,
+        opt=pm.make_optimizer(lr=1e-2), ref_opt=reference_optimizer("adam", list(reference.parameters()), 1e-2),
+        check=False,
+    )  # fmt: skip
+    return result | {"loaded_bytes": steps[0].nbytes, "global_bytes": x.nbytes + y.nbytes}
+
+
+def _gpt2_pipeline(rank: int, world_size: int, pp: int, plan_json: str) -> dict[str, Any]:  # noqa: ARG001
+    """GPT-2 (4 layers, SGD with momentum), ``pp`` stages x ``2 // pp`` data-parallel ranks,
+    4 micro-batches of the global batch of 8, 3 steps through the loader."""
+    from autoplan.planner.plan import Plan
+    from autoplan.runtime.pipeline import build_pipeline
+
+    model = zoo.gpt2_tiny(num_layers=pipe.NUM_LAYERS)
+    reference = copy.deepcopy(model)
+    dataset = TokenWindows(3 * LM_BATCH + 3)
+    mb = LM_BATCH // pipe.NUM_MICROBATCHES
+    ids, labels = dataset.tokens[:mb, :-1].contiguous(), dataset.tokens[:mb, 1:].contiguous()
+    traced = trace_training_step(model, (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,))
+    layering = find_layers(traced)
+    mesh = init_device_mesh("cpu", (pp, 2 // pp), mesh_dim_names=("pp", "x"))
+    plan = Plan.from_dict(json.loads(plan_json))
+    pm = build_pipeline(
+        model, traced, plan.assignment(), layering, stage_starts=pipe._stage_starts(layering.num_segments, pp),
+        mesh=mesh, axis_names=("x",), schedule="1f1b", num_microbatches=pipe.NUM_MICROBATCHES,
+        fallback_nodes=frozenset(plan.fallback_ops), device=torch.device("cpu"), optimizer="sgd_momentum",
+    )  # fmt: skip
+    loader = pm.data_loader(dataset, shuffle=True, seed=3)
+    steps = list(loader)
+    result = train_both(
+        pm, reference, batches=_global_batches(loader), local_batches=steps.__getitem__, loss_fn=zoo.lm_loss,
+        opt=pm.make_optimizer(lr=0.1), ref_opt=torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
+        check=False,
+    )  # fmt: skip
+    return result | {"loaded_bytes": steps[0].nbytes, "global_bytes": 2 * LM_BATCH * LM_SEQ * 8}
+
+
+def test_training_through_the_loader_equals_single_device_on_the_same_global_batches() -> None:
+    """dp=2 ``ParallelModel`` (each rank loads half of each batch); a pp=1 x dp=2 pipeline (each
+    rank loads its row of each of the 4 micro-batches); a pp=2 pipeline (stage 0 loads every
+    row, stage 1 nothing). Losses and parameters equal the single-device run on the same batches."""
+    with RankPool(2, timeout_s=600) as pool:
+        results = pool.run(_mlp_data_parallel)
+        assert_trains_like_reference(results)
+        assert [r["loaded_bytes"] for r in results] == [results[0]["global_bytes"] // 2] * 2
+        for pp in (1, 2):
+            case = pipe.PipeCase(model="gpt2", layout="dp", schedule="1f1b", pp=pp, stage_size=2 // pp)
+            results = pool.run(_gpt2_pipeline, pp, pipe._plan_json(case))
+            assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
+            full = results[0]["global_bytes"]
+            assert [r["loaded_bytes"] for r in results] == ([full // 2] * 2 if pp == 1 else [full, 0])
