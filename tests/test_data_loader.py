@@ -318,3 +318,10 @@ def test_training_through_the_loader_equals_single_device_on_the_same_global_bat
             assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
             full = results[0]["global_bytes"]
             assert [r["loaded_bytes"] for r in results] == ([full // 2] * 2 if pp == 1 else [full, 0])
+
+
+def test_steps_out_of_range_or_of_a_stream_name_the_fix() -> None:
+    with pytest.raises(PlanError, match=r"step 2 is not one of this epoch's 2 steps: use 0..1"):
+        ShardedLoader(IndexedTokens(9), _dp2_layout()).batch(2)
+    with pytest.raises(PlanError, match="iterate the loader"):
+        ShardedLoader(IndexedStream(9), _dp2_layout()).batch(0)

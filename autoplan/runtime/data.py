@@ -228,8 +228,10 @@ class ShardedLoader:
 
     def batch(self, step: int, order: torch.Tensor | None = None) -> LocalBatch:
         """Step ``step`` of this epoch (map-style datasets)."""
-        if self._iterable or not 0 <= step < len(self):
-            raise PlanError(f"step {step} is not one of this epoch's {len(self)} steps of a map-style dataset")
+        if self._iterable:
+            raise PlanError("an IterableDataset is read in order: iterate the loader instead of calling batch(step)")
+        if not 0 <= step < len(self):
+            raise PlanError(f"step {step} is not one of this epoch's {len(self)} steps: use 0..{len(self) - 1}")
         order = self.order() if order is None else order
         base = step * self.layout.global_batch_size
         indices = [int(order[base + r]) for r in self._union]

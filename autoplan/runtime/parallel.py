@@ -244,7 +244,7 @@ class ParallelModel(torch.nn.Module):
                 f"expected {len(self._input_specs)} inputs and {len(self._target_specs)} targets as planned, "
                 f"got {len(inputs)} and {len(targets)}"
             )
-        batch = [*cast(tuple[torch.Tensor, ...], inputs), *targets]
+        batch = [] if local is not None else [*cast(tuple[torch.Tensor, ...], inputs), *targets]
         if check:
             args = [p.detach() for p in self._params] + list(self._buffers_list)
             args += self._distribute(batch, specs) if local is None else self._from_local(local)
