@@ -19,21 +19,30 @@ from tests.harness import cpu_cluster, mismatches, run_ranks
 STEPS, LR, MAX_NORM = 4, 3e-3, 0.05
 
 
+def _dataset() -> torch.utils.data.TensorDataset:
+    """The loop's batches as one dataset: step k's batch is rows [8k, 8k + 8)."""
+    pairs = [zoo.token_batch(seed=step + 1) for step in range(STEPS)]
+    return torch.utils.data.TensorDataset(torch.cat([i for i, _ in pairs]), torch.cat([t for _, t in pairs]))
+
+
 def _standard_loop(
-    model: torch.nn.Module, params: list[torch.nn.Parameter], clip: Any
+    model: torch.nn.Module, params: list[torch.nn.Parameter], clip: Any, *, loader: Any = None
 ) -> tuple[list[float], list[float]]:
     """The loop a user writes: AdamW, cosine LR, clipping, ``loss.backward()``; ``clip(params)``
-    clips by the global norm and returns it. Returns the losses and the norms."""
+    clips by the global norm and returns it; ``loader``: the parallel model's sharded loader
+    (each rank loads only its rows). Returns the losses and the norms."""
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
     losses, norms = [], []
+    local_batches = iter(loader) if loader is not None else None
     for step in range(STEPS):
         ids, labels = zoo.token_batch(seed=step + 1)
-        loss = (
-            model(ids, targets=(labels,))
-            if isinstance(model, autoplan.ParallelModel | autoplan.PipelineModel)
-            else zoo.lm_loss(model(ids), labels)
-        )
+        if local_batches is not None:
+            loss = model(next(local_batches))
+        elif isinstance(model, autoplan.ParallelModel | autoplan.PipelineModel):
+            loss = model(ids, targets=(labels,))
+        else:
+            loss = zoo.lm_loss(model(ids), labels)
         loss.backward()
         norms.append(float(clip(params)))
         opt.step()
@@ -50,14 +59,21 @@ def _pipeline_plan(config: autoplan.ParallelConfig) -> autoplan.Plan:
                              loss_fn=zoo.lm_loss, example_targets=(labels,), config=config, global_batch_size=ids.shape[0])  # fmt: skip
 
 
-def _rank(rank: int, world_size: int, pins: dict[str, str], plan: autoplan.Plan | None) -> dict[str, Any]:  # noqa: ARG001
+def _rank(
+    rank: int,
+    world_size: int,
+    pins: dict[str, str],
+    plan: autoplan.Plan | None,
+    use_loader: bool = False,  # noqa: ARG001
+) -> dict[str, Any]:
     model = zoo.gpt2_tiny()
     reference = copy.deepcopy(model)
     ids, labels = zoo.token_batch(seed=1)
     pm = autoplan.parallelize(model, cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(ids,),
                               loss_fn=zoo.lm_loss, example_targets=(labels,), pins=pins, plan=plan, profile=None)  # fmt: skip
     params = [p for p in pm.parameters() if p.requires_grad]
-    losses, norms = _standard_loop(pm, params, lambda ps: pm.clip_grad_norm_(MAX_NORM))
+    loader = pm.data_loader(_dataset()) if use_loader else None
+    losses, norms = _standard_loop(pm, params, lambda ps: pm.clip_grad_norm_(MAX_NORM), loader=loader)
     ref_losses, ref_norms = _standard_loop(reference, list(reference.parameters()),
                                 lambda ps: torch.nn.utils.clip_grad_norm_(ps, MAX_NORM))  # fmt: skip
     sd = pm.state_dict()
@@ -98,9 +114,10 @@ def test_standard_loop_with_adamw_cosine_lr_and_clipping_under_tensor_parallelis
 
 @pytest.mark.slow
 def test_standard_loop_on_a_two_stage_pipeline_trains_like_single_device() -> None:
-    """Clipping sums the squared norms over both stages; the tied embedding counts once."""
+    """Clipping sums the squared norms over both stages; the tied embedding counts once. Batches
+    come from the sharded loader (``pmodel(batch)``; only the first stage loads)."""
     config = autoplan.ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=4, num_microbatches=2)
-    results = run_ranks(_rank, 2, {}, _pipeline_plan(config))
+    results = run_ranks(_rank, 2, {}, _pipeline_plan(config), True)
     _check(results, {n for n, _ in zoo.gpt2_tiny().named_parameters()})
 
 

@@ -264,8 +264,9 @@ class ParallelModel(torch.nn.Module):
             p.grad = g
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
-    def forward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """``loss = pmodel(*inputs, targets=...)`` in a standard loop: runs the step (forward
+    def forward(self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``loss = pmodel(*inputs, targets=...)`` (or ``pmodel(batch)`` with a
+        :class:`~autoplan.runtime.data.LocalBatch`) in a standard loop: runs the step (forward
         and backward) and returns the loss, whose ``backward()`` puts the gradients in ``.grad``
         (:mod:`autoplan.runtime.training`)."""
         before = [p.grad for p in self._trainable]

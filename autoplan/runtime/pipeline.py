@@ -529,13 +529,14 @@ class PipelineModel(torch.nn.Module):
             return self.step_local(inputs[0])
         return self.step(cast(tuple[torch.Tensor, ...], inputs), targets)
 
-    def forward(self, *inputs: torch.Tensor, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """``loss = pmodel(*inputs, targets=...)`` in a standard loop: runs the step (every
+    def forward(self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``loss = pmodel(*inputs, targets=...)`` (or ``pmodel(batch)`` with a
+        :class:`~autoplan.runtime.data.LocalBatch`) in a standard loop: runs the step (every
         micro-batch) and returns the loss, whose ``backward()`` puts the gradients in ``.grad``
         (:mod:`autoplan.runtime.training`)."""
         trainable = [p for p in self.parameters() if p.requires_grad]
         before = [p.grad for p in trainable]
-        loss = self.step(inputs, targets)
+        loss = self.forward_backward(*inputs, targets=targets)
         return training.loss_installing_grads(self._anchor, loss, trainable, before)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -677,7 +678,10 @@ def build_pipeline(
     modules = [
         StageModule(
             _recomputing(
-                split.stages[s], recompute[s], layering=layering, last=s == num_stages - 1,
+                split.stages[s],
+                recompute[s],
+                layering=layering,
+                last=s == num_stages - 1,
                 mesh_shape=tuple(stage_mesh.shape),
             ),
             model=model,
@@ -740,9 +744,7 @@ def _recomputing(
     :mod:`autoplan.passes.recompute`: :func:`~autoplan.passes.recompute.recompute_stage_program`)."""
     for policy in POLICIES:
         if recompute == policy:
-            return recompute_stage_program(
-                stage, layering.segment_of, last=last, mesh_shape=mesh_shape, policy=policy
-            )
+            return recompute_stage_program(stage, layering.segment_of, last=last, mesh_shape=mesh_shape, policy=policy)
     return stage
 
 
