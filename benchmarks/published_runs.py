@@ -21,9 +21,11 @@ Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.
 - ``none`` -> ``none``: exact. ``full`` -> ``full`` (every block keeps only its input, its
   backward re-creates the block; ``autoplan/passes/recompute.py``): not exact in two ways.
   autoplan re-runs only what the backward reads, so not a block's last matmul (its output only
-  feeds the residual add), where torchtitan's ``checkpoint_wrapper`` re-runs the whole block; and
-  under ZeRO-3 autoplan's re-run gathers the block's weights once more (a third gather pass),
-  where FSDP2 reuses its backward gather.
+  feeds the residual add), where torchtitan's ``checkpoint_wrapper`` re-runs the whole block:
+  priced from its parts, the w2 matmul and the residual add per block added to the step
+  (:func:`full_ac_extra_recompute_s`); and under ZeRO-3 autoplan's re-run gathers the block's
+  weights once more (a third gather pass, hidden behind compute here but slowing it by the
+  contention factor), where FSDP2 reuses its backward gather: not corrected, an over-estimate.
 - ``selective, per op`` -> ``selective`` plus the matmuls torchtitan recomputes and autoplan's
   ``selective`` keeps. torchtitan's op policy (``torchtitan/parallelisms/parallelize_llama.py``,
   ``_apply_ac_to_transformer_block``: ``_save_list`` = mm, SDPA (flash/efficient), reduce_scatter;
@@ -201,9 +203,13 @@ def price(run: PublishedRun) -> Priced:
         exposed_s += weight * est.exposed_comm_s
         capacity = est.capacity_bytes
         configs.append(str(config) if weight == 1.0 else f"{weight:g}x[{config}]")
+        if recompute == "full":
+            step_s += weight * full_ac_extra_recompute_s(run)
     if run.activation_checkpointing == "selective, per op":
         step_s += op_sac_extra_recompute_s(run)
         configs.append("torchtitan op-SAC matmul recompute")
+    if "full" in RECOMPUTE_MIX[run.activation_checkpointing]:
+        configs.append("torchtitan full-AC block re-run")
     tokens = run.global_batch * run.seq_len
     num_params = sum(p.numel() for p in model.parameters())
     step_s += fsdp2_copy_s(run, num_params)
@@ -213,6 +219,18 @@ def price(run: PublishedRun) -> Priced:
         peak_memory_gib=peak / GiB, feasible=peak <= capacity, comm_s=comm_s, exposed_comm_s=exposed_s,
         published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu),
     )  # fmt: skip
+
+
+def _mm_s(run: PublishedRun, k: int, n: int) -> float:
+    """Time of one ``(T, k) @ (k, n)`` bf16 ``aten.mm`` of the run's block (T = local batch x
+    sequence length), as the cost model prices it in the trace."""
+
+    def meta(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+
+    tokens = run.local_batch * run.seq_len
+    device = Cluster.preset(run.cluster).device
+    return roofline_time_s(torch.ops.aten.mm.default, [meta(tokens, k), meta(k, n)], [meta(tokens, n)], device)
 
 
 def op_sac_extra_recompute_s(run: PublishedRun) -> float:
@@ -225,17 +243,23 @@ def op_sac_extra_recompute_s(run: PublishedRun) -> float:
         T = local batch * sequence length, d = h / heads
     """
     s = run.shape
-    device = Cluster.preset(run.cluster).device
-    tokens, head_dim = run.local_batch * run.seq_len, s.hidden // s.heads
+    head_dim = s.hidden // s.heads
     recomputed = ((s.hidden, s.kv_heads * head_dim), (s.heads * head_dim, s.hidden), (s.hidden, s.ffn))  # wk, wo, w3
+    return s.layers * sum(_mm_s(run, k, n) for k, n in recomputed)
 
-    def mm_s(k: int, n: int) -> float:
-        def meta(*shape: int) -> torch.Tensor:
-            return torch.empty(shape, dtype=torch.bfloat16, device="meta")
 
-        return roofline_time_s(torch.ops.aten.mm.default, [meta(tokens, k), meta(k, n)], [meta(tokens, n)], device)
+def full_ac_extra_recompute_s(run: PublishedRun) -> float:
+    """Forward time of what torchtitan's full activation checkpointing re-runs and autoplan's
+    ``full`` does not (module docstring): ``checkpoint_wrapper`` re-runs the whole block, autoplan
+    only what the backward reads, so not the block's last matmul (w2, whose output only feeds the
+    residual add) nor that add (two ``T x h`` bf16 reads, one write)::
 
-    return s.layers * sum(mm_s(k, n) for k, n in recomputed)
+        extra_s = layers * (t(T, ffn, h) + memory_time_s(3 * T * h * 2 bytes))
+    """
+    s = run.shape
+    tokens = run.local_batch * run.seq_len
+    add_s = memory_time_s(3 * tokens * s.hidden * 2, Cluster.preset(run.cluster).device)
+    return s.layers * (_mm_s(run, s.ffn, s.hidden) + add_s)
 
 
 def fsdp2_copy_s(run: PublishedRun, num_params: int) -> float:
@@ -318,6 +342,8 @@ def breakdown(run: PublishedRun) -> list[str]:
                 "selective": sum(x.selective_recompute_s for x in seg.segments)}[recompute]  # fmt: skip
         if run.activation_checkpointing == "selective, per op":
             redo += op_sac_extra_recompute_s(run)
+        if recompute == "full":
+            redo += full_ac_extra_recompute_s(run)
         kinds = ("matmul", "attention", "other")
         passes = " | ".join(
             f"{phase} " + ", ".join(f"{kind} {ms.get((phase, kind), 0.0):,.0f}" for kind in kinds)
