@@ -23,13 +23,16 @@ the table gives median step times, the ratio autoplan/torch, and the plan's own 
 (``plan.estimate.step_time_s``) against the measured median.
 
 Predictions are made as for any machine one has: rank 0 first measures it (:func:`measure_machine`:
-``autoplan calibrate --cluster 2xCPU --quick`` when no calibration of it is cached, then
-``autoplan profile`` of this benchmark's workload, which times only ops not yet in the
-machine's profile database), then plans (cluster preset ``2xCPU``) before the process group
-exists and hands the plans to rank 1; rank 0 prints, with each plan's sources (how many op
-times were profiled, whether links were calibrated). ``RUNTIME_OVERHEAD_MEASURE=0`` skips the
-measuring: plans then use whatever is cached, else analytic op times and the measured-default
-links. Final line::
+``autoplan calibrate --cluster 2xCPU --quick``, then ``autoplan profile`` of this benchmark's
+workload), then plans (cluster preset ``2xCPU``) before the process group exists and hands the
+plans to rank 1; rank 0 prints, with each plan's sources (how many op times were profiled,
+whether links were calibrated). Links and op times are measured afresh in every run, into a
+temporary cache (:func:`fresh_cache`, ~25 s): the shared 2-core VM this runs on changes speed
+between hours (the dp pair's autoplan step measured 85 ms one evening and 97-118 ms the next
+night with the same code; gloo's calibrated latency 920 us then, 1,593 us now), and
+measurements cached at another hour would turn that drift into prediction error.
+``RUNTIME_OVERHEAD_MEASURE=0`` skips the measuring: plans then use whatever is cached, else
+analytic op times and the measured-default links. Final line::
 
     runtime_overhead: dp_vs_ddp=X zero3_vs_fsdp2=Y tp_vs_torch_tp=Z pred_err_max=W%
 
@@ -38,12 +41,14 @@ A pair that cannot be built prints ``n/a`` with the reason; the others still run
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +140,23 @@ def measure_machine() -> None:
         if done.returncode != 0:
             last = f"failed (exit {done.returncode}): {(done.stderr.strip().splitlines() or ['?'])[-1]}"
         print(f"measure: {' '.join(cmd[3:5])}: {last}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def fresh_cache() -> Iterator[None]:
+    """``$AUTOPLAN_CACHE_DIR`` set to an empty temporary directory: ``autoplan calibrate`` and
+    ``autoplan profile`` then measure the links and every op of the workload now, and planning
+    reads those measurements (module docstring)."""
+    before = os.environ.get("AUTOPLAN_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="autoplan-runtime-overhead-") as tmp:
+        os.environ["AUTOPLAN_CACHE_DIR"] = tmp
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["AUTOPLAN_CACHE_DIR"]
+            else:
+                os.environ["AUTOPLAN_CACHE_DIR"] = before
 
 
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_", "MASTER_",
@@ -372,8 +394,11 @@ def main() -> None:
     planned_here = None
     if int(os.environ["RANK"]) == 0:
         if os.environ.get("RUNTIME_OVERHEAD_MEASURE", "1") != "0":
-            measure_machine()
-        planned_here = plans(ids, labels)
+            with fresh_cache():
+                measure_machine()
+                planned_here = plans(ids, labels)
+        else:
+            planned_here = plans(ids, labels)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     box: list[object] = [planned_here]
