@@ -12,11 +12,12 @@ split, and a rank whose targets are all ignored gives ``0 / 0 = nan``. The weigh
 plan can know it. So the trace computes the same loss in the form that splits exactly::
 
     (s, total_weight) = nll_loss_forward(logp, target, weight, SUM, ignore_index)   # P, P on a split batch
-    loss              = s / total_weight                                           # after both are summed
+    (s', total_weight') = unbind(stack([s, total_weight]))                          # one all-reduce of both
+    loss              = s' / total_weight'                                         # after both are summed
 
 ``nll_loss_forward`` with ``SUM`` returns the same ``total_weight``, and the backward is
-unchanged: ``nll_loss_backward(grad, ..., MEAN, ignore_index, total_weight)`` divides by the
-``total_weight`` it is given, the global one once it is summed, so each rank's gradient slice
+unchanged: ``nll_loss_backward(grad, ..., MEAN, ignore_index, total_weight')`` divides by the
+``total_weight'`` it is given, the global one once it is summed, so each rank's gradient slice
 is the single-device one. On one device ``s / total_weight`` is what ``MEAN`` computes.
 """
 
@@ -59,16 +60,37 @@ def mean_losses_as_sums(gm: fx.GraphModule) -> int:
             node.args = tuple(args)
         else:
             node.kwargs = {**node.kwargs, "reduction": SUM}
-        with gm.graph.inserting_after(total):
-            div = gm.graph.call_function(torch.ops.aten.div.Tensor, (loss, total))
-        loss.replace_all_uses_with(div, delete_user_cb=lambda user, div=div: user is not div)
-        div.meta = {k: v for k, v in loss.meta.items() if k != "val"}
-        div.meta["val"] = torch.empty_like(loss.meta["val"])  # the loss's shape and dtype (its fake mode)
+        _divide_once_summed(gm, loss, total)
         rewritten += 1
     if rewritten:
         gm.graph.lint()
         gm.recompile()
     return rewritten
+
+
+def _divide_once_summed(gm: fx.GraphModule, loss: fx.Node, total: fx.Node) -> None:
+    """After ``loss`` (the sum) and ``total`` (the total weight), adjacent: ``pair = stack([loss,
+    total])``, ``(s, w) = unbind(pair)``, ``s / w`` replaces the loss and ``w`` the total weight
+    in every other reader (the backward's ``nll_loss_backward``). One tensor carries both
+    numbers, so a split batch sums them with one all-reduce at ``unbind``'s input, not one per
+    reader of each."""
+    graph = gm.graph
+    fake = loss.meta["val"]
+    base = {k: v for k, v in loss.meta.items() if k != "val"}
+
+    def add(after: fx.Node, target: object, args: tuple[object, ...], val: object) -> fx.Node:
+        with graph.inserting_after(after):
+            n = graph.call_function(target, args)  # type: ignore[arg-type]
+        n.meta = {**base, "val": val}
+        return n
+
+    pair = add(total, torch.ops.aten.stack.default, ([loss, total],), fake.new_empty((2,)))
+    parts = add(pair, torch.ops.aten.unbind.int, (pair,), (fake.new_empty(()), fake.new_empty(())))
+    summed = add(parts, operator.getitem, (parts, 0), fake.new_empty(()))
+    weight = add(summed, operator.getitem, (parts, 1), fake.new_empty(()))
+    div = add(weight, torch.ops.aten.div.Tensor, (summed, weight), fake.new_empty(()))
+    loss.replace_all_uses_with(div, delete_user_cb=lambda user: user is not pair)
+    total.replace_all_uses_with(weight, delete_user_cb=lambda user: user is not pair)
 
 
 def _reduction(node: fx.Node) -> object:

@@ -380,6 +380,14 @@ def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTab
         return _build_strategy_table(traced, mesh)
 
 
+REPLICABLE_FOLLOWERS: frozenset[object] = frozenset({torch.ops.aten.stack.default, torch.ops.aten.unbind.int})
+"""Ops whose DTensor rule only follows the placement of its (first) input, given here the
+all-replicated strategy too: on replicated inputs any op computes its replicated output. The loss
+pass stacks a partial sum and its total weight and unbinds them (:mod:`autoplan.passes.losses`):
+with ``unbind``'s input replicated the two numbers are summed by one all-reduce, not one per
+reader of each."""
+
+
 def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTable:
     mesh_shape = tuple(mesh.shape)
     rep = replicated(len(mesh_shape))
@@ -440,6 +448,10 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
             # canonical order: DTensor's strategy lists can come out in another order once its
             # caches are warm, and the ILP breaks ties by order (plans must not depend on that)
             strategies = tuple(sorted(strategies, key=_strategy_key)) if strategies else strategies
+        if strategies and node.target in REPLICABLE_FOLLOWERS:
+            everywhere = Strategy((rep,) * n_out, (rep,) * len(refs))
+            if all(s.input_specs != everywhere.input_specs for s in strategies):
+                strategies = (*strategies, everywhere)
         if not strategies:
             table.fallback_ops[node.name] = str(node.target)
             outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in (val if n_out > 1 else [val]))

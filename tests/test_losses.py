@@ -9,8 +9,6 @@ computes 9.0197, every step, with exit 0; a rank whose targets are all ignored g
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.nn.functional as F
 
@@ -43,9 +41,15 @@ def test_traced_mean_loss_is_a_sum_over_the_total_weight_and_equals_eager() -> N
     traced = trace_training_step(model, (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,))
     (nll,) = _nll_nodes(traced)
     assert nll.args[3] == SUM != MEAN
-    (div,) = [u for n in nll.users if n.target is operator.getitem and n.args[1] == 0 for u in n.users]
-    assert div.target is torch.ops.aten.div.Tensor
-    assert [a.args[1] for a in div.args] == [0, 1]  # the sum over the total weight
+    # loss = s' / w' with (s', w') = unbind(stack([s, w])); the backward divides by w' too
+    (stack,) = {u for n in nll.users for u in n.users if u.target is torch.ops.aten.stack.default}
+    assert [a.args[1] for a in stack.args[0]] == [0, 1]
+    (unbind,) = stack.users
+    summed, weight = sorted(unbind.users, key=lambda n: n.args[1])
+    (div,) = [u for u in summed.users if u.target is torch.ops.aten.div.Tensor]
+    assert div.args == (summed, weight)
+    (backward,) = [u for u in weight.users if u.target is torch.ops.aten.nll_loss_backward.default]
+    assert backward.args[-1] is weight
 
     params = [p.detach() for p in model.parameters()]
     loss, *grads = traced.graph_module(*params, *model.buffers(), ids, labels)
@@ -87,7 +91,8 @@ def _padded_step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_padded_labels_on_a_split_batch_train_like_single_device() -> None:
     """Rank 0's half of every batch has no target at all. The vocabulary is wide enough that the
     plan splits the loss over the batch (gathering the log-probabilities would move 32 MiB)
-    rather than gathering it: the test checks that it does, so it keeps covering the split."""
+    rather than gathering it, with one all-reduce of the stacked sum and total weight: the test
+    checks that it does, so it keeps covering the split."""
     case = Case(
         name="padded-labels",
         build_model=_wide_vocab_gpt2,
@@ -101,10 +106,11 @@ def test_padded_labels_on_a_split_batch_train_like_single_device() -> None:
         num_steps=2,
     )
     results = run_case(case)
-    split = {
-        (c.producer, c.consumer)
+    loss_collectives = {
+        (c.producer, c.consumer, c.steps)
         for c in results[0]["plan"].collectives
-        if c.producer.startswith("nll_loss_forward") and c.steps == (("all_reduce", 0),)
+        if c.producer.startswith(("nll_loss_forward", "stack", "unbind", "div"))
     }
-    assert ("nll_loss_forward", "div") in split and ("nll_loss_forward[1]", "div") in split, split
+    # the sum and the total weight, stacked, summed by one all-reduce
+    assert loss_collectives == {("stack", "unbind", (("all_reduce", 0),))}, loss_collectives
     assert_trains_like_reference(results)

@@ -204,7 +204,7 @@ def _split(model: str, stage_starts: list[int]):  # noqa: ANN202
             defer_grad_conversions=True,
         )
     split = split_stages(gen.graph_module, traced, layering, plan.assignment(), stage_starts=stage_starts, mesh_ndim=1)
-    return traced, gen.graph_module, split
+    return traced, gen.graph_module, split, plan
 
 
 def _ops(gm: torch.fx.GraphModule) -> list[str]:
@@ -213,7 +213,7 @@ def _ops(gm: torch.fx.GraphModule) -> list[str]:
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
 def test_every_op_runs_in_exactly_one_stage_program(model: str) -> None:
-    _, gen, split = _split(model, [0, 3])
+    _, gen, split, _ = _split(model, [0, 3])
     seen: dict[str, int] = {}
     for st in split.stages:
         for gm in (st.forward, st.backward):
@@ -228,7 +228,7 @@ def test_every_op_runs_in_exactly_one_stage_program(model: str) -> None:
 
 
 def test_boundary_values_and_gradients_pair_up() -> None:
-    _, _, split = _split("gpt2", [0, 3])
+    _, _, split, _ = _split("gpt2", [0, 3])
     first, second = split.stages
     assert [v.name for v in first.outputs] == [v.name for v in second.inputs]
     assert [v.name for v in first.inputs] == ["input_0", "target_0"]
@@ -242,7 +242,7 @@ def test_boundary_values_and_gradients_pair_up() -> None:
 
 
 def test_values_that_skip_stages_are_passed_through() -> None:
-    _, _, split = _split("llama", [0, 2, 3, 4])
+    _, _, split, _ = _split("llama", [0, 2, 3, 4])
     # rotary cos/sin are made in the prologue and read by every block: each stage passes them on
     rotary = {v.name for v in split.stages[0].outputs if v.shape == (1, 16, 8)}
     assert len(rotary) == 2
@@ -254,7 +254,7 @@ def test_values_that_skip_stages_are_passed_through() -> None:
 
 
 def test_tied_embedding_gets_a_copy_and_a_partial_gradient_per_stage() -> None:
-    _, _, split = _split("gpt2", [0, 2, 3, 4])
+    _, _, split, _ = _split("gpt2", [0, 2, 3, 4])
     assert split.tied_params == {"transformer.wte.weight": (0, 3)}
     for s in (0, 3):
         st = split.stages[s]

@@ -37,6 +37,7 @@ from autoplan.passes.recompute import (
     recompute_stage_program,
     stage_recompute_partition,
 )
+from autoplan.passes.redistribute import edge_redistributions
 from autoplan.passes.stages import RECOMPUTED_META, StageProgram, split_backward, split_stages
 from autoplan.passes.trace import trace_training_step
 from autoplan.planner.ilp import plan_traced
@@ -82,12 +83,12 @@ MESH = (2,)
 
 @pytest.fixture(scope="module")
 def gpt2_split():
-    traced, _, split = _split("gpt2", [0, 3])
-    return traced, find_layers(traced), split
+    traced, _, split, plan = _split("gpt2", [0, 3])
+    return traced, find_layers(traced), split, plan
 
 
 def test_selective_stage_keeps_fewer_bytes_than_none_and_more_than_full(gpt2_split) -> None:
-    _, layering, split = gpt2_split
+    _, layering, split, _ = gpt2_split
     for st in split.stages:
         last = st.index == len(split.stages) - 1
         sel = recompute_stage_program(st, layering.segment_of, last=last, mesh_shape=MESH)
@@ -106,7 +107,7 @@ def test_selective_stage_keeps_fewer_bytes_than_none_and_more_than_full(gpt2_spl
 def test_selective_backward_reruns_no_matmul_collective_or_random_op_and_what_the_pricing_counts(
     gpt2_split,
 ) -> None:
-    traced, layering, split = gpt2_split
+    traced, layering, split, plan = gpt2_split
     rerun: set[str] = set()
     for st in split.stages:
         sel = recompute_stage_program(st, layering.segment_of, last=st.index == len(split.stages) - 1, mesh_shape=MESH)
@@ -125,8 +126,14 @@ def test_selective_backward_reruns_no_matmul_collective_or_random_op_and_what_th
         assert rerun >= part.recomputed_ops
     kinds = {str(n.target) for n in traced.graph_module.graph.nodes if n.name in rerun}
     assert {"aten.native_layer_norm.default", "aten.tanh.default", "aten.add.Tensor"} <= kinds
-    # the pricing sums the forward time of exactly these ops (segment_costs' selective_recompute_s)
-    priced = joint_recompute_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH)
+    # the pricing sums the forward time of exactly these ops (segment_costs' selective_recompute_s),
+    # an input arriving through a communicating conversion kept converted (the loss's summed pair)
+    steps = {(r.consumer, r.arg_index): r.steps for r in edge_redistributions(traced, plan.assignment(), 1)}
+
+    def converted(v: fx.Node, i: int) -> bool:
+        return any(communicates(st.kind, st.axis, MESH) for st in steps.get((v.name, i), ()))
+
+    priced = joint_recompute_partition(traced.graph_module, layering.segment_of, mesh_shape=MESH, converted=converted)
     assert priced.recomputed_ops == rerun
 
 
@@ -135,8 +142,6 @@ def test_under_megatron_pins_the_kept_all_reduces_are_what_the_pricing_keeps() -
     picks) on a stage mesh of 2: the runtime keeps the results of the collectives that feed
     re-run ops, the pricing keeps the same inputs as converted (its conversions are edges:
     ``converted`` from the plan's redistributions), and both re-run the same ops."""
-    from autoplan.passes.redistribute import edge_redistributions
-
     net = zoo.gpt2_tiny(num_layers=4)
     ids, labels = zoo.token_batch(batch=2)
     traced = trace_training_step(net, (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,))
@@ -166,7 +171,7 @@ def test_under_megatron_pins_the_kept_all_reduces_are_what_the_pricing_keeps() -
 def test_zero_bubble_split_runs_the_recomputation_in_b(gpt2_split) -> None:
     """split_backward of a selective backward: every re-run op in B (the step model prices it
     there), each op in exactly one of B and W."""
-    _, layering, split = gpt2_split
+    _, layering, split, _ = gpt2_split
     st = split.stages[1]
     sel = recompute_stage_program(st, layering.segment_of, last=True, mesh_shape=MESH)
     b, w = split_backward(sel.backward, sum(1 for v in sel.input_grads if v is not None))
@@ -180,7 +185,7 @@ def test_full_recompute_reruns_the_matmuls_and_keeps_only_block_inputs(gpt2_spli
     """Policy ``full`` on the GPT-2 stages: the forward returns fewer bytes than selective's,
     the backward re-runs the matmuls too (one block at a time), and exactly the ops the pricing
     counts for ``full_recompute_s``."""
-    traced, layering, split = gpt2_split
+    traced, layering, split, plan = gpt2_split
     rerun: set[str] = set()
     for st in split.stages:
         last = st.index == len(split.stages) - 1
