@@ -14,6 +14,7 @@ from autoplan.cost_models.version import __version__ as __version__
 # not pay for importing torch.
 _EXPORTS = {
     "parallelize": "autoplan.api",
+    "DeferredModel": "autoplan.api",
     "plan": "autoplan.api",
     "ParallelConfig": "autoplan.cost_models.config",
     "ClusterSpecError": "autoplan.errors",
@@ -51,7 +52,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from autoplan.api import estimate, parallelize, plan
+    from autoplan.api import DeferredModel, estimate, parallelize, plan
     from autoplan.cost_models.cluster import Cluster
     from autoplan.cost_models.config import ParallelConfig
     from autoplan.cost_models.hardware import DeviceSpec
@@ -75,6 +76,7 @@ __all__ = [
     "Cluster",
     "ClusterSpecError",
     "ConfigError",
+    "DeferredModel",
     "DeviceSpec",
     "InfeasiblePlanError",
     "ParallelConfig",

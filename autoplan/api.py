@@ -15,7 +15,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from autoplan.planner.mesh import as_cluster, planning_mesh
 from autoplan.planner.plan import Plan
 from autoplan.planner.tracing import trace_for_plan, trace_microbatch
 from autoplan.runtime.codegen import generate_program
+from autoplan.runtime.data import LocalBatch
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel, build_pipeline
 
@@ -226,6 +228,82 @@ def _parallelize_pipeline(
     )
 
 
+class DeferredModel:
+    """What :func:`parallelize` returns without ``example_inputs``: the model is planned and built
+    at its first call, ``loss = pmodel(*inputs, targets=...)`` (or ``forward_backward``), with
+    that call's global batch as the example; from then on every attribute is the built
+    :class:`~autoplan.runtime.parallel.ParallelModel`'s (the same parameter objects). Before it,
+    anything that needs the sharded model (``parameters()``, ``state_dict()``, ``data_loader()``,
+    ...) raises :class:`PlanError`: the optimizer is built after the first call."""
+
+    def __init__(self, build: Callable[[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ParallelModel]) -> None:
+        self._build = build
+        """``(example_inputs, example_targets) -> ParallelModel``: plans (rank 0) and applies."""
+        self._built: ParallelModel | None = None
+
+    @property
+    def built(self) -> ParallelModel:
+        """The planned model (:class:`PlanError` before the first call)."""
+        if self._built is None:
+            raise PlanError(
+                "the model is not planned yet (parallelize() was called without example_inputs): call "
+                "pmodel(inputs, targets=...) once before building the optimizer, or pass example_inputs= to parallelize"
+            )
+        return self._built
+
+    def _built_for(
+        self, inputs: tuple[torch.Tensor | LocalBatch, ...], targets: Sequence[torch.Tensor]
+    ) -> ParallelModel:
+        """The built model; at the first call, plan and build it for this global batch."""
+        if self._built is None:
+            if any(isinstance(x, LocalBatch) for x in inputs):
+                raise PlanError(
+                    "a LocalBatch needs a plan (it comes from pmodel.data_loader): make the first call with a global "
+                    "batch, pmodel(inputs, targets=...), or pass example_inputs= to parallelize"
+                )
+            self._built = self._build(cast(tuple[torch.Tensor, ...], inputs), tuple(targets))
+        return self._built
+
+    def __call__(self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``loss = pmodel(*inputs, targets=...)``: the first call plans on this batch, then every
+        call is the built model's (:meth:`ParallelModel.forward`)."""
+        return self._built_for(inputs, targets)(*inputs, targets=targets)
+
+    def forward_backward(
+        self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = (), check: bool = False
+    ) -> torch.Tensor:
+        """:meth:`ParallelModel.forward_backward`, planning at the first call like :meth:`__call__`."""
+        return self._built_for(inputs, targets).forward_backward(*inputs, targets=targets, check=check)
+
+    def __getattr__(self, name: str) -> Any:
+        """Every other attribute is the built model's; :class:`PlanError` before the first call."""
+        if name.startswith("__") or name in ("_build", "_built"):  # copy/pickle protocols, a half-made object
+            raise AttributeError(name)
+        return getattr(self.built, name)
+
+
+def _check_job(cluster: Cluster | str | None, plan: Plan | None) -> Cluster:
+    """The cluster the job runs on (the plan's, if given), checked against the process group."""
+    if cluster is not None or plan is None:  # with a plan, the plan's cluster is used
+        cluster = as_cluster(cluster)
+    if not dist.is_initialized():
+        raise PlanMismatchError(
+            "parallelize() needs a process group: run under torchrun (autoplan run ...) "
+            "or call torch.distributed.init_process_group first"
+        )
+    world = dist.get_world_size()
+    if plan is not None:
+        cluster = plan.cluster
+    assert isinstance(cluster, Cluster)
+    if world != cluster.world_size:
+        raise PlanMismatchError(
+            f"the job has {world} ranks but the {'plan' if plan else 'cluster'} is for {cluster.world_size} devices "
+            f"({cluster}): launch with --nproc-per-node={cluster.world_size} or re-plan"
+        )
+    return cluster
+
+
+@overload
 def parallelize(
     model: torch.nn.Module,
     cluster: Cluster | str,
@@ -237,7 +315,36 @@ def parallelize(
     optimizer: str = "adam",
     pins: Pins | None = None,
     profile: ProfileChoice = "auto",
-) -> ParallelModel | PipelineModel:
+) -> ParallelModel | PipelineModel: ...
+
+
+@overload
+def parallelize(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    *,
+    example_inputs: None = None,
+    loss_fn: LossFn | None = None,
+    example_targets: Sequence[torch.Tensor] = (),
+    plan: None = None,
+    optimizer: str = "adam",
+    pins: Pins | None = None,
+    profile: ProfileChoice = "auto",
+) -> DeferredModel: ...
+
+
+def parallelize(
+    model: torch.nn.Module,
+    cluster: Cluster | str,
+    *,
+    example_inputs: Sequence[torch.Tensor] | None = None,
+    loss_fn: LossFn | None = None,
+    example_targets: Sequence[torch.Tensor] = (),
+    plan: Plan | None = None,
+    optimizer: str = "adam",
+    pins: Pins | None = None,
+    profile: ProfileChoice = "auto",
+) -> ParallelModel | PipelineModel | DeferredModel:
     """Apply ``plan`` (or plan now) to ``model`` inside a ``torchrun`` job.
 
     A plan made with a global batch (``plan.config`` set) runs as a pipeline of stages
@@ -247,22 +354,33 @@ def parallelize(
     Every rank must build the same model with the same weights. Returns a
     :class:`~autoplan.runtime.parallel.ParallelModel` whose parameters are DTensors in the planned
     placements and whose ``program`` is the generated per-rank step.
+
+    Without ``example_inputs`` (and without a plan) planning waits for the first batch: the
+    returned :class:`DeferredModel` plans and builds at its first call, so the order is *first
+    call, then optimizer*::
+
+        pmodel = autoplan.parallelize(model, cluster, loss_fn=loss_fn)
+        loss = pmodel(ids, targets=(labels,))      # plans on this global batch, then runs the step
+        opt = torch.optim.AdamW(pmodel.parameters(), lr=3e-4)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    Before that call ``parameters()``, ``state_dict()``, ``data_loader()`` and the rest raise
+    :class:`PlanError`.
     """
-    if cluster is not None or plan is None:  # with a plan, the plan's cluster is used
-        cluster = as_cluster(cluster)
-    if not dist.is_initialized():
-        raise PlanMismatchError(
-            "parallelize() needs a process group: run under torchrun (autoplan run ...) "
-            "or call torch.distributed.init_process_group first"
+    if example_inputs is None:
+        if plan is not None or example_targets:
+            raise PlanError(
+                f"{'a plan' if plan is not None else 'example_targets'} without example_inputs: pass example_inputs= "
+                "(a plan's program is traced from them), or neither, to plan at the first call pmodel(inputs, targets=...)"
+            )
+        job_cluster = _check_job(cluster, None)
+        _check_optimizer(optimizer)
+        return DeferredModel(
+            lambda inputs, targets: _parallelize_now(
+                model, job_cluster, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, pins=pins, profile=profile
+            )
         )
-    world = dist.get_world_size()
-    if plan is not None:
-        cluster = plan.cluster
-    if world != cluster.world_size:
-        raise PlanMismatchError(
-            f"the job has {world} ranks but the {'plan' if plan else 'cluster'} is for {cluster.world_size} devices "
-            f"({cluster}): launch with --nproc-per-node={cluster.world_size} or re-plan"
-        )
+    cluster = _check_job(cluster, plan)
     device = _runtime_device()
     model = model.to(device)
     inputs = tuple(t.to(device) for t in example_inputs)
@@ -276,7 +394,7 @@ def parallelize(
         plan = _plan_on_rank0(
             traced, cluster, mesh=mesh, device=device, optimizer=optimizer, pins=pins, profile=profile
         )
-    plan.check_applies_to(fingerprint=traced.fingerprint, world_size=world)
+    plan.check_applies_to(fingerprint=traced.fingerprint, world_size=dist.get_world_size())
     plan.check_fits(traced)
     program = generate_program(
         traced,
@@ -289,4 +407,17 @@ def parallelize(
     return ParallelModel(model=model, traced=traced, plan=plan, program=program, mesh=mesh, device=device)
 
 
-__all__ = ["estimate", "parallelize", "plan"]
+def _parallelize_now(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    inputs: tuple[torch.Tensor, ...],
+    targets: tuple[torch.Tensor, ...],
+    **kwargs: Any,
+) -> ParallelModel:
+    """A :class:`DeferredModel`'s first call: plan and apply with its batch as the example."""
+    built = parallelize(model, cluster, example_inputs=inputs, example_targets=targets, **kwargs)
+    assert isinstance(built, ParallelModel), "planned without a plan: no pipeline"
+    return built
+
+
+__all__ = ["DeferredModel", "estimate", "parallelize", "plan"]

@@ -5,14 +5,18 @@ dicts under the model's own parameter names; equal to the same loop on one devic
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autoplan
+from autoplan.runtime.data import LocalBatch
 from tests import zoo
 from tests.harness import cpu_cluster, mismatches, run_ranks
 
@@ -146,3 +150,96 @@ def _accumulate_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG
         loss = pm(a, targets=(la,))
     dist.barrier()
     return {"max_rel_err": err, "no_grad_loss_requires_grad": loss.requires_grad}
+
+
+# --- deferred planning: parallelize without example_inputs plans at the first call ---------------
+
+DP_PINS = {"input_0": "S(0)", "target_0": "S(0)"}
+
+
+@contextlib.contextmanager
+def _fake_job() -> Iterator[None]:
+    """This process as rank 0 of a 2-rank job on the fake backend (nothing is sent)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _adamw_loop(call: Any, params: Any, first_loss: torch.Tensor | None = None) -> list[float]:
+    """AdamW over ``params`` for STEPS steps; ``first_loss``: step 0's loss, computed already."""
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        ids, labels = zoo.token_batch(seed=step + 1)
+        loss = first_loss if step == 0 and first_loss is not None else call(ids, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _deferred_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG001
+    model = zoo.llama_tiny()  # no attention key bias: Adam would amplify its rounding-noise gradient (test_equivalence)
+    reference = copy.deepcopy(model)
+    pm = autoplan.parallelize(model, cpu_cluster("2xCPU", compute_slowdown=1e5), loss_fn=zoo.lm_loss, pins=DP_PINS,
+                              profile=None)  # fmt: skip
+    ids, labels = zoo.token_batch(seed=1)
+    first = pm(ids, targets=(labels,))  # plans on this batch, then runs the step
+    params = [p for p in pm.parameters() if p.requires_grad]
+    losses = _adamw_loop(lambda i, t: pm(i, targets=(t,)), params, first)
+    ref_losses = _adamw_loop(lambda i, t: zoo.lm_loss(reference(i), t), reference.parameters())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
+        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+        "same_parameter_objects": all(a is b for a, b in zip(pm.parameters(), pm.built.parameters(), strict=True)),
+        "state_dict_keys": sorted(pm.state_dict()),
+        "input_spec": pm.plan.input_specs[0],
+    }
+
+
+def test_deferred_parallelize_plans_at_the_first_call_and_trains_like_single_device() -> None:
+    """No example_inputs: the first ``pmodel(ids, targets=...)`` plans on its batch and runs the
+    step; AdamW built afterwards over ``pmodel.parameters()`` steps that first loss's gradients."""
+    results = run_ranks(_deferred_rank, 2)
+    assert not mismatches(results), mismatches(results)
+    keys = {n for n, _ in zoo.llama_tiny().named_parameters()}
+    for r in results:
+        assert r["same_parameter_objects"]
+        assert set(r["state_dict_keys"]) == keys
+        assert r["input_spec"] == ("S(0)",)  # the pinned data-parallel batch
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda pm: pm.parameters(),
+        lambda pm: pm.state_dict(),
+        lambda pm: pm.data_loader(_dataset()),
+        lambda pm: pm.clip_grad_norm_(1.0),
+        lambda pm: pm.plan,
+    ],
+    ids=["parameters", "state_dict", "data_loader", "clip_grad_norm_", "plan"],
+)
+def test_deferred_model_before_its_first_call_names_the_order(use: Any) -> None:
+    with _fake_job():
+        pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss)
+        with pytest.raises(autoplan.PlanError, match=r"call pmodel\(inputs, targets=...\) once before building the "
+                           r"optimizer, or pass example_inputs= to parallelize"):  # fmt: skip
+            use(pm)
+        assert not hasattr(pm, "__deepcopy__")  # protocols stay AttributeErrors
+
+
+def test_deferred_model_refuses_a_local_batch_before_it_is_planned() -> None:
+    with _fake_job():
+        pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss)
+        ids, labels = zoo.token_batch(seed=1)
+        batch = LocalBatch(inputs=(ids,), targets=(labels,), global_batch_size=8, step=0, sample_indices=((), ()))
+        with pytest.raises(autoplan.PlanError, match="a LocalBatch needs a plan"):
+            pm(batch)
+        with pytest.raises(autoplan.PlanError, match="example_targets without example_inputs"):
+            autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), example_targets=(labels,))
