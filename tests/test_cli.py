@@ -299,6 +299,27 @@ def test_run_trains_two_steps_on_two_ranks_and_compares_with_single_device(tmp_p
     assert all("single-device" in line for line in steps)
 
 
+def test_run_trains_from_the_workloads_dataset_each_rank_loading_its_rows_like_single_device(tmp_path):
+    """``Workload.dataset`` (3 global batches): the ranks train from the sharded loader, 4 steps
+    start over at the first batch, and ``--compare`` feeds one device the same global batches."""
+    result = run_cli(
+        tmp_path,
+        "run", target("mlp_dataset"), "--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)",
+        "--steps", "4", "--compare", "--master-port", str(free_port()),
+        timeout_s=300,
+    )  # fmt: skip
+
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "data: 24 samples, 3 steps per pass; rank 0 loads 4 of 8 rows of input 0 per step" in result.stdout
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == 4, result.stdout
+    losses = [float(line.split()[3]) for line in steps]
+    assert losses[0] != losses[1]  # other batches, not the example batch again
+    assert all(float(line.split("rel.diff")[1]) <= 1e-5 for line in steps), result.stdout
+    final = next(line for line in result.stdout.splitlines() if line.startswith("parameters after 4 steps"))
+    assert float(final.rsplit(" ", 1)[1]) <= 1e-5, final
+
+
 # --- joint search: --global-batch-size, --config, `autoplan estimate` ---------------------------------
 
 HF = str(REPO_ROOT / "examples" / "hf_models.py")

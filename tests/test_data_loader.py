@@ -112,6 +112,8 @@ def test_each_rank_loads_the_rows_local_shard_keeps(
             steps = list(loader)
             for step, got in enumerate(steps):
                 x, y = _global_batch(dataset, order, step, batch)
+                (gx,), (gy,) = loader.global_batch(step)  # what one device trains on (autoplan run --compare)
+                assert torch.equal(gx, x) and torch.equal(gy, y)
                 assert torch.equal(got.inputs[0], local_shard(x, mesh, parse_spec(spec)))
                 assert torch.equal(got.targets[0], local_shard(y, mesh, parse_spec(spec)))
                 assert list(got.sample_indices[0]) == [int(v) // 100 for v in got.inputs[0][:, 0]]
@@ -325,3 +327,12 @@ def test_steps_out_of_range_or_of_a_stream_name_the_fix() -> None:
         ShardedLoader(IndexedTokens(9), _dp2_layout()).batch(2)
     with pytest.raises(PlanError, match="iterate the loader"):
         ShardedLoader(IndexedStream(9), _dp2_layout()).batch(0)
+
+
+def test_a_workload_dataset_must_be_map_style_and_exclude_batches() -> None:
+    wl = zoo.cli_mlp()
+    with pytest.raises(PlanError, match="map-style torch Dataset"):
+        autoplan.Workload(model=wl.model, example_inputs=wl.example_inputs, dataset=IndexedStream(8))
+    with pytest.raises(PlanError, match="both batches= and dataset="):
+        autoplan.Workload(model=wl.model, example_inputs=wl.example_inputs, dataset=IndexedTokens(8),
+                          batches=lambda step: (wl.example_inputs, wl.example_targets))  # fmt: skip

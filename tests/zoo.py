@@ -25,7 +25,7 @@ benchmarks import it from there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -205,6 +205,13 @@ def cli_mlp() -> autoplan.Workload:
 def cli_mlp_wide() -> autoplan.Workload:
     """The structure of ``cli_mlp`` with other sizes (Linear(16, 64) -> GELU -> Linear(64, 8)): another fingerprint."""
     return mlp_workload(16, 64, 8, batch=CLI_BATCH, optimizer="sgd")
+
+
+def cli_mlp_dataset() -> autoplan.Workload:
+    """``cli_mlp`` trained from a dataset of 3 global batches (24 ``(x, y)`` samples) by ``autoplan run``."""
+    wl = cli_mlp()
+    x, y = torch.randn(3 * CLI_BATCH, 16), torch.randn(3 * CLI_BATCH, 8)
+    return replace(wl, dataset=torch.utils.data.TensorDataset(x, y))
 
 
 class DataDependent(nn.Module):

@@ -226,16 +226,28 @@ class ShardedLoader:
             return torch.arange(num_samples)
         return torch.randperm(num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
 
-    def batch(self, step: int, order: torch.Tensor | None = None) -> LocalBatch:
-        """Step ``step`` of this epoch (map-style datasets)."""
+    def global_indices(self, step: int, order: torch.Tensor | None = None) -> list[int]:
+        """The dataset indices of step ``step``'s whole global batch, in batch order (map-style
+        datasets): ``order[step*B : (step+1)*B]``."""
         if self._iterable:
             raise PlanError("an IterableDataset is read in order: iterate the loader instead of calling batch(step)")
         if not 0 <= step < len(self):
             raise PlanError(f"step {step} is not one of this epoch's {len(self)} steps: use 0..{len(self) - 1}")
         order = self.order() if order is None else order
         base = step * self.layout.global_batch_size
-        indices = [int(order[base + r]) for r in self._union]
+        return [int(i) for i in order[base : base + self.layout.global_batch_size]]
+
+    def batch(self, step: int, order: torch.Tensor | None = None) -> LocalBatch:
+        """Step ``step`` of this epoch (map-style datasets)."""
+        rows = self.global_indices(step, order)
+        indices = [rows[r] for r in self._union]
         return self._assemble(step, indices, [self.dataset[i] for i in indices])
+
+    def global_batch(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Step ``step``'s whole global batch, collated, as ``(inputs, targets)``: what one device
+        trains on where the ranks load :meth:`batch` (every rank reads every row: for checks)."""
+        fields = self._fields(self.collate_fn([self.dataset[i] for i in self.global_indices(step)]))
+        return fields[: self.layout.num_inputs], fields[self.layout.num_inputs :]
 
     def __iter__(self) -> Iterator[LocalBatch]:
         if self._iterable:
@@ -260,13 +272,9 @@ class ShardedLoader:
         if step == 0:
             raise PlanError(self._too_short(num_read))
 
-    def _assemble(self, step: int, indices: Sequence[int], samples: list[Any]) -> LocalBatch:
-        """The loaded samples (the rows of :attr:`_union`) -> each field's local tensor."""
+    def _fields(self, collated: Any) -> list[torch.Tensor]:
+        """A collated batch as one tensor per field (the inputs, then the targets)."""
         layout = self.layout
-        if not layout.reads_batch:
-            return LocalBatch(inputs=(), targets=(), global_batch_size=layout.global_batch_size, step=step,
-                              sample_indices=((),) * layout.num_fields)  # fmt: skip
-        collated = self.collate_fn(samples)
         fields = [collated] if isinstance(collated, torch.Tensor) else list(collated)
         if len(fields) != layout.num_fields or not all(isinstance(f, torch.Tensor) for f in fields):
             raise PlanError(
@@ -274,6 +282,15 @@ class ShardedLoader:
                 f"{layout.num_fields - layout.num_inputs} target(s): make samples (*inputs, *targets) tuples of "
                 "tensors or pass collate_fn"
             )
+        return fields
+
+    def _assemble(self, step: int, indices: Sequence[int], samples: list[Any]) -> LocalBatch:
+        """The loaded samples (the rows of :attr:`_union`) -> each field's local tensor."""
+        layout = self.layout
+        if not layout.reads_batch:
+            return LocalBatch(inputs=(), targets=(), global_batch_size=layout.global_batch_size, step=step,
+                              sample_indices=((),) * layout.num_fields)  # fmt: skip
+        fields = self._fields(self.collate_fn(samples))
         out, sample_indices = [], []
         for i, (f, pick) in enumerate(zip(fields, self._picks, strict=True)):
             if tuple(f.shape[1:]) != layout.sample_shapes[i]:

@@ -9,6 +9,9 @@ ranks (a ``PlanError``) is printed by each node's local rank 0; with ``--bad-inp
 written there instead and the ranks exit 0, for ``autoplan run`` to print and exit 2
 (``autoplan/tools/run.py`` says why), else they exit 2.
 
+A workload with a ``dataset`` trains from its sharded loader (each rank loads only the rows its
+program reads); ``--compare`` feeds the single-device model the same global batches.
+
 With ``--checkpoint-dir`` the job resumes from the newest complete checkpoint there
 (:mod:`autoplan.runtime.checkpoint`) and saves one every ``--checkpoint-every`` steps and after the last.
 
@@ -37,6 +40,7 @@ from autoplan.cost_models.files import atomic_write
 from autoplan.planner.plan import Plan
 from autoplan.runtime import checkpoint
 from autoplan.runtime.checkpoint import ParallelizedModel
+from autoplan.runtime.data import ShardedLoader
 from autoplan.runtime.teardown import destroy_process_groups
 from autoplan.tools import console
 from autoplan.tools.loader import build_workload
@@ -47,9 +51,31 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def _batch(wl: Workload, step: int) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
-    """The inputs and targets of training step ``step`` (counted from 0)."""
+def _batch(
+    wl: Workload, step: int, loader: ShardedLoader | None = None
+) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+    """The inputs and targets of training step ``step`` (counted from 0), the global batch:
+    from ``loader`` (``wl.dataset``'s, in its order, starting over after each pass), from
+    ``wl.batches``, or the example batch."""
+    if loader is not None:
+        return loader.global_batch(step % len(loader))
     return (wl.example_inputs, wl.example_targets) if wl.batches is None else wl.batches(step)
+
+
+def _data_loader(pm: ParallelizedModel, wl: Workload, rank: int) -> ShardedLoader | None:
+    """``wl.dataset``'s sharded loader (each rank loads only its rows), or None."""
+    if wl.dataset is None:
+        return None
+    loader = pm.data_loader(wl.dataset)
+    if rank == 0:
+        kept = len(loader.batch(0).sample_indices[0])
+        print(
+            f"data: {len(wl.dataset)} samples, {len(loader)} steps per pass; rank 0 loads {kept} of "  # type: ignore[arg-type]
+            f"{loader.layout.global_batch_size} rows of input 0 per step",
+            file=console.stdout(),
+            flush=True,
+        )
+    return loader
 
 
 def _reference_step(
@@ -190,17 +216,21 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     ref_opt = None
     if reference is not None:
         ref_opt = type(opt)(reference.parameters(), **opt.defaults)
+    loader = _data_loader(pm, wl, rank)
     start = 0
     if args.checkpoint_dir is not None:
-        start = _resume(args.checkpoint_dir, pm, opt, wl, reference, ref_opt, rank)
+        start = _resume(args.checkpoint_dir, pm, opt, wl, reference, ref_opt, rank, loader)
     for step in range(start, args.steps):
-        inputs, targets = _batch(wl, step)
-        loss = pm.forward_backward(*inputs, targets=tuple(targets))
+        if loader is not None:  # this rank's rows only
+            loss = pm.forward_backward(loader.batch(step % len(loader)))
+        else:
+            inputs, targets = _batch(wl, step)
+            loss = pm.forward_backward(*inputs, targets=tuple(targets))
         opt.step()
         opt.zero_grad()
         line = f"step {step + 1:>3}  loss {loss.item():.6f}"
         if reference is not None and ref_opt is not None:
-            ref_loss = _reference_step(reference, ref_opt, wl, inputs, targets)
+            ref_loss = _reference_step(reference, ref_opt, wl, *_batch(wl, step, loader))
             line += f"  single-device {ref_loss.item():.6f}  rel.diff {_rel(loss.item(), ref_loss.item()):.2e}"
         if rank == 0:
             print(line, file=console.stdout(), flush=True)
@@ -226,6 +256,7 @@ def _resume(
     reference: torch.nn.Module | None,
     ref_opt: torch.optim.Optimizer | None,
     rank: int,
+    loader: ShardedLoader | None,
 ) -> int:
     """Load the newest checkpoint that loads, the same on every rank (a damaged one is skipped,
     named), and catch the single-device model up; returns the first step to train."""
@@ -236,7 +267,7 @@ def _resume(
     if reference is not None and ref_opt is not None:  # catch the single-device model up
         rng = torch.get_rng_state()  # the checkpoint's
         for step in range(latest.step):
-            _reference_step(reference, ref_opt, wl, *_batch(wl, step))
+            _reference_step(reference, ref_opt, wl, *_batch(wl, step, loader))
         torch.set_rng_state(rng)
     if rank == 0:
         print(f"resumed from checkpoint {latest}", file=console.stdout(), flush=True)
