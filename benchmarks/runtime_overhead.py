@@ -126,13 +126,16 @@ def measure_machine() -> None:
     import subprocess
 
     from autoplan.cost_models import calibration
+    from autoplan.cost_models.profile_db import default_cache_dir
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(_TORCHRUN_VARS)}
     env["OMP_NUM_THREADS"] = "1"
     cli = [sys.executable, "-m", "autoplan.tools.cli"]
     commands = []
     if not calibration.cached_profile_path(2).exists():
-        commands.append([*cli, "calibrate", "--cluster", CLUSTER, "--quick", "--quiet"])
+        # --out: the profile file calibrate also writes, into the cache directory (not the checkout)
+        out = default_cache_dir() / "runtime_overhead_cluster.yaml"
+        commands.append([*cli, "calibrate", "--cluster", CLUSTER, "--quick", "--quiet", "--out", str(out)])
     commands.append([*cli, "profile", f"{Path(__file__).resolve()}:workload", "--cluster", CLUSTER, "--quiet"])
     for cmd in commands:
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=False)
