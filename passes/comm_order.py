@@ -98,6 +98,14 @@ def _local_bytes(node: fx.Node, spec: Spec, mesh_shape: Sequence[int]) -> float:
     return nbytes
 
 
+def _dtype(r: Redistribution, by_name: Mapping[str, fx.Node]) -> str:
+    """The dtype of the value ``r`` converts (collectives that share a flat buffer need one)."""
+    val = by_name[r.producer.node].meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = val[r.producer.index]
+    return str(val.dtype) if isinstance(val, torch.Tensor) else "?"
+
+
 def _is_param_gather(r: Redistribution, by_name: Mapping[str, fx.Node]) -> bool:
     """A parameter (placeholder) all-gathered on one mesh axis along a dim no other axis splits."""
     if by_name[r.producer.node].op != "placeholder" or len(r.steps) != 1 or r.steps[0].kind != "all_gather":
@@ -153,13 +161,13 @@ def schedule_collectives(
     # once that node has run)
     out_node = {resolve_value(a): a.name for a in output.args[0] if isinstance(a, fx.Node)}
     slots: list[CollectiveSlot | None] = [None] * len(redistributions)
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
     for i, r in enumerate(redistributions):
         if r.consumer == OUTPUT:
             slots[i] = CollectiveSlot(index=i, issue_after=out_node[r.producer], wait_before=OUTPUT)
         elif r.arg_index == -1:
-            if r.bucket is not None:
-                groups.setdefault(r.bucket, []).append(i)
+            if r.bucket is not None:  # one flat buffer per bucket: its members share a dtype
+                groups.setdefault((r.bucket, _dtype(r, by_name)), []).append(i)
             else:
                 slots[i] = CollectiveSlot(index=i, issue_after=out_node[r.producer], wait_before=OUTPUT)
         else:
@@ -173,11 +181,13 @@ def schedule_collectives(
     buckets: list[tuple[int, ...]] = []
     # parameter gathers issued at one point on one axis: one coalesced all-gather (FSDP2's
     # per-block gather), each member still waited for at its own consumer
-    gathers: dict[tuple[str, int], list[int]] = {}
+    gathers: dict[tuple[str, int, str], list[int]] = {}
     for i, r in enumerate(redistributions):
         slot = slots[i]
         if policy.coalesce_gathers and slot is not None and r.arg_index >= 0 and _is_param_gather(r, by_name):
-            gathers.setdefault((slot.issue_after, r.steps[0].axis), []).append(i)
+            # one flat buffer: only tensors of one dtype (an int64 target beside a float
+            # parameter would be promoted to float by the concatenation)
+            gathers.setdefault((slot.issue_after, r.steps[0].axis, _dtype(r, by_name)), []).append(i)
     for members in gathers.values():
         if len(members) > 1:
             for i in members:

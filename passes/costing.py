@@ -49,7 +49,7 @@ from autoplan.passes import liveness
 from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
 from autoplan.passes.placement import Spec, local_numel, replicated, storage_factor
 from autoplan.passes.strategies import Strategy, StrategyTable, ValueRef, resolve_value, tensor_args
-from autoplan.passes.trace import TracedProgram, param_node_name
+from autoplan.passes.trace import TracedProgram, param_node_name, written_tensor_args
 
 OUTPUT_CONSUMER = "<output>"
 """Pseudo consumer of the loss (needs ``R``)."""
@@ -221,12 +221,18 @@ def build_cost_problem(
 
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
+        written = set(written_tensor_args(node)) if node.op == "call_function" else set()
         for i, (ref, a) in enumerate(zip(ns.inputs, tensor_args(node), strict=True)):
             dst_groups: dict[Spec, list[int]] = {}
             for si, s in enumerate(ns.strategies):
                 dst_groups.setdefault(s.input_specs[i], []).append(si)
             edge = _edge(table, ref, name, i, dst_groups, tensor_bytes(a.meta["val"]), transition)
             if _is_follower(node, ns.kind) and set(edge.src_groups) <= set(edge.dst_groups):
+                edge = dataclasses.replace(edge, tied=True)  # it loses nothing by never converting here
+            elif i in written and set(edge.src_groups) & set(edge.dst_groups):
+                # an op writing into this argument must get the producer's own tensor, never a
+                # converted copy (redistribute.check_no_converted_writes): the producer runs a
+                # strategy whose output the op takes as it is (explain.follower knows this tie)
                 edge = dataclasses.replace(edge, tied=True)
             problem.edges.append(edge)
 

@@ -35,6 +35,7 @@ copies a node stands for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -197,7 +198,13 @@ def explain_choices(
     def follower(e: Edge, spec: Spec) -> tuple[float, float]:
         key = (e.consumer, spec)
         if key not in follower_memo:
-            follower_memo[key] = min((own(e.consumer, fs) for fs in e.dst_groups[spec]), key=lambda tc: tc[0] + tc[1])
+            # a tied edge whose consumer cannot take ``spec`` (an op writing into its argument
+            # takes only what it can run on): the producer cannot output it
+            follower_memo[key] = min(
+                (own(e.consumer, fs) for fs in e.dst_groups.get(spec, ())),
+                key=lambda tc: tc[0] + tc[1],
+                default=(math.inf, 0.0),
+            )
         return follower_memo[key]
 
     result: dict[str, NodeExplanation] = {}
@@ -212,7 +219,10 @@ def explain_choices(
         priced = [(s, *own(node, s)) for s in range(n)]
         chosen = choice[node]
         base = priced[chosen][1] + priced[chosen][2]
-        others = sorted((q for q in priced if q[0] != chosen), key=lambda q: (q[1] + q[2] - base, q[0]))
+        others = sorted(
+            (q for q in priced if q[0] != chosen and math.isfinite(q[1] + q[2])),
+            key=lambda q: (q[1] + q[2] - base, q[0]),
+        )
         alts = []
         for s, t, comm in [priced[chosen], *others[:keep]]:
             strat = strategies[s]

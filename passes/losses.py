@@ -85,7 +85,7 @@ def _divide_once_summed(gm: fx.GraphModule, loss: fx.Node, total: fx.Node) -> No
         return n
 
     pair = add(total, torch.ops.aten.stack.default, ([loss, total],), fake.new_empty((2,)))
-    parts = add(pair, torch.ops.aten.unbind.int, (pair,), (fake.new_empty(()), fake.new_empty(())))
+    parts = add(pair, torch.ops.aten.unbind.int, (pair,), [fake.new_empty(()), fake.new_empty(())])
     summed = add(parts, operator.getitem, (parts, 0), fake.new_empty(()))
     weight = add(summed, operator.getitem, (parts, 1), fake.new_empty(()))
     div = add(weight, torch.ops.aten.div.Tensor, (summed, weight), fake.new_empty(()))

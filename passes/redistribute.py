@@ -19,13 +19,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from autoplan.cost_models.comm import TransitionStep, bucket_kind, plan_transition
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.placement import Spec, replicated, spec_str
 from autoplan.passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
-from autoplan.passes.trace import TracedProgram, param_node_name, writes_an_argument
+from autoplan.passes.trace import TracedProgram, param_node_name, writes_an_argument, written_tensor_args
 
 OUTPUT = "<output>"
 
@@ -102,22 +101,6 @@ def edge_redistributions(
     return out
 
 
-def _written_tensor_args(node: fx.Node) -> list[int]:
-    """Indices (in :func:`tensor_args` order) of the arguments ``node`` writes into."""
-    assert isinstance(node.target, torch._ops.OpOverload)
-    written = {
-        k for k, a in enumerate(node.target._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-    }
-    out, i = [], 0
-    for k, arg in enumerate(node.args):
-        for leaf in pytree.tree_leaves(arg):
-            if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-                if k in written:
-                    out.append(i)
-                i += 1
-    return out
-
-
 def _is_view(node: fx.Node) -> bool:
     """``node`` returns a view of its first argument (``slice``, ``view``, ``t``, ...)."""
     target = node.target
@@ -135,7 +118,7 @@ def check_no_converted_writes(gm: fx.GraphModule, redistributions: list[Redistri
     for node in gm.graph.nodes:
         if not writes_an_argument(node):
             continue
-        for i in _written_tensor_args(node):
+        for i in written_tensor_args(node):
             consumer, index, arg = node, i, tensor_args(node)[i]
             while True:
                 r = converted.get((consumer.name, index))

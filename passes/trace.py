@@ -204,6 +204,24 @@ def writes_an_argument(node: fx.Node) -> bool:
     )
 
 
+def written_tensor_args(node: fx.Node) -> list[int]:
+    """Indices, among ``node``'s tensor arguments (``strategies.tensor_args`` order: pytree
+    leaves of the positional args), of the arguments it writes into (empty for a pure op)."""
+    if not writes_an_argument(node):
+        return []
+    assert isinstance(node.target, torch._ops.OpOverload)
+    schema = node.target._schema.arguments
+    written = {k for k, a in enumerate(schema) if a.alias_info is not None and a.alias_info.is_write}
+    out, i = [], 0
+    for k, arg in enumerate(node.args):
+        for leaf in torch.utils._pytree.tree_leaves(arg):
+            if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+                if k in written:
+                    out.append(i)
+                i += 1
+    return out
+
+
 def _differentiable_copies(gm: fx.GraphModule) -> None:
     """Replace functionalization's ``aten.copy(dst, src)`` (the value ``dst`` holds after
     ``dst.copy_(src)``: ``src`` cast to ``dst``'s dtype and broadcast to its shape) by those two

@@ -476,6 +476,7 @@ class PipelineModel(torch.nn.Module):
             else:
                 converted[fqn] = _run_steps(_wrap(local, v, mesh), steps).to_local()  # type: ignore[attr-defined]
                 continue
+            key += (str(local.dtype),)  # one flat buffer per bucket: its members share a dtype
             groups.setdefault(key, []).append((fqn, dim, local.numel() * local.element_size()))
             specs[key] = v.spec
         # a bucket is issued before the previous one is waited for (its copy-in overlaps that
