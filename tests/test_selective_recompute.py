@@ -207,7 +207,20 @@ def test_full_recompute_reruns_the_matmuls_and_keeps_only_block_inputs(gpt2_spli
 SEQ, BATCH, HIDDEN, HEADS, VOCAB = 64, 2, 128, 4, 512
 
 
-def test_selective_block_keeps_its_matmul_outputs_and_its_output() -> None:
+@pytest.fixture(scope="module")
+def gpt2_block_costs():  # noqa: ANN201 - the SegmentCosts of one micro-batch
+    """The priced 2-block GPT-2 of the block tests below (fp32, no dropout, exact GeLU)."""
+    torch.manual_seed(0)
+    model = zoo.gpt2_lm(layers=2, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, positions=SEQ)
+    for block in model.transformer.h:
+        block.mlp.act = nn.GELU()
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    return SegmentCostModel(model, (ids,), zoo.lm_loss, (ids,), as_cluster("1xCPU"), optimizer="sgd", workers=1)(
+        1, BATCH
+    )
+
+
+def test_selective_block_keeps_its_matmul_outputs_and_its_output(gpt2_block_costs) -> None:
     """A GPT-2 block (fp32, no dropout, exact GeLU as in tests/test_memory_peak_model.py) keeps
     10 s*b*h floats under selective recomputation: QKV projection 3, attention output 1 (the fused
     attention recomputes its softmax itself, the core Korthikanti et al. 2022 sec. 4.2 re-run),
@@ -217,16 +230,8 @@ def test_selective_block_keeps_its_matmul_outputs_and_its_output() -> None:
     (tests/test_memory_peak_model.py); re-created in the backward: both LayerNorm outputs 2, the
     attention output's re-layout 1, the first residual add 1, the GeLU output 4 (plus the
     LayerNorm statistics, b*s floats each). The re-run ops' forward time is the extra backward."""
-    torch.manual_seed(0)
-    model = zoo.gpt2_lm(layers=2, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, positions=SEQ)
-    for block in model.transformer.h:
-        block.mlp.act = nn.GELU()
-    ids = torch.randint(0, VOCAB, (1, SEQ))
-    costs = SegmentCostModel(model, (ids,), zoo.lm_loss, (ids,), as_cluster("1xCPU"), optimizer="sgd", workers=1)(
-        1, BATCH
-    )
     sbh_fp32 = SEQ * BATCH * HIDDEN * 4
-    for block in costs.segments[1:-1]:
+    for block in gpt2_block_costs.segments[1:-1]:
         assert block.saved_bytes == pytest.approx(16 * sbh_fp32, rel=0.02)
         assert block.selective_kept_bytes == pytest.approx(10 * sbh_fp32, rel=0.01)
         assert block.selective_recomputed_bytes == pytest.approx(8 * sbh_fp32, rel=0.02)
@@ -236,21 +241,13 @@ def test_selective_block_keeps_its_matmul_outputs_and_its_output() -> None:
         assert 0 < block.selective_recompute_s < block.fwd_s
 
 
-def test_full_block_keeps_fewer_bytes_than_selective_and_none_and_reruns_its_matmuls() -> None:
+def test_full_block_keeps_fewer_bytes_than_selective_and_none_and_reruns_its_matmuls(gpt2_block_costs) -> None:
     """Per block segment of the priced GPT-2 (the block of the test above): ``full`` keeps the
     block's output (the next block's input, 1 s*b*h) < selective's 10 < none's 16; it re-creates
     the rest in the backward, never all blocks at once, and its re-run time includes the
     matmuls: more than selective's, at most the whole forward."""
-    torch.manual_seed(0)
-    model = zoo.gpt2_lm(layers=2, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, positions=SEQ)
-    for block in model.transformer.h:
-        block.mlp.act = nn.GELU()
-    ids = torch.randint(0, VOCAB, (1, SEQ))
-    costs = SegmentCostModel(model, (ids,), zoo.lm_loss, (ids,), as_cluster("1xCPU"), optimizer="sgd", workers=1)(
-        1, BATCH
-    )
     sbh_fp32 = SEQ * BATCH * HIDDEN * 4
-    for block in costs.segments[1:-1]:
+    for block in gpt2_block_costs.segments[1:-1]:
         assert block.full_kept_bytes < block.selective_kept_bytes < block.saved_bytes
         assert block.full_kept_bytes == pytest.approx(1 * sbh_fp32, rel=0.01)
         assert block.full_recomputed_bytes == pytest.approx(block.saved_bytes - block.full_kept_bytes, rel=0.02)
@@ -258,7 +255,7 @@ def test_full_block_keeps_fewer_bytes_than_selective_and_none_and_reruns_its_mat
         assert block.selective_bwd_transient_bytes < block.full_bwd_transient_bytes
         # never every segment's at once (the epilogue's logits-sized values live until the tied
         # lm_head's weight gradient, late in the backward, as under selective)
-        assert 0 < recreated_at_peak < sum(s.full_recomputed_bytes for s in costs.segments)
+        assert 0 < recreated_at_peak < sum(s.full_recomputed_bytes for s in gpt2_block_costs.segments)
         assert block.selective_recompute_s < block.full_recompute_s <= block.fwd_s
 
 

@@ -44,7 +44,7 @@ import re
 import shutil
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from autoplan.cost_models.errors import CheckpointError, CorruptCheckpointError
 from autoplan.planner.plan import Plan
 from autoplan.runtime.parallel import ParallelModel
-from autoplan.runtime.pipeline import PipelineModel, StageModule
+from autoplan.runtime.pipeline import PipelineModel
 
 logger = logging.getLogger(__name__)
 
@@ -343,40 +343,6 @@ def _check_shape(ckpt: Checkpoint, key: str, meta: object, shape: tuple[int, ...
 # --- state dict ------------------------------------------------------------------------------------
 
 
-def _parameter_copies(model: ParallelizedModel) -> Iterator[tuple[str, int, torch.nn.Parameter]]:
-    """``(fqn, stage, parameter)`` of every parameter this rank holds; a pipeline rank may hold
-    several copies of a tied parameter (one per stage)."""
-    if isinstance(model, PipelineModel):
-        for st in model.stage_modules:
-            assert isinstance(st, StageModule)
-            for fqn, p in zip(st.program.param_names, st.params, strict=True):
-                yield fqn, st.program.index, p
-    else:
-        for fqn, p in model.named_sharded_parameters():
-            yield fqn, 0, p
-
-
-def _owned(model: ParallelizedModel) -> dict[str, torch.nn.Parameter]:
-    """FQN -> the copy this rank saves: a parameter tied across pipeline stages is saved only
-    from the lowest stage holding it (its copies may be sharded differently)."""
-    copies = list(_parameter_copies(model))
-    first: dict[str, int] = {}
-    for fqn, stage, _ in copies:
-        first[fqn] = min(stage, first.get(fqn, stage))
-    if isinstance(model, PipelineModel):
-        gathered: list[dict[str, int] | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, first)
-        for other in gathered:
-            assert other is not None
-            for fqn, stage in other.items():
-                first[fqn] = min(stage, first.get(fqn, stage))
-    out: dict[str, torch.nn.Parameter] = {}
-    for fqn, stage, p in copies:
-        if stage == first[fqn]:
-            out.setdefault(fqn, p)
-    return out
-
-
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's lazily built state (one step with zero gradients and lr 0, which
     leaves the parameters unchanged) so that DCP can load into it in place."""
@@ -448,7 +414,7 @@ def save(
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
     dist.barrier()
-    sd = _state_dict(_owned(model), optimizer, _rank0_rng_state(), step)
+    sd = _state_dict(model.owned_parameters(), optimizer, _rank0_rng_state(), step)
     _plain_layout(sd)
     dcp.save(sd, checkpoint_id=str(tmp))
     dist.barrier()
@@ -503,7 +469,7 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
     metadata = _verified_index(ckpt)
     _materialize_optimizer_state(optimizer)
     params: dict[str, torch.nn.Parameter] = {}
-    for fqn, _stage, p in _parameter_copies(model):
+    for fqn, _stage, p in model.parameter_copies():
         params.setdefault(fqn, p)
     sd = _state_dict(params, optimizer, torch.get_rng_state(), 0)
     for key, value in sd.items():
@@ -519,7 +485,7 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
     for key, original in segmented.items():
         _copy_into(original, sd[key])
     # other local copies of a tied parameter (and their optimizer state) get the loaded values
-    for fqn, _stage, p in _parameter_copies(model):
+    for fqn, _stage, p in model.parameter_copies():
         src = params[fqn]
         if p is src:
             continue

@@ -100,6 +100,15 @@ class ParallelModel(torch.nn.Module):
     def named_sharded_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         yield from zip(self.param_names, self._params, strict=True)
 
+    def parameter_copies(self) -> Iterator[tuple[str, int, torch.nn.Parameter]]:
+        """``(fqn, stage, parameter)`` as ``PipelineModel.parameter_copies``: one stage, one copy each."""
+        for fqn, p in self.named_sharded_parameters():
+            yield fqn, 0, p
+
+    def owned_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """FQN -> the parameter (one copy each), as ``PipelineModel.owned_parameters``."""
+        return dict(self.named_sharded_parameters())
+
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # noqa: ARG002
         yield from self._params
 
@@ -281,7 +290,7 @@ class ParallelModel(torch.nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # noqa: ARG002
         """The parameters by the model's own names, as sharded DTensors (DCP saves and loads
         them in place)."""
-        return training.sharded_state_dict(dict(self.named_sharded_parameters()))
+        return training.sharded_state_dict(self.owned_parameters())
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ARG002
         """Load full tensors or DTensors by the model's parameter names into the shards."""

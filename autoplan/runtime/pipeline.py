@@ -544,24 +544,29 @@ class PipelineModel(torch.nn.Module):
         """Clip the gradients by their global norm over every stage's shards (a parameter tied
         across stages counted once), as ``torch.nn.utils.clip_grad_norm_`` does on one device;
         returns the norm (collective: every rank)."""
-        copies = list(self._named_copies())
-        owned = [
-            p for fqn, stage, p in copies if p.requires_grad and stage == min(self._tied_stages.get(fqn, (stage,)))
-        ]
-        every = [p for _, _, p in copies if p.requires_grad]
+        owned = [p for p in self.owned_parameters().values() if p.requires_grad]
+        every = [p for _, _, p in self.parameter_copies() if p.requires_grad]
         return training.clip_grad_norm_(owned, every, max_norm, norm_type=norm_type)
 
-    def _named_copies(self) -> Iterator[tuple[str, int, torch.nn.Parameter]]:
-        """``(fqn, stage, parameter)`` of every parameter copy this rank holds."""
+    def parameter_copies(self) -> Iterator[tuple[str, int, torch.nn.Parameter]]:
+        """``(fqn, stage, parameter)`` of every parameter copy this rank holds (a rank may hold
+        several copies of a parameter tied across stages, one per stage)."""
         for st in self._stages:
             for fqn, p in zip(st.program.param_names, st.params, strict=True):
                 yield fqn, st.program.index, p
 
+    def owned_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """FQN -> the copy this rank speaks for (state dict, checkpoint, gradient norm): a
+        parameter tied across stages only from the lowest stage holding it (its copies may be
+        sharded differently); every rank knows those stages, no collective."""
+        return {
+            fqn: p for fqn, stage, p in self.parameter_copies() if stage == min(self._tied_stages.get(fqn, (stage,)))
+        }
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # noqa: ARG002
         """This rank's parameters by the model's own names, as sharded DTensors (DCP saves and
         loads them in place); a parameter tied across stages comes from the lowest stage holding it."""
-        owned = {fqn: p for fqn, stage, p in self._named_copies() if stage == min(self._tied_stages.get(fqn, (stage,)))}
-        return training.sharded_state_dict(owned)
+        return training.sharded_state_dict(self.owned_parameters())
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ARG002
         """Load full tensors or DTensors by the model's parameter names into every copy this
