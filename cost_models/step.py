@@ -53,8 +53,8 @@ issue order, so concurrent collectives share it). With ``c_j`` the segment's com
     start_j    = max(end_{j-1}, done(g_j))             (a block waits for its parameters)
     end_j      = start_j + c_j * (1 + s * busy_j)      (compute slows by s = concurrent_compute_factor - 1
                                                         on the fraction busy_j of the block with the
-                                                        link busy, counting collectives issued before
-                                                        the block starts)
+                                                        link busy: the gathers issued before it and
+                                                        the reductions its own backward issues)
 
 so the first gather of every pass is exposed and a later one only where the previous block's
 compute is shorter than it. ZeRO-3 gathers every segment's weights (``param_numel * w`` bytes) in
@@ -66,7 +66,8 @@ segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(byte
 pieces produced evenly over its backward, the pieces are grouped by
 :func:`~autoplan.cost_models.comm_schedule.gradient_buckets` in backward order (last segment
 first), and each bucket (all-reduce for ZeRO 0, reduce-scatter for ZeRO >= 1; latency per bucket)
-is issued on the link when its last piece exists, behind whatever the link already carries (the
+is issued on the link when its last piece exists (that fraction of the segment's backward compute
+done), behind whatever the link already carries (the
 backward's own all-gathers). Then::
 
     F_k, B_k  = end of the forward / backward pass without reductions (per micro-batch)
@@ -492,11 +493,13 @@ def _run_pass(
             issued += 1
         start = max(t, gather_done[j])
         waits += start - t
-        end = link.compute_end(start, compute_s[j], slow)
+        t, done_frac = start, 0.0  # the block's compute up to each reduction's issue, then the rest
         while r < len(reductions) and reductions[r][0] == j:
-            link.run(start + reductions[r][1] * (end - start), reductions[r][2])
+            t = link.compute_end(t, (reductions[r][1] - done_frac) * compute_s[j], slow)
+            done_frac = reductions[r][1]
+            link.run(t, reductions[r][2])
             r += 1
-        t = end
+        t = link.compute_end(t, (1.0 - done_frac) * compute_s[j], slow)
     done = max(t, link.free_s)
     send_wait = link.run(t, send_s) - t - send_s if send_s > 0.0 else 0.0
     return _Pass(end_s=t, compute_s=t - waits, gather_wait_s=waits, done_s=done, send_wait_s=send_wait)

@@ -125,6 +125,19 @@ def test_zero3_backward_gathers_wait_behind_the_reduce_scatters_on_the_same_link
     assert slowed.compute_s > alone.compute_s  # compute beside the link runs slower
 
 
+def test_compute_slows_beside_the_reductions_its_own_backward_issues():
+    """One 4 ms backward, no gathers, a 1 ms reduce-scatter issued when half of its compute is
+    done, compute 1.5x slower while the link is busy: 2 ms, then 1 ms of the link at 1/1.5 the
+    rate (0.667 ms of work), then the last 1.333 ms alone, 4.333 ms in all. The reduction runs
+    beside the block that issued it, so it slows that block (before the fix the issuing block ran
+    at full speed: 4 ms)."""
+    slowed = _run_pass([4e-3], [0.0], overlap=True, slow=0.5, prefetch=1, reductions=[(0, 0.5, 1e-3)])
+    assert slowed.end_s == pytest.approx(2e-3 + 1e-3 + (2e-3 - 1e-3 / 1.5))
+    assert slowed.done_s == slowed.end_s  # issued at 2 ms on an idle link, done at 3 ms: no tail
+    alone = _run_pass([4e-3], [0.0], overlap=True, slow=0.0, prefetch=1, reductions=[(0, 0.5, 1e-3)])
+    assert alone.end_s == pytest.approx(4e-3) == alone.done_s
+
+
 def test_zero3_reshard_after_forward_gathers_again_for_the_backward():
     costs = _costs(fwd_s=2e-3)
     z3 = evaluate(_config(zero_stage=3, num_microbatches=1), costs, ONE_NODE)
