@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -243,8 +244,34 @@ def attention_as_single_op() -> Iterator[None]:
 # Constant causal masks -> is_causal
 
 MAX_MASK_EVAL_BYTES = 1 << 30
-"""Largest constant mask subgraph (bytes of all its values) :func:`causal_masks_as_flag`
-evaluates; a bigger one keeps its mask (priced and run as non-causal)."""
+"""Largest sum of the bytes of a constant mask's values that are not ``(T, S)``-sized (the
+``arange`` vectors and their comparisons' operands) :func:`causal_masks_as_flag` evaluates; a
+bigger subgraph keeps its mask (priced and run as non-causal)."""
+MASK_BLOCK_BYTES = 1 << 26
+"""Bytes of one block of query rows of a ``(T, S)``-sized mask value, as evaluated (int64)."""
+MAX_MASK_CHECK_ELEMENTS = 1 << 35
+"""Most mask elements (all leading dims x T x S) checked against the causal mask: 2^34 is a
+128k x 128k mask, about 10 s on 2 CPU cores. A larger mask stays (priced and run as non-causal)."""
+
+_aten = torch.ops.aten
+_ROWWISE_OPS = frozenset(
+    getattr(getattr(_aten, name), overload)
+    for name, overloads in {
+        "eq": ("Tensor", "Scalar"), "ne": ("Tensor", "Scalar"), "le": ("Tensor", "Scalar"),
+        "lt": ("Tensor", "Scalar"), "ge": ("Tensor", "Scalar"), "gt": ("Tensor", "Scalar"),
+        "bitwise_and": ("Tensor", "Scalar"), "bitwise_or": ("Tensor", "Scalar"),
+        "bitwise_xor": ("Tensor", "Scalar"), "bitwise_not": ("default",), "logical_and": ("default",),
+        "logical_or": ("default",), "logical_xor": ("default",), "logical_not": ("default",),
+        "where": ("self", "ScalarOther", "ScalarSelf", "Scalar"), "masked_fill": ("Scalar", "Tensor"),
+        "mul": ("Tensor", "Scalar"), "add": ("Tensor", "Scalar"), "sub": ("Tensor", "Scalar"),
+        "expand": ("default",), "_to_copy": ("default",), "clone": ("default",), "alias": ("default",),
+        "detach": ("default",), "unsqueeze": ("default",),
+    }.items()
+    for overload in overloads
+)  # fmt: skip
+"""Ops a ``(T, S)``-sized mask value may come from for :func:`causal_masks_as_flag` to evaluate it
+in blocks of query rows: elementwise with broadcasting (a row of the output depends on that row
+of each operand only), ``expand`` and ``unsqueeze`` of a leading dim."""
 
 
 def causal_masks_as_flag(gm: fx.GraphModule) -> int:
@@ -252,10 +279,14 @@ def causal_masks_as_flag(gm: fx.GraphModule) -> int:
     the causal mask (query t sees keys s <= t, aligned top-left as ``is_causal``) by ``None`` with
     ``is_causal=True``; returns how many calls changed. The mask's nodes are left to dead-code
     elimination. A mask is constant when it depends on no placeholder (``arange`` comparisons, as
-    Hugging Face builds it); it is evaluated once on CPU, bool (keep = True) or additive float
-    (0 kept, -inf or the dtype's lowest value masked: both give probability 0). A mask that
-    depends on the inputs (padding), a learned mask (its gradient uses ``sdpa_backward_with_mask``)
-    or a sliding window stays as it is."""
+    Hugging Face builds it); bool (keep = True) or additive float (0 kept, -inf or the dtype's
+    lowest value masked: both give probability 0). A mask that depends on the inputs (padding),
+    a learned mask (its gradient uses ``sdpa_backward_with_mask``) or a sliding window stays as
+    it is.
+
+    The check is exact and bounded in memory at any length (:func:`_is_causal_constant`): the
+    small values are evaluated once, the ``(T, S)``-sized ones in blocks of query rows, each
+    block compared with the causal rows and freed."""
     positions = {
         torch.ops.autoplan.sdpa.default: (0, 3, 5),  # query, attn_mask, is_causal
         torch.ops.autoplan.sdpa_backward.default: (1, 4, 6),
@@ -272,8 +303,7 @@ def causal_masks_as_flag(gm: fx.GraphModule) -> int:
             continue
         if mask not in verdicts:
             t, s = query.meta["val"].shape[-2], key.meta["val"].shape[-2]
-            value = _constant_value(mask)
-            verdicts[mask] = value is not None and _equals_causal(value, t, s)
+            verdicts[mask] = _is_causal_constant(mask, t, s)
         if verdicts[mask]:
             node.update_arg(mask_pos, None)
             node.update_arg(causal_pos, True)
@@ -281,56 +311,164 @@ def causal_masks_as_flag(gm: fx.GraphModule) -> int:
     return changed
 
 
-def _constant_value(node: fx.Node) -> torch.Tensor | None:
-    """``node``'s value computed on CPU when it depends on no placeholder and its subgraph holds at
-    most ``MAX_MASK_EVAL_BYTES``; ``None`` otherwise."""
-    order: list[fx.Node] = []
+def _is_rows_value(node: fx.Node, t: int, s: int) -> bool:
+    """Whether ``node``'s value is ``(..., T, S)``-sized (evaluated in blocks of query rows)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() >= 2 and tuple(val.shape[-2:]) == (t, s)
+
+
+def _constant_subgraph(node: fx.Node) -> list[fx.Node] | None:
+    """The ``call_function`` nodes ``node`` is computed from, in graph order; ``None`` when it
+    depends on a placeholder (an input, parameter, buffer) or an attribute."""
     seen: set[fx.Node] = set()
     stack = [node]
-    total_bytes = 0
     while stack:
         n = stack.pop()
         if n in seen:
             continue
         if n.op != "call_function":
-            return None  # a placeholder (input, parameter, buffer) or attribute: not a constant
-        seen.add(n)
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            total_bytes += val.numel() * val.element_size()
-        if total_bytes > MAX_MASK_EVAL_BYTES:
             return None
-        order.append(n)
+        seen.add(n)
         stack.extend(n.all_input_nodes)
     index = {n: i for i, n in enumerate(node.graph.nodes)}
-    order.sort(key=index.__getitem__)
-    last_use = {arg: n for n in order for arg in n.all_input_nodes}  # the last reader in graph order
-    env: dict[fx.Node, Any] = {}  # values: tensors, and the ints/lists an op returns
-    cpu = torch.device("cpu")
-    for n in order:
-        args = fx.node.map_arg(n.args, env.__getitem__)
-        kwargs = {k: cpu if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, env.__getitem__).items()}
-        try:
-            env[n] = n.target(*args, **kwargs)  # type: ignore[operator]
-        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
-            # an op that cannot run on CPU tensors here: the mask stays, priced as non-causal
-            logger.debug("constant mask %s not evaluated (%s at %s): %s", node.name, n.target, n.name, exc)
-            return None
-        for arg in n.all_input_nodes:
-            if last_use[arg] is n:
-                del env[arg]  # free the (T, S)-sized intermediates as soon as they are read
-    value = env[node]
-    return value if isinstance(value, torch.Tensor) else None
+    return sorted(seen, key=index.__getitem__)
 
 
-def _equals_causal(mask: torch.Tensor, t: int, s: int) -> bool:
-    """True if ``mask`` (broadcast over any leading dims) is the top-left causal mask of (T, S)."""
-    if mask.dim() < 2 or mask.shape[-2:] != (t, s):
+def _run(n: fx.Node, env: dict[fx.Node, Any]) -> Any:
+    """``n``'s op on its arguments' values in ``env``, on CPU."""
+    args = fx.node.map_arg(n.args, env.__getitem__)
+    kwargs = {k: torch.device("cpu") if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, env.__getitem__).items()}
+    return n.target(*args, **kwargs)  # type: ignore[operator]
+
+
+_VERDICTS: dict[tuple[Any, ...], bool] = {}
+"""Verdicts of :func:`_is_causal_constant` by what decides them (:func:`_verdict_key`): the
+planner traces a model several times (per micro-batch size, per block count), and a 128k mask
+takes seconds to check."""
+
+
+def _is_causal_constant(mask: fx.Node, t: int, s: int) -> bool:
+    """True if ``mask`` is a constant that equals the top-left causal mask of (T, S) (broadcast over
+    its leading dims). Its small values (at most ``MAX_MASK_EVAL_BYTES``) are evaluated once on
+    CPU; its ``(T, S)``-sized values must come from ``_ROWWISE_OPS`` and feed only each other, and
+    are evaluated ``rows`` query rows at a time (``MASK_BLOCK_BYTES``), each block compared with
+    the causal rows. Anything else (an op that cannot run on CPU, a reduction over the mask, too
+    large a mask) answers False: the mask stays, priced and run as non-causal."""
+    order = _constant_subgraph(mask)
+    if order is None or not _is_rows_value(mask, t, s):
         return False
-    if mask.dtype != torch.bool and not mask.is_floating_point():
+    rows_nodes = [n for n in order if _is_rows_value(n, t, s)]
+    rows_set = set(rows_nodes)
+    if any(n.target not in _ROWWISE_OPS for n in rows_nodes):
         return False
-    keep = torch.ones(t, s, dtype=torch.bool).tril()
-    for rows in mask.reshape(-1, t, s):  # one (T, S) slice at a time: bounded temporaries
+    if any(user in set(order) and user not in rows_set for n in rows_nodes for user in n.users):
+        return False  # a small value computed from a (T, S) one: not row-separable
+    small = [n for n in order if n not in rows_set]
+    small_bytes = sum(v.numel() * v.element_size() for n in small if isinstance(v := n.meta.get("val"), torch.Tensor))
+    if small_bytes > MAX_MASK_EVAL_BYTES or t * s > MAX_MASK_CHECK_ELEMENTS:
+        return False
+    env: dict[fx.Node, Any] = {}
+    try:
+        for n in small:
+            env[n] = _run(n, env)
+        for n in small:  # what the (T, S) values read, without the leading dims it repeats
+            if any(u in rows_set for u in n.users) and isinstance(env[n], torch.Tensor):
+                env[n] = _without_repeated_leading_dims(env[n])
+        key = _verdict_key(rows_nodes, env, t, s)
+        if key in _VERDICTS:
+            return _VERDICTS[key]
+        if len(_VERDICTS) >= 64:
+            _VERDICTS.clear()
+        _VERDICTS[key] = False  # until every block matched
+        rows = max(1, MASK_BLOCK_BYTES // (8 * s))
+        for start in range(0, t, rows):
+            stop = min(t, start + rows)
+            block = _rows_block(rows_nodes, env, t, start, stop)
+            if block.numel() // (stop - start) * t > MAX_MASK_CHECK_ELEMENTS:
+                return False  # leading dims that differ (a mask per batch element) and too many
+            if not _block_is_causal(block, start, stop, s):
+                return False
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, IndexError) as exc:
+        logger.debug("constant mask %s not evaluated: %s", mask.name, exc)
+        return False
+    _VERDICTS[key] = True
+    return True
+
+
+def _verdict_key(rows_nodes: Sequence[fx.Node], env: dict[fx.Node, Any], t: int, s: int) -> tuple[Any, ...]:
+    """What decides a mask's verdict: the ``(T, S)``-sized values' ops and arguments, and the
+    values of the small ones they read (after :func:`_without_repeated_leading_dims`, so the
+    same mask traced for another batch size has the same key). ``expand``'s leading sizes are
+    left out: :func:`_rows_block` does not compute them."""
+    where = {n: i for i, n in enumerate(rows_nodes)}
+
+    def describe(a: Any) -> Any:
+        if not isinstance(a, fx.Node):
+            return repr(a)
+        if a in where:
+            return ("rows", where[a])
+        v = env[a]
+        if not isinstance(v, torch.Tensor):
+            return repr(v)
+        data = v.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return (tuple(v.shape), str(v.dtype), hashlib.sha256(data).hexdigest())
+
+    ops = []
+    for n in rows_nodes:
+        args = n.args if n.target is not _aten.expand.default else (n.args[0], list(n.args[1])[-2:])
+        ops.append((str(n.target), fx.node.map_aggregate(args, describe), fx.node.map_aggregate(n.kwargs, describe)))
+    return (t, s, tuple(ops))
+
+
+def _without_repeated_leading_dims(v: torch.Tensor) -> torch.Tensor:
+    """``v`` with each leading dim (all but the last two) along which every slice equals the
+    first cut to size 1: elementwise ops then compute one slice for all of them (a mask built per
+    batch element from positions expanded over the batch is checked once, not per element)."""
+    for d in range(v.dim() - 2):
+        if v.shape[d] > 1 and bool((v == v.narrow(d, 0, 1)).all()):
+            v = v.narrow(d, 0, 1)
+    return v
+
+
+def _rows_block(rows_nodes: Sequence[fx.Node], env: dict[fx.Node, Any], t: int, start: int, stop: int) -> torch.Tensor:
+    """Query rows ``[start, stop)`` of the last of ``rows_nodes`` (the mask), up to leading dims
+    that only repeat (:func:`_without_repeated_leading_dims`; ``expand`` keeps them at the
+    input's size): every ``(T, S)``-sized value on those rows, from the small values in ``env``
+    cut to the rows where they have T of them."""
+    block: dict[fx.Node, Any] = {}
+
+    def arg(a: fx.Node) -> Any:
+        if a in block:
+            return block[a]
+        v = env[a]
+        if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[-2] == t:
+            return v[..., start:stop, :]
+        return v
+
+    for n in rows_nodes:
+        args = fx.node.map_arg(n.args, arg)
+        kwargs = {k: torch.device("cpu") if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, arg).items()}
+        if n.target is _aten.expand.default:
+            x, sizes = args[0], list(args[1])
+            new = len(sizes) - x.dim()  # leading dims expand adds
+            lead = [1] * new + [-1] * (len(sizes) - 2 - new)  # repeats of a leading dim are not computed
+            args = (x, [*lead, stop - start if sizes[-2] == t else sizes[-2], sizes[-1]], *args[2:])
+        elif n.target is _aten.unsqueeze.default and args[1] % (args[0].dim() + 1) >= args[0].dim() - 1:
+            raise ValueError("unsqueeze inside the (T, S) dims")
+        block[n] = n.target(*args, **kwargs)  # type: ignore[operator]
+        for a in n.all_input_nodes:
+            if a in block and all(u in block or u not in rows_nodes for u in a.users):
+                del block[a]  # every reader ran: free the block
+    return block[rows_nodes[-1]]
+
+
+def _block_is_causal(block: torch.Tensor, start: int, stop: int, s: int) -> bool:
+    """True if ``block`` (..., stop - start, S) equals rows ``[start, stop)`` of the causal mask:
+    bool keep = (key <= query), or float 0 where kept and -inf / the dtype's lowest where not."""
+    if block.dtype != torch.bool and not block.is_floating_point():
+        return False
+    keep = torch.arange(s).unsqueeze(0) <= torch.arange(start, stop).unsqueeze(1)
+    for rows in block.reshape(-1, stop - start, s):  # one slice of the leading dims at a time
         if rows.dtype == torch.bool:
             if not torch.equal(rows, keep):
                 return False

@@ -262,3 +262,38 @@ def test_traced_sliding_window_mask_is_kept() -> None:
     fwd, bwd = _sdpa_nodes(window=4)
     assert fwd[3] is not None and fwd[5] is False
     assert cost_key(SDPA, fwd) == "autoplan.sdpa.default"
+
+
+@pytest.mark.parametrize("window", [None, SEQ - 1])
+def test_mask_checked_in_blocks_of_rows_sees_every_row(monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """One query row per block (the block size made tiny): the causal mask still becomes the flag,
+    and a window of SEQ - 1 keys, which differs from causal in the last row only (query 15 does
+    not see key 0), is kept."""
+    monkeypatch.setattr(autoplan.passes.attention, "MASK_BLOCK_BYTES", 1)
+    monkeypatch.setattr(autoplan.passes.attention, "_VERDICTS", {})
+    fwd, _ = _sdpa_nodes(window=window)
+    assert (fwd[3] is None and fwd[5] is True) == (window is None)
+
+
+def test_long_context_hugging_face_mask_becomes_is_causal() -> None:
+    """A Hugging Face Llama traced at 16k tokens on meta: its mask (16k x 16k, built per batch
+    element) is checked in blocks of rows, never whole (the former check evaluated the mask's
+    subgraph at once and gave up past 1 GiB, so long sequences were priced as non-causal
+    attention, twice the FLOPs, with a T x T mask held on every device)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seq = 16384
+    config = LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+        vocab_size=64, max_position_embeddings=seq, use_cache=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.zeros(2, seq, dtype=torch.long)
+    traced = trace_training_step(
+        model, (ids,), loss_fn=lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()), example_targets=(ids,)
+    )
+    calls = [n for n in traced.graph_module.graph.nodes if n.target in (SDPA, SDPA_BWD)]
+    assert len(calls) == 2
+    assert all(n.kwargs.get("is_causal", n.args[5 if n.target is SDPA else 6]) is True for n in calls)
+    assert all(n.args[3 if n.target is SDPA else 4] is None for n in calls)

@@ -117,6 +117,24 @@ def llama_tiny(seed: int = 0, num_layers: int = 2) -> nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+LONG_CONTEXT = 1024
+"""Sequence length of :func:`llama_long_context`."""
+
+
+def llama_long_context(seed: int = 0) -> nn.Module:
+    """HF Llama for context-parallel tests: 2 layers of 4 heads (4 key/value heads, so a 2 x 2
+    mesh can split them over both axes), hidden 64 (head_dim 16), MLP 128, over ``LONG_CONTEXT``
+    positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        vocab_size=VOCAB, max_position_embeddings=LONG_CONTEXT, attention_dropout=0.0, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
 def gpt2_lm(*, layers: int, hidden: int, heads: int, vocab: int, positions: int, ffn: int | None = None) -> nn.Module:
     """HF GPT-2 (``GPT2LMHeadModel``, tied lm_head) of any shape (the benchmarks' GPT-2 and GPT-3
     shapes), no dropout, no KV cache; ``ffn`` None is 4 x ``hidden``. Unseeded: build it on

@@ -1,0 +1,83 @@
+"""Context parallelism: a long sequence split over ranks trains like the single-device model.
+
+The planner has no separate context-parallel machinery: a mesh axis splits the sequence when the
+intra-operator ILP shards the activations' token dim, and attention then runs head-parallel,
+the sequence <-> heads conversions being all-to-alls (DeepSpeed-Ulysses' layout; an all-gather
+of the projections' input where that is cheaper). Causal attention needs no load balancing in
+this layout: each rank attends over the whole sequence for its heads. These tests pin the input
+and target sequence-sharded (``S(1)`` of ``(B, T)``) and the weights replicated, so the axis can
+only split the tokens, and check the layout the plan runs before the numbers (harness: three
+steps, fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from tests import zoo
+from tests.harness import Case, SeededBatches, assert_trains_like_reference, run_case
+from tests.test_equivalence import forward_matmuls
+
+_WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TOKEN_SHARDED = ("o_proj", "gate_proj", "up_proj", "down_proj")
+"""Projections whose forward matmul multiplies this rank's tokens by the whole weight (q/k/v may
+instead produce this rank's heads from all tokens: either is a context-parallel layout)."""
+
+
+def _case(name: str, *, preset: str, mesh_shape: tuple[int, ...] | None, batch: int, spec: str) -> Case:
+    replicated = "R" if mesh_shape is None else ",".join("R" for _ in mesh_shape)
+    return Case(
+        name=name,
+        build_model=zoo.llama_long_context,
+        batches=SeededBatches(zoo.token_batch, {"batch": batch, "seq": zoo.LONG_CONTEXT}),
+        loss_fn=zoo.lm_loss,
+        preset=preset,
+        mesh_shape=mesh_shape,
+        pins={"input_0": spec, "target_0": spec} | {f"*.{w}.weight": replicated for w in _WEIGHTS},
+        profile=None,
+        optimizer="sgd_momentum",
+        lr=0.1,
+    )
+
+
+def _assert_context_parallel(case: Case, result: Mapping[str, Any], *, axis: int, weight_spec: str | None = "R") -> None:
+    """On mesh axis ``axis``: the token projections split the tokens (``S(0)`` of the flattened
+    ``(B*T, H)`` rows; the whole weight on that axis unless ``weight_spec`` is None), attention
+    splits the heads, and sequence <-> heads conversions run."""
+    plan = result["plan"]
+    matmuls = [m for m in forward_matmuls(case, plan) if any(f".{w}." in (m["weight"] or "") for w in TOKEN_SHARDED)]
+    assert len(matmuls) == 2 * len(TOKEN_SHARDED), matmuls
+    for m in matmuls:
+        assert m["out"][axis] == "S(0)" and weight_spec in (None, m["weight_spec"][axis]), m
+    attention = [d for d in plan.nodes.values() if d["op"] == "autoplan.sdpa.default"]
+    assert len(attention) == 2 and all(d["out"][0][axis] == "S(1)" for d in attention), attention
+    steps = {kind for c in plan.collectives for kind, _ in c.steps}
+    assert "all_to_all" in steps, steps
+
+
+def test_llama_long_sequence_split_over_2_ranks_trains_like_single_device():
+    case = _case("llama-cp-2", preset="2xCPU", mesh_shape=None, batch=1, spec="S(1)")
+    results = run_case(case, timeout_s=600)
+
+    assert results[0]["plan"].input_specs[0] == ("S(1)",)
+    _assert_context_parallel(case, results[0], axis=0)
+    assert_trains_like_reference(results)
+
+
+@pytest.mark.slow
+def test_llama_context_x_tensor_parallel_on_2x2_mesh_trains_like_single_device():
+    """One sample: its sequence split over mesh axis 0, the weights Megatron-split over axis 1
+    (``zoo.LLAMA_TP_PINS``); attention splits its 4 heads over both axes."""
+    case = _case("llama-cp-x-tp-2x2", preset="4xCPU", mesh_shape=(2, 2), batch=1, spec="S(1),R")
+    case = dataclasses.replace(case, pins=dict(case.pins) | {k: f"R,{v}" for k, v in zoo.LLAMA_TP_PINS.items()})
+    results = run_case(case, timeout_s=900)
+
+    assert results[0]["plan"].input_specs[0] == ("S(1)", "R")
+    _assert_context_parallel(case, results[0], axis=0, weight_spec=None)
+    attention = [d for d in results[0]["plan"].nodes.values() if d["op"] == "autoplan.sdpa.default"]
+    assert all(d["out"][0] == ["S(1)", "S(1)"] for d in attention), attention
+    assert_trains_like_reference(results)
