@@ -415,7 +415,7 @@ def _verdict_key(rows_nodes: Sequence[fx.Node], env: dict[fx.Node, Any], t: int,
 
     ops = []
     for n in rows_nodes:
-        args = n.args if n.target is not _aten.expand.default else (n.args[0], list(n.args[1])[-2:])
+        args: Any = n.args if n.target is not _aten.expand.default else (n.args[0], list(n.args[1])[-2:])  # type: ignore[arg-type]
         ops.append((str(n.target), fx.node.map_aggregate(args, describe), fx.node.map_aggregate(n.kwargs, describe)))
     return (t, s, tuple(ops))
 
@@ -446,7 +446,7 @@ def _rows_block(rows_nodes: Sequence[fx.Node], env: dict[fx.Node, Any], t: int, 
         return v
 
     for n in rows_nodes:
-        args = fx.node.map_arg(n.args, arg)
+        args: Any = fx.node.map_arg(n.args, arg)
         kwargs = {k: torch.device("cpu") if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, arg).items()}
         if n.target is _aten.expand.default:
             x, sizes = args[0], list(args[1])

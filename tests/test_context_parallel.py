@@ -55,8 +55,9 @@ def _assert_context_parallel(case: Case, result: Mapping[str, Any], *, axis: int
         assert m["out"][axis] == "S(0)" and weight_spec in (None, m["weight_spec"][axis]), m
     attention = [d for d in plan.nodes.values() if d["op"] == "autoplan.sdpa.default"]
     assert len(attention) == 2 and all(d["out"][0][axis] == "S(1)" for d in attention), attention
-    steps = {kind for c in plan.collectives for kind, _ in c.steps}
+    steps = {kind for c in plan.collectives for kind, a in c.steps if a == axis}
     assert "all_to_all" in steps, steps
+    assert "context" in list(plan.parallelism().values())[axis]  # what summary/explain call the axis
 
 
 def test_llama_long_sequence_split_over_2_ranks_trains_like_single_device():

@@ -372,8 +372,10 @@ class Plan:
 
     def parallelism(self) -> dict[str, str]:
         """Per mesh axis (:attr:`placement_axis_names`), what the plan does along it: ``data``
-        (the batch is split, so gradients are reduced over the axis), ``tensor/param-sharded``
-        (parameters are split), both, or ``replicated``."""
+        (the batch is split, so gradients are reduced over the axis), ``context`` (attention runs
+        head-parallel and all-to-alls convert its inputs or output between heads and sequence:
+        the sequence is split around it, DeepSpeed-Ulysses' layout), ``tensor/param-sharded``
+        (parameters are split), a combination, or ``replicated``."""
         out = {}
         for axis, name in enumerate(self.placement_axis_names):
             grads_reduced = any(
@@ -382,9 +384,16 @@ class Plan:
                 for c in self.collectives
             )
             params_sharded = sum(1 for s in self.param_specs.values() if s[axis] != "R")
+            head_parallel = any(
+                d["op"] == "autoplan.sdpa.default" and d["out"] and d["out"][0] and d["out"][0][axis] == "S(1)"
+                for d in self.nodes.values()
+            )
+            all_to_all = any(k == "all_to_all" and a == axis for c in self.collectives for k, a in c.steps)
             kinds = []
             if grads_reduced:
                 kinds.append("data")
+            if head_parallel and all_to_all:
+                kinds.append("context")
             if params_sharded:
                 kinds.append(f"tensor/param-sharded ({params_sharded}/{len(self.param_specs)} params)")
             out[name] = " + ".join(kinds) if kinds else "replicated"
