@@ -2,8 +2,10 @@
 
     python benchmarks/plan_quality.py            # all cases (a few minutes on 2 cores)
     python benchmarks/plan_quality.py --quick    # 1.3B / 7B on 8 and 64 GPUs only
+    python benchmarks/plan_quality.py --models llama3-8b-128k   # some models only
 
-For public dense-transformer shapes (GPT-3 1.3B/13B/175B, Llama-2 7B, Llama-3 70B) on A100-80GB
+For public dense-transformer shapes (GPT-3 1.3B/13B/175B, Llama-2 7B, Llama-3 70B, Llama-3 8B at
+128k tokens) on A100-80GB
 and H100 clusters of 8 to 1024 GPUs, it prices
 
 * **grid**: every Megatron-style configuration — dp x tp x pp (tp inside a node), micro-batch
@@ -66,6 +68,9 @@ SHAPES = [
     # Llama 2 7B (Touvron et al. 2023): 4M-token batches of 4096; Llama 3 70B: GQA 8 kv heads
     Shape("llama2-7b", "llama", 32, 4096, 32, 4096, 32000, 1024, ffn=11008, kv_heads=32),
     Shape("llama3-70b", "llama", 80, 8192, 64, 8192, 128256, 512, ffn=28672, kv_heads=8),
+    # long context: Llama 3 8B (Llama 3 paper, Dubey et al. 2024, section 3.4.2: pre-training extends
+    # the context to 128K tokens); 16 sequences per step (2M tokens) is an assumption
+    Shape("llama3-8b-128k", "llama", 32, 4096, 32, 131072, 128256, 16, ffn=14336, kv_heads=8),
 ]
 
 CLUSTERS = {  # model -> cluster sizes (GPUs) worth planning
@@ -74,6 +79,7 @@ CLUSTERS = {  # model -> cluster sizes (GPUs) worth planning
     "gpt3-175b": (1024,),
     "llama2-7b": (8, 64),
     "llama3-70b": (64, 1024),
+    "llama3-8b-128k": (8, 64),
 }
 QUICK = {"gpt3-1.3b": (8, 64), "llama2-7b": (8,)}
 
@@ -101,8 +107,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small cases only")
     parser.add_argument("--devices", default="A100-80GB,H100", help="comma-separated device names")
+    parser.add_argument("--models", default=None, help="comma-separated model names (default: all)")
     args = parser.parse_args()
     cases = QUICK if args.quick else CLUSTERS
+    if args.models is not None:
+        cases = {name: sizes for name, sizes in cases.items() if name in args.models.split(",")}
     rows = []
     ok_memory = True
     for shape in SHAPES:
