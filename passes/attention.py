@@ -355,12 +355,17 @@ def _is_causal_constant(mask: fx.Node, t: int, s: int) -> bool:
     the causal rows. Anything else (an op that cannot run on CPU, a reduction over the mask, too
     large a mask) answers False: the mask stays, priced and run as non-causal."""
     order = _constant_subgraph(mask)
-    if order is None or not _is_rows_value(mask, t, s):
+    if order is None or not _is_rows_value(mask, t, s) or mask.target not in _ROWWISE_OPS:
         return False
-    rows_nodes = [n for n in order if _is_rows_value(n, t, s)]
-    rows_set = set(rows_nodes)
-    if any(n.target not in _ROWWISE_OPS for n in rows_nodes):
-        return False
+    # the (T, S)-sized values: the mask and, back from it, the (T, S)-sized arguments of rowwise
+    # ops (by dataflow, not by shape alone: a (B, T) position table with B == T is a small value)
+    rows_set, stack = {mask}, [mask]
+    while stack:
+        for a in stack.pop().all_input_nodes:
+            if a not in rows_set and a.target in _ROWWISE_OPS and _is_rows_value(a, t, s):
+                rows_set.add(a)
+                stack.append(a)
+    rows_nodes = [n for n in order if n in rows_set]
     if any(user in set(order) and user not in rows_set for n in rows_nodes for user in n.users):
         return False  # a small value computed from a (T, S) one: not row-separable
     small = [n for n in order if n not in rows_set]
