@@ -225,6 +225,7 @@ def _parallelize_pipeline(
         device=device,
         optimizer=plan.optimizer,
         stage_recompute=layout.stage_recompute,
+        offload_optimizer=cfg.offload_optimizer,
     )
 
 

@@ -141,6 +141,12 @@ class ParallelConfig:
     ``stage_dp[k] * tp`` devices and splits each micro-batch of ``dp * microbatch_size``
     samples ``stage_dp[k]`` ways; the devices add up to ``tp * sum(stage_dp)``. ``None``: ``dp``
     on every stage (estimated only, not executed yet)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state and the fp32 master weights in host memory and run the optimizer
+    step there (ZeRO-Offload's placement): each step copies the gradients of the rank's shard to
+    the host and the updated weights back (:func:`autoplan.cost_models.step.offload_time_s`,
+    :func:`autoplan.cost_models.memory.offload_host_bytes_per_element`). Written in a config's
+    dict and text only when set, so configurations without it read as before."""
 
     def __post_init__(self) -> None:
         for name, hint in _COUNT_HINTS.items():
@@ -158,6 +164,11 @@ class ParallelConfig:
             raise ConfigError(f"unknown recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE)}")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if not isinstance(self.offload_optimizer, bool):
+            raise ConfigError(
+                f"offload_optimizer must be True or False, got {self.offload_optimizer!r}: "
+                "True keeps the optimizer state in host memory"
+            )
         if self.stage_dp is not None:
             object.__setattr__(self, "stage_dp", tuple(self.stage_dp))
             if len(self.stage_dp) != self.pp or any(
@@ -240,7 +251,12 @@ class ParallelConfig:
             raise ConfigError(f"schedule {self.schedule!r} needs pp > 1")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as plain values; ``offload_optimizer`` only when set (plans and estimates
+        without it are written as before it existed)."""
+        out = asdict(self)
+        if not self.offload_optimizer:
+            del out["offload_optimizer"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ParallelConfig:
@@ -262,4 +278,6 @@ class ParallelConfig:
         if self.stage_dp is not None:
             parts.append(f"stage_dp={list(self.stage_dp)}")
         parts += [f"recompute={self.recompute}", f"zero={self.zero_stage}"]
+        if self.offload_optimizer:
+            parts.append("offload=optimizer")
         return " ".join(parts)

@@ -126,6 +126,15 @@ class DeviceSpec:
     ``1 + comm_compute_slowdown`` while overlapped. In [0, 1). A cited measurement for catalog
     GPUs; ``None`` where unknown (CPU ranks): ``autoplan calibrate`` measures it, and
     ``compute.concurrent_compute_factor`` treats ``None`` as no slowdown."""
+    host_link_GBps: float | None = None
+    """Achievable per-direction bandwidth between the device and host memory (PCIe), GB/s: what
+    optimizer-state offload copies gradients and weights over. ``None``: the device's memory is
+    the host's (CPU ranks), copies run at ``mem_bw_GBps``. Left out of :meth:`to_dict` when
+    ``None``."""
+    host_mem_bw_GBps: float | None = None
+    """Host DRAM bandwidth one device's offloaded optimizer step gets, GB/s (the node's CPU memory
+    bandwidth over its devices). ``None``: ``mem_bw_GBps`` (the device is the host). Left out of
+    :meth:`to_dict` when ``None``."""
 
     def __post_init__(self) -> None:
         where = f"device {clip(self.name)}"
@@ -152,6 +161,9 @@ class DeviceSpec:
             "inter_node_latency_us",
         ):
             object.__setattr__(self, name, _positive_float(getattr(self, name), f"{where}: {name}"))
+        for name in ("host_link_GBps", "host_mem_bw_GBps"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _positive_float(getattr(self, name), f"{where}: {name}"))
         capacity: object = self.mem_capacity_bytes
         if isinstance(capacity, float) and capacity.is_integer():
             capacity = int(capacity)
@@ -229,7 +241,9 @@ class DeviceSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable form; ``DeviceSpec.from_dict`` reads it back."""
-        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        out: dict[str, Any] = {
+            f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None or f.name not in _HOST_FIELDS
+        }
         out["peak_flops"] = dict(self.peak_flops)
         if self.matmul_peak_fraction is not None:
             out["matmul_peak_fraction"] = dict(self.matmul_peak_fraction)
@@ -303,6 +317,9 @@ class DeviceSpec:
 DEVICE_SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DeviceSpec))
 """Names of the ``DeviceSpec`` fields, in declaration order (the keys of a device mapping)."""
 _OPTIONAL_FIELDS: frozenset[str] = frozenset(f.name for f in fields(DeviceSpec) if f.default is not MISSING)
+_HOST_FIELDS = frozenset({"host_link_GBps", "host_mem_bw_GBps"})
+"""Fields :meth:`DeviceSpec.to_dict` leaves out when ``None`` (device files and plans written
+before they existed stay byte-identical)."""
 
 
 def _check_keys(data: Mapping[str, Any], *, where: str) -> None:
@@ -407,6 +424,32 @@ _OVERLAP_SLOWDOWN = (
 )
 _COMM_COMPUTE_SLOWDOWN = 0.189  # Lee et al. 2025, see _OVERLAP_SLOWDOWN
 
+_PCIE_ACHIEVABLE_FRACTION = 0.8
+"""Of a PCIe x16 link's theoretical per-direction rate, the part a pinned-memory copy reaches
+(assumption, see ``_HOST_LINK``)."""
+_HOST_LINK = (
+    "host link (PCIe x16, per direction): A100 datasheet 'PCIe Gen4: 64 GB/s' and H100/H200 "
+    "datasheets 'PCIe Gen5: 128 GB/s' (both directions together) -> 32 and 64 GB/s per way; B200: "
+    "PCIe Gen5 x16 as the Hopper parts, 64 GB/s per way (assumption: the B200 pages cited here give "
+    "no host-link figure). "
+    "Achievable: 0.8 of that is an assumption (128b/130b encoding and TLP headers at a 256-byte "
+    "payload leave ~86%; pinned cudaMemcpy is commonly measured near 80%); replace with a measurement"
+)
+_HOST_DRAM = (
+    "host DRAM bandwidth per GPU: theoretical bandwidth of the DGX's CPUs over its 8 GPUs, times an "
+    "assumed 0.8 achievable (STREAM-like) fraction: DGX A100 2x AMD EPYC 7742, 8 channels DDR4-3200 "
+    "each (2 x 204.8 GB/s) -> 41 GB/s; DGX H100/H200 2x Intel Xeon Platinum 8480C, 8 channels "
+    "DDR5-4800 each (2 x 307.2 GB/s) -> 61 GB/s; DGX B200 2x Intel Xeon Platinum 8570, 8 channels "
+    "DDR5-5600 each (2 x 358.4 GB/s) -> 72 GB/s (DGX A100/H100/B200 datasheets for the CPUs; "
+    "channel counts and DIMM speeds from the CPU vendors' product pages)"
+)
+_HOST_DRAM_FRACTION = 0.8  # assumption, see _HOST_DRAM
+_A100_HOST_MEM_BW_GBPS = 2 * 204.8 / 8 * _HOST_DRAM_FRACTION  # see _HOST_DRAM
+_HOPPER_HOST_MEM_BW_GBPS = 2 * 307.2 / 8 * _HOST_DRAM_FRACTION  # see _HOST_DRAM
+_B200_HOST_MEM_BW_GBPS = 2 * 358.4 / 8 * _HOST_DRAM_FRACTION  # see _HOST_DRAM
+_PCIE4_X16_GBPS = 32.0 * _PCIE_ACHIEVABLE_FRACTION  # A100 datasheet: PCIe Gen4 64 GB/s both ways
+_PCIE5_X16_GBPS = 64.0 * _PCIE_ACHIEVABLE_FRACTION  # H100/H200 datasheets: PCIe Gen5 128 GB/s both ways
+
 _NVLINK_LATENCY_US = 3.0  # assumption, see _GPU_LATENCY_ASSUMPTION
 _NETWORK_LATENCY_US = 10.0  # assumption, see _GPU_LATENCY_ASSUMPTION
 
@@ -485,6 +528,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         num_sms=108,  # Ampere whitepaper: A100 has 108 SMs
         matmul_peak_fraction=_A100_MATMUL_PEAK_FRACTION,
         comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        host_link_GBps=_PCIE4_X16_GBPS,
+        host_mem_bw_GBps=_A100_HOST_MEM_BW_GBPS,
         sources=(
             _A100_DATASHEET,
             _AMPERE_WHITEPAPER,
@@ -493,6 +538,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
             _MAMF_TABLE,
             _SUSTAINED_MATMUL,
             _OVERLAP_SLOWDOWN,
+            _HOST_LINK,
+            _HOST_DRAM,
         ),
     ),
     DeviceSpec(
@@ -507,6 +554,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         num_sms=108,  # Ampere whitepaper: A100 has 108 SMs
         matmul_peak_fraction=_A100_MATMUL_PEAK_FRACTION,
         comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        host_link_GBps=_PCIE4_X16_GBPS,
+        host_mem_bw_GBps=_A100_HOST_MEM_BW_GBPS,
         sources=(
             _A100_DATASHEET,
             _AMPERE_WHITEPAPER,
@@ -515,6 +564,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
             _MAMF_TABLE,
             _SUSTAINED_MATMUL,
             _OVERLAP_SLOWDOWN,
+            _HOST_LINK,
+            _HOST_DRAM,
         ),
     ),
     DeviceSpec(
@@ -529,6 +580,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         num_sms=132,  # Hopper whitepaper: H100 SXM5 has 132 SMs
         matmul_peak_fraction=_HOPPER_MATMUL_PEAK_FRACTION,
         comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        host_link_GBps=_PCIE5_X16_GBPS,
+        host_mem_bw_GBps=_HOPPER_HOST_MEM_BW_GBPS,
         sources=(
             _H100_DATASHEET,
             _HOPPER_WHITEPAPER,
@@ -537,6 +590,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
             _GPU_LATENCY_ASSUMPTION,
             _MAMF_TABLE,
             _OVERLAP_SLOWDOWN,
+            _HOST_LINK,
+            _HOST_DRAM,
         ),
     ),
     DeviceSpec(
@@ -554,6 +609,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         # MAMF table: 'H200 is the same' in bf16; its fp8 row is 1453.4 / 1979 TFLOPS
         matmul_peak_fraction={**_HOPPER_MATMUL_PEAK_FRACTION, "float8_e4m3fn": 0.734},
         comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        host_link_GBps=_PCIE5_X16_GBPS,
+        host_mem_bw_GBps=_HOPPER_HOST_MEM_BW_GBPS,
         sources=(
             _H200_DATASHEET,
             _HOPPER_WHITEPAPER,
@@ -562,6 +619,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
             _GPU_LATENCY_ASSUMPTION,
             _MAMF_TABLE,
             _OVERLAP_SLOWDOWN,
+            _HOST_LINK,
+            _HOST_DRAM,
         ),
     ),
     DeviceSpec(
@@ -576,6 +635,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
         num_sms=148,  # see _B200_SM_COUNT
         matmul_peak_fraction=_B200_MATMUL_PEAK_FRACTION,
         comm_compute_slowdown=_COMM_COMPUTE_SLOWDOWN,
+        host_link_GBps=_PCIE5_X16_GBPS,
+        host_mem_bw_GBps=_B200_HOST_MEM_BW_GBPS,
         sources=(
             _DGX_B200_DATASHEET,
             _HGX_B200_SPECS,
@@ -583,6 +644,8 @@ _CATALOG_ENTRIES: tuple[DeviceSpec, ...] = (
             _GPU_LATENCY_ASSUMPTION,
             _MAMF_TABLE,
             _OVERLAP_SLOWDOWN,
+            _HOST_LINK,
+            _HOST_DRAM,
         ),
     ),
     DeviceSpec(

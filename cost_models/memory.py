@@ -107,6 +107,29 @@ OPTIMIZER_STEP_BYTES_PER_ELEMENT: dict[str, int] = {
 }
 
 
+def offload_host_bytes_per_element(optimizer: str, itemsize: int) -> int:
+    """Host bytes per trainable element of the rank's shard when the optimizer state is offloaded
+    (``ParallelConfig.offload_optimizer``; what ``autoplan.runtime.optimizers.OffloadedOptimizer``
+    allocates), ``w`` the weights' item size::
+
+        host = 4 * states(optimizer)     the optimizer state (fp32)
+             + 4                         fp32 master weights (a distinct copy, also of fp32 weights)
+             + 4                         fp32 gradient the host step reads
+             + (w if w < 4 else 0)       staging copy in the weights' dtype (gradients in, weights out)
+
+    In :func:`stage_memory_parts` the device then holds no optimizer state and no master copy,
+    and the step's temporaries are the host's::
+
+        O        = 0,   opt_step = 0
+        host_is_device (CPU ranks: the host's memory is the rank's):
+        O        = sum_j T'_j host / (dp if zero_stage >= 1),   opt_step as without offload
+
+    fp32 Adam moves 8 B per element off the device and uses 16 on the host; mixed-precision Adam
+    moves 12 and uses 18."""
+    staging = itemsize if itemsize < STATE_ITEMSIZE else 0
+    return STATE_ITEMSIZE * (OPTIMIZER_STATES[optimizer] + 2) + staging
+
+
 def param_training_bytes_by_part(
     numel: int, itemsize: int, optimizer: str, *, trainable: bool = True
 ) -> dict[str, int]:
@@ -256,6 +279,8 @@ def stage_memory_parts(
     first_segment: int = 0,
     policy: OverlapPolicy = DEFAULT_POLICY,
     reduced_in_backward: bool = False,
+    offload_optimizer: bool = False,
+    host_is_device: bool = False,
 ) -> dict[str, float]:
     """Peak bytes per device of one pipeline stage (:mod:`autoplan.cost_models.step`), by part:
     the liveness peak of the step as it runs. Per segment ``j`` of the stage (in order):
@@ -300,13 +325,16 @@ def stage_memory_parts(
     A segment reading a tied parameter held before ``first_segment`` (the stage's first segment)
     adds the stage's own copy of it (``tied_param_numel``) to ``P_j`` and ``T'_j``.
     Recomputation (selective or full, per block as :mod:`autoplan.runtime.pipeline` executes it)
-    enters only through ``kept_j`` and ``T_j``."""
-    # a tied parameter held by a segment before the stage (``first_segment``): the stage's own copy
-    tied = {s.tied_param_owner: s for s in segments if 0 <= s.tied_param_owner < first_segment}
-    param_numel = sum(s.param_numel for s in segments) + sum(s.tied_param_numel for s in tied.values())
-    trainable = sum(s.trainable_numel for s in segments) + sum(s.tied_trainable_numel for s in tied.values())
+    enters only through ``kept_j`` and ``T_j``. ``offload_optimizer``: ``O`` and ``opt_step`` as
+    :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks)."""
+    tied = _tied_copies(segments, first_segment)
+    param_numel, trainable = stage_numels(segments, first_segment)
     w = float(param_numel * element.weights) / (dp if zero_stage >= 3 else 1)
-    o = float(trainable * element.optimizer) / (dp if zero_stage >= 1 else 1)
+    largest_trained = max((s.trainable_numel for s in segments), default=0)
+    o, step_temp = _optimizer_bytes(
+        element, trainable, largest_trained, shards=dp if zero_stage >= 1 else 1, device_kind=device_kind,
+        offload=offload_optimizer, host_is_device=host_is_device,
+    )  # fmt: skip
     tied_grads = {id(s) for s in tied.values()}
     raw = [
         float((s.trainable_numel + (s.tied_trainable_numel if id(s) in tied_grads else 0)) * element.grads)
@@ -328,20 +356,46 @@ def stage_memory_parts(
         activations, transients, held, sum(raw), gathered=gathered, reduction=reduction, inflight=inflight,
         num_microbatches=num_microbatches,
     )
-    master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
-    opt_params = trainable * master / (dp if zero_stage >= 1 else 1)
-    largest_trained = max((s.trainable_numel for s in segments), default=0) * master
-    optimizer_step = sum(grads) + optimizer_temp_bytes(element.optimizer_name, largest_trained, opt_params, device_kind)
+    optimizer_step = sum(grads) + step_temp
     if optimizer_step > at_peak:
         at_peak, grads_at_peak = optimizer_step, sum(grads)
-    parts = {
-        "weights": w,
-        "grads": grads_at_peak,
-        "optimizer": o,
-        "activations": activations,
-        "transient": at_peak - activations - grads_at_peak,
-    }
+    parts = {"weights": w, "grads": grads_at_peak, "optimizer": o, "activations": activations,
+             "transient": at_peak - activations - grads_at_peak}  # fmt: skip
     return _with_allocator(parts, device_kind)
+
+
+def _tied_copies(segments: Sequence[SegmentMemory], first_segment: int) -> dict[int, SegmentMemory]:
+    """The segments reading a tied parameter held by a segment before the stage (``first_segment``),
+    by owner: the stage keeps its own copy of it."""
+    return {s.tied_param_owner: s for s in segments if 0 <= s.tied_param_owner < first_segment}
+
+
+def stage_numels(segments: Sequence[SegmentMemory], first_segment: int) -> tuple[int, int]:
+    """``(P, T')`` of a stage: its parameter elements and the trained ones among them, with its
+    own copies of tied parameters (:func:`stage_memory_parts`)."""
+    tied = _tied_copies(segments, first_segment).values()
+    return (
+        sum(s.param_numel for s in segments) + sum(s.tied_param_numel for s in tied),
+        sum(s.trainable_numel for s in segments) + sum(s.tied_trainable_numel for s in tied),
+    )
+
+
+def _optimizer_bytes(
+    element: ElementBytes, trainable: int, largest_trained: int, *, shards: int, device_kind: str, offload: bool,
+    host_is_device: bool,
+) -> tuple[float, float]:
+    """``(O, opt_step's temporaries)`` of :func:`stage_memory_parts` for ``trainable`` elements
+    (the largest segment's ``largest_trained``) sharded ``shards`` ways; with ``offload`` on the
+    host (0, 0) unless the host's memory is the device's (:func:`offload_host_bytes_per_element`)."""
+    master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
+    step_temp = optimizer_temp_bytes(
+        element.optimizer_name, largest_trained * master, trainable * master / shards, device_kind
+    )
+    if not offload:
+        return float(trainable * element.optimizer) / shards, step_temp
+    if not host_is_device:
+        return 0.0, 0.0
+    return float(trainable * offload_host_bytes_per_element(element.optimizer_name, element.weights)) / shards, step_temp
 
 
 def _activations_and_transients(

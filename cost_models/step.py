@@ -40,6 +40,11 @@ synchronisation adds after its backward (below) and the optimizer step::
 
     T(c) = makespan(F, B, m, schedule, p2p') + drain + max_k (sync_k + opt_k / dp^[zero>=1])
 
+With the optimizer state offloaded to host memory (``c.offload_optimizer``), ``opt_k`` is the
+host's step and the copies around it, not overlapped with compute (:func:`offload_time_s`)::
+
+    opt_k = n g / L + n s / H + n w / L        n = T'_k / dp^[zero>=1] (the rank's shard)
+
 Communication schedule (what the generated program does: :mod:`autoplan.cost_models.comm_schedule`)
 --------------------------------------------------------------------------------------------------
 A stage's data-parallel collectives are simulated per pass over its segments ``j`` on two
@@ -130,12 +135,16 @@ from autoplan.cost_models.comm_schedule import (
 from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.hardware import DeviceSpec
 from autoplan.cost_models.memory import (
+    OPTIMIZER_STEP_BYTES_PER_ELEMENT,
+    STATE_ITEMSIZE,
     ElementBytes,
     device_kind,
     precision_bytes,
     rank_memory_parts,
     stage_memory_parts,
+    stage_numels,
     usable_memory_bytes,
 )
 from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
@@ -254,6 +263,8 @@ class TrainingEstimate:
     bubble_s: float
     """Idle time of the pipeline schedule (0 without pipeline parallelism)."""
     optimizer_s: float
+    """The optimizer step of the slowest stage (with ``config.offload_optimizer``: the host's step
+    and the copies to and from it, :func:`offload_time_s`)."""
     memory_per_device_bytes: tuple[float, ...]
     """Peak bytes per device of each pipeline rank (devices of one rank are alike; interleaving
     puts several stages on a rank)."""
@@ -375,6 +386,29 @@ def precision_dtype(precision: str) -> str:
 def precision_opt_factor(precision: str) -> float:
     """Optimizer step bytes relative to fp32 training (mixed precision also writes the bf16 copy)."""
     return 1.0 if precision == "fp32" else 1.1
+
+
+def offload_time_s(device: DeviceSpec, element: ElementBytes, shard_numel: float) -> float:
+    """Seconds the optimizer step of ``shard_numel`` trained elements takes with its state in
+    host memory (``ParallelConfig.offload_optimizer``; ZeRO-Offload's placement, Ren et al.,
+    USENIX ATC 2021), as ``autoplan.runtime.optimizers.OffloadedOptimizer`` runs it: the
+    gradients to the host, the step there, the updated weights back, one after the other and
+    after the backward (no overlap with compute)::
+
+        offload_s = n g / L  +  n s / H  +  n w / L
+        s = OPTIMIZER_STEP_BYTES_PER_ELEMENT[optimizer]              (the fp32 step on the host)
+            + (g + 4) + (4 + w)   when w < 4                         (gradient to fp32, master to w)
+
+    ``g``, ``w``: bytes per element of gradients and weights; ``L`` the host link
+    (``DeviceSpec.host_link_GBps``), ``H`` host memory (``host_mem_bw_GBps``). A device without a
+    host link is its own host (CPU ranks): the copies run in its memory, ``L = mem_bw / 2`` (a
+    copy reads and writes), ``H = mem_bw``."""
+    link_Bps = (device.host_link_GBps or device.mem_bw_GBps / 2) * 1e9
+    host_Bps = (device.host_mem_bw_GBps or device.mem_bw_GBps) * 1e9
+    g, w = element.grads, element.weights
+    convert = (g + STATE_ITEMSIZE) + (STATE_ITEMSIZE + w) if w < STATE_ITEMSIZE else 0
+    step_bytes = OPTIMIZER_STEP_BYTES_PER_ELEMENT[element.optimizer_name] + convert
+    return shard_numel * (g + w) / link_Bps + shard_numel * step_bytes / host_Bps
 
 
 # --- one stage --------------------------------------------------------------------------------
@@ -752,7 +786,14 @@ def _price_stage(
             num_stages=config.pp * config.virtual_stages, num_microbatches=config.num_microbatches,
             schedule=config.schedule,
         ),
+        offload_optimizer=config.offload_optimizer,
+        host_is_device=cluster.device.host_link_GBps is None,
     )
+    shards = dp if z >= 1 else 1
+    if config.offload_optimizer:
+        optimizer_s = offload_time_s(cluster.device, bpe, stage_numels(part, segments[0])[1] / shards)
+    else:
+        optimizer_s = sum(s.optimizer_s for s in part) * precision_opt_factor(precision) / shards
     # W = the weight-gradient-only ops of the stage (plus recomputation lands in B)
     w_s = min(bwd, sum(s.bwd_weight_s for s in part))
     return _StagePrice(
@@ -768,7 +809,7 @@ def _price_stage(
             dp=dp,
         ),
         sync_exposed_s=comm.sync_s if comm is not None else 0.0,
-        optimizer_s=sum(s.optimizer_s for s in part) * (precision_opt_factor(precision)) / (dp if z >= 1 else 1),
+        optimizer_s=optimizer_s,
         compute_s=comm.compute_s if comm is not None else fwd + bwd,
         comm=comm,
     )
@@ -976,6 +1017,7 @@ __all__ = [
     "TrainingEstimate",
     "evaluate",
     "group_link",
+    "offload_time_s",
     "recompute_parts",
     "tp_cluster",
     "uniform_starts",

@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "recompute": {"recompute": "full"},
     "zero_stage": {"zero_stage": 3},
     "stage_dp": {"stage_dp": (1, 3), "microbatch_size": 3},
+    "offload_optimizer": {"offload_optimizer": True},
 }
 """Where a field needs another to be valid (``virtual_stages`` needs the interleaved schedule,
 ``stage_dp=(1, 3)`` needs a micro-batch of 3 samples per replica), the comparison base is BASE

@@ -268,6 +268,7 @@ def _space_for(config: ParallelConfig) -> SearchSpace:
         virtual_stages=(config.virtual_stages,),
         recompute=(config.recompute,),
         zero_stages=(config.zero_stage,),
+        offload_optimizer=(config.offload_optimizer,),
         microbatch_sizes=(config.microbatch_size,),
         per_stage_recompute=False,
         hetero_stages=False,

@@ -16,7 +16,9 @@ stages x segments x devices); the candidate keeps it when the full evaluation is
 The outer search enumerates every ``c`` (pp | world, tp | devices per node, b with
 ``B % (dp b) == 0``, schedules, v (:func:`virtual_stage_counts`), recompute, ZeRO) and, per ``c``, the stage boundaries that
 minimise the slowest stage (min-max contiguous partition by dynamic programming) next to the
-uniform split; the recomputation may differ per stage (the least that fits). It returns the
+uniform split; the recomputation may differ per stage (the least that fits); a ``c`` that does
+not fit is priced again with its optimizer state in host memory (``offload_optimizer``), which
+never makes a step faster and so is tried only there. It returns the
 feasible ``c`` with the smallest ``T(c)``, visiting candidates by increasing lower bound
 ``m * sum_j (fwd_s[j] + bwd_s[j]) / pp`` and stopping once the bound exceeds the best step
 found. ILP solves are memoised per (tp, b): the search calls :func:`SegmentCostFn` once per
@@ -52,6 +54,11 @@ class SearchSpace:
     :func:`virtual_stage_counts` for each pp, micro-batch count and depth."""
     recompute: tuple[Recompute, ...] = RECOMPUTE
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    offload_optimizer: tuple[bool, ...] = (False, True)
+    """Optimizer state in device memory (False) or host memory (True). Offloading only adds time
+    (:func:`autoplan.cost_models.step.offload_time_s`), so a configuration is priced with it only
+    where it does not fit without it (:func:`search`), and never on a device that is its own host
+    (``DeviceSpec.host_link_GBps`` is ``None``: nothing leaves its memory)."""
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     balanced_stages: bool = True
     per_stage_recompute: bool = True
@@ -384,6 +391,34 @@ def hetero_layout(
     )
 
 
+def offload_choices(space: SearchSpace, cluster: Cluster) -> list[bool]:
+    """The ``offload_optimizer`` values to try, in order: the space's, without offloading on a
+    device that is its own host (``host_link_GBps`` is ``None``); ``space.fixed``'s alone."""
+    if space.fixed is not None:
+        return [space.fixed.offload_optimizer]
+    offloads = [o for o in space.offload_optimizer if not o or cluster.device.host_link_GBps is not None]
+    if not space.offload_optimizer:
+        raise ConfigError("SearchSpace.offload_optimizer is empty: give (False,), (True,) or (False, True)")
+    return offloads or [False]
+
+
+def first_fitting(
+    cand: ParallelConfig, offloads: Sequence[bool], place: Callable[[ParallelConfig], TrainingEstimate]
+) -> TrainingEstimate:
+    """``place(cand)`` with the first of ``offloads`` that fits (offloading the optimizer state only
+    adds time, :func:`autoplan.cost_models.step.offload_time_s`, so it is tried only where the
+    configuration does not fit without it), else the least memory-hungry of them."""
+    best: TrainingEstimate | None = None
+    for offload in offloads:
+        est = place(dataclasses.replace(cand, offload_optimizer=offload))
+        if best is None or _key(est) < _key(best):
+            best = est
+        if best.feasible:
+            break
+    assert best is not None, "offload_choices returns at least one value"
+    return best
+
+
 def _key(e: TrainingEstimate) -> tuple[bool, float]:
     return (not e.feasible, e.step_time_s if e.feasible else e.peak_memory_bytes)
 
@@ -418,7 +453,12 @@ def search(
 
     splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
 
+    offloads = offload_choices(space, cluster)
+
     def layout(cand: ParallelConfig, cost_at: SegmentCostFn) -> TrainingEstimate:
+        return first_fitting(cand, offloads, lambda c: placed(c, cost_at))
+
+    def placed(cand: ParallelConfig, cost_at: SegmentCostFn) -> TrainingEstimate:
         """The best layout of ``cand``: :func:`best_layout`, or :func:`hetero_layout` if faster."""
         est = best_layout(
             cand,
@@ -445,7 +485,7 @@ def search(
     todo = [
         c
         for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
-        if space.fixed is None or c == space.fixed
+        if space.fixed is None or c == dataclasses.replace(space.fixed, offload_optimizer=False)
     ]
     early: dict[int, TrainingEstimate] = {}
     if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once (in parallel)
@@ -549,6 +589,7 @@ def _describe(c: ParallelConfig) -> str:
         f"dp={c.dp} tp={c.tp} pp={c.pp} mbs={c.microbatch_size}x{c.num_microbatches} "
         f"{c.schedule if c.pp > 1 else 'none'}"
         f"{f'(v={c.virtual_stages})' if c.virtual_stages > 1 else ''} recompute={c.recompute} zero={c.zero_stage}"
+        f"{' offload=optimizer' if c.offload_optimizer else ''}"
     )
 
 
@@ -557,9 +598,11 @@ __all__ = [
     "best_layout",
     "candidates",
     "expand_blocks",
+    "first_fitting",
     "hetero_layout",
     "hetero_split",
     "lower_bound_s",
+    "offload_choices",
     "search",
     "virtual_stage_counts",
 ]

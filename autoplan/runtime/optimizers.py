@@ -11,20 +11,25 @@ foreach path dispatches one ``torch._foreach_*`` op per parameter group instead 
 propagates a sharding per op, so this also halves its Python overhead) and computes the same
 elementwise formulas in the same order, so the update is bit-for-bit equal on CPU
 (``tests/test_optimizer_memory.py`` checks it). What it costs in memory is priced by
-``autoplan.cost_models.memory.optimizer_temp_bytes``."""
+``autoplan.cost_models.memory.optimizer_temp_bytes``.
+
+:class:`OffloadedOptimizer` runs the same optimizer on the host (``ParallelConfig.offload_optimizer``),
+as ``autoplan.cost_models.step.offload_time_s`` and
+``autoplan.cost_models.memory.offload_host_bytes_per_element`` price it."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.memory import OPTIMIZERS
 
 
-def make_torch_optimizer(name: str, params: Sequence[torch.nn.Parameter], **kwargs: Any) -> torch.optim.Optimizer:
+def make_torch_optimizer(name: str, params: Sequence[torch.Tensor], **kwargs: Any) -> torch.optim.Optimizer:
     """``adam``/``adamw``: Adam/AdamW; ``sgd_momentum``: SGD with momentum 0.9 unless
     ``momentum=`` is given; ``sgd``: plain SGD. ``kwargs`` go to the optimizer (``lr=...``);
     ``foreach`` defaults to ``True`` (the module docstring says why)."""
@@ -42,4 +47,142 @@ def make_torch_optimizer(name: str, params: Sequence[torch.nn.Parameter], **kwar
     )
 
 
-__all__ = ["make_torch_optimizer"]
+def make_optimizer(
+    name: str, params: Sequence[torch.nn.Parameter], *, offload: bool = False, **kwargs: Any
+) -> torch.optim.Optimizer:
+    """:func:`make_torch_optimizer`, or with ``offload`` an :class:`OffloadedOptimizer` running it
+    on the host."""
+    if offload:
+        return OffloadedOptimizer(name, params, **kwargs)
+    return make_torch_optimizer(name, params, **kwargs)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (a DTensor's local tensor; a plain tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """The optimizer ``name`` with its state and fp32 master weights in host memory (ZeRO-Offload's
+    placement; ``ParallelConfig.offload_optimizer``). Per parameter ``p`` (this rank's shard of it)
+    the host holds the fp32 master ``m``, its fp32 gradient, and, where ``p`` is narrower than
+    fp32, a staging copy in ``p``'s dtype (pinned where ``p`` is on CUDA). :meth:`step`::
+
+        grads to host:   staging (or m.grad) <- p.grad      (non_blocking from CUDA, then synchronised)
+                         m.grad <- staging                  (bf16/fp16 -> fp32, on the host)
+        host step:       the torch optimizer ``name`` over the masters (make_torch_optimizer)
+        weights back:    staging <- m;  p <- staging (or p <- m)   (non_blocking to CUDA)
+
+    so no conversion temporary lands on the device, and the device holds no optimizer state.
+    ``param_groups`` are over the device parameters (learning-rate schedulers and
+    ``zero_grad`` work on them; hyperparameters are handed to the host optimizer at each step);
+    ``state[p]`` shows the host state of ``p`` in ``p``'s layout (DTensors sharing the host
+    storage, scalars as they are), so ``autoplan.runtime.checkpoint`` saves and loads it in place;
+    :meth:`state_dict` / :meth:`load_state_dict` are the host optimizer's (the same keys and
+    indices as the optimizer without offload)."""
+
+    def __init__(self, name: str, params: Sequence[torch.nn.Parameter], **kwargs: Any) -> None:
+        params = list(params)
+        self._device_params = params
+        cuda = any(_local(p).is_cuda for p in params)
+        self._masters = [_host_copy(_local(p), torch.float32, pin=cuda) for p in params]
+        self._staging = [
+            _host_copy(_local(p), _local(p).dtype, pin=cuda) if _local(p).dtype != torch.float32 else None
+            for p in params
+        ]
+        for m in self._masters:
+            m.grad = torch.zeros_like(m)
+        self._host = make_torch_optimizer(name, self._masters, **kwargs)
+        self._cuda = cuda
+        super().__init__(params, dict(self._host.defaults))
+        self.state = _HostStateView(self)  # type: ignore[assignment]
+
+    def _sync_hyperparameters(self) -> None:
+        for group, host in zip(self.param_groups, self._host.param_groups, strict=True):
+            host.update({k: v for k, v in group.items() if k != "params"})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        for p, m, stage in zip(self._device_params, self._masters, self._staging, strict=True):
+            if p.grad is None:
+                m.grad = None
+                continue
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            (stage if stage is not None else m.grad).copy_(_local(p.grad), non_blocking=self._cuda)
+        if self._cuda:
+            torch.cuda.synchronize()  # the non_blocking copies to the host have landed
+        for m, stage in zip(self._masters, self._staging, strict=True):
+            if stage is not None and m.grad is not None:
+                m.grad.copy_(stage)
+        self._host.step()
+        for p, m, stage in zip(self._device_params, self._masters, self._staging, strict=True):
+            if p.grad is None:
+                continue
+            if stage is not None:
+                stage.copy_(m)
+            _local(p).copy_(stage if stage is not None else m, non_blocking=self._cuda)
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        self._sync_hyperparameters()
+        return self._host.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._host.load_state_dict(dict(state_dict))
+        for group, host in zip(self.param_groups, self._host.param_groups, strict=True):
+            group.update({k: v for k, v in host.items() if k != "params"})
+
+    def host_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The host optimizer's state of device parameter ``p`` (empty before the first step)."""
+        for q, m in zip(self._device_params, self._masters, strict=True):
+            if q is p:
+                return self._host.state.get(m, {})
+        return {}
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The host's fp32 master copy of device parameter ``p`` (this rank's shard)."""
+        return next(m for q, m in zip(self._device_params, self._masters, strict=True) if q is p)
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """A host tensor of ``t``'s values in ``dtype``, never sharing ``t``'s storage."""
+    out = torch.empty(t.shape, dtype=dtype, device="cpu", pin_memory=pin)
+    out.copy_(t.detach())
+    return out
+
+
+class _HostStateView(Mapping[torch.Tensor, dict[str, torch.Tensor]]):
+    """``OffloadedOptimizer.state``: device parameter -> its host state, tensors of the
+    parameter's shape as DTensors in its layout over the host storage (0-dim ones as they are)."""
+
+    def __init__(self, opt: OffloadedOptimizer) -> None:
+        self._opt = opt
+
+    def __getitem__(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = self._opt.host_state(p)
+        if not state:
+            raise KeyError(p)
+        return {k: _in_layout_of(v, p) for k, v in state.items()}
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (p for p in self._opt._device_params if self._opt.host_state(p))  # noqa: SLF001
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _in_layout_of(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+        return DTensor.from_local(
+            value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
+    return value
+
+
+__all__ = ["OffloadedOptimizer", "make_optimizer", "make_torch_optimizer"]

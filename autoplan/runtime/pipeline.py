@@ -71,7 +71,7 @@ from autoplan.runtime import training
 from autoplan.runtime.codegen import STEP_FN, generate_program
 from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
-from autoplan.runtime.optimizers import make_torch_optimizer
+from autoplan.runtime.optimizers import make_optimizer
 
 
 def _local_shape(v: ValueInfo, mesh: DeviceMesh) -> tuple[int, ...]:
@@ -310,6 +310,7 @@ class PipelineModel(torch.nn.Module):
         num_inputs: int,
         device: torch.device,
         tied_stages: Mapping[str, tuple[int, ...]] | None = None,
+        offload_optimizer: bool = False,
     ) -> None:
         super().__init__()
         self.batch_values = tuple(batch_values)
@@ -325,6 +326,8 @@ class PipelineModel(torch.nn.Module):
         self.num_microbatches = num_microbatches
         self._tied_groups = tied_groups
         self._optimizer = optimizer
+        self.offload_optimizer = offload_optimizer
+        """:meth:`make_optimizer` keeps the optimizer state in host memory (``OffloadedOptimizer``)."""
         self.num_stages = num_stages
         self._tied_stages = dict(tied_stages or {})
         """FQN -> the stages holding a copy of a parameter tied across stages (all ranks' view)."""
@@ -336,8 +339,10 @@ class PipelineModel(torch.nn.Module):
             yield from st.params
 
     def make_optimizer(self, **kwargs: Any) -> torch.optim.Optimizer:
+        """The optimizer the plan was costed for over this rank's trained parameters, in host
+        memory if the plan's configuration offloads it (``offload_optimizer``)."""
         params = [p for p in self.parameters() if p.requires_grad]  # frozen ones have no gradient
-        return make_torch_optimizer(self._optimizer, params, **kwargs)
+        return make_optimizer(self._optimizer, params, offload=self.offload_optimizer, **kwargs)
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """One training step on the *global* batch (the same on every rank); returns the loss
@@ -651,6 +656,7 @@ def build_pipeline(
     device: torch.device,
     optimizer: str = "adam",
     stage_recompute: Sequence[str] | None = None,
+    offload_optimizer: bool = False,
 ) -> PipelineModel:
     """Build this rank's stages and the schedule. ``mesh`` has shape ``(pp, *stage_mesh)`` and
     names ``("pp", *axis_names)``; ``stage_starts[k]`` is the first segment of stage ``k``
@@ -727,6 +733,7 @@ def build_pipeline(
         batch_values=split.stages[0].inputs,
         num_inputs=traced_mb.num_inputs,
         device=device,
+        offload_optimizer=offload_optimizer,
     )
 
 
