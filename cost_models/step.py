@@ -335,7 +335,8 @@ class TrainingEstimate:
             f"config: {self.config}",
             f"step time {self.step_time_s * 1e3:.1f} ms = compute {self.compute_s * 1e3:.1f} ms "
             f"+ exposed comm {self.exposed_comm_s * 1e3:.1f} ms + bubble {self.bubble_s * 1e3:.1f} ms "
-            f"+ optimizer {self.optimizer_s * 1e3:.1f} ms (parts overlap)",
+            f"+ optimizer {self.optimizer_s * 1e3:.1f} ms"
+            f"{' (on the host, with the copies to and from it)' if self.config.offload_optimizer else ''} (parts overlap)",
             f"throughput {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}",
             f"peak memory per device {self.peak_memory_bytes / gib:.2f} GiB of {self.capacity_bytes / gib:.1f} GiB"
             + ("" if self.feasible else "  (DOES NOT FIT)"),

@@ -95,6 +95,7 @@ def test_offload_moves_the_optimizer_state_off_the_device_and_prices_the_copies(
     assert on.peak_memory_bytes < off.peak_memory_bytes - n * optimizer_bytes  # the step's temporaries too
     host_s = n * g / L_BPS + n * (ADAM_STEP_BYTES + extra) / H_BPS + n * g / L_BPS
     assert on.optimizer_s == pytest.approx(host_s, rel=1e-12)
+    assert "offload=optimizer" in on.summary() and "on the host" in on.summary() and "offload" not in off.summary()
     # exposed after the backward, in place of the device's step
     assert on.step_time_s - off.step_time_s == pytest.approx(host_s - off.optimizer_s, rel=1e-9)
 
