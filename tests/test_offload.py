@@ -171,7 +171,9 @@ def test_offloaded_optimizer_steps_like_the_device_one_and_keeps_its_torch_surfa
     again = OffloadedOptimizer(name, list(model.parameters()), lr=0.5)
     again.load_state_dict(sd)
     assert again.param_groups[0]["lr"] == 0.01 and len(again.state) == 4
-    torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5).step()  # a torch scheduler drives it
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # a torch scheduler drives it
+    opt.step()
+    scheduler.step()
     opt.step()
     assert opt.param_groups[0]["lr"] == 0.005 and opt._host.param_groups[0]["lr"] == 0.005  # noqa: SLF001
 
