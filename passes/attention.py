@@ -37,7 +37,7 @@ import contextlib
 import functools
 import hashlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -334,10 +334,15 @@ def _constant_subgraph(node: fx.Node) -> list[fx.Node] | None:
     return sorted(seen, key=index.__getitem__)
 
 
+def _arguments(n: fx.Node, value: Callable[[fx.Node], Any]) -> tuple[Any, dict[str, Any]]:
+    """``n``'s arguments with each node replaced by ``value(node)``, any ``device`` set to CPU."""
+    kwargs = fx.node.map_arg(n.kwargs, value)
+    return fx.node.map_arg(n.args, value), {k: torch.device("cpu") if k == "device" else v for k, v in kwargs.items()}
+
+
 def _run(n: fx.Node, env: dict[fx.Node, Any]) -> Any:
     """``n``'s op on its arguments' values in ``env``, on CPU."""
-    args = fx.node.map_arg(n.args, env.__getitem__)
-    kwargs = {k: torch.device("cpu") if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, env.__getitem__).items()}
+    args, kwargs = _arguments(n, env.__getitem__)
     return n.target(*args, **kwargs)  # type: ignore[operator]
 
 
@@ -366,7 +371,8 @@ def _is_causal_constant(mask: fx.Node, t: int, s: int) -> bool:
                 rows_set.add(a)
                 stack.append(a)
     rows_nodes = [n for n in order if n in rows_set]
-    if any(user in set(order) and user not in rows_set for n in rows_nodes for user in n.users):
+    in_subgraph = set(order)
+    if any(user in in_subgraph and user not in rows_set for n in rows_nodes for user in n.users):
         return False  # a small value computed from a (T, S) one: not row-separable
     small = [n for n in order if n not in rows_set]
     small_bytes = sum(v.numel() * v.element_size() for n in small if isinstance(v := n.meta.get("val"), torch.Tensor))
@@ -441,6 +447,7 @@ def _rows_block(rows_nodes: Sequence[fx.Node], env: dict[fx.Node, Any], t: int, 
     input's size): every ``(T, S)``-sized value on those rows, from the small values in ``env``
     cut to the rows where they have T of them."""
     block: dict[fx.Node, Any] = {}
+    rows_set = set(rows_nodes)
 
     def arg(a: fx.Node) -> Any:
         if a in block:
@@ -451,8 +458,7 @@ def _rows_block(rows_nodes: Sequence[fx.Node], env: dict[fx.Node, Any], t: int, 
         return v
 
     for n in rows_nodes:
-        args: Any = fx.node.map_arg(n.args, arg)
-        kwargs = {k: torch.device("cpu") if k == "device" else v for k, v in fx.node.map_arg(n.kwargs, arg).items()}
+        args, kwargs = _arguments(n, arg)
         if n.target is _aten.expand.default:
             x, sizes = args[0], list(args[1])
             new = len(sizes) - x.dim()  # leading dims expand adds
@@ -462,7 +468,7 @@ def _rows_block(rows_nodes: Sequence[fx.Node], env: dict[fx.Node, Any], t: int, 
             raise ValueError("unsqueeze inside the (T, S) dims")
         block[n] = n.target(*args, **kwargs)  # type: ignore[operator]
         for a in n.all_input_nodes:
-            if a in block and all(u in block or u not in rows_nodes for u in a.users):
+            if a in block and all(u in block or u not in rows_set for u in a.users):
                 del block[a]  # every reader ran: free the block
     return block[rows_nodes[-1]]
 
