@@ -90,6 +90,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             _host_copy(_local(p), _local(p).dtype, pin=cuda) if _local(p).dtype != torch.float32 else None
             for p in params
         ]
+        self._master_of = {id(p): m for p, m in zip(params, self._masters, strict=True)}
+        """Device parameter (by identity) -> its host master (:meth:`master`, :meth:`host_state`)."""
         for m in self._masters:
             m.grad = torch.zeros_like(m)
         self._host = make_torch_optimizer(name, self._masters, **kwargs)
@@ -140,14 +142,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def host_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """The host optimizer's state of device parameter ``p`` (empty before the first step)."""
-        for q, m in zip(self._device_params, self._masters, strict=True):
-            if q is p:
-                return self._host.state.get(m, {})
-        return {}
+        m = self._master_of.get(id(p))
+        return {} if m is None else self._host.state.get(m, {})
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The host's fp32 master copy of device parameter ``p`` (this rank's shard)."""
-        return next(m for q, m in zip(self._device_params, self._masters, strict=True) if q is p)
+        return self._master_of[id(p)]
 
 
 def _host_copy(t: torch.Tensor, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
