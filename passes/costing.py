@@ -46,6 +46,7 @@ from autoplan.cost_models.memory import (
 )
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.passes import liveness
+from autoplan.passes.moe import MOE_OPS, moe_comm_time_s, moe_time_factor
 from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
 from autoplan.passes.placement import Spec, local_numel, replicated, storage_factor
 from autoplan.passes.strategies import Strategy, StrategyTable, ValueRef, resolve_value, tensor_args
@@ -213,6 +214,11 @@ def build_cost_problem(
             times = [
                 m if m is not None else analytic_time_s(node, s, ns.kind, device, mesh_shape, optimizer=optimizer)
                 for m, s in zip(measured, ns.strategies, strict=True)
+            ]
+        if node.op == "call_function" and node.target in MOE_OPS:  # routing imbalance, in-op all-to-alls
+            times = [
+                t * moe_time_factor(node, s.input_specs) + moe_comm_time_s(node, s.input_specs, cluster)
+                for t, s in zip(times, ns.strategies, strict=True)
             ]
         problem.node_time_s[name] = times
         problem.node_time_profiled[name] = profiled

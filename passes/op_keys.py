@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoplan.passes.moe import MOE_OPS
 from autoplan.passes.placement import Spec, shard_dim
 from autoplan.passes.strategies import Strategy, tensor_args
 
@@ -117,8 +118,8 @@ class _Text:
 
 
 def _build_template(node: fx.Node) -> OpTemplate | None:
-    if node.op != "call_function" or node.target is operator.getitem:
-        return None
+    if node.op != "call_function" or node.target is operator.getitem or node.target in MOE_OPS:
+        return None  # MoE ops: their work depends on the routing, which random inputs do not show
     targs = tensor_args(node)
 
     def positional(n: fx.Node) -> Any:  # stands in for an fx Argument

@@ -46,6 +46,7 @@ from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
+from autoplan.passes.moe import planning_args
 from autoplan.passes.placement import Spec, is_segment_shard, is_shardable, is_supported, replicated, spec_str
 from autoplan.passes.segments import segment_counts, segment_variants
 from autoplan.passes.trace import TracedProgram
@@ -267,7 +268,9 @@ class _Enumerator:
                 return OpStrategy([OpSpec(_single(c, mesh, t)) for c in cands])
             return a.meta["val"] if isinstance(a, fx.Node) else a
 
-        args_strat = pytree.tree_map(to_strategy, node.args, is_leaf=lambda x: isinstance(x, fx.Node))
+        args_strat = pytree.tree_map(
+            to_strategy, planning_args(op, node.args), is_leaf=lambda x: isinstance(x, fx.Node)
+        )
         args_strat = tuple(_wrap_lists(a) for a in args_strat)
         schema_info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)
         strat_schema = OpSchema(op, args_strat, dict(node.kwargs), schema_info=schema_info)

@@ -52,6 +52,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from autoplan.cost_models.errors import UnsupportedModelError
 from autoplan.passes.attention import attention_as_single_op, causal_masks_as_flag
 from autoplan.passes.losses import mean_losses_as_sums
+from autoplan.passes.moe import experts_as_single_op
 from autoplan.passes.plan_text import param_node_name, placeholder_name
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,12 @@ def _quiet_torch_logs() -> Iterator[None]:
 def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
     captured = io.StringIO()  # export also prints hints on failure
     try:
-        with contextlib.redirect_stderr(captured), _quiet_torch_logs(), attention_as_single_op():
+        with (
+            contextlib.redirect_stderr(captured),
+            _quiet_torch_logs(),
+            attention_as_single_op(),
+            experts_as_single_op(),
+        ):
             ep = torch.export.export(wrapper, args, strict=False)
     except UnsupportedModelError:
         raise
@@ -186,7 +192,7 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
             log.debug("torch.export said:\n%s", captured.getvalue())
     if not any(writes_an_argument(n) for n in ep.graph.nodes):
         return ep.module()  # already functional: the graph is left exactly as exported
-    with _quiet_torch_logs(), attention_as_single_op():
+    with _quiet_torch_logs(), attention_as_single_op(), experts_as_single_op():
         ep = ep.run_decompositions({})  # functionalize only (an empty decomposition table)
     module = ep.module()
     _differentiable_copies(module)
@@ -432,6 +438,7 @@ def _trace_joint(
             _quiet_torch_logs(),
             sdpa_kernel([SDPBackend.MATH]),
             attention_as_single_op(),
+            experts_as_single_op(),
             fx_traceback.preserve_node_meta(),
         ):
             return make_fx(step)(*flat_args)

@@ -135,6 +135,42 @@ def llama_long_context(seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(config).eval()
 
 
+MOE_EXPERTS = 4
+
+
+def mixtral_tiny(
+    seed: int = 0, experts_implementation: str = "eager", top_k: int = 2, hidden: int = 32, expert_hidden: int = 48
+) -> nn.Module:
+    """HF Mixtral for expert-parallel tests: 2 layers of ``MOE_EXPERTS`` SwiGLU experts of
+    ``expert_hidden``, ``top_k`` of them per token, ``hidden`` wide, 4 heads. ``eager`` (transformers' default loop over the experts a batch hits)
+    traces too: tracing routes every implementation to ``autoplan::moe_experts``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        num_hidden_layers=2, hidden_size=hidden, intermediate_size=expert_hidden, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=hidden // 4, num_local_experts=MOE_EXPERTS, num_experts_per_tok=top_k, vocab_size=VOCAB,
+        max_position_embeddings=MAX_POSITIONS, router_jitter_noise=0.0, attention_dropout=0.0, use_cache=False,
+        experts_implementation=experts_implementation,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(config).eval()
+
+
+def qwen2_moe_tiny(seed: int = 0) -> nn.Module:
+    """HF Qwen2-MoE (DeepSeek-style: routed experts plus a gated shared expert), 2 layers of
+    ``MOE_EXPERTS`` routed experts, top 2, hidden 32."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        shared_expert_intermediate_size=48, num_attention_heads=4, num_key_value_heads=4, num_experts=MOE_EXPERTS,
+        num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=MAX_POSITIONS, attention_dropout=0.0,
+        use_cache=False, norm_topk_prob=True,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return Qwen2MoeForCausalLM(config).eval()
+
+
 def gpt2_lm(*, layers: int, hidden: int, heads: int, vocab: int, positions: int, ffn: int | None = None) -> nn.Module:
     """HF GPT-2 (``GPT2LMHeadModel``, tied lm_head) of any shape (the benchmarks' GPT-2 and GPT-3
     shapes), no dropout, no KV cache; ``ffn`` None is 4 x ``hidden``. Unseeded: build it on

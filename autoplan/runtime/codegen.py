@@ -37,6 +37,7 @@ from autoplan.cost_models.comm import TransitionStep, bucket_kind
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
 from autoplan.passes.comm_order import START, CommSchedule, schedule_collectives
 from autoplan.passes.layers import Layering, find_layers
+from autoplan.passes.moe import MOE_OPS, with_ep_group
 from autoplan.passes.placement import Spec
 from autoplan.passes.recompute import OP_META, TRANSITION_META
 from autoplan.passes.redistribute import OUTPUT, Redistribution, edge_redistributions
@@ -138,6 +139,7 @@ def generate_program(
         axis_names=axis_names,
         device=device,
         defer_grad_conversions=defer_grad_conversions,
+        mesh=mesh,
     )
     for node in src_gm.graph.nodes:
         if node.op == "output":
@@ -173,8 +175,10 @@ class _ProgramEmitter:
         axis_names: tuple[str, ...],
         device: torch.device,
         defer_grad_conversions: bool,
+        mesh: DeviceMesh | None = None,
     ) -> None:
         self.traced = traced
+        self.mesh = mesh
         self.assignment = assignment
         self.redistributions = redistributions
         self.by_edge = {(r.consumer, r.arg_index): r for r in redistributions}
@@ -207,17 +211,23 @@ class _ProgramEmitter:
         for slot in self.issue_after.get(name, ()):
             r = self.redistributions[slot.index]
             if r.consumer == OUTPUT:
-                self.converted_loss = _emit_steps(self.graph, self.env[self.node_by_name[slot.issue_after]], r.steps, self.axis_names)
+                self.converted_loss = _emit_steps(
+                    self.graph, self.env[self.node_by_name[slot.issue_after]], r.steps, self.axis_names
+                )
             elif r.arg_index >= 0 and slot.bucket is not None:
                 self._emit_gather(self.schedule.buckets[slot.bucket])
             elif r.arg_index >= 0:
                 a = tensor_args(self.node_by_name[r.consumer])[r.arg_index]
                 if not self._needs_replicate(a):  # (constants are wrapped and converted at the consumer)
-                    self.converted[(r.consumer, r.arg_index)] = _emit_steps(self.graph, self.env[a], r.steps, self.axis_names)
+                    self.converted[(r.consumer, r.arg_index)] = _emit_steps(
+                        self.graph, self.env[a], r.steps, self.axis_names
+                    )
             elif not self.defer_grad_conversions:
                 if slot.bucket is None:
                     i = self.grad_index[r.consumer]
-                    self.converted_grads[i] = _emit_steps(self.graph, self.env[self.grad_nodes[i]], r.steps, self.axis_names)
+                    self.converted_grads[i] = _emit_steps(
+                        self.graph, self.env[self.grad_nodes[i]], r.steps, self.axis_names
+                    )
                 else:
                     self._emit_bucket(self.schedule.buckets[slot.bucket])
 
@@ -307,6 +317,10 @@ class _ProgramEmitter:
                 x = _emit_steps(graph, x, r.steps, self.axis_names)
             converted.append(x)
         new_args = _replace_tensor_args(node.args, iter(converted), env)
+        if node.target in MOE_OPS:  # the plan's expert-parallel group, written into the op
+            if self.mesh is None:
+                raise ValueError(f"{node.name}: a mixture-of-experts op needs the mesh: pass mesh= to generate_program")
+            new_args = with_ep_group(node, tuple(new_args), self.assignment[node.name].input_specs, self.mesh)
         new_kwargs = _fix_device(dict(fx.node.map_arg(node.kwargs, lambda n: env[n])), self.device)
         if node.name in self.fallback_nodes:
             op = cast(Argument, node.target)  # an OpOverload: fx passes a callable argument through as it is
