@@ -4,8 +4,8 @@
     python benchmarks/plan_quality.py --quick    # 1.3B / 7B on 8 and 64 GPUs only
     python benchmarks/plan_quality.py --models llama3-8b-128k   # some models only
 
-For public dense-transformer shapes (GPT-3 1.3B/13B/175B, Llama-2 7B, Llama-3 70B, Llama-3 8B at
-128k tokens) on A100-80GB
+For public transformer shapes (GPT-3 1.3B/13B/175B, Llama-2 7B, Llama-3 70B, Llama-3 8B at
+128k tokens, the Mixtral 8x7B mixture of experts) on A100-80GB
 and H100 clusters of 8 to 1024 GPUs, it prices
 
 * **grid**: every Megatron-style configuration — dp x tp x pp (tp inside a node), micro-batch
@@ -49,7 +49,7 @@ TRACED_BLOCKS = 2
 @dataclass(frozen=True)
 class Shape:
     name: str
-    family: str  # "gpt" | "llama"
+    family: str  # "gpt" | "llama" | "mixtral"
     layers: int
     hidden: int
     heads: int
@@ -58,6 +58,8 @@ class Shape:
     global_batch: int
     ffn: int = 0
     kv_heads: int = 0
+    experts: int = 0
+    top_k: int = 0
 
 
 SHAPES = [
@@ -71,6 +73,10 @@ SHAPES = [
     # long context: Llama 3 8B (Llama 3 paper, Dubey et al. 2024, section 3.4.2: pre-training extends
     # the context to 128K tokens); 16 sequences per step (2M tokens) is an assumption
     Shape("llama3-8b-128k", "llama", 32, 4096, 32, 131072, 128256, 16, ffn=14336, kv_heads=8),
+    # mixture of experts: Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", table 1: 32 layers,
+    # d_model 4096, 32 heads / 8 kv heads, FFN 14336, 8 experts, top 2, vocab 32000); 1,024 sequences
+    # of 4,096 tokens per step (4M tokens) is an assumption
+    Shape("mixtral-8x7b", "mixtral", 32, 4096, 32, 4096, 32000, 1024, ffn=14336, kv_heads=8, experts=8, top_k=2),
 ]
 
 CLUSTERS = {  # model -> cluster sizes (GPUs) worth planning
@@ -80,16 +86,21 @@ CLUSTERS = {  # model -> cluster sizes (GPUs) worth planning
     "llama2-7b": (8, 64),
     "llama3-70b": (64, 1024),
     "llama3-8b-128k": (8, 64),
+    "mixtral-8x7b": (64,),
 }
 QUICK = {"gpt3-1.3b": (8, 64), "llama2-7b": (8,)}
 
 
 def build(shape: Shape) -> tuple[torch.nn.Module, torch.Tensor]:
-    """``tests.zoo``'s GPT-2 or Llama of the shape with TRACED_BLOCKS blocks on ``meta`` and one sample of token ids."""
+    """``tests.zoo``'s GPT-2, Llama or Mixtral of the shape with TRACED_BLOCKS blocks on ``meta`` and one sample of token ids."""
     with torch.device("meta"):
         if shape.family == "gpt":
             model = zoo.gpt2_lm(layers=TRACED_BLOCKS, hidden=shape.hidden, heads=shape.heads, vocab=shape.vocab,
                                 positions=shape.seq)  # fmt: skip
+        elif shape.family == "mixtral":
+            model = zoo.mixtral_lm(layers=TRACED_BLOCKS, hidden=shape.hidden, heads=shape.heads,
+                                   kv_heads=shape.kv_heads, ffn=shape.ffn, vocab=shape.vocab, positions=shape.seq,
+                                   experts=shape.experts, top_k=shape.top_k)  # fmt: skip
         else:
             model = zoo.llama_lm(layers=TRACED_BLOCKS, hidden=shape.hidden, heads=shape.heads,
                                  kv_heads=shape.kv_heads, ffn=shape.ffn, vocab=shape.vocab, positions=shape.seq)  # fmt: skip

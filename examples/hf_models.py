@@ -94,6 +94,25 @@ def llama_tiny() -> autoplan.Workload:
     )
 
 
+def mixtral_8x7b() -> autoplan.Workload:
+    """Mixtral 8x7B's shape (Jiang et al. 2024, table 1: 32 layers, width 4096, 32 heads with 8
+    key/value heads, 8 SwiGLU experts of 14336, top 2, vocabulary 32000) on sequences of 4096
+    tokens, for planning only: build it on ``meta`` (``autoplan plan`` does), e.g.
+    ``autoplan plan examples/hf_models.py:mixtral_8x7b --cluster 8x8xH100 --global-batch-size 1024
+    --precision bf16 --out mixtral.json``."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=4096, router_jitter_noise=0.0, use_cache=False,
+    )  # fmt: skip
+    ids = torch.randint(0, 32000, (1, 4096))
+    return autoplan.Workload(
+        model=MixtralForCausalLM(cfg), example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), optimizer="adamw"
+    )
+
+
 # --- the model zoo: one tiny configuration per architecture --------------------------------------
 #
 # Random weights from the `transformers` config classes (nothing is downloaded): 2 layers of width

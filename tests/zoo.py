@@ -196,6 +196,22 @@ def llama_lm(*, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, v
     return LlamaForCausalLM(config)
 
 
+def mixtral_lm(
+    *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, positions: int, experts: int, top_k: int
+) -> nn.Module:
+    """HF Mixtral (``MixtralForCausalLM``: ``experts`` SwiGLU experts of ``ffn`` per layer, ``top_k``
+    per token) of any shape (the benchmarks' Mixtral 8x7B), no KV cache. Unseeded: build it on
+    ``meta`` to plan."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        num_hidden_layers=layers, hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=positions, use_cache=False,
+        num_local_experts=experts, num_experts_per_tok=top_k, router_jitter_noise=0.0,
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
 GPT2_TP_PINS = {
     # HF Conv1D weight is (in, out): column-parallel is S(1), row-parallel S(0).
     "*mlp.c_fc.weight": "S(1)",
