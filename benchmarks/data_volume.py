@@ -13,9 +13,11 @@ loader without training or a process group (rank ``r`` has the row-major mesh co
 * ``dp4``: mesh (4,), inputs and targets ``S(0)``;
 * ``dp2xtp2``: mesh (2, 2), ``S(0)R`` (tensor-parallel peers load the same rows);
 * ``pp2xdp2``: pipeline of 2 stages, stage mesh (2,), ``S(0)``, 4 micro-batches (first-stage
-  ranks load their shard of every micro-batch, inputs and targets; second-stage ranks nothing).
+  ranks 0, 1 load the inputs of their shard of every micro-batch, last-stage ranks 2, 3 the
+  targets: :mod:`autoplan.runtime.pipeline` feeds the loss its targets on the last stage).
 
-Prints a row per layout and rank and a final line::
+Prints a row per layout and rank (the bytes after, split into the inputs and the targets the
+rank keeps) and a final line::
 
     data_volume: dp4 524288->131072 B/rank (4.0x; job 2097152->524288 B) dp2xtp2 ... pp2xdp2 ...
 """
@@ -69,19 +71,21 @@ def rank_layout(name: str, rank: int, *, batch: int, seq: int) -> BatchLayout:
         specs=(parse_spec(spec), parse_spec(spec)),
         num_inputs=1,
         sample_shapes=((seq,), (seq,)),
-        reads_batch=pp == 1 or coordinate[0] == 0,
+        reads_inputs=pp == 1 or coordinate[0] == 0,
+        reads_targets=pp == 1 or coordinate[0] == pp - 1,
     )
 
 
-def measure(*, batch: int, seq: int) -> dict[str, list[int]]:
-    """Per layout, the bytes each rank's first ``LocalBatch`` holds."""
+def measure(*, batch: int, seq: int) -> dict[str, list[tuple[int, int]]]:
+    """Per layout, the bytes of inputs and of targets each rank's first ``LocalBatch`` holds."""
     dataset = Tokens(batch, seq)
-    return {
-        name: [
-            next(iter(ShardedLoader(dataset, rank_layout(name, r, batch=batch, seq=seq)))).nbytes for r in range(WORLD)
-        ]
-        for name in LAYOUTS
-    }
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name in LAYOUTS:
+        out[name] = []
+        for r in range(WORLD):
+            local = next(iter(ShardedLoader(dataset, rank_layout(name, r, batch=batch, seq=seq))))
+            out[name].append((sum(t.nbytes for t in local.inputs), sum(t.nbytes for t in local.targets)))
+    return out
 
 
 def main() -> None:
@@ -92,13 +96,14 @@ def main() -> None:
     before = 2 * args.batch * args.seq * 8  # input_ids and labels, int64, on every rank
     summary = []
     print(f"{WORLD} ranks, global batch {args.batch} x {args.seq} tokens (inputs + targets, int64)")
-    print(f"{'layout':<9} {'rank':>4} {'before B':>10} {'after B':>10}")
+    print(f"{'layout':<9} {'rank':>4} {'before B':>10} {'after B':>10} {'inputs B':>10} {'targets B':>10}")
     for name, per_rank in measure(batch=args.batch, seq=args.seq).items():
-        for r, nbytes in enumerate(per_rank):
-            print(f"{name:<9} {r:>4} {before:>10} {nbytes:>10}")
-        worst = max(per_rank)
+        totals = [inputs + targets for inputs, targets in per_rank]
+        for r, (inputs, targets) in enumerate(per_rank):
+            print(f"{name:<9} {r:>4} {before:>10} {inputs + targets:>10} {inputs:>10} {targets:>10}")
+        worst = max(totals)
         summary.append(
-            f"{name} {before}->{worst} B/rank ({before / worst:.1f}x; job {WORLD * before}->{sum(per_rank)} B)"
+            f"{name} {before}->{worst} B/rank ({before / worst:.1f}x; job {WORLD * before}->{sum(totals)} B)"
         )
     print("data_volume: " + " ".join(summary))
 

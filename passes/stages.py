@@ -9,9 +9,10 @@ is the first segment of stage ``k``; stages are contiguous segment ranges, ``sta
 
 Output: a :class:`StageSplit` with, per stage ``s``, a :class:`StageProgram`:
 
-* ``forward(*params, *buffers, *inputs) -> (*outputs, *saved)``: ``inputs`` are the boundary
-  values of earlier stages this stage or a later one needs (stage 0: the model inputs and the
-  loss targets, which are passed on like any value), ``outputs`` the values later stages need
+* ``forward(*params, *buffers, *inputs, *targets) -> (*outputs, *saved)``: ``inputs`` are the
+  boundary values of earlier stages this stage or a later one needs (stage 0: the model inputs),
+  ``targets`` the loss targets (the last stage only: they enter it directly, from the data the
+  last-stage ranks load, and never cross a boundary), ``outputs`` the values later stages need
   (the last stage: the loss), ``saved`` what its own backward reads;
 * ``backward(*params, *buffers, *saved, *output_grads) -> (*input_grads, *param_grads)``:
   ``output_grads`` are the gradients of its outputs that later stages produce, ``input_grads``
@@ -29,7 +30,10 @@ Where each node goes:
   its consumers are (the latest of their stages), a multi-input one where its inputs all exist
   (the earliest of their stages), so a gradient crosses a stage boundary once, summed;
 * collectives inserted before a consumer: the consumer's stage; constants (nodes depending on
-  no placeholder) are recomputed by every program that reads them.
+  no placeholder) are recomputed by every program that reads them;
+* model inputs: stage 0; loss targets: the last stage (the loss and everything reading a target
+  is in the epilogue, which the last stage holds; an op of an earlier stage reading a target is
+  an :class:`UnsupportedModelError`).
 
 A value used ``k`` stages later is passed through the stages between (and its gradient back).
 A gradient crossing boundary ``k`` is matched to the boundary value of the same shape and dtype
@@ -100,6 +104,8 @@ class StageProgram:
     """Per output: the gradient its backward receives (``None``: no gradient flows)."""
     input_grads: tuple[ValueInfo | None, ...]
     """Per input: the gradient its backward returns."""
+    targets: tuple[ValueInfo, ...]
+    """The loss targets the forward reads after ``inputs`` (the last stage only; no gradient)."""
     param_grads: tuple[tuple[str, ValueInfo], ...]
     """FQN -> raw gradient (partial for a tied parameter), in backward output order."""
     forward: fx.GraphModule
@@ -150,7 +156,7 @@ def split_stages(
     prog = _read_program(gm, traced)
     param_stages = _layer_param_stages(prog, layering, stage_of_seg)
     removed, tied_leaves = _split_tied_accumulations(prog, traced, param_stages)
-    where = _place_forward_and_anchored(prog, layering, stage_of_seg, param_stages, removed)
+    where = _place_forward_and_anchored(prog, layering, stage_of_seg, param_stages, removed, last=num_stages - 1)
     _place_unanchored(prog, traced, param_stages, removed, where, last=num_stages - 1)
     params_of, buffers_of, tied = _params_and_buffers_per_stage(prog, traced, where, removed, num_stages)
     _check_reads(prog, where, removed)
@@ -196,7 +202,9 @@ class _Program:
     bname_of: dict[str, str]
     """Buffer placeholder name -> FQN."""
     roots: list[fx.Node]
-    """The placeholders that are neither parameters nor buffers: model inputs and loss targets."""
+    """The model inputs' placeholders (stage 0 reads them)."""
+    targets: list[fx.Node]
+    """The loss targets' placeholders (the last stage reads them)."""
     ph_by_name: dict[str, fx.Node]
     const: set[fx.Node]
     """Nodes depending on no placeholder: recomputed by every program that reads them."""
@@ -231,6 +239,8 @@ def _read_program(gm: fx.GraphModule, traced: TracedProgram) -> _Program:
     for n in nodes:
         if n.op == "get_attr" or (n.op == "call_function" and all(a in const for a in n.all_input_nodes)):
             const.add(n)
+    batch = [n for n in nodes if n.op == "placeholder" and n.name not in pname_of and n.name not in bname_of]
+    num_inputs = len(batch) - traced.num_targets
     return _Program(
         nodes=nodes,
         output=output,
@@ -238,7 +248,8 @@ def _read_program(gm: fx.GraphModule, traced: TracedProgram) -> _Program:
         grads=grad_nodes,
         pname_of=pname_of,
         bname_of=bname_of,
-        roots=[n for n in nodes if n.op == "placeholder" and n.name not in pname_of and n.name not in bname_of],
+        roots=batch[:num_inputs],
+        targets=batch[num_inputs:],
         ph_by_name={n.name: n for n in nodes if n.op == "placeholder"},
         const=const,
     )
@@ -291,13 +302,18 @@ def _place_forward_and_anchored(
     stage_of_seg: Callable[[int], int],
     param_stages: Mapping[str, tuple[int, ...]],
     removed: set[fx.Node],
+    *,
+    last: int,
 ) -> _StageMap:
     """Original ops in program order -> the stage of every forward op and anchored backward op,
-    and the stage where every other backward value becomes available."""
+    and the stage where every other backward value becomes available (the model inputs exist
+    in stage 0, the loss targets in the ``last``)."""
     where = _StageMap(stage={}, phase={}, anchored=set(), avail={})
     stage, phase, anchored, avail = where.stage, where.phase, where.anchored, where.avail
     for r in prog.roots:
         stage[r], phase[r] = 0, "fwd"
+    for t in prog.targets:
+        stage[t], phase[t] = last, "fwd"
     for n in prog.nodes:
         if not _is_original(n) or n in prog.const or n in removed:
             continue
@@ -328,7 +344,7 @@ def _place_forward_and_anchored(
                     fwd_stages.append(ps[0])
             elif src.op == "placeholder":
                 if src.name not in prog.bname_of:
-                    fwd_stages.append(0)
+                    fwd_stages.append(stage[src])
             elif phase.get(src) == "fwd":
                 fwd_stages.append(stage[src])
             else:
@@ -440,6 +456,11 @@ def _check_reads(prog: _Program, where: _StageMap, removed: set[fx.Node]) -> Non
                 continue
             if a in removed:
                 raise UnsupportedModelError(f"{n.name} reads {a.name}, a split gradient accumulation")
+            if a in prog.targets and stage[n] < stage[a]:
+                raise UnsupportedModelError(
+                    f"{n.name} (stage {stage[n]}) reads the loss target {a.name}, which enters the last stage "
+                    f"({stage[a]}): read targets only in loss_fn, after the model's last block"
+                )
             if phase[a] == "fwd" and stage[n] < stage[a]:
                 raise UnsupportedModelError(
                     f"{n.name} (stage {stage[n]}) reads {a.name} of the later stage {stage[a]}: choose other stage starts"
@@ -603,10 +624,11 @@ def _stage_program(
     """Stage ``s``'s ops, boundary values and gradients -> its forward and backward programs."""
     nodes, stage, phase = prog.nodes, where.stage, where.phase
     fwd_in: list[fx.Node] = prog.roots if s == 0 else fwd_out[s - 1]
+    targets: list[fx.Node] = prog.targets if s == last else []
     body_f = [n for n in nodes if stage.get(n) == s and phase.get(n) == "fwd" and n.op != "placeholder"]
     body_b = [n for n in nodes if stage.get(n) == s and phase.get(n) == "bwd"]
     outs: list[fx.Node] = [prog.loss] if s == last else fwd_out[s]
-    fwd_values = set(fwd_in) | set(body_f)
+    fwd_values = set(fwd_in) | set(targets) | set(body_f)
     body_b_set = set(body_b)
     saved = [x for x in nodes if x in fwd_values and any(u in body_b_set for u in x.users)]
     out_grad_nodes = [None if s == last else grad_slot[s].get(v) for v in outs]
@@ -618,6 +640,7 @@ def _stage_program(
             *(prog.ph_by_name[param_node_name(f)] for f in params),
             *(_buffer_node(prog.ph_by_name, f) for f in buffers),
             *fwd_in,
+            *targets,
         ],
         input_names=None,
         body=body_f,
@@ -647,6 +670,7 @@ def _stage_program(
         saved=tuple(x.name for x in saved),
         output_grads=tuple(None if g is None else describe(g) for g in out_grad_nodes),
         input_grads=tuple(None if g is None else describe(g) for g in in_grad_nodes),
+        targets=tuple(describe(t) for t in targets),
         param_grads=tuple(pgrad_infos),
         forward=fwd_gm,
         backward=bwd_gm,

@@ -63,20 +63,16 @@ def _on_rank(rank: int, mesh_shape: tuple[int, ...], names: tuple[str, ...]) -> 
     return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
 
 
-def _layout(
-    mesh: DeviceMesh, spec: Sequence[str], *, batch: int, microbatches: int = 1, reads: bool = True
-) -> BatchLayout:
+def _layout(mesh: DeviceMesh, spec: Sequence[str], *, batch: int) -> BatchLayout:
     coordinate = mesh.get_coordinate()
     assert coordinate is not None
     return BatchLayout(
         global_batch_size=batch,
-        num_microbatches=microbatches,
         mesh_shape=tuple(mesh.shape),
         coordinate=tuple(coordinate),
         specs=(parse_spec(spec), parse_spec(spec)),
         num_inputs=1,
         sample_shapes=((SEQ,), (SEQ,)),
-        reads_batch=reads,
     )
 
 
@@ -127,16 +123,30 @@ def test_each_rank_loads_the_rows_local_shard_keeps(
         assert order.tolist() != sorted(order.tolist())
 
 
-def test_pipeline_first_stage_loads_its_share_of_every_microbatch_and_other_stages_nothing() -> None:
-    """pp=2 x dp=2, 2 micro-batches: the schedule cuts the batch into micro-batches and stage 0
-    keeps its shard of each (StageModule.run_forward); the loader yields that concatenation."""
+def _microbatch_shards(stage_mesh: DeviceMesh, microbatches: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A global batch -> this rank's ``S(0)`` shard of each of its micro-batches, concatenated."""
+
+    def shards(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([local_shard(mb, stage_mesh, parse_spec(["S(0)"])) for mb in t.tensor_split(microbatches)])
+
+    return shards
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_pipeline_first_stage_loads_the_inputs_and_last_stage_the_targets_of_its_share_of_every_microbatch(
+    pp: int,
+) -> None:
+    """pp x dp = 4 ranks, 2 micro-batches: the schedule cuts the batch into micro-batches; stage 0
+    keeps its shard of each micro-batch's inputs (StageModule.run_forward), the last stage of its
+    targets (the schedule's target=); the loader yields those concatenations, and the ranks of
+    the stages between load nothing."""
     batch, microbatches = 8, 2
     dataset = IndexedTokens(2 * batch)
     for rank in range(WORLD):
-        mesh = _on_rank(rank, (2, 2), ("pp", "dp"))
+        mesh = _on_rank(rank, (pp, WORLD // pp), ("pp", "dp"))
         try:
             stage_mesh = mesh["dp"]
-            first = mesh.get_local_rank("pp") == 0
+            stage = mesh.get_local_rank("pp")
             coordinate = mesh.get_coordinate()
             assert coordinate is not None
             layout = BatchLayout(
@@ -147,17 +157,24 @@ def test_pipeline_first_stage_loads_its_share_of_every_microbatch_and_other_stag
                 specs=(parse_spec(["S(0)"]), parse_spec(["S(0)"])),
                 num_inputs=1,
                 sample_shapes=((SEQ,), (SEQ,)),
-                reads_batch=first,
+                reads_inputs=stage == 0,
+                reads_targets=stage == pp - 1,
             )
             for step, got in enumerate(ShardedLoader(dataset, layout)):
-                x, _ = _global_batch(dataset, torch.arange(len(dataset)), step, batch)
-                if not first:
+                x, y = _global_batch(dataset, torch.arange(len(dataset)), step, batch)
+                shards = _microbatch_shards(stage_mesh, microbatches)
+                if stage == 0:
+                    (inputs,) = got.inputs
+                    assert got.targets == () and got.sample_indices[1] == ()
+                    assert torch.equal(inputs, shards(x)) and got.nbytes == inputs.nbytes
+                    # what the schedule hands stage 0 is each micro-batch's shard
+                    assert [c.shape[0] for c in inputs.tensor_split(microbatches)] == [4 // (WORLD // pp)] * 2
+                elif stage == pp - 1:
+                    (targets,) = got.targets
+                    assert got.inputs == () and got.sample_indices[0] == ()
+                    assert torch.equal(targets, shards(y)) and got.nbytes == targets.nbytes
+                else:
                     assert got.inputs == () and got.targets == () and got.nbytes == 0
-                    continue
-                expected = torch.cat([local_shard(mb, stage_mesh, parse_spec(["S(0)"])) for mb in x.tensor_split(2)])
-                assert torch.equal(got.inputs[0], expected)
-                # what the schedule hands stage 0 is each micro-batch's shard
-                assert [c.shape[0] for c in got.inputs[0].tensor_split(microbatches)] == [2, 2]
         finally:
             dist.destroy_process_group()
 
@@ -303,13 +320,18 @@ def _gpt2_pipeline(rank: int, world_size: int, pp: int, plan_json: str) -> dict[
         opt=pm.make_optimizer(lr=0.1), ref_opt=torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
         check=False,
     )  # fmt: skip
-    return result | {"loaded_bytes": steps[0].nbytes, "global_bytes": 2 * LM_BATCH * LM_SEQ * 8}
+    return result | {
+        "loaded_bytes": steps[0].nbytes,
+        "loaded_fields": (len(steps[0].inputs), len(steps[0].targets)),
+        "global_bytes": 2 * LM_BATCH * LM_SEQ * 8,
+    }
 
 
 def test_training_through_the_loader_equals_single_device_on_the_same_global_batches() -> None:
     """dp=2 ``ParallelModel`` (each rank loads half of each batch); a pp=1 x dp=2 pipeline (each
-    rank loads its row of each of the 4 micro-batches); a pp=2 pipeline (stage 0 loads every
-    row, stage 1 nothing). Losses and parameters equal the single-device run on the same batches."""
+    rank loads its row of each of the 4 micro-batches, inputs and targets); a pp=2 pipeline
+    (stage 0 loads every row's inputs, stage 1 every row's targets). Losses and parameters equal
+    the single-device run on the same batches."""
     with RankPool(2, timeout_s=600) as pool:
         results = pool.run(_mlp_data_parallel)
         assert_trains_like_reference(results)
@@ -319,7 +341,8 @@ def test_training_through_the_loader_equals_single_device_on_the_same_global_bat
             results = pool.run(_gpt2_pipeline, pp, pipe._plan_json(case))
             assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
             full = results[0]["global_bytes"]
-            assert [r["loaded_bytes"] for r in results] == ([full // 2] * 2 if pp == 1 else [full, 0])
+            assert [r["loaded_bytes"] for r in results] == [full // 2] * 2  # half the rows, or every row's half
+            assert [r["loaded_fields"] for r in results] == ([(1, 1)] * 2 if pp == 1 else [(1, 0), (0, 1)])
 
 
 def test_steps_out_of_range_or_of_a_stream_name_the_fix() -> None:

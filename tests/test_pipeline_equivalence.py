@@ -23,12 +23,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.passes.layers import find_layers
 from autoplan.passes.stages import split_stages
-from autoplan.passes.trace import trace_training_step
+from autoplan.passes.trace import TracedProgram, trace_training_step
 from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import planning_mesh
 from autoplan.runtime.codegen import generate_program
@@ -183,6 +184,91 @@ def test_pipeline_trains_like_single_device(model: str, layout: str, schedule: s
     run_pipeline_case(PipeCase(model=model, layout=layout, schedule=schedule, virtual_stages=virtual_stages))
 
 
+def weighted_lm_loss(out: Any, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Two loss targets: next-token cross entropy (labels ``(B, T)`` int64) weighted per token
+    (``(B, T)`` float)."""
+    per_token = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="none")
+    return (per_token * weights.flatten()).mean()
+
+
+def logits_loss(out: Any) -> torch.Tensor:
+    """No loss target: the mean squared logit."""
+    return out.logits.square().mean()
+
+
+def _targets_of(num_targets: int, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The loss targets of a batch: none, or the labels and per-token weights ``(labels % 3) / 2``."""
+    return () if num_targets == 0 else (labels, (labels % 3).float() / 2)
+
+
+def _traced_with_targets(model: torch.nn.Module, num_targets: int) -> TracedProgram:
+    """One micro-batch's step of ``model`` with the loss of ``num_targets`` targets."""
+    ids, labels = _batch(0)
+    mb = GLOBAL_BATCH // NUM_MICROBATCHES
+    targets = tuple(t[:mb] for t in _targets_of(num_targets, labels))
+    return trace_training_step(
+        model, (ids[:mb],), loss_fn=weighted_lm_loss if num_targets else logits_loss, example_targets=targets
+    )
+
+
+def _train_with_targets(  # noqa: ARG001
+    rank: int, world_size: int, num_targets: int, use_loader: bool, plan_json: str
+) -> dict[str, object]:
+    """pp=2 GPT-2 (one rank per stage, 1F1B, 4 micro-batches) whose loss reads ``num_targets``
+    targets (0 or 2): the last stage feeds them to the loss from the schedule's ``target=``,
+    from the global batch or (``use_loader``) from the rows its rank loads."""
+    import json
+
+    from torch.utils.data import TensorDataset
+
+    from autoplan.planner.plan import Plan
+    from autoplan.runtime.pipeline import build_pipeline
+
+    loss_fn: Callable[..., torch.Tensor] = weighted_lm_loss if num_targets else logits_loss
+    model = zoo.gpt2_tiny(num_layers=NUM_LAYERS)
+    reference = copy.deepcopy(model)
+    traced = _traced_with_targets(model, num_targets)
+    layering = find_layers(traced)
+    plan = Plan.from_dict(json.loads(plan_json))
+    pm = build_pipeline(
+        model, traced, plan.assignment(), layering, stage_starts=_stage_starts(layering.num_segments, 2),
+        mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "x")), axis_names=("x",), schedule="1f1b",
+        num_microbatches=NUM_MICROBATCHES, fallback_nodes=frozenset(plan.fallback_ops), device=torch.device("cpu"),
+        optimizer="sgd_momentum",
+    )  # fmt: skip
+
+    def batches(step: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        x, y = _batch(step)
+        return (x,), _targets_of(num_targets, y)
+
+    local = None
+    if use_loader:
+        steps = [batches(k) for k in range(NUM_STEPS)]
+        fields = [torch.cat([b[0][0] for b in steps])]
+        fields += [torch.cat([b[1][i] for b in steps]) for i in range(num_targets)]
+        loaded = list(pm.data_loader(TensorDataset(*fields)))
+        assert [(len(b.inputs), len(b.targets)) for b in loaded[:1]] == [(1, 0) if rank == 0 else (0, num_targets)]
+        local = loaded.__getitem__
+    return train_both(
+        pm, reference, batches=batches, loss_fn=loss_fn, opt=pm.make_optimizer(lr=0.1),
+        ref_opt=torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), check=False, local_batches=local,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("num_targets", "use_loader"), [(0, False), (2, True)])
+def test_pipeline_loss_with_no_or_two_targets_trains_like_single_device(num_targets: int, use_loader: bool) -> None:
+    """The last stage's loss reads every target from the schedule's ``target=`` (two targets: their
+    rows by position; none: one position per micro-batch), global or loaded by the last stage."""
+    import json
+
+    traced = _traced_with_targets(zoo.gpt2_tiny(num_layers=NUM_LAYERS), num_targets)
+    cluster = Cluster.preset("1xCPU")
+    with planning_mesh(cluster) as mesh:
+        plan = plan_traced(traced, cluster, mesh=mesh, optimizer="sgd_momentum")
+    results = run_ranks(_train_with_targets, 2, num_targets, use_loader, json.dumps(plan.to_dict()), timeout_s=600)
+    assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
+
+
 # --- the stage split (one process) -----------------------------------------------------------------
 
 
@@ -231,8 +317,9 @@ def test_boundary_values_and_gradients_pair_up() -> None:
     _, _, split, _ = _split("gpt2", [0, 3])
     first, second = split.stages
     assert [v.name for v in first.outputs] == [v.name for v in second.inputs]
-    assert [v.name for v in first.inputs] == ["input_0", "target_0"]
-    # the residual stream crosses with its gradient; token ids and labels cross without one
+    assert [v.name for v in first.inputs] == ["input_0"] and first.targets == ()
+    assert [v.name for v in second.targets] == ["target_0"]  # the labels enter the last stage only
+    # the residual stream crosses with its gradient; values made from the token ids without one
     hidden = [v for v in first.outputs if v.requires_grad]
     assert len(hidden) == 1 and hidden[0].shape == (2, 16, 32)
     grads = [g for g in first.output_grads if g is not None]
@@ -249,8 +336,10 @@ def test_values_that_skip_stages_are_passed_through() -> None:
     for st in split.stages[1:-1]:
         assert rotary <= {v.name for v in st.inputs} and rotary <= {v.name for v in st.outputs}
     assert rotary <= {v.name for v in split.stages[-1].inputs}
-    # the labels travel from stage 0 to the loss in the last stage
-    assert all("target_0" in {v.name for v in st.inputs} for st in split.stages)
+    # the labels enter the last stage, where the loss reads them: no stage sends them on
+    assert [v.name for v in split.stages[-1].targets] == ["target_0"]
+    assert all(v.name != "target_0" for st in split.stages for v in (*st.inputs, *st.outputs))
+    assert all(st.targets == () for st in split.stages[:-1])
 
 
 def test_tied_embedding_gets_a_copy_and_a_partial_gradient_per_stage() -> None:

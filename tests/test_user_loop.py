@@ -119,7 +119,7 @@ def test_standard_loop_with_adamw_cosine_lr_and_clipping_under_tensor_parallelis
 @pytest.mark.slow
 def test_standard_loop_on_a_two_stage_pipeline_trains_like_single_device() -> None:
     """Clipping sums the squared norms over both stages; the tied embedding counts once. Batches
-    come from the sharded loader (``pmodel(batch)``; only the first stage loads)."""
+    come from the sharded loader (``pmodel(batch)``; the first stage loads the inputs, the last the targets)."""
     config = autoplan.ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=4, num_microbatches=2)
     results = run_ranks(_rank, 2, {}, _pipeline_plan(config), True)
     _check(results, {n for n, _ in zoo.gpt2_tiny().named_parameters()})

@@ -13,11 +13,13 @@ axis placing the field ``R`` or ``S(d)`` with ``d > 0`` keeps the same rows (ten
 load the same samples). ``S(d)`` with ``d > 0`` is cut after collation, as ``local_shard`` cuts it.
 
 Pipelines (``M`` micro-batches of ``mb = B / M`` rows): the schedule cuts the batch into
-micro-batches and stage 0 keeps its shard of each, so a first-stage rank keeps the rows
-``m * mb + r`` for ``m`` in ``0..M-1`` and ``r`` in its shard of ``mb`` rows; their concatenation
-is what the schedule splits into the ``M`` local micro-batches. The pipeline runtime passes the
-targets from stage 0 to the last stage with the activations (:mod:`autoplan.passes.stages`), so
-first-stage ranks load inputs *and* targets and every other rank loads nothing.
+micro-batches and each stage keeps its shard of each, so a rank keeps the rows ``m * mb + r`` for
+``m`` in ``0..M-1`` and ``r`` in its shard of ``mb`` rows; their concatenation is what the schedule
+splits into the ``M`` local micro-batches. Only the first stage reads the model inputs and only
+the last stage the loss targets (:mod:`autoplan.runtime.pipeline` hands them to the schedule's
+``target=``), so first-stage ranks load the inputs, last-stage ranks the targets (a rank holding
+both stages both), and the ranks of the stages between load nothing. A rank reads whole samples
+of its rows from the dataset and keeps the fields it reads.
 
 An ``IterableDataset`` is read whole by every rank (so all ranks agree on the number of steps);
 each keeps, of every ``B`` consecutive samples, the rows above and collates only those. Shuffle
@@ -82,8 +84,10 @@ class BatchLayout:
     """How many of ``specs`` are model inputs (the rest are loss targets)."""
     sample_shapes: tuple[tuple[int, ...], ...]
     """The planned shape of one sample of each field (the field's shape without dim 0)."""
-    reads_batch: bool = True
-    """False on pipeline ranks without the first stage: they load nothing."""
+    reads_inputs: bool = True
+    """False on pipeline ranks without the first stage: they keep no model input."""
+    reads_targets: bool = True
+    """False on pipeline ranks without the last stage: they keep no loss target."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size < 1 or self.global_batch_size % self.num_microbatches:
@@ -111,10 +115,19 @@ class BatchLayout:
     def num_fields(self) -> int:
         return len(self.specs)
 
+    @property
+    def num_targets(self) -> int:
+        return len(self.specs) - self.num_inputs
+
+    def reads(self, i: int) -> bool:
+        """Whether this rank's program reads field ``i`` (pipelines: inputs on the first stage,
+        targets on the last)."""
+        return self.reads_inputs if i < self.num_inputs else self.reads_targets
+
     def rows(self, i: int) -> tuple[int, ...]:
         """Positions in the global batch of the rows of field ``i`` this rank materialises, in the
-        order the program reads them (empty when it reads no batch)."""
-        if not self.reads_batch:
+        order the program reads them (empty when it does not read the field)."""
+        if not self.reads(i):
             return ()
         mb = self.global_batch_size // self.num_microbatches
         kept = _rows_kept(mb, self.specs[i], self.mesh_shape, self.coordinate)
@@ -142,14 +155,15 @@ class LocalBatch:
     without cutting it again."""
 
     inputs: tuple[torch.Tensor, ...]
-    """This rank's rows of each model input (``()`` on a pipeline rank that reads no batch)."""
+    """This rank's rows of each model input (``()`` on a pipeline rank without the first stage)."""
     targets: tuple[torch.Tensor, ...]
-    """This rank's rows of each loss target (``()`` likewise)."""
+    """This rank's rows of each loss target (``()`` on a pipeline rank without the last stage)."""
     global_batch_size: int
     step: int
     """Step within the epoch (0-based)."""
     sample_indices: tuple[tuple[int, ...], ...] = field(repr=False)
-    """Per field, the dataset index (an ``IterableDataset``: the stream position) of each row."""
+    """Per field (every field of the layout, read or not), the dataset index (an
+    ``IterableDataset``: the stream position) of each row (``()`` for a field this rank does not read)."""
 
     def __str__(self) -> str:
         shapes = ", ".join(str(list(t.shape)) for t in (*self.inputs, *self.targets)) or "nothing"
@@ -194,14 +208,15 @@ class ShardedLoader:
         fields = [layout.rows(i) for i in range(layout.num_fields)]
         self._union = tuple(sorted(set().union(*fields)))
         """Rows of the global batch this rank loads (every field's, once)."""
-        if layout.reads_batch and not self._union:
+        if any(layout.reads(i) for i in range(layout.num_fields)) and not self._union:
             raise PlanError(
                 f"this rank keeps no sample of a global batch of {layout.global_batch_size} "
                 f"(mesh {layout.mesh_shape}): use a global batch of at least the data-parallel degree"
             )
         where = {r: k for k, r in enumerate(self._union)}
         self._picks = [None if rows == self._union else torch.tensor([where[r] for r in rows]) for rows in fields]
-        """Per field, its rows' positions among :attr:`_union` (``None``: all, in order)."""
+        """Per field, its rows' positions among :attr:`_union` (``None``: all, in order); a field
+        this rank does not read is dropped (:meth:`_assemble`)."""
 
     def _too_short(self, num_samples: int) -> str:
         return (
@@ -287,12 +302,17 @@ class ShardedLoader:
     def _assemble(self, step: int, indices: Sequence[int], samples: list[Any]) -> LocalBatch:
         """The loaded samples (the rows of :attr:`_union`) -> each field's local tensor."""
         layout = self.layout
-        if not layout.reads_batch:
+        if not self._union:  # a pipeline rank between the first and the last stage
             return LocalBatch(inputs=(), targets=(), global_batch_size=layout.global_batch_size, step=step,
                               sample_indices=((),) * layout.num_fields)  # fmt: skip
         fields = self._fields(self.collate_fn(samples))
-        out, sample_indices = [], []
+        out: list[torch.Tensor | None] = []
+        sample_indices: list[tuple[int, ...]] = []
         for i, (f, pick) in enumerate(zip(fields, self._picks, strict=True)):
+            if not layout.reads(i):
+                out.append(None)
+                sample_indices.append(())
+                continue
             if tuple(f.shape[1:]) != layout.sample_shapes[i]:
                 raise PlanError(
                     f"{layout.field_name(i)} samples have shape {list(f.shape[1:])}; the plan was made for "
@@ -303,8 +323,8 @@ class ShardedLoader:
             sample_indices.append(tuple(indices[k] for k in (range(len(indices)) if pick is None else pick.tolist())))
         n = layout.num_inputs
         return LocalBatch(
-            inputs=tuple(out[:n]),
-            targets=tuple(out[n:]),
+            inputs=tuple(t for t in out[:n] if t is not None),
+            targets=tuple(t for t in out[n:] if t is not None),
             global_batch_size=layout.global_batch_size,
             step=step,
             sample_indices=tuple(sample_indices),

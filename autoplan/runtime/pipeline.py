@@ -10,11 +10,16 @@ the stage's forward program and, in its autograd backward, the stage's backward 
 PipelineStage sends local tensors between ranks with the same stage-mesh coordinate; each end
 rebuilds the DTensor from the placement the plan gives the value.
 
-The loss: the model inputs *and* the loss targets enter stage 0 and are passed on to the last
-stage, whose forward computes the (per-micro-batch mean) loss; the schedule's ``loss_fn`` returns
-that output unchanged, so its backward seeds 1 and the last stage's backward program starts from
-its own traced seed. Raw parameter gradients are summed over micro-batches, then, once per step,
-converted to the parameter placement (in backward order, in the buckets of
+The loss: the model inputs enter stage 0 (``schedule.step(*inputs)`` on the first-stage ranks)
+and the loss targets the last stage (``schedule.step(target=...)`` on the last-stage ranks: torch
+cuts it into micro-batches and calls ``loss_fn(output, target_chunk)`` on the last stage only), so
+the targets never travel between stages. The last stage's module hands the schedule the values it
+received; the schedule's ``loss_fn`` (:meth:`StageModule.loss`) runs the stage's forward program on
+them and that micro-batch's targets and returns the (per-micro-batch mean) loss, whose backward
+seeds 1: the last stage's backward program starts from its own traced seed.
+
+Raw parameter gradients are summed over micro-batches, then, once per step, converted to the
+parameter placement (in backward order, in the buckets of
 :func:`~autoplan.cost_models.comm_schedule.gradient_buckets` the step model prices: one coalesced
 all-reduce or reduce-scatter per bucket and mesh axis), divided by
 the number of micro-batches, and summed over the stages holding a copy of a tied parameter.
@@ -126,7 +131,7 @@ class _StageFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         grads = ctx.module.run_backward(ctx.saved_values, grad_outputs)
         ctx.saved_values = None
-        return (None, None, *grads)
+        return (None, None, *grads, *(None for _ in ctx.module.program.targets))  # no gradient for a target
 
 
 class StageModule(torch.nn.Module):
@@ -152,8 +157,12 @@ class StageModule(torch.nn.Module):
         )
         """Zero-bubble schedules: the backward as an input-gradient (B) and a weight-gradient (W) program."""
         self.batch_is_local = False
-        """Stage 0: this step's batch came from a sharded loader (already this rank's shard of
-        each micro-batch); else each micro-batch is global and :meth:`run_forward` cuts it."""
+        """Stage 0's inputs and the last stage's targets came from a sharded loader this step
+        (already this rank's shard of each micro-batch); else each micro-batch is global and
+        :meth:`run_forward` cuts it."""
+        self.step_targets: tuple[torch.Tensor, ...] = ()
+        """The last stage, a step with several targets (or none): this step's targets, whose rows
+        :meth:`loss` picks by the positions the schedule hands it (:func:`_schedule_target`)."""
         self.pending_w: list[Callable[[], None]] = []
         """W work of backwards already run, newest last (handed to the schedule by ``dw_builder``)."""
         self.mesh = mesh
@@ -187,8 +196,23 @@ class StageModule(torch.nn.Module):
         """The parameters' local tensors when last detached, and those detached tensors."""
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        outs = _StageFunction.apply(self, self.anchor, *inputs)
-        return outs[0] if self.is_last else outs
+        """The stage's forward program on what it received; the last stage hands its inputs on
+        unchanged to the schedule's ``loss_fn`` (:meth:`loss`), which alone has the targets."""
+        if self.is_last:
+            return inputs
+        return _StageFunction.apply(self, self.anchor, *inputs)
+
+    def loss(self, received: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        """The schedule's ``loss_fn`` on the last stage: the stage's forward program on the values
+        it ``received`` and this micro-batch's targets (``target``: torch's chunk of what
+        :func:`_schedule_target` made of the step's targets), returning the loss."""
+        if len(self.program.targets) == 1:
+            targets: tuple[torch.Tensor, ...] = (target,)
+        else:  # the chunk holds the positions of this micro-batch's rows (contiguous: tensor_split)
+            lo, hi = int(target[0]), int(target[-1]) + 1
+            targets = tuple(t[lo:hi] for t in self.step_targets)
+        (loss,) = _StageFunction.apply(self, self.anchor, *received, *targets)
+        return loss
 
     def _args(self) -> list[Any]:
         return [p.detach() for p in self.params] + list(self._buffers_list)
@@ -204,25 +228,26 @@ class StageModule(torch.nn.Module):
         return self._local_params[1] + [b.to_local() for b in self._buffers_list]
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
-        """The stage's forward program on local tensors: ``inputs`` as received (stage 0: the
-        micro-batch as given, of which this rank keeps its shard) -> (outputs, saved values),
-        all local: DTensors are built only to lower the program at its first call."""
+        """The stage's forward program on local tensors: ``inputs`` as received, then the last
+        stage's targets (stage 0's inputs and the targets: the micro-batch as given, of which
+        this rank keeps its shard unless :attr:`batch_is_local`) -> (outputs, saved values), all
+        local: DTensors are built only to lower the program at its first call."""
         prog = self.program
-        if prog.index == 0 and not self.batch_is_local:
-            args = [
-                local_shard(x, self.mesh, list(v.spec)) if v.spec is not None else x
-                for x, v in zip(inputs, prog.inputs, strict=True)
-            ]
-        else:
-            args = list(inputs)
+        values = (*prog.inputs, *prog.targets)
+        global_batch = [
+            not self.batch_is_local and v.spec is not None and (prog.index == 0 or i >= len(prog.inputs))
+            for i, v in enumerate(values)
+        ]  # the fields of the global batch this rank cuts its shard of
+        args = [
+            local_shard(x, self.mesh, list(v.spec)) if cut else x
+            for x, v, cut in zip(inputs, values, global_batch, strict=True)
+        ]
 
         def as_dtensors() -> list[Any]:
-            if prog.index == 0 and not self.batch_is_local:
-                return [
-                    distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None) if v.spec is not None else x
-                    for x, v in zip(inputs, prog.inputs, strict=True)
-                ]
-            return [_wrap(x, v, self.mesh) for x, v in zip(inputs, prog.inputs, strict=True)]
+            return [
+                distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None) if cut else _wrap(x, v, self.mesh)
+                for x, v, cut in zip(inputs, values, global_batch, strict=True)
+            ]
 
         res = self._run("forward", prog.forward, args, as_dtensors)
         n_out = len(prog.outputs)
@@ -314,8 +339,9 @@ class PipelineModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.batch_values = tuple(batch_values)
-        """Stage 0's inputs: the micro-batch's model inputs then its loss targets, with their
-        placements on the stage mesh (every rank knows them; only first-stage ranks read them)."""
+        """Stage 0's inputs then the last stage's targets: one micro-batch's model inputs and loss
+        targets, with their placements on the stage mesh (every rank knows them; first-stage ranks
+        read the inputs, last-stage ranks the targets)."""
         self.num_inputs = num_inputs
         self.device = device
         self.stage_modules = torch.nn.ModuleList(stages)
@@ -353,37 +379,48 @@ class PipelineModel(torch.nn.Module):
                 f"global batch {batch} is not divisible by num_microbatches={self.num_microbatches}: "
                 "change the batch or the number of micro-batches"
             )
-        return self._run_schedule(tuple(inputs) + tuple(targets))
+        return self._run_schedule(tuple(inputs), tuple(targets))
 
     def step_local(self, batch: LocalBatch) -> torch.Tensor:
         """One training step on this rank's :class:`~autoplan.runtime.data.LocalBatch` (from
-        :meth:`data_loader`: on first-stage ranks its shard of every micro-batch, elsewhere
-        nothing); returns the loss (every rank)."""
+        :meth:`data_loader`: on first-stage ranks its shard of every micro-batch's inputs, on
+        last-stage ranks of its targets, elsewhere nothing); returns the loss (every rank)."""
         layout = self.batch_layout(batch.global_batch_size)
-        fields = (*batch.inputs, *batch.targets)
-        if layout.reads_batch and len(fields) != layout.num_fields:
+        read = (len(batch.inputs), len(batch.targets))
+        expected = (layout.num_inputs if layout.reads_inputs else 0, layout.num_targets if layout.reads_targets else 0)
+        if read != expected:
             raise PlanError(
-                f"the batch holds {len(fields)} fields; stage 0 reads {layout.num_fields}: load it with this model's "
-                "data_loader"
+                f"the batch holds {read[0]} inputs and {read[1]} targets; this rank's stages read {expected[0]} and "
+                f"{expected[1]}: load it with this model's data_loader"
             )
-        first = [st for st in self._stages if st.program.index == 0]
-        for st in first:
+        ends = [st for st in self._stages if st.program.index == 0 or st.is_last]
+        for st in ends:
             st.batch_is_local = True
         try:
-            return self._run_schedule(fields if layout.reads_batch else ())
+            return self._run_schedule(batch.inputs, batch.targets)
         finally:
-            for st in first:
+            for st in ends:
                 st.batch_is_local = False
 
-    def _run_schedule(self, args: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Run the schedule on stage 0's arguments (the whole batch; ``()`` where no stage 0
-        runs), convert the gradients, and broadcast the loss from the last stage."""
+    def _run_schedule(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Run the schedule, stage 0 on ``inputs`` and the last stage's loss on ``targets`` (the
+        whole batch, or this rank's rows of it; each only where that stage runs), convert the
+        gradients, and broadcast the loss from the last stage."""
         for st in self._stages:
             st.grad_acc.clear()
             st._owned.clear()
         losses: list[torch.Tensor] = []
-        dummy_target = torch.zeros(self.num_microbatches)  # the loss is the last stage's output
-        self.schedule.step(*args, target=dummy_target, losses=losses, return_outputs=False)
+        first = any(st.program.index == 0 for st in self._stages)
+        last = next((st for st in self._stages if st.is_last), None)
+        target = None
+        if last is not None:
+            last.step_targets = targets
+            target = _schedule_target(targets, len(last.program.targets), self.num_microbatches)
+        try:
+            self.schedule.step(*(inputs if first else ()), target=target, losses=losses, return_outputs=False)
+        finally:
+            if last is not None:
+                last.step_targets = ()
         self._finish_grads()
         pp_group = self.mesh.get_group("pp")
         holds_last = any(st.is_last for st in self._stages)
@@ -393,8 +430,9 @@ class PipelineModel(torch.nn.Module):
         return loss
 
     def batch_layout(self, global_batch_size: int | None = None) -> BatchLayout:
-        """What this rank reads of each global batch (:mod:`autoplan.runtime.data`): first-stage
-        ranks their shard of every micro-batch, inputs and targets; the others nothing."""
+        """What this rank reads of each global batch (:mod:`autoplan.runtime.data`): its shard of
+        every micro-batch's inputs on first-stage ranks, of its targets on last-stage ranks;
+        nothing on the others."""
         values = self.batch_values
         planned = values[0].shape[0] * self.num_microbatches if values and values[0].shape else 0
         coordinate = cast(list[int], self.mesh.get_coordinate())
@@ -406,7 +444,8 @@ class PipelineModel(torch.nn.Module):
             specs=tuple(v.spec for v in values),
             num_inputs=self.num_inputs,
             sample_shapes=tuple(tuple(v.shape[1:]) for v in values),
-            reads_batch=coordinate[0] == 0,
+            reads_inputs=coordinate[0] == 0,
+            reads_targets=coordinate[0] == (self.num_stages - 1) % self.mesh.size(0),
         )
 
     def data_loader(
@@ -419,7 +458,8 @@ class PipelineModel(torch.nn.Module):
         collate_fn: Any = None,
     ) -> ShardedLoader:
         """As ``ParallelModel.data_loader``: this rank's :class:`~autoplan.runtime.data.LocalBatch`
-        of each step (nothing on ranks without the first stage); ``forward_backward(batch)``."""
+        of each step (the inputs on first-stage ranks, the targets on last-stage ranks, nothing on
+        the others); ``forward_backward(batch)``."""
         layout = self.batch_layout(global_batch_size)
         return ShardedLoader(dataset, layout, shuffle=shuffle, seed=seed, collate_fn=collate_fn, device=self.device)
 
@@ -718,7 +758,8 @@ def build_pipeline(
         )
         for mod in modules
     ]
-    sched = _make_schedule(schedule, stages, num_microbatches)
+    last = [mod for mod in modules if mod.is_last]
+    sched = _make_schedule(schedule, stages, num_microbatches, loss_fn=last[0].loss if last else _no_loss)
     tied_groups = _tied_groups(split.tied_params, traced_mb.trainable_names, mesh)
     return PipelineModel(
         stages=modules,
@@ -730,7 +771,7 @@ def build_pipeline(
         optimizer=optimizer,
         num_stages=num_stages,
         tied_stages=split.tied_params,
-        batch_values=split.stages[0].inputs,
+        batch_values=(*split.stages[0].inputs, *split.stages[-1].targets),
         num_inputs=traced_mb.num_inputs,
         device=device,
         offload_optimizer=offload_optimizer,
@@ -785,7 +826,7 @@ def _pipeline_stage(
 ) -> PipelineStage:
     """A stage module -> the ``PipelineStage`` that runs it, with example tensors of the local
     shapes its inputs, outputs and their gradients have on this rank (stage 0 receives the
-    micro-batch unsharded)."""
+    micro-batch unsharded; the last stage outputs its inputs, for the schedule's ``loss_fn``)."""
     prog = mod.program
     ins = tuple(
         torch.zeros(
@@ -813,7 +854,7 @@ def _pipeline_stage(
         num_stages,
         device,
         input_args=ins,
-        output_args=outs[0] if mod.is_last else outs,
+        output_args=ins if mod.is_last else outs,
         output_grads=None if mod.is_last else out_grads,
         input_grads=in_grads,
         group=pp_group,
@@ -821,14 +862,34 @@ def _pipeline_stage(
     )
 
 
-def _return_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # noqa: ARG001
-    """The schedule's ``loss_fn``: the last stage's output is the micro-batch loss."""
-    return output
+def _schedule_target(targets: Sequence[torch.Tensor], num_targets: int, num_microbatches: int) -> torch.Tensor:
+    """What the last stage hands ``schedule.step(target=...)``, which torch cuts into
+    ``num_microbatches`` chunks along dim 0 (``tensor_split``: equal, in order) and passes to
+    ``loss_fn`` one micro-batch at a time: the one target itself; with several targets (or
+    none: one row per micro-batch) the positions ``0..n-1`` of their rows, whose chunk
+    :meth:`StageModule.loss` reads each target's rows by."""
+    if len(targets) != num_targets:
+        raise PlanError(f"{len(targets)} loss targets given; the last stage reads {num_targets}: pass targets=(...)")
+    if num_targets == 1:
+        return targets[0]
+    return torch.arange(int(targets[0].shape[0]) if targets else num_microbatches)
 
 
-def _make_schedule(schedule: ScheduleName, stages: Sequence[PipelineStage], num_microbatches: int) -> Any:
-    """Schedule name and this rank's pipeline stages -> the ``torch.distributed.pipelining`` schedule."""
-    kw: dict[str, Any] = {"loss_fn": _return_loss, "scale_grads": False}
+def _no_loss(output: Any, target: Any) -> torch.Tensor:  # noqa: ARG001
+    """The schedule's ``loss_fn`` on a rank without the last stage (torch calls it on the last stage only)."""
+    raise AssertionError("the pipeline schedule computed a loss on a rank without the last stage")
+
+
+def _make_schedule(
+    schedule: ScheduleName,
+    stages: Sequence[PipelineStage],
+    num_microbatches: int,
+    *,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+) -> Any:
+    """Schedule name, this rank's pipeline stages and the loss (:meth:`StageModule.loss` on the
+    last-stage ranks) -> the ``torch.distributed.pipelining`` schedule."""
+    kw: dict[str, Any] = {"loss_fn": loss_fn, "scale_grads": False}
     if schedule == "gpipe":
         return ScheduleGPipe(stages[0], num_microbatches, **kw)
     if schedule == "1f1b":
