@@ -10,6 +10,7 @@ machinery they call lives in :mod:`autoplan.planner`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 import autoplan.errors as errors
 from autoplan.cost_models.cluster import Cluster
@@ -30,11 +31,11 @@ from autoplan.cost_models.memory import OPTIMIZERS
 from autoplan.passes import pass_order
 from autoplan.passes.expand import expand_assignment
 from autoplan.passes.layers import find_layers
-from autoplan.passes.trace import LossFn, TracedProgram, trace_training_step
+from autoplan.passes.trace import LossFn, trace_training_step
 from autoplan.planner import progress
 from autoplan.planner.ilp import Pins, ProfileChoice, open_profile, plan_traced
 from autoplan.planner.joint import estimate, plan_for_batch
-from autoplan.planner.mesh import as_cluster, planning_mesh
+from autoplan.planner.mesh import as_cluster, planning_alone, planning_mesh
 from autoplan.planner.plan import Plan
 from autoplan.planner.tracing import trace_for_plan, trace_microbatch
 from autoplan.runtime.codegen import generate_program
@@ -144,25 +145,13 @@ def plan(
             )
 
 
-def _plan_on_rank0(
-    traced: TracedProgram,
-    cluster: Cluster,
-    *,
-    mesh: DeviceMesh,
-    device: torch.device,
-    optimizer: str,
-    pins: Pins | None,
-    profile: ProfileChoice,
-) -> Plan:
-    """Rank 0 solves; every rank receives the same plan as JSON bytes (so all ranks run one plan)."""
+def _plan_on_rank0(solve: Callable[[], Plan], *, device: torch.device) -> Plan:
+    """Rank 0 runs ``solve``; every rank receives the same plan as JSON bytes (so all ranks run
+    one plan), or the same :class:`PlanError`."""
     payload = b""
     if dist.get_rank() == 0:
         try:
-            payload = json.dumps(
-                plan_traced(
-                    traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, profile=open_profile(cluster, profile)
-                ).to_dict()
-            ).encode()
+            payload = json.dumps(solve().to_dict()).encode()
         except PlanError as exc:
             payload = json.dumps({"error": str(exc), "type": type(exc).__name__}).encode()
     size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
@@ -226,24 +215,42 @@ def _parallelize_pipeline(
         optimizer=plan.optimizer,
         stage_recompute=layout.stage_recompute,
         offload_optimizer=cfg.offload_optimizer,
+        plan=plan,
     )
+
+
+BuiltModel = ParallelModel | PipelineModel
+"""What :func:`parallelize` builds: a pipeline for a plan made for a global batch."""
 
 
 class DeferredModel:
     """What :func:`parallelize` returns without ``example_inputs``: the model is planned and built
     at its first call, ``loss = pmodel(*inputs, targets=...)`` (or ``forward_backward``), with
-    that call's global batch as the example; from then on every attribute is the built
-    :class:`~autoplan.runtime.parallel.ParallelModel`'s (the same parameter objects). Before it,
-    anything that needs the sharded model (``parameters()``, ``state_dict()``, ``data_loader()``,
-    ...) raises :class:`PlanError`: the optimizer is built after the first call."""
+    that call's global batch as the example; from then on every attribute is the built model's
+    (the same parameter objects): a :class:`~autoplan.runtime.parallel.ParallelModel`, or a
+    :class:`~autoplan.runtime.pipeline.PipelineModel` when planned with ``global_batch_size``.
+    Before it, anything that needs the sharded model (``parameters()``, ``state_dict()``,
+    ``data_loader()``, ...) raises :class:`PlanError`: the optimizer is built after the first call.
 
-    def __init__(self, build: Callable[[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], ParallelModel]) -> None:
+    Type checks: ``pmodel.built`` is the built model itself (:class:`PlanError` before the first
+    call): pass it where a ``ParallelModel`` or ``PipelineModel`` is expected. ``isinstance``
+    answers as for the built model once it exists (``isinstance(pmodel, autoplan.PipelineModel)``,
+    ``isinstance(pmodel, torch.nn.Module)``: ``__class__`` is the built model's, as
+    ``unittest.mock`` objects made with a spec do), and ``isinstance(pmodel, DeferredModel)``
+    stays true; before the first call only the latter holds: which model it becomes is decided by
+    planning on that call's batch. ``type(pmodel)`` is always ``DeferredModel``."""
+
+    def __init__(self, build: Callable[[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]], BuiltModel]) -> None:
         self._build = build
-        """``(example_inputs, example_targets) -> ParallelModel``: plans (rank 0) and applies."""
-        self._built: ParallelModel | None = None
+        """``(example_inputs, example_targets) -> the built model``: plans (rank 0) and applies."""
+        self._built: BuiltModel | None = None
+
+    @property  # type: ignore[misc]  # isinstance() reads it: the built model's class once it exists
+    def __class__(self) -> type:
+        return type(self) if self._built is None else type(self._built)
 
     @property
-    def built(self) -> ParallelModel:
+    def built(self) -> BuiltModel:
         """The planned model (:class:`PlanError` before the first call)."""
         if self._built is None:
             raise PlanError(
@@ -252,9 +259,7 @@ class DeferredModel:
             )
         return self._built
 
-    def _built_for(
-        self, inputs: tuple[torch.Tensor | LocalBatch, ...], targets: Sequence[torch.Tensor]
-    ) -> ParallelModel:
+    def _built_for(self, inputs: tuple[torch.Tensor | LocalBatch, ...], targets: Sequence[torch.Tensor]) -> BuiltModel:
         """The built model; at the first call, plan and build it for this global batch."""
         if self._built is None:
             if any(isinstance(x, LocalBatch) for x in inputs):
@@ -273,14 +278,56 @@ class DeferredModel:
     def forward_backward(
         self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = (), check: bool = False
     ) -> torch.Tensor:
-        """:meth:`ParallelModel.forward_backward`, planning at the first call like :meth:`__call__`."""
-        return self._built_for(inputs, targets).forward_backward(*inputs, targets=targets, check=check)
+        """The built model's ``forward_backward``, planning at the first call like :meth:`__call__`
+        (``check=True``: a ``ParallelModel``'s checked execution)."""
+        built = self._built_for(inputs, targets)
+        if not check:
+            return built.forward_backward(*inputs, targets=targets)
+        if not isinstance(built, ParallelModel):
+            raise PlanError("check=True checks a ParallelModel's program; a pipeline has no checked mode: drop check=")
+        return built.forward_backward(*inputs, targets=targets, check=True)
 
     def __getattr__(self, name: str) -> Any:
         """Every other attribute is the built model's; :class:`PlanError` before the first call."""
         if name.startswith("__") or name in ("_build", "_built"):  # copy/pickle protocols, a half-made object
             raise AttributeError(name)
         return getattr(self.built, name)
+
+
+def _check_joint_options(
+    *, plan: Plan | None, pins: Pins | None, global_batch_size: int | None, config: ParallelConfig | None
+) -> None:
+    """``global_batch_size`` (and ``config``) ask :func:`parallelize` for the joint search's plan:
+    :class:`PlanError` for the options that do not go with it."""
+    if config is not None and global_batch_size is None:
+        raise ConfigError(
+            "config= needs global_batch_size= (the configuration splits a global batch): pass both, or neither"
+        )
+    if global_batch_size is None:
+        return
+    if plan is not None:
+        raise PlanError(
+            "plan= and global_batch_size= both given: a plan made for a global batch holds it; pass one of them"
+        )
+    if pins:
+        raise PlanError(
+            "pins= fix placements of the per-operator plan; the joint search (global_batch_size=) takes none: "
+            "drop pins or global_batch_size"
+        )
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(
+            f"global_batch_size must be a positive integer (samples per optimizer step), got {global_batch_size!r}"
+        )
+
+
+def _check_batch_rows(inputs: Sequence[torch.Tensor], global_batch_size: int | None) -> None:
+    """The example batch of a joint-search plan made in the job is the global batch the job trains on."""
+    rows = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
+    if global_batch_size is not None and rows != global_batch_size:
+        raise PlanMismatchError(
+            f"global_batch_size={global_batch_size} but the batch has {rows} samples: pass batches of "
+            f"{global_batch_size} samples or parallelize with global_batch_size={rows}"
+        )
 
 
 def _check_job(cluster: Cluster | str | None, plan: Plan | None) -> Cluster:
@@ -316,6 +363,8 @@ def parallelize(
     optimizer: str = "adam",
     pins: Pins | None = None,
     profile: ProfileChoice = "auto",
+    global_batch_size: int | None = None,
+    config: ParallelConfig | None = None,
 ) -> ParallelModel | PipelineModel: ...
 
 
@@ -331,6 +380,8 @@ def parallelize(
     optimizer: str = "adam",
     pins: Pins | None = None,
     profile: ProfileChoice = "auto",
+    global_batch_size: int | None = None,
+    config: ParallelConfig | None = None,
 ) -> DeferredModel: ...
 
 
@@ -345,12 +396,18 @@ def parallelize(
     optimizer: str = "adam",
     pins: Pins | None = None,
     profile: ProfileChoice = "auto",
+    global_batch_size: int | None = None,
+    config: ParallelConfig | None = None,
 ) -> ParallelModel | PipelineModel | DeferredModel:
     """Apply ``plan`` (or plan now) to ``model`` inside a ``torchrun`` job.
 
     A plan made with a global batch (``plan.config`` set) runs as a pipeline of stages
     (:class:`~autoplan.runtime.pipeline.PipelineModel`, pipeline degree 1 included: micro-batches then
-    accumulate gradients); ``example_inputs`` are then the global batch.
+    accumulate gradients); ``example_inputs`` are then the global batch. Without a plan,
+    ``global_batch_size`` (and ``config`` to fix the configuration) makes rank 0 plan with the
+    joint search as :func:`plan` does, for a global batch of that many samples (the example batch
+    must hold them), and the result is such a pipeline; otherwise rank 0 solves the per-operator
+    plan (``pins`` apply) and the result is a :class:`~autoplan.runtime.parallel.ParallelModel`.
 
     Every rank must build the same model with the same weights. Returns a
     :class:`~autoplan.runtime.parallel.ParallelModel` whose parameters are DTensors in the planned
@@ -360,14 +417,16 @@ def parallelize(
     returned :class:`DeferredModel` plans and builds at its first call, so the order is *first
     call, then optimizer*::
 
-        pmodel = autoplan.parallelize(model, cluster, loss_fn=loss_fn)
+        pmodel = autoplan.parallelize(model, cluster, loss_fn=loss_fn)   # or global_batch_size=1024
         loss = pmodel(ids, targets=(labels,))      # plans on this global batch, then runs the step
         opt = torch.optim.AdamW(pmodel.parameters(), lr=3e-4)
         loss.backward(); opt.step(); opt.zero_grad()
 
     Before that call ``parameters()``, ``state_dict()``, ``data_loader()`` and the rest raise
-    :class:`PlanError`.
+    :class:`PlanError`; after it ``pmodel.built`` is the ``ParallelModel`` or ``PipelineModel``
+    (:class:`DeferredModel` says how ``isinstance`` answers).
     """
+    _check_joint_options(plan=plan, pins=pins, global_batch_size=global_batch_size, config=config)
     if example_inputs is None:
         if plan is not None or example_targets:
             raise PlanError(
@@ -376,24 +435,71 @@ def parallelize(
             )
         job_cluster = _check_job(cluster, None)
         _check_optimizer(optimizer)
-        return DeferredModel(
-            lambda inputs, targets: _parallelize_now(
-                model, job_cluster, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, pins=pins, profile=profile
-            )
-        )
+        build = functools.partial(
+            _parallelize_now, model, job_cluster, loss_fn=loss_fn, optimizer=optimizer, pins=pins, profile=profile,
+            global_batch_size=global_batch_size, config=config,
+        )  # fmt: skip
+        return DeferredModel(build)
     cluster = _check_job(cluster, plan)
     device = _runtime_device()
     model = model.to(device)
     inputs = tuple(t.to(device) for t in example_inputs)
     targets = tuple(t.to(device) for t in example_targets)
+    if plan is None and global_batch_size is not None:
+        _check_optimizer(optimizer)
+        _check_batch_rows(inputs, global_batch_size)
+        plan = _plan_on_rank0(
+            lambda: _plan_alone(
+                model, cluster, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, profile=profile,
+                global_batch_size=global_batch_size, config=config,
+            ),
+            device=device,
+        )  # fmt: skip
     if plan is not None and plan.config is not None:
         return _parallelize_pipeline(model, plan, inputs, targets, loss_fn, device)
+    return _parallelize_operators(
+        model, cluster, plan, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, pins=pins, profile=profile,
+        device=device,
+    )  # fmt: skip
+
+
+def _plan_alone(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    inputs: tuple[torch.Tensor, ...],
+    targets: tuple[torch.Tensor, ...],
+    **kwargs: Any,
+) -> Plan:
+    """:func:`plan` on this rank alone inside the job (:func:`~autoplan.planner.mesh.planning_alone`:
+    the joint search's stage meshes need no process group)."""
+    with planning_alone():
+        return plan(model, cluster, example_inputs=inputs, example_targets=targets, **kwargs)
+
+
+def _parallelize_operators(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    plan: Plan | None,
+    inputs: tuple[torch.Tensor, ...],
+    targets: tuple[torch.Tensor, ...],
+    *,
+    loss_fn: LossFn | None,
+    optimizer: str,
+    pins: Pins | None,
+    profile: ProfileChoice,
+    device: torch.device,
+) -> ParallelModel:
+    """A per-operator plan (``None``: rank 0 solves it now) applied: the generated program of the
+    whole step on the job's mesh."""
     traced = trace_training_step(model, inputs, loss_fn=loss_fn, example_targets=targets)
     mesh = init_device_mesh(device.type, cluster.mesh_shape, mesh_dim_names=cluster.mesh_axis_names)
     if plan is None:
         _check_optimizer(optimizer)
         plan = _plan_on_rank0(
-            traced, cluster, mesh=mesh, device=device, optimizer=optimizer, pins=pins, profile=profile
+            lambda: plan_traced(
+                traced, cluster, mesh=mesh, optimizer=optimizer, pins=pins, profile=open_profile(cluster, profile)
+            ),
+            device=device,
         )
     plan.check_applies_to(fingerprint=traced.fingerprint, world_size=dist.get_world_size())
     plan.check_fits(traced)
@@ -414,11 +520,9 @@ def _parallelize_now(
     inputs: tuple[torch.Tensor, ...],
     targets: tuple[torch.Tensor, ...],
     **kwargs: Any,
-) -> ParallelModel:
+) -> BuiltModel:
     """A :class:`DeferredModel`'s first call: plan and apply with its batch as the example."""
-    built = parallelize(model, cluster, example_inputs=inputs, example_targets=targets, **kwargs)
-    assert isinstance(built, ParallelModel), "planned without a plan: no pipeline"
-    return built
+    return parallelize(model, cluster, example_inputs=inputs, example_targets=targets, **kwargs)
 
 
 __all__ = ["DeferredModel", "estimate", "parallelize", "plan"]

@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import autoplan
 from autoplan.runtime.data import LocalBatch
 from tests import zoo
-from tests.harness import cpu_cluster, mismatches, run_ranks
+from tests.harness import RankPool, cpu_cluster, mismatches, run_ranks
 
 STEPS, LR, MAX_NORM = 4, 3e-3, 0.05
 
@@ -57,7 +57,7 @@ def _standard_loop(
 
 
 def _pipeline_plan(config: autoplan.ParallelConfig) -> autoplan.Plan:
-    """Planned outside the job (the stage sub-mesh is planned on its own devices)."""
+    """Planned outside the job, as ``autoplan plan`` does (in the job: ``parallelize(global_batch_size=)``)."""
     ids, labels = zoo.token_batch(seed=1)
     return autoplan.plan(zoo.gpt2_tiny(), cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(ids,),
                              loss_fn=zoo.lm_loss, example_targets=(labels,), config=config, global_batch_size=ids.shape[0])  # fmt: skip
@@ -243,3 +243,91 @@ def test_deferred_model_refuses_a_local_batch_before_it_is_planned() -> None:
             pm(batch)
         with pytest.raises(autoplan.PlanError, match="example_targets without example_inputs"):
             autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), example_targets=(labels,))
+
+
+# --- deferred planning of a pipeline: parallelize(global_batch_size=...) runs the joint search in the job ---
+
+PIPELINE_CONFIG = autoplan.ParallelConfig(pp=2, microbatch_size=2, num_microbatches=4, schedule="1f1b")
+DATA_PARALLEL_CONFIG = autoplan.ParallelConfig(dp=2, microbatch_size=2, num_microbatches=2)
+
+
+def _joint_plan(config: autoplan.ParallelConfig) -> dict[str, Any]:
+    """The plan ``autoplan.plan`` makes outside any job for the deferred model's first batch."""
+    ids, labels = zoo.token_batch(seed=1)
+    return autoplan.plan(zoo.llama_tiny(), cpu_cluster("2xCPU"), example_inputs=(ids,), loss_fn=zoo.lm_loss,
+                         example_targets=(labels,), global_batch_size=8, config=config, profile=None).to_dict()  # fmt: skip
+
+
+def _deferred_pipeline_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG001
+    """pp=2 planned by rank 0 inside the job at the first call, then AdamW like single device."""
+    model = zoo.llama_tiny()
+    reference = copy.deepcopy(model)
+    pm = autoplan.parallelize(model, cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss, global_batch_size=8,
+                              config=PIPELINE_CONFIG, profile=None)  # fmt: skip
+    before = (isinstance(pm, autoplan.PipelineModel), isinstance(pm, torch.nn.Module))
+    ids, labels = zoo.token_batch(seed=1)
+    first = pm(ids, targets=(labels,))  # rank 0 runs the joint search on this batch; a pipeline is built
+    params = [p for p in pm.parameters() if p.requires_grad]
+    losses = _adamw_loop(lambda i, t: pm(i, targets=(t,)), params, first)
+    ref_losses = _adamw_loop(lambda i, t: zoo.lm_loss(reference(i), t), reference.parameters())
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
+        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+        "isinstance_before": before,
+        "isinstance_after": (
+            isinstance(pm, autoplan.PipelineModel), isinstance(pm, torch.nn.Module),
+            isinstance(pm, autoplan.DeferredModel), isinstance(pm, autoplan.ParallelModel),
+        ),  # fmt: skip
+        "built_type": type(pm.built).__name__,
+        "type": type(pm).__name__,
+        "plan": pm.plan.to_dict(),
+    }
+
+
+def _eager_data_parallel_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG001
+    """dp=2 planned by rank 0 inside the job (the stage mesh is the job's size): the plan only."""
+    ids, labels = zoo.token_batch(seed=1)
+    pm = autoplan.parallelize(zoo.llama_tiny(), cpu_cluster("2xCPU"), example_inputs=(ids,), loss_fn=zoo.lm_loss,
+                              example_targets=(labels,), global_batch_size=8, config=DATA_PARALLEL_CONFIG, profile=None)  # fmt: skip
+    return {"plan": pm.plan.to_dict(), "type": type(pm).__name__}
+
+
+def _without_timing(plan: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in plan.items() if k != "solver"}
+
+
+def test_deferred_pipeline_plans_in_the_job_at_the_first_call_and_trains_like_single_device() -> None:
+    """``parallelize(loss_fn=..., global_batch_size=8, config=pp=2)`` without example inputs: the
+    first call's batch is planned by rank 0 with the joint search (its stage meshes need no
+    process group: ``planning_alone``), every rank builds the same pipeline, and AdamW over
+    ``pmodel.parameters()`` trains like one device. After that call ``isinstance`` answers as for
+    the PipelineModel it became; before it, only as a DeferredModel. The plan equals the one
+    ``autoplan.plan`` makes outside the job, for the pipeline and for a dp=2 configuration whose
+    stage mesh is the whole job."""
+    with RankPool(2, timeout_s=900) as pool:
+        results = pool.run(_deferred_pipeline_rank)
+        eager = pool.run(_eager_data_parallel_rank)
+    assert not mismatches(results), mismatches(results)
+    for r in results:
+        assert r["isinstance_before"] == (False, False)
+        assert r["isinstance_after"] == (True, True, True, False)
+        assert (r["built_type"], r["type"]) == ("PipelineModel", "DeferredModel")
+        assert _without_timing(r["plan"]) == _without_timing(_joint_plan(PIPELINE_CONFIG))
+    assert [r["type"] for r in eager] == ["PipelineModel"] * 2
+    assert all(_without_timing(r["plan"]) == _without_timing(_joint_plan(DATA_PARALLEL_CONFIG)) for r in eager)
+
+
+def test_deferred_global_batch_planning_names_what_does_not_go_with_it() -> None:
+    ids, labels = zoo.token_batch(seed=1)  # 8 samples
+    with _fake_job():
+        pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss, global_batch_size=4)
+        with pytest.raises(autoplan.PlanMismatchError, match="global_batch_size=4 but the batch has 8 samples"):
+            pm(ids, targets=(labels,))  # before any planning
+        with pytest.raises(autoplan.PlanError, match="pins= fix placements of the per-operator plan"):
+            autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), global_batch_size=8, pins=DP_PINS)
+        with pytest.raises(autoplan.ConfigError, match="config= needs global_batch_size="):
+            autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), config=PIPELINE_CONFIG)
+        with pytest.raises(autoplan.ConfigError, match="global_batch_size must be a positive integer"):
+            autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), global_batch_size=0)

@@ -1,12 +1,15 @@
 """The cluster a planning call is for, and the device meshes its strategies are enumerated on:
 the cluster argument (:func:`as_cluster`), a mesh of the cluster's shape on a fake process group
-(:func:`planning_mesh`), and one pipeline stage's devices (:func:`stage_cluster`)."""
+(:func:`planning_mesh`; :func:`planning_alone` for one rank of a job planning for all of them),
+and one pipeline stage's devices (:func:`stage_cluster`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from contextvars import ContextVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -31,14 +34,38 @@ def as_cluster(cluster: Cluster | str) -> Cluster:
     return local_cluster(cluster)
 
 
+_PLANNING_ALONE: ContextVar[bool] = ContextVar("autoplan_planning_alone", default=False)
+"""Set by :func:`planning_alone` for its duration."""
+
+
+@contextlib.contextmanager
+def planning_alone() -> Iterator[None]:
+    """Within: :func:`planning_mesh` gives a mesh of the cluster's shape with no process group
+    behind it, even inside a job of another size, so that one rank of a job can plan for all of
+    them while the others wait (``autoplan.parallelize(..., global_batch_size=...)``: the joint
+    search plans stage meshes smaller than the job). Creating a process group is collective and
+    would hang with one rank; the strategies read only the mesh's shape and communicate nothing."""
+    token = _PLANNING_ALONE.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING_ALONE.reset(token)
+
+
 @contextlib.contextmanager
 def planning_mesh(cluster: Cluster, *, device_type: str = "cpu") -> Iterator[DeviceMesh]:
     """A DeviceMesh of the cluster's shape for strategy enumeration.
 
     Inside a job of the right size the real mesh is used; otherwise a fake process group of
-    ``cluster.world_size`` ranks is created for the duration (nothing is communicated).
+    ``cluster.world_size`` ranks is created for the duration (nothing is communicated); within
+    :func:`planning_alone` a mesh without process groups, this process as its rank 0.
     ``device_type="cuda"`` gives a mesh whose DTensors live on the GPU (``autoplan profile``).
     """
+    if _PLANNING_ALONE.get():
+        # torch's private switches: no process group (_init_backend), this process is rank 0 (_rank)
+        ranks = torch.arange(cluster.world_size).reshape(cluster.mesh_shape)
+        yield DeviceMesh(device_type, ranks, mesh_dim_names=cluster.mesh_axis_names, _init_backend=False, _rank=0)
+        return
     if dist.is_initialized():
         if dist.get_world_size() != cluster.world_size:
             raise PlanMismatchError(

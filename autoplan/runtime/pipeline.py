@@ -71,6 +71,7 @@ from autoplan.passes.recompute import POLICIES, recompute_stage_program
 from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, split_stages
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
+from autoplan.planner.plan import Plan
 from autoplan.runtime import collectives as runtime
 from autoplan.runtime import training
 from autoplan.runtime.codegen import STEP_FN, generate_program
@@ -336,8 +337,11 @@ class PipelineModel(torch.nn.Module):
         device: torch.device,
         tied_stages: Mapping[str, tuple[int, ...]] | None = None,
         offload_optimizer: bool = False,
+        plan: Plan | None = None,
     ) -> None:
         super().__init__()
+        self.plan = plan
+        """The plan this pipeline applies (``autoplan.parallelize``; ``None`` when built from its parts)."""
         self.batch_values = tuple(batch_values)
         """Stage 0's inputs then the last stage's targets: one micro-batch's model inputs and loss
         targets, with their placements on the stage mesh (every rank knows them; first-stage ranks
@@ -697,10 +701,12 @@ def build_pipeline(
     optimizer: str = "adam",
     stage_recompute: Sequence[str] | None = None,
     offload_optimizer: bool = False,
+    plan: Plan | None = None,
 ) -> PipelineModel:
     """Build this rank's stages and the schedule. ``mesh`` has shape ``(pp, *stage_mesh)`` and
     names ``("pp", *axis_names)``; ``stage_starts[k]`` is the first segment of stage ``k``
-    (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``)."""
+    (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``).
+    ``plan``: the plan these parts come from, kept as :attr:`PipelineModel.plan`."""
     pp = mesh.size(0)
     num_stages = len(stage_starts)
     _check_stage_count(num_stages, layering=layering, pp=pp, virtual_stages=virtual_stages)
@@ -775,6 +781,7 @@ def build_pipeline(
         num_inputs=traced_mb.num_inputs,
         device=device,
         offload_optimizer=offload_optimizer,
+        plan=plan,
     )
 
 
