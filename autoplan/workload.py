@@ -34,22 +34,37 @@ class Workload:
     """Learning rate used by ``autoplan run``."""
     batches: Callable[[int], tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]] | None = field(default=None)
     """Optional ``step -> (inputs, targets)``; by default every step reuses the example batch."""
-    dataset: Dataset[Any] | None = None
-    """Optional map-style ``Dataset`` of ``(*inputs, *targets)`` samples (each shaped like one row
-    of the example batch) that ``autoplan run`` trains from instead of ``batches``: step ``k`` is
-    rows ``[k*B, (k+1)*B)``, ``B`` the example batch's size, in order, starting over at the end
-    (a partial last batch is dropped); each rank loads only the rows its program reads
-    (:meth:`~autoplan.runtime.parallel.ParallelModel.data_loader`)."""
+    dataset: Dataset[Any] | IterableDataset[Any] | None = None
+    """Optional dataset of ``(*inputs, *targets)`` samples (each shaped like one row of the example
+    batch) that ``autoplan run`` trains from instead of ``batches``, in passes (a partial last
+    batch of a pass is dropped): a map-style ``Dataset`` (``__getitem__`` and ``__len__``) gives
+    step ``k`` of a pass the rows ``order[k*B : (k+1)*B]``, ``B`` the example batch's size and
+    ``order`` the indices in order or, with :attr:`shuffle`, reshuffled every pass; an
+    ``IterableDataset`` gives it the next ``B`` samples of its stream, read again from the start
+    for the next pass (told the pass by its ``set_epoch(epoch)`` method, if it has one). Each rank
+    keeps only the rows its program reads (:meth:`~autoplan.runtime.parallel.ParallelModel.data_loader`)."""
+    shuffle: bool = False
+    """``autoplan run`` reshuffles a map-style :attr:`dataset` every pass (the same order on every
+    rank, seeded by ``--data-seed``, default ``--seed``); ``--shuffle``/``--no-shuffle`` override it."""
 
     def __post_init__(self) -> None:
         if self.dataset is None:
+            if self.shuffle:
+                raise PlanError("Workload(shuffle=True) reorders Workload.dataset, which is not set: give dataset=")
             return
         if self.batches is not None:
             raise PlanError(
                 "the Workload sets both batches= and dataset=: keep one (the training data of autoplan run)"
             )
-        if isinstance(self.dataset, IterableDataset) or not hasattr(type(self.dataset), "__len__"):
+        if isinstance(self.dataset, IterableDataset):
+            if self.shuffle:
+                raise PlanError(
+                    f"Workload(shuffle=True) reorders a map-style dataset by index; {type(self.dataset).__name__} is an "
+                    "IterableDataset: shuffle its stream itself (its set_epoch(epoch) is called every pass) or drop shuffle"
+                )
+            return
+        if not hasattr(type(self.dataset), "__len__"):
             raise PlanError(
-                f"Workload.dataset is a {type(self.dataset).__name__}; autoplan run reads step k's rows by index: "
-                "give a map-style torch Dataset (__getitem__ and __len__, e.g. TensorDataset) or use batches="
+                f"Workload.dataset is a {type(self.dataset).__name__}; autoplan run reads a map-style dataset by index: "
+                "give a torch Dataset with __getitem__ and __len__ (e.g. TensorDataset), an IterableDataset, or batches="
             )

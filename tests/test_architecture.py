@@ -108,6 +108,7 @@ FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
     ("autoplan.tools.run", "autoplan.planner.tracing"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.run", "autoplan.runtime.checkpoint"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.run", "autoplan.tools.loader"): f"{_TORCH_FREE}CLI start-up",
+    ("autoplan.tools.run", "autoplan.tools.training_data"): f"{_TORCH_FREE}CLI start-up",
 }
 """(importer, imported) pairs allowed as function-level imports of internal modules, with the reason.
 A reason starting with ``torch-free:`` is checked: the importer loads none of :data:`HEAVY_MODULES` at

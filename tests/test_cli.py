@@ -320,6 +320,88 @@ def test_run_trains_from_the_workloads_dataset_each_rank_loading_its_rows_like_s
     assert float(final.rsplit(" ", 1)[1]) <= 1e-5, final
 
 
+def _steps_equal_single_device(result: subprocess.CompletedProcess[str], num_steps: int) -> list[float]:
+    """Exit 0, ``num_steps`` step lines each within 1e-5 of the single-device model, and the
+    parameters after them too; returns the losses."""
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
+    assert len(steps) == num_steps, result.stdout
+    assert all(float(line.split("rel.diff")[1]) <= 1e-5 for line in steps), result.stdout
+    final = next(line for line in result.stdout.splitlines() if line.startswith(f"parameters after {num_steps} steps"))
+    assert float(final.rsplit(" ", 1)[1]) <= 1e-5, final
+    return [float(line.split()[3]) for line in steps]
+
+
+def test_run_reshuffles_the_dataset_each_pass_and_compare_trains_one_device_on_the_same_rows(tmp_path):
+    """``--shuffle --data-seed 3``: each pass of the 3 batches in a new order, the same on both
+    ranks, and ``--compare``'s single-device model on the same global rows at every step."""
+    result = run_cli(
+        tmp_path,
+        "run", target("mlp_dataset"), "--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)",
+        "--steps", "4", "--shuffle", "--data-seed", "3", "--compare", "--master-port", str(free_port()),
+        timeout_s=300,
+    )  # fmt: skip
+
+    assert "data: 24 samples, 3 steps per pass, reshuffled each pass (data seed 3); rank 0 loads 4 of 8" in result.stdout
+    _steps_equal_single_device(result, 4)
+
+
+def test_run_trains_from_an_iterable_dataset_read_again_each_pass_like_single_device(tmp_path):
+    """``Workload.dataset`` an ``IterableDataset`` of 3 global batches: 4 steps read it a second
+    time; each rank keeps its rows, ``--compare`` gets the whole batches of the same read."""
+    result = run_cli(
+        tmp_path,
+        "run", target("mlp_stream"), "--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)",
+        "--steps", "4", "--compare", "--master-port", str(free_port()),
+        timeout_s=300,
+    )  # fmt: skip
+
+    assert "data: a stream (SampleStream), 8 samples per step, read again each pass; rank 0 loads 4 of 8" in result.stdout
+    losses = _steps_equal_single_device(result, 4)
+    assert len(set(losses)) == 4  # other batches, not the example batch again
+
+
+@pytest.mark.parametrize("model", ["mlp_dataset", "mlp_stream"])
+def test_run_resumed_with_compare_catches_one_device_up_on_the_same_rows(model, tmp_path):  # noqa: ANN001
+    """2 steps with a checkpoint, then a resumed run to step 5 with ``--compare``: the single-device
+    model first trains on steps 1-2's global rows (a stream is read through them), then both
+    train steps 3-5 (the second pass from step 4) alike; the indexed dataset reshuffled."""
+    shuffle = ("--shuffle", "--data-seed", "7") if model == "mlp_dataset" else ()
+    common = ("--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)", *shuffle,
+              "--checkpoint-dir", str(tmp_path / "ckpt"))  # fmt: skip
+    first = run_cli(tmp_path, "run", target(model), *common, "--steps", "2", "--master-port", str(free_port()))
+    assert first.returncode == 0, f"stdout:\n{first.stdout}\nstderr:\n{first.stderr}"
+
+    result = run_cli(
+        tmp_path, "run", target(model), *common, "--steps", "5", "--compare", "--master-port", str(free_port()),
+        timeout_s=300,
+    )  # fmt: skip
+
+    assert "resumed from checkpoint" in result.stdout, result.stdout
+    steps = [line for line in result.stdout.splitlines() if line.startswith("step")]
+    assert [line.split()[1] for line in steps] == ["3", "4", "5"], result.stdout
+    assert all(float(line.split("rel.diff")[1]) <= 1e-5 for line in steps), result.stdout
+    final = next(line for line in result.stdout.splitlines() if line.startswith("parameters after 5 steps"))
+    assert float(final.rsplit(" ", 1)[1]) <= 1e-5, final
+
+
+@pytest.mark.parametrize(
+    ("model", "options", "message"),
+    [
+        ("mlp", ("--shuffle",), "the workload has none (it trains on its example batch or batches=): give the"),
+        ("mlp_stream", ("--shuffle",), "SampleStream, an IterableDataset: shuffle its stream itself"),
+        ("mlp_dataset", ("--data-seed", "3"), "the data is not shuffled: add --shuffle"),
+        ("mlp_dataset", ("--shuffle", "--data-seed", "-1"), "--data-seed: expected an integer seed in 0..2**63-1"),
+    ],
+    ids=["shuffle_without_dataset", "shuffle_a_stream", "data_seed_unshuffled", "negative_data_seed"],
+)
+def test_run_bad_data_options_are_one_line_exit_2_before_launching(model, options, message, tmp_path):  # noqa: ANN001
+    result = run_cli(tmp_path, "run", target(model), "--cluster", "2xCPU", *options, "--master-port", str(free_port()))
+
+    assert_bad_input(result, message)
+    assert "step" not in result.stdout  # no rank was launched
+
+
 # --- joint search: --global-batch-size, --config, `autoplan estimate` ---------------------------------
 
 HF = str(REPO_ROOT / "examples" / "hf_models.py")

@@ -10,6 +10,7 @@ value is its dataset index, so a loaded tensor names the samples it holds.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -352,10 +353,106 @@ def test_steps_out_of_range_or_of_a_stream_name_the_fix() -> None:
         ShardedLoader(IndexedStream(9), _dp2_layout()).batch(0)
 
 
-def test_a_workload_dataset_must_be_map_style_and_exclude_batches() -> None:
+def test_a_workload_dataset_is_indexed_or_a_stream_shuffled_only_if_indexed_and_excludes_batches() -> None:
     wl = zoo.cli_mlp()
-    with pytest.raises(PlanError, match="map-style torch Dataset"):
-        autoplan.Workload(model=wl.model, example_inputs=wl.example_inputs, dataset=IndexedStream(8))
+    kw: dict[str, Any] = {"model": wl.model, "example_inputs": wl.example_inputs}
+    assert autoplan.Workload(**kw, dataset=IndexedStream(8)).dataset is not None
+    with pytest.raises(PlanError, match="a map-style dataset by index; IndexedStream is an IterableDataset"):
+        autoplan.Workload(**kw, dataset=IndexedStream(8), shuffle=True)
+    with pytest.raises(PlanError, match=r"Workload\(shuffle=True\) reorders Workload.dataset, which is not set"):
+        autoplan.Workload(**kw, shuffle=True)
+    with pytest.raises(PlanError, match="give a torch Dataset with __getitem__ and __len__"):
+        autoplan.Workload(**kw, dataset=object())  # type: ignore[arg-type]
     with pytest.raises(PlanError, match="both batches= and dataset="):
-        autoplan.Workload(model=wl.model, example_inputs=wl.example_inputs, dataset=IndexedTokens(8),
-                          batches=lambda step: (wl.example_inputs, wl.example_targets))  # fmt: skip
+        autoplan.Workload(**kw, dataset=IndexedTokens(8), batches=lambda step: (wl.example_inputs, wl.example_targets))
+
+
+# --- autoplan run's steps (autoplan/tools/training_data.py) ----------------------------------------
+
+
+class _LoaderOf:
+    """Stands in for the parallel model whose ``data_loader`` the run uses: a ShardedLoader of ``layout``."""
+
+    def __init__(self, layout: BatchLayout) -> None:
+        self.layout = layout
+
+    def data_loader(self, dataset: Any, *, shuffle: bool, seed: int) -> ShardedLoader:
+        return ShardedLoader(dataset, self.layout, shuffle=shuffle, seed=seed)
+
+
+class RecordedStream(IndexedStream):
+    """``IndexedStream`` recording the passes it is told (``set_epoch``)."""
+
+    def __init__(self, num_samples: int) -> None:
+        super().__init__(num_samples)
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+
+def _run_steps(dataset: Any, *, shuffle: bool = False, start: int = 0, compare: bool = True) -> list[Any]:
+    """The first 6 steps ``autoplan run`` trains on (rank 0 of dp=2, global batch 4)."""
+    from autoplan.tools.training_data import TrainingData
+
+    wl = zoo.cli_mlp()
+    wl = autoplan.Workload(model=wl.model, example_inputs=wl.example_inputs, dataset=dataset)
+    data = TrainingData(wl, _LoaderOf(_dp2_layout()), shuffle=shuffle, data_seed=5, compare=compare)  # type: ignore[arg-type]
+    return list(itertools.islice(data.steps(start), 6))
+
+
+def test_run_reshuffles_an_indexed_dataset_every_pass_and_feeds_the_reference_the_same_rows() -> None:
+    dataset = IndexedTokens(9)  # 2 steps of 4 per pass; the ninth sample is dropped every pass
+    steps = _run_steps(dataset, shuffle=True)
+    assert [k for k, _, _ in steps] == list(range(6))
+    orders = [torch.randperm(9, generator=torch.Generator().manual_seed(5 + p)) for p in range(3)]
+    assert len({tuple(o.tolist()) for o in orders}) == 3  # a new order each pass
+    for k, local, (inputs, targets) in steps:
+        rows = orders[k // 2][(k % 2) * 4 : (k % 2 + 1) * 4]
+        x, y = _global_batch(dataset, rows, 0, 4)
+        assert torch.equal(inputs[0], x) and torch.equal(targets[0], y)  # --compare's global batch
+        assert torch.equal(local.inputs[0], x[:2]) and local.sample_indices[0] == tuple(rows[:2].tolist())
+    # resumed at step 3 without --compare: nothing before it is loaded
+    assert [(k, local is not None, batch) for k, local, batch in _run_steps(dataset, shuffle=True, start=3, compare=False)][:2] == [(3, True, None), (4, True, None)]  # fmt: skip
+
+
+def test_run_reads_a_stream_again_each_pass_telling_it_the_pass() -> None:
+    stream = RecordedStream(9)
+    steps = _run_steps(stream)
+    assert stream.epochs == [0, 1, 2]
+    for k, local, (inputs, _) in steps:
+        x, _ = _global_batch(IndexedTokens(9), torch.arange(9), k % 2, 4)
+        assert torch.equal(inputs[0], x) and torch.equal(local.inputs[0], x[:2])
+    # resumed at step 3: the stream is read through steps 0-2, which train nothing
+    assert [(k, local is None) for k, local, _ in _run_steps(RecordedStream(9), start=3, compare=False)][:4] == [
+        (0, True), (1, True), (2, True), (3, False),
+    ]  # fmt: skip
+
+
+def test_a_stream_empty_on_its_second_pass_names_the_fix() -> None:
+    class OneShot(IndexedStream):
+        def __init__(self) -> None:
+            super().__init__(4)
+            self.it = super().__iter__()
+
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return self.it  # the same exhausted iterator the second time
+
+    with pytest.raises(PlanError, match="yielded 0 samples in pass 2.*make its __iter__ start the stream again"):
+        _run_steps(OneShot(), compare=False)
+
+
+def test_run_data_options_name_the_fix() -> None:
+    from autoplan.tools.training_data import data_options
+
+    wl = zoo.cli_mlp()
+    indexed = autoplan.Workload(model=wl.model, example_inputs=wl.example_inputs, dataset=IndexedTokens(8))
+    stream = autoplan.Workload(model=wl.model, example_inputs=wl.example_inputs, dataset=IndexedStream(8))
+    assert data_options(indexed, shuffle=True, data_seed=None, seed=4) == (True, 4)
+    assert data_options(indexed, shuffle=None, data_seed=None, seed=4) == (False, 4)
+    with pytest.raises(PlanError, match="the workload has none .*: give the Workload a dataset= or drop --shuffle"):
+        data_options(wl, shuffle=True, data_seed=None, seed=0)
+    with pytest.raises(PlanError, match="IndexedStream, an IterableDataset: shuffle its stream itself"):
+        data_options(stream, shuffle=True, data_seed=None, seed=0)
+    with pytest.raises(PlanError, match="the data is not shuffled: add --shuffle"):
+        data_options(indexed, shuffle=None, data_seed=3, seed=0)

@@ -25,6 +25,7 @@ benchmarks import it from there.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -282,6 +283,28 @@ def cli_mlp_dataset() -> autoplan.Workload:
     wl = cli_mlp()
     x, y = torch.randn(3 * CLI_BATCH, 16), torch.randn(3 * CLI_BATCH, 8)
     return replace(wl, dataset=torch.utils.data.TensorDataset(x, y))
+
+
+class SampleStream(torch.utils.data.IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The samples of a ``TensorDataset`` as a stream, in order; :attr:`epochs` records every
+    ``set_epoch`` call (a stream is told the pass before it is read)."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+        self.epochs: list[int] = []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return ((x, y) for x, y in self.data)
+
+
+def cli_mlp_stream() -> autoplan.Workload:
+    """``cli_mlp_dataset``'s 24 samples as an ``IterableDataset`` (3 global batches per pass)."""
+    wl = cli_mlp_dataset()
+    assert isinstance(wl.dataset, torch.utils.data.TensorDataset)
+    return replace(wl, dataset=SampleStream(wl.dataset))
 
 
 class DataDependent(nn.Module):

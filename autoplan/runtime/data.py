@@ -23,14 +23,15 @@ of its rows from the dataset and keeps the fields it reads.
 
 An ``IterableDataset`` is read whole by every rank (so all ranks agree on the number of steps);
 each keeps, of every ``B`` consecutive samples, the rows above and collates only those. Shuffle
-such a stream in the stream itself.
+such a stream in the stream itself: one with a ``set_epoch(epoch)`` method (Hugging Face
+``datasets``, WebDataset) is told the loader's epoch before each pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -198,6 +199,8 @@ class ShardedLoader:
         self.collate_fn = collate_fn if collate_fn is not None else default_collate
         self.device = torch.device(device)
         self.epoch = 0
+        self._order: tuple[int, torch.Tensor] | None = None
+        """``(epoch, order)`` of the last epoch :meth:`order` computed."""
         self._iterable = isinstance(dataset, IterableDataset)
         if self._iterable and shuffle:
             raise PlanError("shuffle=True needs a map-style Dataset: shuffle the IterableDataset's stream itself")
@@ -219,14 +222,25 @@ class ShardedLoader:
         this rank does not read is dropped (:meth:`_assemble`)."""
 
     def _too_short(self, num_samples: int) -> str:
+        if self._iterable and self.epoch > 0:
+            return (
+                f"the IterableDataset yielded {num_samples} samples in pass {self.epoch + 1}; one step needs a "
+                f"global batch of {self.layout.global_batch_size}: make its __iter__ start the stream again each time"
+            )
         return (
             f"the dataset has {num_samples} samples; one step needs a global batch of "
             f"{self.layout.global_batch_size}: add samples or plan for a smaller global batch"
         )
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose order :meth:`__iter__` yields (shuffled with ``seed + epoch``)."""
+        """The epoch whose order :meth:`__iter__` yields (shuffled with ``seed + epoch``; an
+        ``IterableDataset`` with a ``set_epoch`` method gets it before the pass)."""
         self.epoch = epoch
+
+    @property
+    def is_stream(self) -> bool:
+        """An ``IterableDataset``: read in order, one pass per iteration, no length."""
+        return self._iterable
 
     def __len__(self) -> int:
         """Steps per epoch (map-style datasets)."""
@@ -236,10 +250,15 @@ class ShardedLoader:
 
     def order(self) -> torch.Tensor:
         """This epoch's sample order (the same on every rank)."""
+        if self._order is not None and self._order[0] == self.epoch:
+            return self._order[1]
         num_samples = len(self.dataset)  # type: ignore[arg-type]
         if not self.shuffle:
-            return torch.arange(num_samples)
-        return torch.randperm(num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            order = torch.arange(num_samples)
+        else:
+            order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        self._order = (self.epoch, order)
+        return order
 
     def global_indices(self, step: int, order: torch.Tensor | None = None) -> list[int]:
         """The dataset indices of step ``step``'s whole global batch, in batch order (map-style
@@ -261,28 +280,50 @@ class ShardedLoader:
     def global_batch(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Step ``step``'s whole global batch, collated, as ``(inputs, targets)``: what one device
         trains on where the ranks load :meth:`batch` (every rank reads every row: for checks)."""
-        fields = self._fields(self.collate_fn([self.dataset[i] for i in self.global_indices(step)]))
+        return self._split(self.collate_fn([self.dataset[i] for i in self.global_indices(step)]))
+
+    def _split(self, collated: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        fields = self._fields(collated)
         return fields[: self.layout.num_inputs], fields[self.layout.num_inputs :]
 
     def __iter__(self) -> Iterator[LocalBatch]:
         if self._iterable:
-            yield from self._iter_stream(iter(self.dataset))
+            for step, positions, samples in self._iter_stream(keep_all=False):
+                yield self._assemble(step, positions, samples)
             return
         order = self.order()
         for step in range(len(self)):
             yield self.batch(step, order)
 
-    def _iter_stream(self, stream: Iterable[Any]) -> Iterator[LocalBatch]:
-        """Every ``B`` consecutive samples are one step; keep this rank's rows of each."""
+    def with_global_batches(self) -> Iterator[tuple[LocalBatch, tuple[list[torch.Tensor], list[torch.Tensor]]]]:
+        """One pass as :meth:`__iter__`, each step's :class:`LocalBatch` with the whole global batch
+        it is cut from, collated as :meth:`global_batch`: what one device trains on, from the
+        same read of the data (a stream is read once; ``autoplan run --compare``)."""
+        if not self._iterable:
+            order = self.order()
+            for step in range(len(self)):
+                yield self.batch(step, order), self.global_batch(step)
+            return
+        for step, positions, samples in self._iter_stream(keep_all=True):
+            local = self._assemble(step, [positions[r] for r in self._union], [samples[r] for r in self._union])
+            yield local, self._split(self.collate_fn(samples))
+
+    def _iter_stream(self, *, keep_all: bool) -> Iterator[tuple[int, list[int], list[Any]]]:
+        """One pass over the stream: every ``B`` consecutive samples are one step; yields the
+        step, the stream positions and the samples of this rank's rows (``keep_all``: of every
+        row). A stream with a ``set_epoch`` method is told :attr:`epoch` first."""
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(self.epoch)
         batch_size, keep = self.layout.global_batch_size, set(self._union)
         step, num_read, kept, positions = 0, 0, [], []
-        for position, sample in enumerate(stream):
+        for position, sample in enumerate(cast(Iterable[Any], self.dataset)):
             num_read = position + 1
-            if position % batch_size in keep:
+            if keep_all or position % batch_size in keep:
                 kept.append(sample)
                 positions.append(position)
             if position % batch_size == batch_size - 1:
-                yield self._assemble(step, positions, kept)
+                yield step, positions, kept
                 step, kept, positions = step + 1, [], []
         if step == 0:
             raise PlanError(self._too_short(num_read))

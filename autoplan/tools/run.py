@@ -6,8 +6,9 @@
 
 Everything a rank would otherwise find out late is checked here first, in this order: the
 options (the nodes among them, :mod:`autoplan.tools.nodes`), where the ranks write
-(``--checkpoint-dir``, ``--save-final``) and the torchrun port; then, before planning, the batch,
-``--nproc`` and the ranks per node against the workload and the cluster; then the plan (loaded
+(``--checkpoint-dir``, ``--save-final``) and the torchrun port; then, before planning, the data
+options (``--shuffle``, ``--data-seed``) against the workload's dataset, the batch, ``--nproc``
+and the ranks per node against the workload and the cluster; then the plan (loaded
 and checked against the model, or made); then the checkpoint to resume from. Only then is
 ``python -m torch.distributed.run ... -m autoplan.tools.worker`` launched, one rank per device of
 the plan on one node, or ``--nproc-per-node`` ranks on each of ``--nnodes`` nodes joined by
@@ -60,6 +61,19 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
         help="check the plan's (or cluster's) world size against this number of ranks",
     )
     p.add_argument("--compare", action="store_true", help="also train the single-device model and print both losses")
+    p.add_argument(
+        "--shuffle",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reshuffle the workload's map-style dataset every pass, the same order on every rank "
+        "(default: Workload.shuffle)",
+    )
+    p.add_argument(
+        "--data-seed",
+        type=common.seed,
+        metavar="N",
+        help="seed of the shuffled order (pass p uses N + p; default: --seed)",
+    )
     p.add_argument("--show-code", action="store_true", help="print the generated per-rank program")
     p.add_argument(
         "--master-port",
@@ -139,11 +153,17 @@ def _check_options(args: argparse.Namespace) -> tuple[Nodes, int | None]:
 
 
 def _check_before_planning(args: argparse.Namespace, layout: Nodes) -> None:
-    """Without ``--plan``: ``--global-batch-size``, ``--nproc`` and the ranks per node against
-    the workload and the cluster, before planning, which may take long."""
+    """``--shuffle``/``--data-seed`` against the workload's dataset; without ``--plan``:
+    ``--global-batch-size``, ``--nproc`` and the ranks per node against the workload and the
+    cluster, before planning, which may take long."""
     # the workload loader imports torch: loaded when the command runs, not at CLI start-up
     from autoplan.tools.loader import build_workload
 
+    if args.shuffle is not None or args.data_seed is not None:  # the workload's dataset decides
+        from autoplan.tools.training_data import data_options
+
+        wl = build_workload(args.target, device="meta", seed=args.seed)
+        data_options(wl, shuffle=args.shuffle, data_seed=args.data_seed, seed=args.seed)
     if args.plan is None and args.global_batch_size is not None:  # the ranks train on the workload's batch
         inputs = build_workload(args.target, device="meta", seed=args.seed).example_inputs
         batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
@@ -226,6 +246,10 @@ def _torchrun_command(args: argparse.Namespace, plan_path: str, rendezvous: list
     ]
     if args.compare:
         cmd.append("--compare")
+    if args.shuffle is not None:
+        cmd.append("--shuffle" if args.shuffle else "--no-shuffle")
+    if args.data_seed is not None:
+        cmd += ["--data-seed", str(args.data_seed)]
     if args.show_code:
         cmd.append("--show-code")
     if args.checkpoint_dir is not None:

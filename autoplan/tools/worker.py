@@ -9,8 +9,10 @@ ranks (a ``PlanError``) is printed by each node's local rank 0; with ``--bad-inp
 written there instead and the ranks exit 0, for ``autoplan run`` to print and exit 2
 (``autoplan/tools/run.py`` says why), else they exit 2.
 
-A workload with a ``dataset`` trains from its sharded loader (each rank loads only the rows its
-program reads); ``--compare`` feeds the single-device model the same global batches.
+A workload with a ``dataset`` (map-style, ``--shuffle`` reshuffling it every pass, or an
+``IterableDataset``) trains from its sharded loader (each rank loads only the rows its program
+reads; :mod:`autoplan.tools.training_data`); ``--compare`` feeds the single-device model the same
+global batches.
 
 With ``--checkpoint-dir`` the job resumes from the newest complete checkpoint there
 (:mod:`autoplan.runtime.checkpoint`) and saves one every ``--checkpoint-every`` steps and after the last.
@@ -40,42 +42,16 @@ from autoplan.cost_models.files import atomic_write
 from autoplan.planner.plan import Plan
 from autoplan.runtime import checkpoint
 from autoplan.runtime.checkpoint import ParallelizedModel
-from autoplan.runtime.data import ShardedLoader
+from autoplan.runtime.data import LocalBatch
 from autoplan.runtime.teardown import destroy_process_groups
 from autoplan.tools import console
 from autoplan.tools.loader import build_workload
+from autoplan.tools.training_data import Batch, TrainingData, data_options
 from autoplan.workload import Workload
 
 
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
-
-
-def _batch(
-    wl: Workload, step: int, loader: ShardedLoader | None = None
-) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
-    """The inputs and targets of training step ``step`` (counted from 0), the global batch:
-    from ``loader`` (``wl.dataset``'s, in its order, starting over after each pass), from
-    ``wl.batches``, or the example batch."""
-    if loader is not None:
-        return loader.global_batch(step % len(loader))
-    return (wl.example_inputs, wl.example_targets) if wl.batches is None else wl.batches(step)
-
-
-def _data_loader(pm: ParallelizedModel, wl: Workload, rank: int) -> ShardedLoader | None:
-    """``wl.dataset``'s sharded loader (each rank loads only its rows), or None."""
-    if wl.dataset is None:
-        return None
-    loader = pm.data_loader(wl.dataset)
-    if rank == 0:
-        kept = len(loader.batch(0).sample_indices[0])
-        print(
-            f"data: {len(wl.dataset)} samples, {len(loader)} steps per pass; rank 0 loads {kept} of "  # type: ignore[arg-type]
-            f"{loader.layout.global_batch_size} rows of input 0 per step",
-            file=console.stdout(),
-            flush=True,
-        )
-    return loader
 
 
 def _reference_step(
@@ -137,6 +113,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--save-final", metavar="PATH")
     p.add_argument("--bad-input-file", metavar="PATH")
+    p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--data-seed", type=int)
     return p.parse_args(argv)
 
 
@@ -216,59 +194,80 @@ def _train(args: argparse.Namespace, rank: int) -> None:
     ref_opt = None
     if reference is not None:
         ref_opt = type(opt)(reference.parameters(), **opt.defaults)
-    loader = _data_loader(pm, wl, rank)
-    start = 0
-    if args.checkpoint_dir is not None:
-        start = _resume(args.checkpoint_dir, pm, opt, wl, reference, ref_opt, rank, loader)
-    for step in range(start, args.steps):
-        if loader is not None:  # this rank's rows only
-            loss = pm.forward_backward(loader.batch(step % len(loader)))
-        else:
-            inputs, targets = _batch(wl, step)
-            loss = pm.forward_backward(*inputs, targets=tuple(targets))
-        opt.step()
-        opt.zero_grad()
-        line = f"step {step + 1:>3}  loss {loss.item():.6f}"
-        if reference is not None and ref_opt is not None:
-            ref_loss = _reference_step(reference, ref_opt, wl, *_batch(wl, step, loader))
-            line += f"  single-device {ref_loss.item():.6f}  rel.diff {_rel(loss.item(), ref_loss.item()):.2e}"
-        if rank == 0:
-            print(line, file=console.stdout(), flush=True)
-        _inject_fault(step + 1, rank)
-        done = step + 1
-        if args.checkpoint_dir is not None and (
-            done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
-        ):
-            path = checkpoint.save(args.checkpoint_dir, done, pm, opt, plan=plan)
-            if rank == 0:
-                print(f"saved checkpoint {path}", file=console.stdout(), flush=True)
+    shuffle, data_seed = data_options(wl, shuffle=args.shuffle, data_seed=args.data_seed, seed=args.seed)
+    data = TrainingData(wl, pm, shuffle=shuffle, data_seed=data_seed, compare=reference is not None)
+    if rank == 0 and wl.dataset is not None:
+        print(data.describe(), file=console.stdout(), flush=True)
+    start = 0 if args.checkpoint_dir is None else _resume(args.checkpoint_dir, pm, opt, rank)
+    rng = torch.get_rng_state() if start else None  # the checkpoint's, restored after the catch-up
+    for step, local, batch in data.steps(start):
+        if step >= max(start, args.steps):
+            break
+        if step < start:  # resumed: the single-device model catches up on the steps before
+            if reference is not None and ref_opt is not None and batch is not None:
+                _reference_step(reference, ref_opt, wl, *batch)
+            continue
+        if rng is not None:
+            torch.set_rng_state(rng)
+            rng = None
+        _train_step(
+            args, step, pm, opt, local, batch, rank=rank, plan=plan, reference=reference, ref_opt=ref_opt, wl=wl
+        )
+    if rng is not None:
+        torch.set_rng_state(rng)
     if reference is not None:
         _print_comparison(pm, reference, args.steps, rank)
     if args.save_final is not None:
         _save_final(pm, args.save_final, rank)
 
 
-def _resume(
-    checkpoint_dir: str,
+def _train_step(
+    args: argparse.Namespace,
+    step: int,
     pm: ParallelizedModel,
     opt: torch.optim.Optimizer,
-    wl: Workload,
+    local: LocalBatch | None,
+    batch: Batch | None,
+    *,
+    rank: int,
+    plan: Plan,
     reference: torch.nn.Module | None,
     ref_opt: torch.optim.Optimizer | None,
-    rank: int,
-    loader: ShardedLoader | None,
-) -> int:
+    wl: Workload,
+) -> None:
+    """Step ``step`` (counted from 0) on this rank's ``local`` rows of a dataset's step, else on
+    the global ``batch``; with ``--compare`` the single-device model's step on ``batch``; the log
+    line, the fault hook and the checkpoint."""
+    if local is not None:  # this rank's rows only
+        loss = pm.forward_backward(local)
+    else:
+        assert batch is not None, "TrainingData yields the global batch when there is no local one"
+        loss = pm.forward_backward(*batch[0], targets=tuple(batch[1]))
+    opt.step()
+    opt.zero_grad()
+    line = f"step {step + 1:>3}  loss {loss.item():.6f}"
+    if reference is not None and ref_opt is not None and batch is not None:
+        ref_loss = _reference_step(reference, ref_opt, wl, *batch)
+        line += f"  single-device {ref_loss.item():.6f}  rel.diff {_rel(loss.item(), ref_loss.item()):.2e}"
+    if rank == 0:
+        print(line, file=console.stdout(), flush=True)
+    _inject_fault(step + 1, rank)
+    done = step + 1
+    if args.checkpoint_dir is not None and (
+        done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
+    ):
+        path = checkpoint.save(args.checkpoint_dir, done, pm, opt, plan=plan)
+        if rank == 0:
+            print(f"saved checkpoint {path}", file=console.stdout(), flush=True)
+
+
+def _resume(checkpoint_dir: str, pm: ParallelizedModel, opt: torch.optim.Optimizer, rank: int) -> int:
     """Load the newest checkpoint that loads, the same on every rank (a damaged one is skipped,
-    named), and catch the single-device model up; returns the first step to train."""
+    named); returns the first step to train (the single-device model catches up in the loop)."""
     resumed = checkpoint.resume(checkpoint_dir, pm, opt)
     if resumed is None:
         return 0
     latest, start = resumed
-    if reference is not None and ref_opt is not None:  # catch the single-device model up
-        rng = torch.get_rng_state()  # the checkpoint's
-        for step in range(latest.step):
-            _reference_step(reference, ref_opt, wl, *_batch(wl, step, loader))
-        torch.set_rng_state(rng)
     if rank == 0:
         print(f"resumed from checkpoint {latest}", file=console.stdout(), flush=True)
     return start
