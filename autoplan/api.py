@@ -37,11 +37,12 @@ from autoplan.planner.ilp import Pins, ProfileChoice, open_profile, plan_traced
 from autoplan.planner.joint import estimate, plan_for_batch
 from autoplan.planner.mesh import as_cluster, planning_alone, planning_mesh
 from autoplan.planner.plan import Plan
-from autoplan.planner.tracing import trace_for_plan, trace_microbatch
+from autoplan.planner.tracing import prepare_for_precision, trace_for_plan, trace_microbatch
 from autoplan.runtime.codegen import generate_program
 from autoplan.runtime.data import LocalBatch
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel, build_pipeline
+from autoplan.runtime.precision import check_model_precision
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ def plan(
     (degrees, micro-batches, schedule, recomputation, ZeRO); the search then places the stages.
     These plans trace two of the model's repeated blocks and solve one for all of them
     (``reduce_repeated``; :mod:`autoplan.passes.depth`); ``parallelize`` repeats the placements on every block.
+    ``precision`` (``fp32``, ``bf16``, ``fp16``; plans with ``global_batch_size`` only) is the dtype
+    the step is traced, priced and run in; a bf16 plan trains an fp32 model with fp32 master
+    weights (:mod:`autoplan.runtime.precision`).
 
     ``model`` may live on the ``meta`` device. ``loss_fn(output, *example_targets)`` must return
     a scalar (omit it if the model returns its loss). ``pins`` fixes placements, e.g.
@@ -114,6 +118,12 @@ def plan(
         _check_time_limit(time_limit_s)
         if precision not in PRECISIONS:
             raise ConfigError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+        if global_batch_size is None and precision != "fp32":
+            raise ConfigError(
+                f"precision={precision!r} needs global_batch_size= (--global-batch-size): only plans made for a global "
+                "batch run in mixed precision; without it the step is planned in the model's own dtype (convert the "
+                "model, e.g. model.to(torch.bfloat16), to plan pure bf16 training)"
+            )
         if global_batch_size is not None:
             if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
                 raise ConfigError(
@@ -181,20 +191,26 @@ def _parallelize_pipeline(
     device: torch.device,
 ) -> PipelineModel:
     """A plan made for a global batch: stages of one micro-batch's program, run by a
-    ``torch.distributed.pipelining`` schedule (:mod:`autoplan.runtime.pipeline`)."""
+    ``torch.distributed.pipelining`` schedule (:mod:`autoplan.runtime.pipeline`). The program is
+    the step in the plan's precision the planner traced (``prepare_for_precision``: for a bf16
+    plan and an fp32 model, a bf16 copy, dropped once traced); ``model``'s own parameters are
+    the ones trained (mixed precision: :mod:`autoplan.runtime.precision`)."""
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
-    planned = trace_for_plan(plan, model, inputs, targets, loss_fn)
+    check_model_precision(model, layout.precision, offload_optimizer=cfg.offload_optimizer)
+    step_model, inputs, targets = prepare_for_precision(model, inputs, targets, layout.precision)
+    planned = trace_for_plan(plan, step_model, inputs, targets, loss_fn)  # in the plan's dtype already: no copy
     plan.check_applies_to(fingerprint=planned.fingerprint, world_size=dist.get_world_size())
     plan.check_fits(planned)
     traced, assignment = planned, plan.assignment()
     if layout.reduced:
         # placements of the program traced with fewer blocks: repeat its last block's
         # placements on every later block of the full program (autoplan.passes.expand)
-        traced = trace_microbatch(model, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
+        traced = trace_microbatch(step_model, inputs, targets, loss_fn, cfg.microbatch_size * cfg.dp)
         assignment = expand_assignment(
             assignment, (planned, find_layers(planned)), (traced, find_layers(traced)), block_list=layout.block_list
         )
+    del step_model  # a converted copy is needed no longer
     layering = find_layers(traced)
     mesh = init_device_mesh(
         device.type, (cfg.pp, *layout.stage_mesh_shape), mesh_dim_names=("pp", *layout.stage_axis_names)

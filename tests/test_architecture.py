@@ -107,6 +107,7 @@ FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
     ("autoplan.tools.run", "autoplan.planner.ilp"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.run", "autoplan.planner.tracing"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.run", "autoplan.runtime.checkpoint"): f"{_TORCH_FREE}CLI start-up",
+    ("autoplan.tools.run", "autoplan.runtime.precision"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.run", "autoplan.tools.loader"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.run", "autoplan.tools.training_data"): f"{_TORCH_FREE}CLI start-up",
 }

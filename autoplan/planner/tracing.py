@@ -11,18 +11,25 @@ import copy
 import math
 import sys
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
 from autoplan.cost_models.config import PRECISIONS
 from autoplan.cost_models.errors import ConfigError, PlanMismatchError
+from autoplan.cost_models.step import precision_dtype
 from autoplan.passes import pass_order
 from autoplan.passes.depth import KEPT_BLOCKS
 from autoplan.passes.layers import Layering
 from autoplan.passes.trace import LossFn, TracedProgram, forward_fingerprint
 from autoplan.planner.plan import Plan
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+def torch_dtype(precision: str) -> torch.dtype:
+    """The dtype a step planned in ``precision`` computes in (``bf16`` -> ``torch.bfloat16``)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    return cast(torch.dtype, getattr(torch, precision_dtype(precision)))
 
 
 def with_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
@@ -80,9 +87,10 @@ def trace_for_plan(
     targets: Sequence[torch.Tensor],
     loss_fn: LossFn | None,
 ) -> TracedProgram:
-    """The micro-batch step a plan made for a global batch applies to (with the plan's number
-    of blocks when it was planned on fewer, :mod:`autoplan.passes.depth`); ``inputs`` must be that global
-    batch (:class:`PlanMismatchError` otherwise)."""
+    """The micro-batch step a plan made for a global batch applies to, in the plan's precision
+    (:func:`prepare_for_precision`: a bf16 plan of an fp32 model traces a bf16 copy) and with the
+    plan's number of blocks when it was planned on fewer (:mod:`autoplan.passes.depth`);
+    ``inputs`` must be that global batch (:class:`PlanMismatchError` otherwise)."""
     layout = plan.pipeline
     assert layout is not None
     batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 0
@@ -91,6 +99,7 @@ def trace_for_plan(
             f"the plan is for a global batch of {layout.global_batch_size} but the inputs have {batch} samples: "
             f"pass a global batch of {layout.global_batch_size} or re-plan with --global-batch-size {batch}"
         )
+    model, inputs, targets = prepare_for_precision(model, inputs, targets, layout.precision)
     return _trace_planned_step(plan, model, inputs, targets, loss_fn)
 
 
@@ -141,15 +150,26 @@ def prepare_for_precision(
     example_targets: Sequence[torch.Tensor],
     precision: str,
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    if precision not in PRECISIONS:
-        raise ConfigError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    dtype = _DTYPES[precision]
+    """The model and batch of the step a plan made in ``precision`` is for: ``model`` itself when
+    its floating-point parameters already have that dtype, else a copy converted as
+    ``copy.deepcopy(model).to(dtype)`` converts it (the user's model is left as it is); floating
+    inputs and targets cast to the dtype. The planner traces and prices this step, and
+    ``autoplan.parallelize`` traces it again to run it (:mod:`autoplan.runtime.precision`).
+
+    The copy's parameters are made in ``dtype`` directly (no full-precision duplicate of the
+    model is allocated); ``.to(dtype)`` then converts the buffers as it always has."""
+    dtype = torch_dtype(precision)
     if not example_inputs:
         raise ConfigError("example_inputs is empty: pass one example batch (its per-sample shapes are used)")
     if precision != "fp32" and any(p.dtype != dtype for p in model.parameters() if p.is_floating_point()):
-        model = copy.deepcopy(model).to(dtype)  # the user's model is left as it is
+        memo: dict[int, Any] = {
+            id(p): torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+            for p in model.parameters()
+            if p.is_floating_point()
+        }
+        model = copy.deepcopy(model, memo).to(dtype)
 
-    def cast(t: torch.Tensor) -> torch.Tensor:
+    def cast_floating(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype) if t.is_floating_point() else t
 
-    return model, tuple(cast(t) for t in example_inputs), tuple(cast(t) for t in example_targets)
+    return model, tuple(cast_floating(t) for t in example_inputs), tuple(cast_floating(t) for t in example_targets)

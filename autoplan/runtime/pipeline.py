@@ -24,7 +24,10 @@ parameter placement (in backward order, in the buckets of
 all-reduce or reduce-scatter per bucket and mesh axis), divided by
 the number of micro-batches, and summed over the stages holding a copy of a tied parameter.
 A frozen parameter (``requires_grad=False``) is held and read like the others but gets no
-gradient and no optimizer state.
+gradient and no optimizer state. Where the program reads a parameter in another dtype than the
+model keeps it in (a bf16 plan of an fp32 model), the stages run in mixed precision: bf16 copies of
+the fp32 shards for the step, gradients reduced in bf16 and handed to ``.grad`` in fp32
+(:mod:`autoplan.runtime.precision`).
 
 Recomputation, per stage (``stage_recompute``): ``none`` keeps what the stage's backward reads;
 ``selective`` and ``full`` run the stage program of
@@ -73,7 +76,7 @@ from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.planner.plan import Plan
 from autoplan.runtime import collectives as runtime
-from autoplan.runtime import training
+from autoplan.runtime import precision, training
 from autoplan.runtime.codegen import STEP_FN, generate_program
 from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
@@ -148,6 +151,7 @@ class StageModule(torch.nn.Module):
         num_stages: int,
         device: torch.device,
         split_weight_grads: bool = False,
+        compute_dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> None:
         super().__init__()
         self.program = program
@@ -178,8 +182,22 @@ class StageModule(torch.nn.Module):
             )
             for n in program.param_names
         )
+        dtypes = dict(compute_dtypes or {})
+        self.compute_dtypes = tuple(
+            dtypes.get(n, p.dtype) for n, p in zip(program.param_names, self.params, strict=True)
+        )
+        """Per parameter, the dtype the programs read it in (``compute_dtypes``; default its own)."""
+        self.mixed_precision = any(p.dtype != d for p, d in zip(self.params, self.compute_dtypes, strict=True))
+        """Some parameter is read in another dtype than it is kept in (autoplan.runtime.precision)."""
+        self._compute: list[torch.Tensor] | None = None
+        """Mixed precision: this step's copies of the parameters' local shards in the dtypes the
+        programs read, made at the step's first program call and dropped by
+        :meth:`release_compute_copies` once its backward is done."""
         rep = runtime.replicate
-        self._buffers_list = [rep(buffers[n].detach().to(device), mesh) for n in program.buffer_names]
+        self._buffers_list = [
+            rep(buffers[n].detach().to(device=device, dtype=dtypes.get(n, buffers[n].dtype)), mesh)
+            for n in program.buffer_names
+        ]
         self.anchor = torch.ones((), device=device, requires_grad=True)
         self.lowered: dict[str, LocalProgram] = {}
         """The forward and backward programs lowered to local tensors (autoplan.runtime.lowering),
@@ -216,17 +234,40 @@ class StageModule(torch.nn.Module):
         return loss
 
     def _args(self) -> list[Any]:
-        return [p.detach() for p in self.params] + list(self._buffers_list)
+        """The programs' parameter and buffer arguments as DTensors (parameters in the dtypes the
+        programs read: :attr:`compute_dtypes`)."""
+        if not self.mixed_precision:
+            return [p.detach() for p in self.params] + list(self._buffers_list)
+        shards = self._compute_shards()
+        params = [
+            DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            for t, p in zip(shards, self.params, strict=True)
+        ]
+        return params + list(self._buffers_list)
+
+    def _compute_shards(self) -> list[torch.Tensor]:
+        """Mixed precision: the parameters' local shards in the programs' dtypes, cast once per step."""
+        if self._compute is None:
+            with torch.no_grad():
+                self._compute = precision.compute_shards(list(self.params), self.compute_dtypes)
+        return self._compute
+
+    def release_compute_copies(self) -> None:
+        """Drop this step's cast parameter copies (the next step casts the updated parameters)."""
+        self._compute = None
 
     def _local_args(self) -> list[Any]:
         """:meth:`_args` as local tensors for the lowered programs. The parameters' detached local
         shards are kept between calls (the optimizer and checkpoint loading update them in place;
         a parameter whose local tensor was replaced is detached again): a DTensor ``detach`` per
-        parameter and call cost ~2 ms a step on CPU ranks."""
+        parameter and call cost ~2 ms a step on CPU ranks. Mixed precision: this step's cast copies."""
+        buffers = [b.to_local() for b in self._buffers_list]
+        if self.mixed_precision:
+            return self._compute_shards() + buffers
         current = [p._local_tensor for p in self.params]
         if self._local_params is None or any(a is not b for a, b in zip(current, self._local_params[0], strict=True)):
             self._local_params = (current, [t.detach() for t in current])
-        return self._local_params[1] + [b.to_local() for b in self._buffers_list]
+        return self._local_params[1] + buffers
 
     def run_forward(self, inputs: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
         """The stage's forward program on local tensors: ``inputs`` as received, then the last
@@ -408,12 +449,16 @@ class PipelineModel(torch.nn.Module):
 
     def _run_schedule(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Run the schedule, stage 0 on ``inputs`` and the last stage's loss on ``targets`` (the
-        whole batch, or this rank's rows of it; each only where that stage runs), convert the
-        gradients, and broadcast the loss from the last stage."""
+        whole batch, or this rank's rows of it; each only where that stage runs; floating fields
+        cast to the dtypes the program reads), convert the gradients, and broadcast the loss (the
+        micro-batch mean, fp32) from the last stage."""
         for st in self._stages:
             st.grad_acc.clear()
             st._owned.clear()
         losses: list[torch.Tensor] = []
+        dtypes = [v.dtype for v in self.batch_values]
+        inputs = precision.cast_batch(inputs, dtypes[: len(inputs)])
+        targets = precision.cast_batch(targets, dtypes[len(dtypes) - len(targets) :] if targets else [])
         first = any(st.program.index == 0 for st in self._stages)
         last = next((st for st in self._stages if st.is_last), None)
         target = None
@@ -422,13 +467,15 @@ class PipelineModel(torch.nn.Module):
             target = _schedule_target(targets, len(last.program.targets), self.num_microbatches)
         try:
             self.schedule.step(*(inputs if first else ()), target=target, losses=losses, return_outputs=False)
-        finally:
+        finally:  # mixed precision: the cast parameter copies are dropped before the gradients are converted
             if last is not None:
                 last.step_targets = ()
+            for st in self._stages:
+                st.release_compute_copies()
         self._finish_grads()
         pp_group = self.mesh.get_group("pp")
         holds_last = any(st.is_last for st in self._stages)
-        loss = torch.stack([x.detach() for x in losses]).mean() if holds_last else torch.zeros(())
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if holds_last else torch.zeros(())
         last_rank = dist.get_global_rank(pp_group, (self.num_stages - 1) % self.mesh.size(0))
         dist.broadcast(loss, src=last_rank, group=pp_group)
         return loss
@@ -471,8 +518,9 @@ class PipelineModel(torch.nn.Module):
         """Each stage's raw gradients (summed over micro-batches) -> the parameters' placements, in
         backward order and in the step model's buckets (one flat all-reduce or reduce-scatter per
         bucket and mesh axis: :func:`~autoplan.runtime.collectives.all_reduce_flat`,
-        :func:`~autoplan.runtime.collectives.reduce_scatter_flat`, on local tensors), divided by
-        the number of micro-batches, summed over the stages holding a tied copy; then ``.grad``."""
+        :func:`~autoplan.runtime.collectives.reduce_scatter_flat`, on local tensors), cast to the
+        parameter's dtype (mixed precision: :func:`~autoplan.runtime.precision.grad_in_param_dtype`),
+        divided by the number of micro-batches, summed over the stages holding a tied copy; then ``.grad``."""
         with torch.no_grad():
             tied_local: dict[str, torch.Tensor] = {}
             for st in self._stages:
@@ -484,8 +532,8 @@ class PipelineModel(torch.nn.Module):
                     local = converted.get(fqn)
                     if local is None:
                         local = torch.zeros_like(p.to_local())
-                    elif self.num_microbatches > 1:
-                        local = local / self.num_microbatches
+                    else:
+                        local = precision.grad_in_param_dtype(local, p.dtype, self.num_microbatches)
                     if fqn in self._tied_groups:
                         tied_local[fqn] = tied_local[fqn] + local if fqn in tied_local else local
                     p.grad = DTensor(local, p._spec, requires_grad=False)  # as FSDP2 sets its gradients
@@ -706,7 +754,10 @@ def build_pipeline(
     """Build this rank's stages and the schedule. ``mesh`` has shape ``(pp, *stage_mesh)`` and
     names ``("pp", *axis_names)``; ``stage_starts[k]`` is the first segment of stage ``k``
     (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``).
-    ``plan``: the plan these parts come from, kept as :attr:`PipelineModel.plan`."""
+    ``plan``: the plan these parts come from, kept as :attr:`PipelineModel.plan`.
+    ``model``'s parameters become the stages' (their dtype kept); where ``traced_mb`` reads one in
+    another dtype (a bf16 step of an fp32 model) the stages run in mixed precision
+    (:mod:`autoplan.runtime.precision`)."""
     pp = mesh.size(0)
     num_stages = len(stage_starts)
     _check_stage_count(num_stages, layering=layering, pp=pp, virtual_stages=virtual_stages)
@@ -733,6 +784,7 @@ def build_pipeline(
     pp_rank = mesh.get_local_rank("pp")
     pp_group = mesh.get_group("pp")
     mine = [s for s in range(num_stages) if s % pp == pp_rank]
+    dtypes = precision.program_dtypes(traced_mb)  # mixed precision: what the programs read (autoplan.runtime.precision)
     modules = [
         StageModule(
             _recomputing(
@@ -748,6 +800,7 @@ def build_pipeline(
             num_stages=num_stages,
             device=device,
             split_weight_grads=schedule == "zero-bubble",
+            compute_dtypes=dtypes,
         )  # fmt: skip
         for s in mine
     ]

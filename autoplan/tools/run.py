@@ -189,6 +189,7 @@ def _load_checked_plan(args: argparse.Namespace, layout: Nodes) -> Plan:
     from autoplan.passes.trace import trace_training_step
     from autoplan.planner.ilp import check_plan_fits
     from autoplan.planner.tracing import trace_for_plan
+    from autoplan.runtime.precision import check_model_precision
     from autoplan.tools.loader import build_workload
 
     plan = Plan.load(args.plan)
@@ -200,6 +201,8 @@ def _load_checked_plan(args: argparse.Namespace, layout: Nodes) -> Plan:
     layout.ranks_per_node(plan.world_size, what="the plan")
     wl = build_workload(args.target, device="meta", seed=args.seed)
     if plan.config is not None:  # a plan for a global batch is made for one micro-batch's step
+        if plan.pipeline is not None:  # its precision: the model's dtypes must run it
+            check_model_precision(wl.model, plan.pipeline.precision, offload_optimizer=plan.config.offload_optimizer)
         traced = trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
     else:
         traced = trace_training_step(
