@@ -753,11 +753,9 @@ def build_pipeline(
 ) -> PipelineModel:
     """Build this rank's stages and the schedule. ``mesh`` has shape ``(pp, *stage_mesh)`` and
     names ``("pp", *axis_names)``; ``stage_starts[k]`` is the first segment of stage ``k``
-    (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``).
-    ``plan``: the plan these parts come from, kept as :attr:`PipelineModel.plan`.
-    ``model``'s parameters become the stages' (their dtype kept); where ``traced_mb`` reads one in
-    another dtype (a bf16 step of an fp32 model) the stages run in mixed precision
-    (:mod:`autoplan.runtime.precision`)."""
+    (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``);
+    ``plan`` is kept as :attr:`PipelineModel.plan`. Where ``traced_mb`` reads a parameter in
+    another dtype than ``model``'s (a bf16 step of an fp32 model) the stages run in mixed precision."""
     pp = mesh.size(0)
     num_stages = len(stage_starts)
     _check_stage_count(num_stages, layering=layering, pp=pp, virtual_stages=virtual_stages)
@@ -807,14 +805,8 @@ def build_pipeline(
     for mod in modules:
         mod.grads_converted = in_program
     stages = [
-        _pipeline_stage(
-            mod,
-            stage_mesh=stage_mesh,
-            num_stages=num_stages,
-            device=device,
-            pp_group=pp_group,
-            zero_bubble=schedule == "zero-bubble",
-        )
+        _pipeline_stage(mod, stage_mesh=stage_mesh, num_stages=num_stages, device=device, pp_group=pp_group,
+                        zero_bubble=schedule == "zero-bubble")  # fmt: skip
         for mod in modules
     ]
     last = [mod for mod in modules if mod.is_last]
