@@ -125,10 +125,7 @@ def plan(
                 "model, e.g. model.to(torch.bfloat16), to plan pure bf16 training)"
             )
         if global_batch_size is not None:
-            if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-                raise ConfigError(
-                    f"global_batch_size must be a positive integer (samples per optimizer step), got {global_batch_size!r}"
-                )
+            _check_joint_options(plan=None, pins=pins, global_batch_size=global_batch_size, config=config)
             return plan_for_batch(
                 model, cluster, example_inputs=example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                 global_batch_size=global_batch_size, precision=precision, optimizer=optimizer,

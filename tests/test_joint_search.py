@@ -49,6 +49,17 @@ def test_estimate_rejects_pipeline_deeper_than_model():
         )
 
 
+def test_plan_with_a_global_batch_refuses_pins_it_would_not_apply():
+    """The joint search places every op itself: pins given beside global_batch_size were dropped
+    without a word; they are refused before anything is traced."""
+    ids, labels = token_batch()
+    with pytest.raises(autoplan.PlanError, match="drop pins or global_batch_size"):
+        autoplan.plan(
+            gpt2_tiny(), CLUSTER, example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,),
+            global_batch_size=8, pins={"input_0": "S(0)"},
+        )  # fmt: skip
+
+
 def test_expanded_blocks_equal_a_deeper_trace():
     """The search's costs of a 4-block model from its 2-block trace (autoplan.passes.depth; the default)
     match those of the full 4-block trace: the repeated middle blocks exactly, the whole step's
