@@ -512,8 +512,8 @@ def search(
     if not feasible:
         least = min(results, key=lambda r: r.peak_memory_bytes)
         raise InfeasiblePlanError(
-            f"no configuration fits in {least.capacity_bytes / 2**30:.1f} GiB per device: the least memory-hungry "
-            f"({_describe(least.config)}) needs {least.peak_memory_bytes / 2**30:.1f} GiB; use more devices, "
+            f"no configuration fits in {least.capacity_bytes / 2**30:.3g} GiB per device: the least memory-hungry "
+            f"({_describe(least.config)}) needs {least.peak_memory_bytes / 2**30:.3g} GiB; use more devices, "
             "a smaller global batch or a device with more memory"
         )
     return min(feasible, key=lambda r: r.step_time_s), results
