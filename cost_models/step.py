@@ -66,8 +66,9 @@ compute is shorter than it. ZeRO-3 gathers every segment's weights (``param_nume
 every micro-batch's forward and, with ``reshard_after_forward``, again in its backward (and under
 full recomputation once more there: the re-run forward gathers its block's weights itself,
 :mod:`autoplan.passes.recompute`).
-Gradients are reduced only in the last micro-batch's backward (gradient accumulation):
-segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(bytes / cap)`` equal
+Where the program reduces gradients in its backward (one stage per rank, one micro-batch, not
+zero-bubble: :func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`, the rule the
+runtime follows), segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(bytes / cap)`` equal
 pieces produced evenly over its backward, the pieces are grouped by
 :func:`~autoplan.cost_models.comm_schedule.gradient_buckets` in backward order (last segment
 first), and each bucket (all-reduce for ZeRO 0, reduce-scatter for ZeRO >= 1; latency per bucket)
@@ -82,6 +83,12 @@ backward's own all-gathers). Then::
 
 where the tail is the larger of the dp link's and the tp link's: tensor-parallel gradient
 conversions (``grad_sync_s``) are issued on their own link when their segment's backward ends.
+Otherwise (micro-batches to accumulate, several stages) the runtime sums each stage's raw
+gradients over the micro-batches and converts them after the schedule, and nothing runs beside
+that: ``sync_k = sum(grad_sync_s) + sum(bucket times) + ZeRO 1-2's gathers``, all exposed, and a
+rank pays its stages' ``sync_k`` and optimizer steps one after the other::
+
+    step = makespan + drain + max over ranks r of  sum_{k on r} (sync_k + optimizer_k)
 
 Pipeline sends of a stage's output (forward) and input gradient (backward) use the dp link when
 both cross nodes or both stay inside one: the send queues behind the dp collectives, and the
@@ -609,11 +616,15 @@ def _stage_comm(
     recompute: str,
     policy: OverlapPolicy,
     send_s: tuple[float, float] = (0.0, 0.0),
+    reduced_in_backward: bool = True,
 ) -> _StageComm:
     """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
     micro-batch's backward with the gradient reductions (``send_s``: the pipeline sends at the
-    end of the forward and of the backward when they share the dp link, else 0). Memoised: the
-    search prices the same stage under many schedules."""
+    end of the forward and of the backward when they share the dp link, else 0). Without
+    ``reduced_in_backward`` (:func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`)
+    the runtime converts the accumulated gradients after the schedule: every reduction and
+    tensor-parallel gradient conversion is exposed, one after the other. Memoised: the search
+    prices the same stage under many schedules."""
     m = num_microbatches
     fwd_c = [s.fwd_s for s in part]
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
@@ -624,7 +635,7 @@ def _stage_comm(
     if dp == 1:
         fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
         bwd = _run_pass(bwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
-        tail = _tp_sync_tail(tp_sync, bwd_c, overlap)
+        tail = _tp_sync_tail(tp_sync, bwd_c, overlap and reduced_in_backward)
         return _StageComm(
             fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s, sync_s=tail,
             send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
@@ -646,8 +657,14 @@ def _stage_comm(
     pre = policy.prefetch_blocks
     fwd = _run_pass(fwd_c, gather_f, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[0])
     bwd = _run_pass(bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[1])
-    last = _run_pass(bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, reductions=reductions, send_s=send_s[1])
-    tail = max(last.done_s - last.end_s, _tp_sync_tail(tp_sync, bwd_c, overlap))
+    if reduced_in_backward:
+        last = _run_pass(
+            bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, reductions=reductions, send_s=send_s[1]
+        )
+        tail = max(last.done_s - last.end_s, _tp_sync_tail(tp_sync, bwd_c, overlap))
+    else:  # after the schedule: the tensor-parallel conversions, then the buckets, nothing beside them
+        last = bwd
+        tail = sum(tp_sync) + sum(r[2] for r in reductions)
     # ZeRO 1-2: the updated weights are all-gathered after the optimizer step, per bucket
     after_buckets = []
     if 1 <= z < 3:
@@ -661,7 +678,11 @@ def _stage_comm(
     reduce_total = sum(r[2] for r in reductions)
     waited = m * fwd.gather_wait_s + (m - 1) * bwd.gather_wait_s + last.gather_wait_s
     gathers_exposed = min(gathers_total, waited)
-    reduce_exposed = min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
+    reduce_exposed = (
+        min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
+        if reduced_in_backward
+        else reduce_total
+    )
     n_gathered = sum(1 for b in gather_bytes if b > 0)
     if gathers_total > 0:
         passes = 1 + policy.reshard_after_forward + regather
@@ -676,7 +697,7 @@ def _stage_comm(
     return _StageComm(
         fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s,
         sync_s=(last.end_s - bwd.end_s) + tail + after, send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
-        drain_wait_s=last.send_wait_s, rows=tuple(rows),
+        drain_wait_s=last.send_wait_s if reduced_in_backward else 0.0, rows=tuple(rows),
     )  # fmt: skip
 
 
@@ -765,10 +786,15 @@ def _price_stage(
         extra, saved, transient = extra + e, saved + a, max(transient, t)
     bwd = sum(s.bwd_s for s in part) + extra
     comm = None
+    in_backward = gradients_reduced_in_backward(
+        num_stages=config.pp * config.virtual_stages, num_microbatches=config.num_microbatches,
+        schedule=config.schedule,
+    )  # fmt: skip
     if not memory_only:
         comm = _stage_comm(
             tuple(part), cluster, tp=config.tp, dp=dp, num_microbatches=config.num_microbatches,
             zero_stage=config.zero_stage, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s,
+            reduced_in_backward=in_backward,
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
@@ -783,10 +809,7 @@ def _price_stage(
         first_segment=segments[0],
         device_kind=device_kind(cluster.device),
         policy=policy,
-        reduced_in_backward=gradients_reduced_in_backward(
-            num_stages=config.pp * config.virtual_stages, num_microbatches=config.num_microbatches,
-            schedule=config.schedule,
-        ),
+        reduced_in_backward=in_backward,
         offload_optimizer=config.offload_optimizer,
         host_is_device=cluster.device.host_link_GBps is None,
     )
@@ -985,7 +1008,13 @@ def evaluate(
     makespan, compute, bubble, p2p_exposed = _pipeline_times(config, priced, p2p_s)
     # the last backward sends wait behind the reductions, and each delays the stages before it
     drain = sum(p.comm.drain_wait_s for p in priced if p.comm is not None)
-    step = makespan + drain + max(p.sync_exposed_s + p.optimizer_s for p in priced)
+    # after the schedule a rank converts the gradients of its stages and steps their optimizer,
+    # one stage after the other (interleaving puts v stages on a rank)
+    after, optimizer = [0.0] * config.pp, [0.0] * config.pp
+    for p in priced:
+        after[p.estimate.rank] += p.sync_exposed_s + p.optimizer_s
+        optimizer[p.estimate.rank] += p.optimizer_s
+    step = makespan + drain + max(after)
     m = config.num_microbatches
     flops = sum(s.flops for s in segs) * m * config.dp
     peak_flops = cluster.device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
@@ -996,7 +1025,7 @@ def evaluate(
         compute_s=compute,
         exposed_comm_s=comm.exposed_s,
         bubble_s=bubble,
-        optimizer_s=max(p.optimizer_s for p in priced),
+        optimizer_s=max(optimizer),
         memory_per_device_bytes=tuple(per_rank),
         capacity_bytes=capacity,
         tokens_per_s=config.dp * config.microbatch_size * m * tokens_per_sample / step if step > 0 else 0.0,
