@@ -28,7 +28,7 @@ expert ids ``arange(E)``, ``gu``/``down``: the expert weights)::
 prices the all-gather of the tokens and the reduce-scatter of ``P``). ``expert_parallel`` is the
 "alltoall" dispatcher (GShard, Lepikhin et al. 2020; DeepSpeed-MoE; torchtitan's
 ``ExpertParallel``): each rank sends each routed row to the rank holding its expert
-(``all_to_all_single`` with the per-rank row counts exchanged first), runs its experts, and sends
+(``all_to_all_single`` with the per-expert row counts exchanged first), runs its experts, and sends
 the results back; the backward sends the rows and their output gradients together and gets the
 input gradients and expert outputs back. These collectives run *inside* the op (their sizes depend
 on the routing, which a static graph cannot show), so the op needs its axis's process group: the
@@ -44,9 +44,10 @@ and per axis, attention can be head-parallel and the experts expert-parallel ove
 (Megatron-Core's "MoE parallel folding", Liu et al. 2025).
 
 Pricing (:func:`moe_comm_time_s`, added to the op's time by the costing pass; the collectives are
-blocking inside the op, so nothing is credited as overlapped): forward two all-to-alls of the
-rank's ``N/n * k`` routed rows of ``H`` elements plus a count exchange; backward two of ``2H``
-(rows with their gradients out, input gradients with expert outputs back) plus a count exchange.
+blocking inside the op, so nothing is credited as overlapped): three all-to-alls each way, as
+``_Dispatch`` runs them: the per-expert row counts, then the rank's ``N/n * k`` routed rows of
+``H`` elements out and the results back (backward: ``2H``, rows with their gradients out,
+input gradients with expert outputs back).
 A rank holding ``E/n`` experts computes (and receives) the rows routed to them: on average ``1/n``
 of all routed rows, priced at ``ROUTING_IMBALANCE`` times that for the busiest rank.
 
@@ -161,22 +162,25 @@ def _combine(n: int, token: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     return out.to(dtype)
 
 
-def _owners(ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Group rank holding each expert id (-1: none), from every rank's ``ids`` (all-gathered once
-    per group and layout)."""
+def _owners(ids: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per expert id: the group rank holding it (-1: none) and its index among that rank's
+    experts, from every rank's ``ids`` (all-gathered once per group and layout)."""
     key = (group.group_name, tuple(ids.tolist()))
     if key not in _OWNERS:
         gathered = [torch.empty_like(ids) for _ in range(group.size())]
         dist.all_gather(gathered, ids.contiguous(), group=group)
         num_experts = int(max(int(g.max()) for g in gathered)) + 1
         owner = torch.full((num_experts,), -1, dtype=torch.int64)
+        position = torch.zeros(num_experts, dtype=torch.int64)
         for r, g in enumerate(gathered):
             owner[g] = r
-        _OWNERS[key] = owner
-    return _OWNERS[key].to(ids.device)
+            position[g] = torch.arange(g.numel())
+        _OWNERS[key] = (owner, position)
+    owner, position = _OWNERS[key]
+    return owner.to(ids.device), position.to(ids.device)
 
 
-_OWNERS: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+_OWNERS: dict[tuple[str, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _exchange(t: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -186,22 +190,28 @@ def _exchange(t: torch.Tensor, recv: list[int], send: list[int], group: dist.Pro
 
 
 class _Dispatch:
-    """Where each routed row of this rank goes: to the group rank holding its expert."""
+    """Where each routed row of this rank goes: to the group rank holding its expert, sorted by
+    (rank, that rank's expert) so that one exchange of per-expert counts tells every receiver
+    which of its experts each row it gets is for (torchtitan's token dispatch: no expert ids sent)."""
 
     def __init__(self, expert: torch.Tensor, ids: torch.Tensor, group: dist.ProcessGroup) -> None:
-        owner = _owners(ids, group)
+        owner, position = _owners(ids, group)
         if int(expert.max()) >= owner.numel() or bool((owner[expert] < 0).any()):
             raise RuntimeError(
                 "expert-parallel experts: a token is routed to an expert no rank of the group holds; "
                 "the expert weights must be split over exactly the expert-parallel axis"
             )
-        dest = owner[expert]
+        n, local = group.size(), ids.numel()
+        key = owner[expert] * local + position[expert]
         self.group = group
-        self.order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=group.size())
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)
-        self.send, self.recv = send.tolist(), recv.tolist()
+        self.order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=n * local)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)  # [source rank, my expert] row counts
+        self.send = counts.view(n, local).sum(1).tolist()
+        self.recv = received.view(n, local).sum(1).tolist()
+        self.expert = torch.repeat_interleave(ids.repeat(n), received)
+        """The expert of each row this rank receives, in the order :meth:`out` gives them."""
 
     def out(self, t: torch.Tensor) -> torch.Tensor:
         """Rows in slot order -> the rows this rank's experts receive."""
@@ -245,9 +255,7 @@ def moe_experts(
         y = _apply_experts(x[token], expert, expert_ids, gate_up_proj, down_proj, act)
     else:
         dispatch = _Dispatch(expert, expert_ids, group)
-        received = _apply_experts(
-            dispatch.out(x[token]), dispatch.out(expert), expert_ids, gate_up_proj, down_proj, act
-        )
+        received = _apply_experts(dispatch.out(x[token]), dispatch.expert, expert_ids, gate_up_proj, down_proj, act)
         y = dispatch.back(received)
     return _combine(x.shape[0], token, y, weight, x.dtype)
 
@@ -298,7 +306,7 @@ def moe_experts_backward(
         h = x.shape[1]
         received = dispatch.out(torch.cat([rows, dy], dim=1))
         y_r, d_r, dgu, ddown = _backward_rows(
-            received[:, :h], received[:, h:], dispatch.out(expert), expert_ids, gate_up_proj, down_proj, act
+            received[:, :h], received[:, h:], dispatch.expert, expert_ids, gate_up_proj, down_proj, act
         )
         back = dispatch.back(torch.cat([d_r, y_r], dim=1))
         d_rows, y = back[:, :h], back[:, h:]
@@ -549,12 +557,13 @@ def _a2a_time_s(
     row_bytes = tensor_bytes(x) / x.shape[0]
     width = 2 if backward else 1  # backward moves rows with their gradients, results with outputs
     link = cluster.axis_link(axis).params("all_to_all")
-    counts = collective_time_s("all_to_all", 8.0 * n, n, link.bw_GBps, link.latency_us, algorithm="ring")
-    payload = collective_time_s(
-        "all_to_all", rows * (row_bytes * width + 8.0), n, link.bw_GBps, link.latency_us, algorithm="ring"
+    # the exchanges _Dispatch runs, in order: the per-expert row counts (int64), the rows out, the
+    # results back
+    experts = node.args[offset + 4].meta["val"].shape[0]  # type: ignore[union-attr]
+    exchanged_bytes = (8.0 * experts, rows * row_bytes * width, rows * row_bytes * width)
+    return sum(
+        collective_time_s("all_to_all", b, n, link.bw_GBps, link.latency_us, algorithm="ring") for b in exchanged_bytes
     )
-    back = collective_time_s("all_to_all", rows * row_bytes * width, n, link.bw_GBps, link.latency_us, algorithm="ring")
-    return counts + payload + back
 
 
 def moe_time_factor(node: fx.Node, input_specs: Sequence[Sequence[Placement]]) -> float:
