@@ -16,8 +16,13 @@ from typing import Any
 import pytest
 import torch
 
+from autoplan.cost_models.cluster import Cluster
 from autoplan.passes import pass_order
-from autoplan.passes.moe import MOE_OPS, UNDECIDED, planning_args
+from autoplan.passes.layers import find_layers
+from autoplan.passes.moe import MOE_OPS, UNDECIDED, ep_axes, moe_comm_time_s, planning_args
+from autoplan.passes.trace import param_node_name
+from autoplan.planner.mesh import planning_mesh
+from autoplan.planner.segment_costs import _add_node_times, _Sums
 from tests import zoo
 from tests.harness import Case, SeededBatches, assert_trains_like_reference, run_case
 
@@ -181,3 +186,45 @@ def test_shared_expert_model_trains_like_single_device_with_experts_split():
 
     assert len(_moe_layouts(results[0])) == 4
     assert_trains_like_reference(results)
+
+
+def test_expert_parallel_all_to_alls_are_the_segments_communication():
+    """The all-to-alls an expert-parallel op runs inside its time are listed as its segment's
+    communication (what the estimate's rows show, ``redistribute@tp``), forward and backward, each
+    exactly the op's priced exchange; other strategies of the op add none."""
+    x, y = zoo.token_batch(batch=4, seq=16)
+    traced = pass_order.TRACE(zoo.mixtral_tiny(top_k=1), (x,), loss_fn=zoo.lm_loss, example_targets=(y,))
+    cluster = Cluster.preset("1x4xH100")
+    with planning_mesh(cluster) as mesh:
+        table = pass_order.STRATEGIES(traced, mesh)
+        problem = pass_order.COSTING(traced, table, cluster, optimizer="adam")
+    gm, layering = traced.graph_module, find_layers(traced)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    phase = {n.name: n.meta.get("autoplan.phase") for n in gm.graph.nodes}
+    params = [param_node_name(p) for p in traced.param_names]
+
+    def comm_sums(expert_parallel: bool) -> tuple[list[float], list[float], list[float], list[float]]:
+        choice = {}
+        for name, ns in table.nodes.items():
+            pick = 0
+            if nodes[name].op == "call_function" and nodes[name].target in MOE_OPS:
+                backward = "backward" in name
+                pick = next(i for i, s in enumerate(ns.strategies)
+                            if bool(ep_axes(s.input_specs, backward=backward)) == expert_parallel)  # fmt: skip
+            choice[name] = pick
+        sums = _Sums.zeros(layering.num_segments)
+        _add_node_times(sums, gm, problem, choice, dict(layering.segment_of), phase, {}, param_nodes=params,
+                        trainable=set(params), param_segments=layering.param_segments, partitions={})  # fmt: skip
+        expected_f, expected_b = [0.0] * layering.num_segments, [0.0] * layering.num_segments
+        for name, i in choice.items():
+            node = nodes[name]
+            if node.op == "call_function" and node.target in MOE_OPS:
+                t = moe_comm_time_s(node, table.nodes[name].strategies[i].input_specs, cluster)
+                (expected_f if phase[name] == "fwd" else expected_b)[layering.segment_of[name]] += t
+        return sums.fwd_comm, sums.bwd_comm, expected_f, expected_b
+
+    fwd, bwd, expected_f, expected_b = comm_sums(expert_parallel=True)
+    assert sum(expected_f) > 0 and sum(expected_b) > 0
+    assert fwd == pytest.approx(expected_f) and bwd == pytest.approx(expected_b)
+    fwd, bwd, _, _ = comm_sums(expert_parallel=False)
+    assert sum(fwd) == 0 and sum(bwd) == 0

@@ -69,6 +69,7 @@ from autoplan.passes import liveness
 from autoplan.passes.costing import CostProblem, Edge
 from autoplan.passes.layers import Layering
 from autoplan.passes.liveness import is_view_op
+from autoplan.passes.moe import MOE_OPS, moe_comm_time_s
 from autoplan.passes.placement import Spec, local_numel
 from autoplan.passes.recompute import POLICIES, Policy, RecomputePartition, communicates, joint_recompute_partition
 from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
@@ -288,13 +289,18 @@ def _add_node_times(
         out = node.meta.get("val")
         outs = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
         sums.flops[k] += op_flops(cost_key(node.target, node.args, node.kwargs), ins, outs)
+        # an expert-parallel op's all-to-alls (inside its time) count as the segment's communication
+        strategy = problem.table.nodes[name].strategies[choice[name]]
+        in_op = moe_comm_time_s(node, strategy.input_specs, problem.cluster) if node.target in MOE_OPS else 0.0
         if phase[name] == "fwd":
             sums.fwd[k] += t
+            sums.fwd_comm[k] += in_op
             for policy, part in partitions.items():
                 if name in part.recomputed_ops:
                     sums.redo_s[policy][k] += t
         else:
             sums.bwd[k] += t
+            sums.bwd_comm[k] += in_op
             if not feeds_earlier.get(name, False):
                 sums.bwd_w[k] += t
 
