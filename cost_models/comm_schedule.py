@@ -60,11 +60,16 @@ DEFAULT_POLICY = OverlapPolicy()
 def gradients_reduced_in_backward(*, num_stages: int, num_microbatches: int, schedule: str) -> bool:
     """Whether a pipeline plan's backward program converts the parameter gradients itself, in
     buckets issued as their gradients exist (DDP's all-reduces, FSDP2's reduce-scatters): one
-    stage per rank and one micro-batch (nothing to accumulate first), not zero-bubble (its split
-    weight-gradient programs). Otherwise the runtime converts a stage's raw gradients once per
-    step, after the schedule. The runtime (:mod:`autoplan.runtime.pipeline`) and the memory model
-    (:func:`autoplan.cost_models.memory.stage_memory_parts`) both read this rule."""
-    return num_stages == 1 and num_microbatches == 1 and schedule != "zero-bubble"
+    stage per rank, not zero-bubble (its split weight-gradient programs). With several
+    micro-batches the earlier ones' raw gradients are summed and the last micro-batch's backward
+    adds that sum to each of its gradients right before the gradient's bucket, as Megatron's
+    gradient buffer does (``num_microbatches`` does not change the rule). Otherwise (several
+    stages) the runtime converts a stage's raw gradients once per step, after the schedule. The
+    runtime (:mod:`autoplan.runtime.pipeline`), the step model
+    (:mod:`autoplan.cost_models.step`) and the memory model
+    (:func:`autoplan.cost_models.memory.stage_memory_parts`) all read this rule."""
+    del num_microbatches  # one stage converts in its (last) backward whatever the count
+    return num_stages == 1 and schedule != "zero-bubble"
 
 
 def gradient_buckets(sizes_bytes: Sequence[float], policy: OverlapPolicy = DEFAULT_POLICY) -> tuple[tuple[int, ...], ...]:

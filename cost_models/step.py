@@ -66,8 +66,8 @@ compute is shorter than it. ZeRO-3 gathers every segment's weights (``param_nume
 every micro-batch's forward and, with ``reshard_after_forward``, again in its backward (and under
 full recomputation once more there: the re-run forward gathers its block's weights itself,
 :mod:`autoplan.passes.recompute`).
-Where the program reduces gradients in its backward (one stage per rank, one micro-batch, not
-zero-bubble: :func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`, the rule the
+Where the program reduces gradients in its backward (one stage per rank, not zero-bubble; with
+several micro-batches the last one's backward adds the earlier ones' sum before each bucket: :func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`, the rule the
 runtime follows), segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(bytes / cap)`` equal
 pieces produced evenly over its backward, the pieces are grouped by
 :func:`~autoplan.cost_models.comm_schedule.gradient_buckets` in backward order (last segment

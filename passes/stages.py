@@ -3,7 +3,9 @@
 Contract
 --------
 Input: the per-rank program of :func:`autoplan.runtime.codegen.generate_program` built with
-``defer_grad_conversions=True`` (parameter gradients leave raw), the traced step it came from,
+``defer_grad_conversions=True`` (parameter gradients leave raw; one stage may instead convert them
+in its backward, and may take the earlier micro-batches' summed gradients as trailing arguments,
+``accumulated_grad_inputs=True``), the traced step it came from,
 its :class:`~autoplan.passes.layers.Layering`, the assignment, and ``stage_starts`` (``stage_starts[k]``
 is the first segment of stage ``k``; stages are contiguous segment ranges, ``stage_starts[0] == 0``).
 
@@ -14,12 +16,14 @@ Output: a :class:`StageSplit` with, per stage ``s``, a :class:`StageProgram`:
   ``targets`` the loss targets (the last stage only: they enter it directly, from the data the
   last-stage ranks load, and never cross a boundary), ``outputs`` the values later stages need
   (the last stage: the loss), ``saved`` what its own backward reads;
-* ``backward(*params, *buffers, *saved, *output_grads) -> (*input_grads, *param_grads)``:
+* ``backward(*params, *buffers, *saved, *output_grads, *accumulated) -> (*input_grads, *param_grads)``:
   ``output_grads`` are the gradients of its outputs that later stages produce, ``input_grads``
   the gradients of its inputs (``None`` slots are left out of both signatures), ``param_grads``
   this stage's raw parameter gradients (in the producer's placement; the caller converts them to
   the parameter's placement after the last micro-batch, which is exact because every
-  conversion is linear).
+  conversion is linear), or, where the program converts them itself, the converted ones;
+  ``accumulated`` the program's summed-gradient arguments that this stage's ops read, in
+  ``StageProgram.accumulated_grads`` order (none unless ``accumulated_grad_inputs``).
 
 Where each node goes:
 
@@ -64,6 +68,11 @@ from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 
 Phase = Literal["fwd", "bwd"]
+
+ACCUMULATED_GRAD_META = "autoplan.accumulated_grad"
+"""``node.meta`` key on a generated program's placeholder of a parameter's gradient summed over
+earlier micro-batches (``generate_program(accumulated_grad_inputs=True)``): the parameter's FQN.
+Such a placeholder is no batch input: the stage whose ops read it takes it in its backward."""
 
 RECOMPUTED_META = "autoplan.recomputed"
 """``node.meta`` key on the forward ops a selectively recomputed backward re-runs
@@ -110,6 +119,9 @@ class StageProgram:
     """FQN -> raw gradient (partial for a tied parameter), in backward output order."""
     forward: fx.GraphModule
     backward: fx.GraphModule
+    accumulated_grads: tuple[str, ...] = ()
+    """FQNs whose gradient summed over earlier micro-batches the backward takes after
+    ``output_grads`` (:data:`ACCUMULATED_GRAD_META`; empty unless the program has such arguments)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -205,6 +217,8 @@ class _Program:
     """The model inputs' placeholders (stage 0 reads them)."""
     targets: list[fx.Node]
     """The loss targets' placeholders (the last stage reads them)."""
+    accumulated: list[fx.Node]
+    """The placeholders of gradients summed over earlier micro-batches (:data:`ACCUMULATED_GRAD_META`)."""
     ph_by_name: dict[str, fx.Node]
     const: set[fx.Node]
     """Nodes depending on no placeholder: recomputed by every program that reads them."""
@@ -239,7 +253,12 @@ def _read_program(gm: fx.GraphModule, traced: TracedProgram) -> _Program:
     for n in nodes:
         if n.op == "get_attr" or (n.op == "call_function" and all(a in const for a in n.all_input_nodes)):
             const.add(n)
-    batch = [n for n in nodes if n.op == "placeholder" and n.name not in pname_of and n.name not in bname_of]
+    accumulated = [n for n in nodes if n.op == "placeholder" and ACCUMULATED_GRAD_META in n.meta]
+    batch = [
+        n
+        for n in nodes
+        if n.op == "placeholder" and n.name not in pname_of and n.name not in bname_of and n not in accumulated
+    ]
     num_inputs = len(batch) - traced.num_targets
     return _Program(
         nodes=nodes,
@@ -250,6 +269,7 @@ def _read_program(gm: fx.GraphModule, traced: TracedProgram) -> _Program:
         bname_of=bname_of,
         roots=batch[:num_inputs],
         targets=batch[num_inputs:],
+        accumulated=accumulated,
         ph_by_name={n.name: n for n in nodes if n.op == "placeholder"},
         const=const,
     )
@@ -634,6 +654,7 @@ def _stage_program(
     out_grad_nodes = [None if s == last else grad_slot[s].get(v) for v in outs]
     in_grad_nodes = [None if s == 0 else grad_slot[s - 1].get(v) for v in fwd_in]
     pgrads, extra_adds = _stage_param_grads(prog, traced, where, tied_leaves, s)
+    accumulated = [a for a in prog.accumulated if any(stage.get(u) == s for u in a.users)]
     fwd_gm = _build(
         gm,
         inputs=[
@@ -654,6 +675,7 @@ def _stage_program(
         buffers=[_buffer_node(prog.ph_by_name, f) for f in buffers],
         saved=saved,
         grads_in=grads_in_ph,
+        accumulated=accumulated,
         body=body_b,
         input_grads=[g for g in in_grad_nodes if g is not None],
         param_grads=pgrads,
@@ -674,6 +696,7 @@ def _stage_program(
         param_grads=tuple(pgrad_infos),
         forward=fwd_gm,
         backward=bwd_gm,
+        accumulated_grads=tuple(a.meta[ACCUMULATED_GRAD_META] for a in accumulated),
     )
 
 
@@ -754,6 +777,7 @@ def _build_backward(
     buffers: Sequence[fx.Node],
     saved: Sequence[fx.Node],
     grads_in: Sequence[fx.Node],
+    accumulated: Sequence[fx.Node],
     body: Sequence[fx.Node],
     input_grads: Sequence[fx.Node],
     param_grads: Sequence[tuple[str, fx.Node]],
@@ -766,6 +790,8 @@ def _build_backward(
         c.placeholder(n)
     for g in grads_in:
         c.placeholder(g, f"grad_{g.name}")
+    for a in accumulated:
+        c.placeholder(a)
     for n in body:
         c.copy(n)
     outs = [c.env[g] for g in input_grads]

@@ -50,7 +50,19 @@ NUM_LAYERS = 4
 GPT2_TP_PINS = {"input_0": "R", "target_0": "R"} | zoo.GPT2_TP_PINS
 LLAMA_TP_PINS = {"input_0": "R", "target_0": "R"} | zoo.LLAMA_TP_PINS
 DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
-BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {"gpt2": zoo.gpt2_tiny, "llama": zoo.llama_tiny}
+
+
+def _gpt2_wide(num_layers: int = NUM_LAYERS) -> torch.nn.Module:
+    """GPT-2 of width 128 (``zoo.gpt2_lm``, seeded): ~3 MiB of fp32 gradients, several buckets."""
+    torch.manual_seed(0)
+    return zoo.gpt2_lm(layers=num_layers, hidden=128, heads=4, vocab=zoo.VOCAB, positions=zoo.MAX_POSITIONS).eval()
+
+
+BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
+    "gpt2": zoo.gpt2_tiny,
+    "llama": zoo.llama_tiny,
+    "gpt2_wide": _gpt2_wide,
+}
 PINS: dict[tuple[str, str], Mapping[str, str]] = {
     ("gpt2", "dp"): DP_PINS,
     ("llama", "dp"): DP_PINS,
@@ -446,6 +458,67 @@ def test_single_stage_zero3_reduce_scatters_in_the_backward_two_in_flight() -> N
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
     for r in results:  # (this tiny model's gradients fill one bucket: the bound is tested in test_collectives)
         assert r["reduce_scatters"] >= 1 and 1 <= r["in_flight"] <= 2, r
+
+
+def _train_public_last_backward(
+    rank: int, world_size: int, model_name: str, config: object, plan_json: str
+) -> dict[str, object]:
+    """:func:`_train_public`, plus where the last micro-batch's lowered backward issues its
+    gradient collectives and runs its last matrix product."""
+    import autoplan
+    from autoplan.runtime.lowering import REDUCE_SCATTER
+
+    # the flat gradient-bucket collectives (autoplan.runtime.collectives: DDP's in-place all-reduce,
+    # FSDP2's reduce-scatter); the backward's other conversions run DTensor's out-of-place all_reduce
+    buckets = (torch.ops._c10d_functional.all_reduce_.default, REDUCE_SCATTER)
+    out = _train_public(rank, world_size, model_name, config, plan_json)
+    plan = autoplan.Plan.from_dict(__import__("json").loads(plan_json))
+    pm = autoplan.parallelize(
+        BUILDERS[model_name](num_layers=NUM_LAYERS), plan.cluster, example_inputs=(_batch(0)[0],), loss_fn=zoo.lm_loss,
+        example_targets=(_batch(0)[1],), plan=plan,
+    )  # fmt: skip
+    pm.forward_backward(*_batch(0)[:1], targets=_batch(0)[1:])
+    (stage,) = pm._stages
+    program = stage.lowered["last_backward"]
+    nodes = list(program.graph_module.graph.nodes)
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
+    out["last_matmul"] = max(i for i, n in enumerate(nodes) if n.target in matmuls)
+    out["issues"] = [issue for issue, _ in program.collectives() if nodes[issue].target in buckets]
+    earlier = stage.lowered["backward"].graph_module.graph.nodes
+    out["earlier_buckets"] = sum(1 for n in earlier if n.target in buckets)
+    return out
+
+
+@pytest.mark.parametrize(("zero_stage", "num_microbatches"), [(0, 2), (3, 2), (0, 4), (3, 4)])
+def test_single_stage_accumulating_microbatches_reduces_in_the_last_backward(
+    zero_stage: int, num_microbatches: int
+) -> None:
+    """One stage, dp=2, several micro-batches: the earlier micro-batches keep their raw gradients,
+    the last one's backward adds their sum and issues its gradient buckets (DDP all-reduces for
+    ZeRO-0, FSDP2 reduce-scatters for ZeRO-3) before its last matrix product, overlapping the rest
+    of the backward as the step model prices (``gradients_reduced_in_backward``); the pipeline
+    trains like the single-device model. A GPT-2 of width 128: 3 MiB of gradients, several
+    buckets (the first closes at 1 MiB)."""
+    import json
+
+    import autoplan
+    from autoplan.cost_models.config import ParallelConfig
+
+    cfg = ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=GLOBAL_BATCH // (2 * num_microbatches),
+                         num_microbatches=num_microbatches, zero_stage=zero_stage)  # fmt: skip
+    ids, labels = _batch(0)
+    plan = autoplan.plan(
+        BUILDERS["gpt2_wide"](num_layers=NUM_LAYERS), "1x2xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss,
+        example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
+    )  # fmt: skip
+    assert plan.config == cfg
+    results = run_ranks(_train_public_last_backward, 2, "gpt2_wide", cfg, json.dumps(plan.to_dict()), timeout_s=900)
+    assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
+    for r in results:
+        issues = r["issues"]
+        assert isinstance(issues, list) and issues, r
+        assert r["earlier_buckets"] == 0, r  # the earlier micro-batches keep raw gradients
+        assert min(issues) < r["last_matmul"], r
 
 
 @pytest.mark.slow  # 12-25 s of 2 ranks

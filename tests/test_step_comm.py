@@ -84,24 +84,27 @@ def test_gradient_latency_is_paid_per_bucket():
     assert many.step_time_s > few.step_time_s
 
 
-def test_gradient_reductions_hide_behind_a_long_backward_but_the_last_bucket_does_not():
-    """One stage, one micro-batch: the program reduces in its backward; with a long backward
-    every bucket but the tail hides."""
-    cfg = _config(zero_stage=0, num_microbatches=1)
+@pytest.mark.parametrize("num_microbatches", [1, 2, 4])
+def test_gradient_reductions_hide_behind_a_long_backward_but_the_last_bucket_does_not(num_microbatches: int):
+    """One stage: the program reduces in its backward (several micro-batches: the last one's
+    backward, on its gradients plus the earlier ones' sum); with a long backward every bucket but
+    the tail hides, and the buckets are the same whatever the number of micro-batches."""
+    cfg = _config(zero_stage=0, num_microbatches=num_microbatches)
     short, long = evaluate(cfg, _costs(fwd_s=1e-6), ONE_NODE), evaluate(cfg, _costs(fwd_s=0.1), ONE_NODE)
     ar_short, ar_long = _row(short, "all_reduce"), _row(long, "all_reduce")
     assert ar_short.total_s == pytest.approx(ar_long.total_s)
     assert ar_short.exposed_s > 0.9 * ar_short.total_s
     assert 0 < ar_long.exposed_s < 0.5 * ar_long.total_s
+    one = _row(evaluate(_config(zero_stage=0, num_microbatches=1), _costs(fwd_s=0.1), ONE_NODE), "all_reduce")
+    assert ar_long.total_s == pytest.approx(one.total_s) and ar_long.count == one.count
 
 
-@pytest.mark.parametrize("kw", [dict(num_microbatches=2), dict(pp=2, dp=4, num_microbatches=2)])
-def test_accumulated_gradients_are_reduced_after_the_schedule_with_nothing_beside_them(kw: dict[str, object]):
-    """Micro-batches to accumulate or several stages: the runtime converts the summed gradients
-    after the schedule (comm_schedule.gradients_reduced_in_backward), so the estimate credits no
-    overlap: every bucket is exposed, and the step is the schedule plus the buckets plus the
-    optimizer, however long the backward."""
-    cfg = _config(zero_stage=0, **kw)
+def test_pipelined_gradients_are_reduced_after_the_schedule_with_nothing_beside_them():
+    """Several stages: the runtime converts each stage's summed gradients after the schedule
+    (comm_schedule.gradients_reduced_in_backward), so the estimate credits no overlap: every
+    bucket is exposed, and the step is the schedule plus the buckets plus the optimizer, however
+    long the backward."""
+    cfg = _config(zero_stage=0, pp=2, dp=4, num_microbatches=2)
     est = evaluate(cfg, _costs(fwd_s=0.1), ONE_NODE)
     ar = _row(est, "all_reduce")
     assert ar.exposed_s == pytest.approx(ar.total_s) and ar.total_s > 0

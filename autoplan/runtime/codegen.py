@@ -13,6 +13,11 @@ per mesh axis at the end (one flat buffer, as DDP buckets gradients); every othe
 conversion (e.g. the reduce-scatter of a sharded parameter's gradient) runs right after the
 gradient is produced, so its full-size partial is freed at once. A frozen parameter has no
 gradient output (``TracedProgram.trainable_names``), so no collective for it either.
+With ``accumulated_grad_inputs`` the program takes, after the traced step's arguments, one more
+per trainable parameter with a gradient (:data:`ACCUMULATED_GRAD_META` names its FQN): that
+gradient summed over earlier micro-batches, in the producer's placement; ``g + acc`` is emitted
+right before the gradient's conversion (the last micro-batch of a step, as Megatron's gradient
+buffer feeds its buckets).
 
 :func:`autoplan.passes.redistribute.edge_redistributions` lists those same transitions as data;
 the planner prices exactly this list and the program contains exactly these calls, nothing else.
@@ -41,6 +46,7 @@ from autoplan.passes.moe import MOE_OPS, with_ep_group
 from autoplan.passes.placement import Spec
 from autoplan.passes.recompute import OP_META, TRANSITION_META
 from autoplan.passes.redistribute import OUTPUT, Redistribution, edge_redistributions
+from autoplan.passes.stages import ACCUMULATED_GRAD_META
 from autoplan.passes.strategies import Strategy, resolve_value, tensor_args
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
@@ -113,12 +119,15 @@ def generate_program(
     defer_grad_conversions: bool = False,
     layering: Layering | None = None,
     policy: OverlapPolicy = DEFAULT_POLICY,
+    accumulated_grad_inputs: bool = False,
 ) -> GeneratedProgram:
     """Build the per-rank program (see the module docstring).
 
     ``defer_grad_conversions=True`` returns every parameter gradient as its producer made it (no
     conversion, no bucket): the caller runs the gradient :class:`Redistribution` steps itself,
-    e.g. once after accumulating micro-batches (exact: every step is linear)."""
+    e.g. once after accumulating micro-batches (exact: every step is linear).
+    ``accumulated_grad_inputs=True`` adds the trailing arguments of the earlier micro-batches'
+    summed raw gradients, added to each gradient before its conversion (module docstring)."""
     src_gm = traced.graph_module
     redistributions = edge_redistributions(traced, assignment, len(axis_names))
     if layering is None:
@@ -139,6 +148,7 @@ def generate_program(
         axis_names=axis_names,
         device=device,
         defer_grad_conversions=defer_grad_conversions,
+        accumulated_grad_inputs=accumulated_grad_inputs,
         mesh=mesh,
     )
     for node in src_gm.graph.nodes:
@@ -175,6 +185,7 @@ class _ProgramEmitter:
         axis_names: tuple[str, ...],
         device: torch.device,
         defer_grad_conversions: bool,
+        accumulated_grad_inputs: bool = False,
         mesh: DeviceMesh | None = None,
     ) -> None:
         self.traced = traced
@@ -201,6 +212,31 @@ class _ProgramEmitter:
         """Trainable parameter index -> its gradient converted at its issue point."""
         self.converted_loss: fx.Node | None = None
         self.started = False
+        self.accumulated_grad_inputs = accumulated_grad_inputs
+        self.accumulated: dict[int, fx.Node] = {}
+        """Trainable parameter index -> the placeholder of its gradient summed over earlier micro-batches."""
+        self.summed_grads: dict[int, fx.Node] = {}
+        """Trainable parameter index -> ``g + acc`` (emitted once, before the gradient's conversion)."""
+
+    def _grad(self, i: int) -> fx.Node:
+        """Trainable parameter ``i``'s gradient as its conversion reads it: the producer's value,
+        plus the earlier micro-batches' sum where the program takes it."""
+        if i not in self.accumulated:
+            return self.env[self.grad_nodes[i]]
+        if i not in self.summed_grads:
+            self.summed_grads[i] = self.graph.call_function(
+                torch.ops.aten.add.Tensor, (self.env[self.grad_nodes[i]], self.accumulated[i])
+            )
+        return self.summed_grads[i]
+
+    def _add_accumulated_placeholders(self) -> None:
+        """After the traced step's arguments: one per trainable parameter with a gradient."""
+        fqns = self.traced.trainable_names
+        for i, g in enumerate(self.grad_nodes):
+            if isinstance(g, fx.Node):
+                ph = self.graph.placeholder(f"acc_{param_node_name(fqns[i])}")
+                ph.meta[ACCUMULATED_GRAD_META] = fqns[i]
+                self.accumulated[i] = ph
 
     def _needs_replicate(self, a: fx.Node) -> bool:
         """A constant (plain tensor, same on every rank) that a consumer needs converted."""
@@ -225,9 +261,7 @@ class _ProgramEmitter:
             elif not self.defer_grad_conversions:
                 if slot.bucket is None:
                     i = self.grad_index[r.consumer]
-                    self.converted_grads[i] = _emit_steps(
-                        self.graph, self.env[self.grad_nodes[i]], r.steps, self.axis_names
-                    )
+                    self.converted_grads[i] = _emit_steps(self.graph, self._grad(i), r.steps, self.axis_names)
                 else:
                     self._emit_bucket(self.schedule.buckets[slot.bucket])
 
@@ -235,7 +269,7 @@ class _ProgramEmitter:
         """One coalesced all-reduce per step of the members' (common) transition, or one coalesced
         reduce-scatter (:func:`~autoplan.cost_models.comm.bucket_kind`)."""
         idx = [self.grad_index[self.redistributions[m].consumer] for m in members]
-        group = [self.env[self.grad_nodes[i]] for i in idx]
+        group = [self._grad(i) for i in idx]
         first = self.redistributions[members[0]].steps
         if bucket_kind(first) == "reduce_scatter":
             dims = []
@@ -284,6 +318,8 @@ class _ProgramEmitter:
     def _start(self, node: fx.Node) -> None:
         if not self.started and node.op != "placeholder":
             self.started = True
+            if self.accumulated_grad_inputs:
+                self._add_accumulated_placeholders()
             self._issue(START)
 
     def copy(self, node: fx.Node) -> None:
@@ -340,7 +376,7 @@ class _ProgramEmitter:
         """The output: the loss and each gradient as converted at their issue points."""
         loss, *grads = cast("tuple[fx.Node, ...]", node.args[0])
         new_loss = self.converted_loss if self.converted_loss is not None else self.env[loss]
-        new_grads = [self.converted_grads.get(i, self.env[g]) for i, g in enumerate(grads)]
+        new_grads = [self.converted_grads[i] if i in self.converted_grads else self._grad(i) for i in range(len(grads))]
         self.graph.output((new_loss, *new_grads))
 
 

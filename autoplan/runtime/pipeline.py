@@ -18,7 +18,11 @@ received; the schedule's ``loss_fn`` (:meth:`StageModule.loss`) runs the stage's
 them and that micro-batch's targets and returns the (per-micro-batch mean) loss, whose backward
 seeds 1: the last stage's backward program starts from its own traced seed.
 
-Raw parameter gradients are summed over micro-batches, then, once per step, converted to the
+One stage (not zero-bubble) converts its gradients in its backward, bucket by bucket as they exist
+(DDP/FSDP2); with several micro-batches the earlier ones' raw gradients are summed and the last
+one's backward (:attr:`StageModule.last_microbatch`) adds that sum to each gradient before its
+bucket, as Megatron's gradient buffer does. Otherwise raw parameter gradients are summed over
+micro-batches, then, once per step, converted to the
 parameter placement (in backward order, in the buckets of
 :func:`~autoplan.cost_models.comm_schedule.gradient_buckets` the step model prices: one coalesced
 all-reduce or reduce-scatter per bucket and mesh axis), divided by
@@ -71,7 +75,7 @@ from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
 from autoplan.passes.recompute import POLICIES, recompute_stage_program
-from autoplan.passes.stages import StageProgram, ValueInfo, split_backward, split_stages
+from autoplan.passes.stages import StageProgram, StageSplit, ValueInfo, split_backward, split_stages
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.planner.plan import Plan
@@ -152,9 +156,23 @@ class StageModule(torch.nn.Module):
         device: torch.device,
         split_weight_grads: bool = False,
         compute_dtypes: Mapping[str, torch.dtype] | None = None,
+        last_microbatch: StageProgram | None = None,
+        num_microbatches: int = 1,
     ) -> None:
         super().__init__()
         self.program = program
+        if last_microbatch is not None and (
+            last_microbatch.saved != program.saved
+            or last_microbatch.accumulated_grads != tuple(f for f, _ in program.param_grads)
+        ):
+            raise AssertionError(f"stage {program.index}: the last micro-batch's backward reads other values")
+        self.last_microbatch = last_microbatch
+        """One stage, several micro-batches: the backward the step's last micro-batch runs, which
+        adds the earlier ones' summed raw gradients (``accumulated_grads``) to its own and
+        converts each sum in its bucket as it exists (``generate_program(accumulated_grad_inputs=True)``)."""
+        self.num_microbatches = num_microbatches
+        self.backwards_run = 0
+        """Backward programs run this step (the ``num_microbatches``-th runs :attr:`last_microbatch`)."""
         self.split = (
             split_backward(program.backward, sum(1 for v in program.input_grads if v is not None))
             if split_weight_grads
@@ -209,9 +227,9 @@ class StageModule(torch.nn.Module):
         first micro-batch's gradient is the program's own output, kept without a copy."""
         self._local_params: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.grads_converted = False
-        """The backward program converts the parameter gradients itself (one stage, one
-        micro-batch: DDP/FSDP2-style buckets issued during the backward); else they come out
-        raw and :meth:`PipelineModel._finish_grads` converts them after the schedule."""
+        """The (last micro-batch's) backward program converts the parameter gradients itself (one
+        stage: DDP/FSDP2-style buckets issued during the backward); else they come out raw and
+        :meth:`PipelineModel._finish_grads` converts them after the schedule."""
         """The parameters' local tensors when last detached, and those detached tensors."""
 
     def forward(self, *inputs: torch.Tensor) -> Any:
@@ -303,6 +321,9 @@ class StageModule(torch.nn.Module):
             if v is not None
         ]
         n_in = sum(1 for v in prog.input_grads if v is not None)
+        self.backwards_run += 1
+        if self.last_microbatch is not None and self.backwards_run == self.num_microbatches:
+            return self._run_last_backward(saved, grads, n_in)
         if self.split is None:
             res = self._run("backward", prog.backward, [*saved, *grads], lambda: self._as_dtensors(saved, grads))
             param_grads = res[n_in:]
@@ -317,6 +338,34 @@ class StageModule(torch.nn.Module):
         if self.split is None:
             self._accumulate(param_grads)
         return in_grads
+
+    def _run_last_backward(
+        self, saved: list[Any], grads: list[torch.Tensor], n_in: int
+    ) -> list[torch.Tensor | None]:
+        """The step's last micro-batch: :attr:`last_microbatch`'s backward on the earlier
+        micro-batches' summed raw gradients (taken out of ``grad_acc``, freed when it returns),
+        which leaves each parameter's converted gradient in ``grad_acc``."""
+        assert self.last_microbatch is not None
+        fqns = self.last_microbatch.accumulated_grads
+        accs = [self.grad_acc.pop(fqn) for fqn in fqns]
+        self._owned.clear()
+        raw = dict(self.program.param_grads)
+
+        def as_dtensors() -> list[Any]:
+            wrapped = [_wrap(a, raw[fqn], self.mesh) for fqn, a in zip(fqns, accs, strict=True)]
+            return [*self._as_dtensors(saved, grads), *wrapped]
+
+        res = self._run("last_backward", self.last_microbatch.backward, [*saved, *grads, *accs], as_dtensors)
+        for (fqn, _), g in zip(self.last_microbatch.param_grads, res[n_in:], strict=True):
+            self.grad_acc[fqn] = _unwrap(g)
+        it = iter(res[:n_in])
+        return [_unwrap(next(it)) if v is not None else None for v in self.program.input_grads]
+
+    def start_step(self) -> None:
+        """Forget the previous step's gradients and backward count."""
+        self.grad_acc.clear()
+        self._owned.clear()
+        self.backwards_run = 0
 
     def _as_dtensors(self, saved: Sequence[Any], grads: Sequence[torch.Tensor]) -> list[Any]:
         """The backward program's local arguments as the DTensors its DTensor form takes: saved
@@ -453,8 +502,7 @@ class PipelineModel(torch.nn.Module):
         cast to the dtypes the program reads), convert the gradients, and broadcast the loss (the
         micro-batch mean, fp32) from the last stage."""
         for st in self._stages:
-            st.grad_acc.clear()
-            st._owned.clear()
+            st.start_step()
         losses: list[torch.Tensor] = []
         dtypes = [v.dtype for v in self.batch_values]
         inputs = precision.cast_batch(inputs, dtypes[: len(inputs)])
@@ -684,6 +732,9 @@ class PipelineModel(torch.nn.Module):
         for st in self._stages:
             parts.append(f"# --- stage {st.program.index}: forward ---\n{st.program.forward.code}")
             parts.append(f"# --- stage {st.program.index}: backward ---\n{st.program.backward.code}")
+            if st.last_microbatch is not None:
+                last = st.last_microbatch.backward.code
+                parts.append(f"# --- stage {st.program.index}: the last micro-batch's backward ---\n{last}")
         return "\n".join(parts)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
@@ -727,7 +778,8 @@ def _reduces_in_backward(*, num_stages: int, num_microbatches: int, schedule: st
     overlapping the rest of the backward, as the step model prices; at most
     ``reduce_scatters_in_flight`` reduce-scatters unwaited
     (:func:`~autoplan.runtime.lowering.bound_reduce_scatters`), so the unsharded gradients never
-    all live at once. Otherwise they are converted once per step after the schedule, on the
+    all live at once (several micro-batches: the last one's backward, on its gradients plus the
+    earlier ones' sum). Otherwise they are converted once per step after the schedule, on the
     gradients summed over micro-batches."""
     return gradients_reduced_in_backward(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
 
@@ -763,35 +815,31 @@ def build_pipeline(
     recompute = _stage_recompute(stage_recompute, num_stages)
     stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
     in_program = _reduces_in_backward(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
-    program = generate_program(
-        traced_mb,
-        assignment,
-        fallback_nodes=fallback_nodes,
-        axis_names=axis_names,
-        device=device,
-        mesh=stage_mesh,
-        defer_grad_conversions=not in_program,
-        layering=layering,
-        # one stage: FSDP2's one-block-ahead gathers; several: each conversion stays in its
-        # consumer's block, so it lands in its consumer's stage program
-        policy=DEFAULT_POLICY if num_stages == 1 else OverlapPolicy(prefetch_blocks=0, coalesce_gathers=False),
-    )
-    split = split_stages(
-        program.graph_module, traced_mb, layering, assignment, stage_starts=stage_starts, mesh_ndim=len(axis_names)
-    )
+
+    def split(*, defer: bool, accumulated: bool = False) -> StageSplit:
+        return _split_program(
+            traced_mb, assignment, layering, stage_starts=stage_starts, mesh=stage_mesh, axis_names=axis_names,
+            fallback_nodes=fallback_nodes, device=device, defer=defer, accumulated=accumulated,
+        )  # fmt: skip
+
+    # several micro-batches in one stage: the earlier ones keep their raw gradients, the last
+    # one's backward adds their sum and converts each bucket as it exists
+    accumulates = in_program and num_microbatches > 1
+    programs = split(defer=accumulates or not in_program)
+    last_mb = split(defer=False, accumulated=True).stages if accumulates else None
     pp_rank = mesh.get_local_rank("pp")
     pp_group = mesh.get_group("pp")
     mine = [s for s in range(num_stages) if s % pp == pp_rank]
     dtypes = precision.program_dtypes(traced_mb)  # mixed precision: what the programs read (autoplan.runtime.precision)
+    mesh_shape = tuple(stage_mesh.shape)
+
+    def recomputing(stage: StageProgram) -> StageProgram:
+        last = stage.index == num_stages - 1
+        return _recomputing(stage, recompute[stage.index], layering=layering, last=last, mesh_shape=mesh_shape)
+
     modules = [
         StageModule(
-            _recomputing(
-                split.stages[s],
-                recompute[s],
-                layering=layering,
-                last=s == num_stages - 1,
-                mesh_shape=tuple(stage_mesh.shape),
-            ),
+            recomputing(programs.stages[s]),
             model=model,
             assignment=assignment,
             mesh=stage_mesh,
@@ -799,6 +847,8 @@ def build_pipeline(
             device=device,
             split_weight_grads=schedule == "zero-bubble",
             compute_dtypes=dtypes,
+            last_microbatch=recomputing(last_mb[s]) if last_mb is not None else None,
+            num_microbatches=num_microbatches,
         )  # fmt: skip
         for s in mine
     ]
@@ -811,7 +861,7 @@ def build_pipeline(
     ]
     last = [mod for mod in modules if mod.is_last]
     sched = _make_schedule(schedule, stages, num_microbatches, loss_fn=last[0].loss if last else _no_loss)
-    tied_groups = _tied_groups(split.tied_params, traced_mb.trainable_names, mesh)
+    tied_groups = _tied_groups(programs.tied_params, traced_mb.trainable_names, mesh)
     return PipelineModel(
         stages=modules,
         schedule=sched,
@@ -821,12 +871,47 @@ def build_pipeline(
         tied_groups=tied_groups,
         optimizer=optimizer,
         num_stages=num_stages,
-        tied_stages=split.tied_params,
-        batch_values=(*split.stages[0].inputs, *split.stages[-1].targets),
+        tied_stages=programs.tied_params,
+        batch_values=(*programs.stages[0].inputs, *programs.stages[-1].targets),
         num_inputs=traced_mb.num_inputs,
         device=device,
         offload_optimizer=offload_optimizer,
         plan=plan,
+    )
+
+
+def _split_program(
+    traced_mb: TracedProgram,
+    assignment: Mapping[str, Strategy],
+    layering: Layering,
+    *,
+    stage_starts: Sequence[int],
+    mesh: DeviceMesh,
+    axis_names: tuple[str, ...],
+    fallback_nodes: frozenset[str],
+    device: torch.device,
+    defer: bool,
+    accumulated: bool,
+) -> StageSplit:
+    """The per-rank program (gradient conversions deferred, or in the backward, with the earlier
+    micro-batches' summed gradients as arguments where ``accumulated``) cut into stage programs."""
+    num_stages = len(stage_starts)
+    program = generate_program(
+        traced_mb,
+        assignment,
+        fallback_nodes=fallback_nodes,
+        axis_names=axis_names,
+        device=device,
+        mesh=mesh,
+        defer_grad_conversions=defer,
+        accumulated_grad_inputs=accumulated,
+        layering=layering,
+        # one stage: FSDP2's one-block-ahead gathers; several: each conversion stays in its
+        # consumer's block, so it lands in its consumer's stage program
+        policy=DEFAULT_POLICY if num_stages == 1 else OverlapPolicy(prefetch_blocks=0, coalesce_gathers=False),
+    )
+    return split_stages(
+        program.graph_module, traced_mb, layering, assignment, stage_starts=stage_starts, mesh_ndim=len(axis_names)
     )
 
 
