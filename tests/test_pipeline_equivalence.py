@@ -489,7 +489,10 @@ def _train_public_last_backward(
     return out
 
 
-@pytest.mark.parametrize(("zero_stage", "num_microbatches"), [(0, 2), (3, 2), (0, 4), (3, 4)])
+@pytest.mark.parametrize(
+    ("zero_stage", "num_microbatches"),
+    [(0, 2), pytest.param(3, 2, marks=pytest.mark.slow), pytest.param(0, 4, marks=pytest.mark.slow), (3, 4)],
+)
 def test_single_stage_accumulating_microbatches_reduces_in_the_last_backward(
     zero_stage: int, num_microbatches: int
 ) -> None:
