@@ -143,15 +143,21 @@ def _slots(idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return idx.reshape(-1), token, w.reshape(-1)
 
 
+def _rows_by_expert(expert: torch.Tensor, ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(j, rows)`` for each local expert ``ids[j]`` that rows are routed to: the indices of those rows."""
+    for j, e in enumerate(ids.tolist()):
+        sel = (expert == e).nonzero().squeeze(1)
+        if sel.numel():
+            yield j, sel
+
+
 def _apply_experts(
     rows: torch.Tensor, expert: torch.Tensor, ids: torch.Tensor, gu: torch.Tensor, down: torch.Tensor, act: str
 ) -> torch.Tensor:
     """Each row through its expert, for the rows whose expert is one of ``ids`` (others: 0)."""
     out = rows.new_zeros(rows.shape[0], down.shape[1])
-    for j, e in enumerate(ids.tolist()):
-        sel = (expert == e).nonzero().squeeze(1)
-        if sel.numel():
-            out[sel] = _expert_rows(rows[sel], gu[j], down[j], act)
+    for j, sel in _rows_by_expert(expert, ids):
+        out[sel] = _expert_rows(rows[sel], gu[j], down[j], act)
     return out
 
 
@@ -273,10 +279,8 @@ def _backward_rows(
     y = rows.new_zeros(rows.shape[0], down.shape[1])
     d_rows = torch.zeros_like(rows)
     dgu, ddown = torch.zeros_like(gu), torch.zeros_like(down)
-    for j, e in enumerate(ids.tolist()):
-        sel = (expert == e).nonzero().squeeze(1)
-        if sel.numel():
-            y[sel], d_rows[sel], dgu[j], ddown[j] = _expert_rows_backward(rows[sel], dy[sel], gu[j], down[j], act)
+    for j, sel in _rows_by_expert(expert, ids):
+        y[sel], d_rows[sel], dgu[j], ddown[j] = _expert_rows_backward(rows[sel], dy[sel], gu[j], down[j], act)
     return y, d_rows, dgu, ddown
 
 
@@ -421,12 +425,26 @@ _BACKWARD_ROWS: list[list[Placement | None]] = [
 ]
 
 
+_X, _INDEX, _GATE_UP, _DOWN = 0, 1, 4, 5
+"""Positions of the forward op's tensor inputs ``x, top_k_index, top_k_weights, expert_ids,
+gate_up_proj, down_proj``; the backward's are one later (``grad_y`` comes first)."""
+
+
+def _first(backward: bool) -> int:
+    """Offset of the forward inputs among the op's tensor inputs."""
+    return int(backward)
+
+
+def _is_backward(op: object) -> bool:
+    return op is torch.ops.autoplan.moe_experts_backward.default
+
+
 def ep_axes(input_specs: Sequence[Sequence[Placement]], *, backward: bool) -> list[int]:
     """Mesh axes on which a strategy of a MoE op is ``expert_parallel`` (tokens and experts split)."""
-    x, gu = (1, 5) if backward else (0, 4)
+    first = _first(backward)
     return [
         d
-        for d, (px, pg) in enumerate(zip(input_specs[x], input_specs[gu], strict=True))
+        for d, (px, pg) in enumerate(zip(input_specs[first + _X], input_specs[first + _GATE_UP], strict=True))
         if isinstance(px, Shard) and isinstance(pg, Shard)
     ]
 
@@ -445,7 +463,7 @@ def _strategy(op_schema: OpSchema, *, backward: bool) -> OpStrategy:
     assert isinstance(ep_group, str), ep_group
     allowed = _allowed_ep_axes(mesh, ep_group)
     must = ep_group not in ("", UNDECIDED)  # a named group: expert parallel on its axis only
-    gu = 5 if backward else 4
+    gu = _first(backward) + _GATE_UP
 
     def valid(input_specs: list[DTensorSpec], output_spec: object) -> bool:
         on = ep_axes([s.placements for s in input_specs], backward=backward)
@@ -485,7 +503,7 @@ def with_ep_group(node: fx.Node, args: tuple[Any, ...], input_specs: Sequence[Se
     group of the axis its strategy splits both tokens and experts on; ``""`` for none)."""
     if node.target not in MOE_OPS:
         return args
-    axes = ep_axes(input_specs, backward=node.target is torch.ops.autoplan.moe_experts_backward.default)
+    axes = ep_axes(input_specs, backward=_is_backward(node.target))
     return (*args[:-1], mesh.get_group(axes[0]).group_name if axes else "")
 
 
@@ -493,20 +511,22 @@ def with_ep_group(node: fx.Node, args: tuple[Any, ...], input_specs: Sequence[Se
 # Cost
 
 
-def _dims(x: torch.Tensor, idx: torch.Tensor, down: torch.Tensor) -> tuple[int, int, int, int]:
-    """Routed rows S = N*k, hidden H, expert hidden I, experts E."""
+def _dims(inputs: Sequence[torch.Tensor], *, backward: bool) -> tuple[int, int, int, int]:
+    """Routed rows S = N*k, hidden H, expert hidden I, experts E of a MoE op's tensor inputs."""
+    first = _first(backward)
+    x, idx, down = inputs[first + _X], inputs[first + _INDEX], inputs[first + _DOWN]
     return idx.numel(), x.shape[-1], down.shape[-1], down.shape[0]
 
 
 @register_flops(torch.ops.autoplan.moe_experts.default)
 def _forward_flops(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> float:
-    s, h, i, _ = _dims(inputs[0], inputs[1], inputs[5])
+    s, h, i, _ = _dims(inputs, backward=False)
     return 6.0 * s * h * i
 
 
 @register_flops(torch.ops.autoplan.moe_experts_backward.default)
 def _backward_flops(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> float:
-    s, h, i, _ = _dims(inputs[1], inputs[2], inputs[6])
+    s, h, i, _ = _dims(inputs, backward=True)
     return 16.0 * s * h * i
 
 
@@ -517,7 +537,7 @@ def _per_expert(s: int, e: int) -> int:
 @register_matmul_shapes(torch.ops.autoplan.moe_experts.default)
 def _forward_gemms(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> tuple[Gemm, ...]:
     """Per expert, its ``S/E`` rows (balanced routing): gate/up then down."""
-    s, h, i, e = _dims(inputs[0], inputs[1], inputs[5])
+    s, h, i, e = _dims(inputs, backward=False)
     m = _per_expert(s, e)
     return Gemm(e, m, h, 2 * i), Gemm(e, m, i, h)
 
@@ -525,7 +545,7 @@ def _forward_gemms(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tenso
 @register_matmul_shapes(torch.ops.autoplan.moe_experts_backward.default)
 def _backward_gemms(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> tuple[Gemm, ...]:
     """Recomputed gate/up, dH = dY down, d down = dY^T H, dX = dGU gate_up, d gate_up = dGU^T X."""
-    s, h, i, e = _dims(inputs[1], inputs[2], inputs[6])
+    s, h, i, e = _dims(inputs, backward=True)
     m = _per_expert(s, e)
     return Gemm(e, m, h, 2 * i), Gemm(e, m, h, i), Gemm(e, h, m, i), Gemm(e, m, 2 * i, h), Gemm(e, 2 * i, m, h)
 
@@ -535,7 +555,7 @@ def moe_comm_time_s(node: fx.Node, input_specs: Sequence[Sequence[Placement]], c
     strategies without ``expert_parallel``): see the module docstring."""
     if node.target not in MOE_OPS:
         return 0.0
-    backward = node.target is torch.ops.autoplan.moe_experts_backward.default
+    backward = _is_backward(node.target)
     axes = ep_axes(input_specs, backward=backward)
     if not axes:
         return 0.0
@@ -545,11 +565,10 @@ def moe_comm_time_s(node: fx.Node, input_specs: Sequence[Sequence[Placement]], c
 def _a2a_time_s(
     node: fx.Node, axis: int, input_specs: Sequence[Sequence[Placement]], cluster: Cluster, *, backward: bool
 ) -> float:
-    offset = int(backward)
-    x = node.args[offset].meta["val"]  # type: ignore[union-attr]
-    idx = node.args[offset + 1].meta["val"]  # type: ignore[union-attr]
+    first = _first(backward)
+    x, idx, down = (node.args[first + i].meta["val"] for i in (_X, _INDEX, _DOWN))  # type: ignore[union-attr]
     token_shards = 1
-    for p, n in zip(input_specs[offset], cluster.mesh_shape, strict=True):
+    for p, n in zip(input_specs[first + _X], cluster.mesh_shape, strict=True):
         if isinstance(p, Shard):
             token_shards *= n
     n = cluster.mesh_shape[axis]
@@ -559,8 +578,7 @@ def _a2a_time_s(
     link = cluster.axis_link(axis).params("all_to_all")
     # the exchanges _Dispatch runs, in order: the per-expert row counts (int64), the rows out, the
     # results back
-    experts = node.args[offset + 4].meta["val"].shape[0]  # type: ignore[union-attr]
-    exchanged_bytes = (8.0 * experts, rows * row_bytes * width, rows * row_bytes * width)
+    exchanged_bytes = (8.0 * down.shape[0], rows * row_bytes * width, rows * row_bytes * width)
     return sum(
         collective_time_s("all_to_all", b, n, link.bw_GBps, link.latency_us, algorithm="ring") for b in exchanged_bytes
     )
@@ -571,5 +589,5 @@ def moe_time_factor(node: fx.Node, input_specs: Sequence[Sequence[Placement]]) -
     time), else 1."""
     if node.target not in MOE_OPS:
         return 1.0
-    gu = 5 if node.target is torch.ops.autoplan.moe_experts_backward.default else 4
+    gu = _first(_is_backward(node.target)) + _GATE_UP
     return ROUTING_IMBALANCE if any(isinstance(p, Shard) for p in input_specs[gu]) else 1.0
