@@ -417,12 +417,11 @@ def test_planned_pipeline_runs_like_single_device(
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
-def _train_public_bounded(rank: int, world_size: int, model_name: str, config: object, plan_json: str) -> dict[str, object]:
-    """:func:`_train_public`, plus where the stage's backward program waits for its reduce-scatters."""
+def _single_stage_after_a_step(model_name: str, plan_json: str) -> Any:
+    """This rank's only stage of ``plan_json`` applied to a fresh model, after one step (its
+    programs lowered)."""
     import autoplan
-    from autoplan.runtime.lowering import REDUCE_SCATTER, WAIT
 
-    out = _train_public(rank, world_size, model_name, config, plan_json)
     plan = autoplan.Plan.from_dict(__import__("json").loads(plan_json))
     pm = autoplan.parallelize(
         BUILDERS[model_name](num_layers=NUM_LAYERS), plan.cluster, example_inputs=(_batch(0)[0],), loss_fn=zoo.lm_loss,
@@ -430,6 +429,15 @@ def _train_public_bounded(rank: int, world_size: int, model_name: str, config: o
     )  # fmt: skip
     pm.forward_backward(*_batch(0)[:1], targets=_batch(0)[1:])
     (stage,) = pm._stages
+    return stage
+
+
+def _train_public_bounded(rank: int, world_size: int, model_name: str, config: object, plan_json: str) -> dict[str, object]:
+    """:func:`_train_public`, plus where the stage's backward program waits for its reduce-scatters."""
+    from autoplan.runtime.lowering import REDUCE_SCATTER, WAIT
+
+    out = _train_public(rank, world_size, model_name, config, plan_json)
+    stage = _single_stage_after_a_step(model_name, plan_json)
     nodes = list(stage.lowered["backward"].graph_module.graph.nodes)
     issues = [i for i, n in enumerate(nodes) if n.target is REDUCE_SCATTER]
     waits = [i for i, n in enumerate(nodes) if n.target is WAIT and n.args[0].target is REDUCE_SCATTER]
@@ -465,20 +473,13 @@ def _train_public_last_backward(
 ) -> dict[str, object]:
     """:func:`_train_public`, plus where the last micro-batch's lowered backward issues its
     gradient collectives and runs its last matrix product."""
-    import autoplan
     from autoplan.runtime.lowering import REDUCE_SCATTER
 
     # the flat gradient-bucket collectives (autoplan.runtime.collectives: DDP's in-place all-reduce,
     # FSDP2's reduce-scatter); the backward's other conversions run DTensor's out-of-place all_reduce
     buckets = (torch.ops._c10d_functional.all_reduce_.default, REDUCE_SCATTER)
     out = _train_public(rank, world_size, model_name, config, plan_json)
-    plan = autoplan.Plan.from_dict(__import__("json").loads(plan_json))
-    pm = autoplan.parallelize(
-        BUILDERS[model_name](num_layers=NUM_LAYERS), plan.cluster, example_inputs=(_batch(0)[0],), loss_fn=zoo.lm_loss,
-        example_targets=(_batch(0)[1],), plan=plan,
-    )  # fmt: skip
-    pm.forward_backward(*_batch(0)[:1], targets=_batch(0)[1:])
-    (stage,) = pm._stages
+    stage = _single_stage_after_a_step(model_name, plan_json)
     program = stage.lowered["last_backward"]
     nodes = list(program.graph_module.graph.nodes)
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
