@@ -30,19 +30,15 @@ loss and gradients equal the fp32-master model's bit for bit (those cast to bf16
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autoplan
 from autoplan.passes.layers import find_layers
@@ -56,6 +52,7 @@ from autoplan.runtime.pipeline import build_pipeline
 from autoplan.runtime.precision import check_model_precision
 from tests import zoo
 from tests.harness import cpu_cluster, rel_err, run_ranks
+from tests.test_bad_inputs import fake_job
 
 STEPS, LR, WD, MAX_NORM = 4, 3e-3, 0.1, 1.0
 BF16_SPACING = 2.0**-7
@@ -322,18 +319,8 @@ def test_fp32_bf16_or_mixed_parameters_run_a_bf16_plan() -> None:
         check_model_precision(model, "bf16", offload_optimizer=offload)
 
 
-@contextlib.contextmanager
-def _fake_job() -> Iterator[None]:
-    """This process as rank 0 of a 2-rank job on the fake backend (nothing is sent)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_parallelize_refuses_an_fp16_model_for_a_bf16_plan_before_tracing(zero3_plan: Plan) -> None:
-    with _fake_job(), pytest.raises(autoplan.PlanMismatchError, match="is torch.float16 but the plan computes in bf16"):
+    with fake_job(2), pytest.raises(autoplan.PlanMismatchError, match="is torch.float16 but the plan computes in bf16"):
         _parallelized(_llama(torch.float16), zero3_plan)
 
 

@@ -5,20 +5,18 @@ dicts under the model's own parameter names; equal to the same loop on one devic
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autoplan
 from autoplan.runtime.data import LocalBatch
 from tests import zoo
 from tests.harness import RankPool, cpu_cluster, mismatches, run_ranks
+from tests.test_bad_inputs import fake_job
 
 STEPS, LR, MAX_NORM = 4, 3e-3, 0.05
 
@@ -157,16 +155,6 @@ def _accumulate_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG
 DP_PINS = {"input_0": "S(0)", "target_0": "S(0)"}
 
 
-@contextlib.contextmanager
-def _fake_job() -> Iterator[None]:
-    """This process as rank 0 of a 2-rank job on the fake backend (nothing is sent)."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _adamw_loop(call: Any, params: Any, first_loss: torch.Tensor | None = None) -> list[float]:
     """AdamW over ``params`` for STEPS steps; ``first_loss``: step 0's loss, computed already."""
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
@@ -181,21 +169,26 @@ def _adamw_loop(call: Any, params: Any, first_loss: torch.Tensor | None = None) 
     return losses
 
 
+def _first_call_then_adamw(pm: Any, reference: torch.nn.Module) -> dict[str, Any]:
+    """A deferred model's first call (it plans on that batch, then runs the step), then AdamW over
+    its parameters, and the same loop on ``reference``: losses and full parameters of both."""
+    ids, labels = zoo.token_batch(seed=1)
+    first = pm(ids, targets=(labels,))
+    params = [p for p in pm.parameters() if p.requires_grad]
+    return {
+        "losses": _adamw_loop(lambda i, t: pm(i, targets=(t,)), params, first),
+        "ref_losses": _adamw_loop(lambda i, t: zoo.lm_loss(reference(i), t), reference.parameters()),
+        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
+        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+    }
+
+
 def _deferred_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG001
     model = zoo.llama_tiny()  # no attention key bias: Adam would amplify its rounding-noise gradient (test_equivalence)
     reference = copy.deepcopy(model)
     pm = autoplan.parallelize(model, cpu_cluster("2xCPU", compute_slowdown=1e5), loss_fn=zoo.lm_loss, pins=DP_PINS,
                               profile=None)  # fmt: skip
-    ids, labels = zoo.token_batch(seed=1)
-    first = pm(ids, targets=(labels,))  # plans on this batch, then runs the step
-    params = [p for p in pm.parameters() if p.requires_grad]
-    losses = _adamw_loop(lambda i, t: pm(i, targets=(t,)), params, first)
-    ref_losses = _adamw_loop(lambda i, t: zoo.lm_loss(reference(i), t), reference.parameters())
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
-        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+    return _first_call_then_adamw(pm, reference) | {
         "same_parameter_objects": all(a is b for a, b in zip(pm.parameters(), pm.built.parameters(), strict=True)),
         "state_dict_keys": sorted(pm.state_dict()),
         "input_spec": pm.plan.input_specs[0],
@@ -226,7 +219,7 @@ def test_deferred_parallelize_plans_at_the_first_call_and_trains_like_single_dev
     ids=["parameters", "state_dict", "data_loader", "clip_grad_norm_", "plan"],
 )
 def test_deferred_model_before_its_first_call_names_the_order(use: Any) -> None:
-    with _fake_job():
+    with fake_job(2):
         pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss)
         with pytest.raises(autoplan.PlanError, match=r"call pmodel\(inputs, targets=...\) once before building the "
                            r"optimizer, or pass example_inputs= to parallelize"):  # fmt: skip
@@ -235,7 +228,7 @@ def test_deferred_model_before_its_first_call_names_the_order(use: Any) -> None:
 
 
 def test_deferred_model_refuses_a_local_batch_before_it_is_planned() -> None:
-    with _fake_job():
+    with fake_job(2):
         pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss)
         ids, labels = zoo.token_batch(seed=1)
         batch = LocalBatch(inputs=(ids,), targets=(labels,), global_batch_size=8, step=0, sample_indices=((), ()))
@@ -265,16 +258,7 @@ def _deferred_pipeline_rank(rank: int, world_size: int) -> dict[str, Any]:  # no
     pm = autoplan.parallelize(model, cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss, global_batch_size=8,
                               config=PIPELINE_CONFIG, profile=None)  # fmt: skip
     before = (isinstance(pm, autoplan.PipelineModel), isinstance(pm, torch.nn.Module))
-    ids, labels = zoo.token_batch(seed=1)
-    first = pm(ids, targets=(labels,))  # rank 0 runs the joint search on this batch; a pipeline is built
-    params = [p for p in pm.parameters() if p.requires_grad]
-    losses = _adamw_loop(lambda i, t: pm(i, targets=(t,)), params, first)
-    ref_losses = _adamw_loop(lambda i, t: zoo.lm_loss(reference(i), t), reference.parameters())
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
-        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+    return _first_call_then_adamw(pm, reference) | {
         "isinstance_before": before,
         "isinstance_after": (
             isinstance(pm, autoplan.PipelineModel), isinstance(pm, torch.nn.Module),
@@ -321,7 +305,7 @@ def test_deferred_pipeline_plans_in_the_job_at_the_first_call_and_trains_like_si
 
 def test_deferred_global_batch_planning_names_what_does_not_go_with_it() -> None:
     ids, labels = zoo.token_batch(seed=1)  # 8 samples
-    with _fake_job():
+    with fake_job(2):
         pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss, global_batch_size=4)
         with pytest.raises(autoplan.PlanMismatchError, match="global_batch_size=4 but the batch has 8 samples"):
             pm(ids, targets=(labels,))  # before any planning
