@@ -299,12 +299,16 @@ def test_run_trains_two_steps_on_two_ranks_and_compares_with_single_device(tmp_p
     assert all("single-device" in line for line in steps)
 
 
+_DATA_PARALLEL_2XCPU = ("--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)")
+"""``autoplan run`` options of the dataset workloads' tests: two CPU ranks, the batch split between them."""
+
+
 def test_run_trains_from_the_workloads_dataset_each_rank_loading_its_rows_like_single_device(tmp_path):
     """``Workload.dataset`` (3 global batches): the ranks train from the sharded loader, 4 steps
     start over at the first batch, and ``--compare`` feeds one device the same global batches."""
     result = run_cli(
         tmp_path,
-        "run", target("mlp_dataset"), "--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)",
+        "run", target("mlp_dataset"), *_DATA_PARALLEL_2XCPU,
         "--steps", "4", "--compare", "--master-port", str(free_port()),
         timeout_s=300,
     )  # fmt: skip
@@ -337,7 +341,7 @@ def test_run_reshuffles_the_dataset_each_pass_and_compare_trains_one_device_on_t
     ranks, and ``--compare``'s single-device model on the same global rows at every step."""
     result = run_cli(
         tmp_path,
-        "run", target("mlp_dataset"), "--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)",
+        "run", target("mlp_dataset"), *_DATA_PARALLEL_2XCPU,
         "--steps", "4", "--shuffle", "--data-seed", "3", "--compare", "--master-port", str(free_port()),
         timeout_s=300,
     )  # fmt: skip
@@ -351,7 +355,7 @@ def test_run_trains_from_an_iterable_dataset_read_again_each_pass_like_single_de
     time; each rank keeps its rows, ``--compare`` gets the whole batches of the same read."""
     result = run_cli(
         tmp_path,
-        "run", target("mlp_stream"), "--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)",
+        "run", target("mlp_stream"), *_DATA_PARALLEL_2XCPU,
         "--steps", "4", "--compare", "--master-port", str(free_port()),
         timeout_s=300,
     )  # fmt: skip
@@ -367,7 +371,7 @@ def test_run_resumed_with_compare_catches_one_device_up_on_the_same_rows(model, 
     model first trains on steps 1-2's global rows (a stream is read through them), then both
     train steps 3-5 (the second pass from step 4) alike; the indexed dataset reshuffled."""
     shuffle = ("--shuffle", "--data-seed", "7") if model == "mlp_dataset" else ()
-    common = ("--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", "target_0=S(0)", *shuffle,
+    common = (*_DATA_PARALLEL_2XCPU, *shuffle,
               "--checkpoint-dir", str(tmp_path / "ckpt"))  # fmt: skip
     first = run_cli(tmp_path, "run", target(model), *common, "--steps", "2", "--master-port", str(free_port()))
     assert first.returncode == 0, f"stdout:\n{first.stdout}\nstderr:\n{first.stderr}"
