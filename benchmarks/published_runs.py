@@ -3,7 +3,7 @@
     python benchmarks/published_runs.py [--breakdown]
 
 Each run is a configuration someone ran and published, with its measured throughput: build the
-model on ``meta`` (``tests.zoo.llama_lm``, no weights) and price exactly that configuration with
+model on ``meta`` (``tests.zoo.llama_lm`` / ``qwen3_moe_lm``, no weights) and price exactly that configuration with
 ``autoplan.estimate`` (no search). Prints per run: model, configuration, predicted and published
 tokens/s per GPU and their error (predicted / published - 1), predicted and published MFU, the
 predicted communication per step (all of it, and the part the compute stream waits for: ZeRO-3's
@@ -13,8 +13,38 @@ memory per device and whether the cost model calls it feasible; then
 runs; ``mem_err_max`` over the runs with a published peak memory, ``n/a`` when none has one). ``--breakdown`` adds, under each
 run, where its predicted step goes (:func:`breakdown`).
 
-Source of every row: ``shared/published_runs.md`` (torchtitan, FSDP2 on 64 A100 80GB,
-pytorch/torchtitan docs/performance.md, 2024). Add runs as rows of ``RUNS`` with their source.
+Sources: the eight Llama rows, ``shared/published_runs.md`` (torchtitan, FSDP2 on 64 A100 80GB,
+pytorch/torchtitan docs/performance.md, 2024); the mixture-of-experts row, NeMo AutoModel's
+performance summary (Qwen3-30B-A3B, BF16, one DGX-H100, EP 8; the row's comment in ``RUNS`` says
+what is exact and what is approximated). Add runs as rows of ``RUNS`` with their source. The
+corrections below (recomputation policies, FSDP2 copies, torchtitan's MFU) apply to the torchtitan
+rows only (``PublishedRun.framework``).
+
+Found, not priced (BF16 mixture-of-experts and long-context runs with a published configuration
+that autoplan cannot express faithfully, issue #20 item 5):
+
+- Megatron-Core MoE README (NVIDIA/Megatron-LM ``megatron/core/transformer/moe/README.md``):
+  Mixtral 8x7B bf16 at 438 (MCore v0.8) and 468 (v0.9) TFLOP/s per GPU on H100, with no
+  configuration (GPUs, TP/PP/EP, batch) given: nothing to price.
+- NeMo AutoModel performance summary (as the row above): DeepSeek V3 671B (256 and 1,024 H100,
+  PP 4 VP 8 EP 64) and Kimi K2 (256 H100, PP 8 EP 32): pipeline stages whose experts are split
+  over ranks of other stages' data-parallel replicas (EP beyond one stage's mesh axis) and MLA
+  attention (no zoo model); GPT-OSS 20B/120B (8/64 H100, FSDP, no EP): attention sinks,
+  alternating sliding-window layers and clamped SwiGLU experts, not in the zoo.
+- Megatron-Bridge performance summary (NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary.md``,
+  25.11): GPT-OSS 120B BF16 on 64 H100 (PP 4, EP 8; same model gap, and EP with PP); every other
+  H100 MoE row (Qwen3, DeepSeek V3) is FP8; Mixtral-8x7B/8x22B in the NeMo 25.02-25.04
+  summaries (docs.nvidia.com/nemo-framework/user-guide/latest/performance/performance_summary.html)
+  are FP8 (H100, B200, GB200): autoplan prices bf16 only.
+- Long context: NeMo ``docs/source/performance/performance_long_sequence.md`` (Llama 2 7B on
+  H100 and Llama 3 8B on B200, 4k-1M tokens, TP/PP/DP/CP tables) is FP8; torchtitan
+  ``benchmarks/llama3_h100_202412_torchtitan.md`` (Llama 3.1 8B FSDP+CP 32k-262k on 8 H100, 405B
+  4D with CP 1-8) runs Float8 and torch.compile on 96 GB 500 W H100s (not the catalog's H100);
+  the Llama 3 paper (Dubey et al. 2024, Table 4: 405B, 16,384 H100, TP 8 CP 16 PP 16 DP 4,
+  131,072 tokens, 380 TFLOP/s per GPU, BF16) needs context parallelism of 16 beside tensor
+  parallelism of 8, and autoplan's sequence sharding is a choice on one stage axis (here the
+  tensor-parallel one), so CP 16 x TP 8 inside a stage cannot be written; the Megatron-Core context-parallel
+  docs give figures only.
 
 Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.recompute``):
 
@@ -82,15 +112,20 @@ import torch  # noqa: E402
 import autoplan  # noqa: E402
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
 from autoplan.cost_models.compute import memory_time_s, roofline_time_s  # noqa: E402
-from tests.zoo import llama_lm, lm_loss  # noqa: E402
+from tests.zoo import llama_lm, lm_loss, qwen3_moe_lm  # noqa: E402
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
+AUTOMODEL_H100 = (
+    "NeMo AutoModel docs/performance-summary.md (2025-10-02), DGX-H100 BF16 pre-training; "
+    "https://github.com/NVIDIA-NeMo/Automodel/blob/main/docs/performance-summary.md"
+)
 GiB = 2**30
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Shape:
-    """A Llama decoder's shape (HF ``LlamaConfig`` fields)."""
+    """A decoder's shape: a Llama (HF ``LlamaConfig`` fields) or, with ``experts``, a Qwen3-MoE
+    (HF ``Qwen3MoeConfig``: every layer routed experts, no dense MLP)."""
 
     name: str
     layers: int
@@ -98,13 +133,26 @@ class Shape:
     heads: int
     kv_heads: int
     ffn: int
+    """Dense MLP width (0 for a model whose every layer is routed experts)."""
     vocab: int
+    head_dim: int | None = None
+    """Query/key/value head width; ``None``: ``hidden // heads``."""
+    experts: int = 0
+    """Routed experts per layer (0: a dense Llama)."""
+    top_k: int = 0
+    moe_ffn: int = 0
+    """Width of one routed expert's SwiGLU."""
 
 
 LLAMA3_8B = Shape(name="Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
 LLAMA3_70B = Shape(name="Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 LLAMA2_13B = Shape(name="Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
 LLAMA2_70B = Shape(name="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+QWEN3_30B_A3B = Shape(
+    name="Qwen3-30B-A3B", layers=48, hidden=2048, heads=32, kv_heads=4, ffn=0, vocab=151936, head_dim=128,
+    experts=128, top_k=8, moe_ffn=768,
+)  # fmt: skip
+"""Qwen/Qwen3-30B-A3B ``config.json`` (the model the AutoModel row loads by name)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +169,14 @@ class PublishedRun:
     """As published: ``none``, ``full``, ``selective, per op``, ``selective, per layer``."""
     zero_stage: int
     dp: int
+    tp: int = 1
+    """autoplan's in-stage model-parallel axis (``ParallelConfig.tp``): 1 for the torchtitan rows;
+    the expert-parallel degree of the MoE row, whose attention runs data-parallel over the same
+    ranks (the ILP's choice, module docstring)."""
+    num_microbatches: int = 1
+    """Gradient-accumulation steps per optimizer step."""
+    framework: str = "torchtitan"
+    """``torchtitan`` rows get the torchtitan/FSDP2 corrections of the module docstring; others none."""
     tokens_per_s_per_gpu: float
     mfu: float
     peak_memory_gib: float | None = None
@@ -128,8 +184,12 @@ class PublishedRun:
     source: str
 
     @property
+    def num_gpus(self) -> int:
+        return self.dp * self.tp
+
+    @property
     def global_batch(self) -> int:
-        return self.local_batch * self.dp
+        return self.local_batch * self.num_microbatches * self.num_gpus
 
 
 def _tt(shape: Shape, seq: int, batch: int, ac: str, wps: float, mfu: float) -> PublishedRun:
@@ -140,6 +200,30 @@ def _tt(shape: Shape, seq: int, batch: int, ac: str, wps: float, mfu: float) -> 
     )  # fmt: skip
 
 
+# NeMo AutoModel, Qwen3-30B-A3B on one DGX-H100 (8 GPUs), BF16: GBS 512, local batch 4, GA 16,
+# sequence 4096, TP 1 PP 1 CP 1 EP 8, FSDP2 over 8; 21.773 s per step, 12,040 tokens/s/GPU,
+# 277 model TFLOP/s/GPU (MFU over 989). Recipe examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml
+# (GBS 512 version): activation_checkpointing true (checkpoint_wrapper on every block: full),
+# torch.optim.Adam, TE attention/linear/RMSNorm, DeepEP dispatch, fake_balanced_gate (routing
+# forced balanced). Exact: shape, GPUs, batch, sequence, EP 8, full recomputation, bf16, Adam.
+# autoplan: tp=8 is the 8-rank axis; the ILP (checked with autoplan.plan on 1x8xH200, the H100
+# plan does not fit) runs attention batch-split over it (data parallel, as AutoModel) and the
+# experts split 16 per rank (EP 8) with the all-gather token dispatcher, not DeepEP's all-to-all.
+# Approximated: AutoModel FSDP-shards the non-expert weights over the 8 GPUs, autoplan (dp=1)
+# replicates them and all-reduces their gradients (its peak memory over-counts their optimizer
+# state: infeasible in the model, fits in the run); autoplan prices routing at ROUTING_IMBALANCE
+# 1.25 (the run forces balance); autoplan's full recomputation does not re-run the experts'
+# forward (checkpoint_wrapper does, dispatch included): not corrected.
+# Error -21.5% (--breakdown): of the predicted 27.7 s step, the non-matmul, non-attention ops
+# priced as HF eager runs them (fp32 RMSNorms with the per-head q/k norms, RoPE, routing softmax
+# and top-k, the loss) take 8.3 s forward+backward plus their recomputation, where the run uses TE's
+# fused kernels; the blocking token all-gather/reduce-scatter of the experts 5.4 s.
+AUTOMODEL_QWEN3_30B = PublishedRun(
+    shape=QWEN3_30B_A3B, cluster="1x8xH100", seq_len=4096, local_batch=4, activation_checkpointing="full",
+    zero_stage=0, dp=1, tp=8, num_microbatches=16, framework="automodel", tokens_per_s_per_gpu=12040,
+    mfu=277 / 989, source=AUTOMODEL_H100,
+)  # fmt: skip
+
 RUNS = [
     _tt(LLAMA3_8B, 8192, 1, "selective, per layer", 2904, 0.568),
     _tt(LLAMA3_8B, 8192, 1, "selective, per op", 2973, 0.582),
@@ -149,6 +233,7 @@ RUNS = [
     _tt(LLAMA2_13B, 4096, 2, "selective, per op", 1904, 0.538),
     _tt(LLAMA2_70B, 4096, 1, "selective, per op", 355, 0.508),
     _tt(LLAMA2_70B, 4096, 2, "full", 353, 0.505),
+    AUTOMODEL_QWEN3_30B,
 ]
 
 RECOMPUTE_MIX: dict[str, dict[str, float]] = {
@@ -178,20 +263,38 @@ class Priced:
     the row's shape and numbers are encoded as torchtitan ran them."""
 
 
-def price(run: PublishedRun) -> Priced:
-    """``autoplan.estimate`` of the run's configuration (a weighted mean over ``RECOMPUTE_MIX``)."""
+def build(run: PublishedRun) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The run's model on ``meta`` and one sequence of token ids."""
     s = run.shape
     with torch.device("meta"):
-        model = llama_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn,
-                         vocab=s.vocab, positions=run.seq_len)  # fmt: skip
+        if s.experts:
+            model = qwen3_moe_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads,
+                                 head_dim=s.head_dim or s.hidden // s.heads, moe_ffn=s.moe_ffn, vocab=s.vocab,
+                                 positions=run.seq_len, experts=s.experts, top_k=s.top_k)  # fmt: skip
+        else:
+            model = llama_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn,
+                             vocab=s.vocab, positions=run.seq_len)  # fmt: skip
         ids = torch.randint(0, s.vocab, (1, run.seq_len))
+    return model, ids
+
+
+def parallel_config(run: PublishedRun, recompute: str) -> autoplan.ParallelConfig:
+    """The run's configuration: a micro-batch is the ``local_batch`` of each of the ``tp`` ranks
+    of the model-parallel axis (split over them when the ILP runs an op batch-parallel there)."""
+    return autoplan.ParallelConfig(
+        dp=run.dp, tp=run.tp, pp=1, microbatch_size=run.local_batch * run.tp,
+        num_microbatches=run.num_microbatches, recompute=recompute, zero_stage=run.zero_stage,
+    )  # fmt: skip
+
+
+def price(run: PublishedRun) -> Priced:
+    """``autoplan.estimate`` of the run's configuration (a weighted mean over ``RECOMPUTE_MIX``)."""
+    model, ids = build(run)
+    torchtitan = run.framework == "torchtitan"
     step_s = mfu_step = peak = comm_s = exposed_s = 0.0
     capacity, configs = 0.0, []
     for recompute, weight in RECOMPUTE_MIX[run.activation_checkpointing].items():
-        config = autoplan.ParallelConfig(
-            dp=run.dp, tp=1, pp=1, microbatch_size=run.local_batch, num_microbatches=1,
-            recompute=recompute, zero_stage=run.zero_stage,
-        )  # fmt: skip
+        config = parallel_config(run, recompute)
         est = autoplan.estimate(
             model, run.cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
             global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
@@ -203,21 +306,22 @@ def price(run: PublishedRun) -> Priced:
         exposed_s += weight * est.exposed_comm_s
         capacity = est.capacity_bytes
         configs.append(str(config) if weight == 1.0 else f"{weight:g}x[{config}]")
-        if recompute == "full":
+        if recompute == "full" and torchtitan:
             step_s += weight * full_ac_extra_recompute_s(run)
-    if run.activation_checkpointing == "selective, per op":
-        step_s += op_sac_extra_recompute_s(run)
-        configs.append("torchtitan op-SAC matmul recompute")
-    if "full" in RECOMPUTE_MIX[run.activation_checkpointing]:
-        configs.append("torchtitan full-AC block re-run")
     tokens = run.global_batch * run.seq_len
     num_params = sum(p.numel() for p in model.parameters())
-    step_s += fsdp2_copy_s(run, num_params)
-    configs.append("FSDP2 copies")
+    if torchtitan:
+        if run.activation_checkpointing == "selective, per op":
+            step_s += op_sac_extra_recompute_s(run)
+            configs.append("torchtitan op-SAC matmul recompute")
+        if "full" in RECOMPUTE_MIX[run.activation_checkpointing]:
+            configs.append("torchtitan full-AC block re-run")
+        step_s += fsdp2_copy_s(run, num_params)
+        configs.append("FSDP2 copies")
     return Priced(
-        config=" + ".join(configs), tokens_per_s_per_gpu=tokens / step_s / run.dp, mfu=mfu_step / step_s,
+        config=" + ".join(configs), tokens_per_s_per_gpu=tokens / step_s / run.num_gpus, mfu=mfu_step / step_s,
         peak_memory_gib=peak / GiB, feasible=peak <= capacity, comm_s=comm_s, exposed_comm_s=exposed_s,
-        published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu),
+        published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu) if torchtitan else run.mfu,
     )  # fmt: skip
 
 
@@ -292,12 +396,16 @@ def torchtitan_mfu(run: PublishedRun, num_params: int, tokens_per_s_per_gpu: flo
 
 def breakdown(run: PublishedRun) -> list[str]:
     """Where the predicted step goes (``--breakdown``), per autoplan configuration of the run:
-    the roofline time of the traced step's ops by kind (matmuls, fused attention, the other ops;
-    forward and backward, every block), the recomputation the configuration adds (``full``: the
-    forward but its random ops; ``selective``: the forward's non-matmul ops; plus torchtitan's per-op matmuls),
-    FSDP2's copies (:func:`fsdp2_copy_s`, added to the step), and from the estimate the optimizer
+    the roofline time of the traced step's ops by kind (matmuls, fused attention, routed experts,
+    the other ops; forward and backward, every block, every micro-batch), the recomputation the
+    configuration adds (``full``: the forward but its random ops; ``selective``: the forward's
+    non-matmul ops; plus torchtitan's per-op matmuls), FSDP2's copies (:func:`fsdp2_copy_s`, added
+    to the step; torchtitan rows), and from the estimate the optimizer
     step, the compute stream's total (the slowdown beside communication included), the
-    communication it waits for and the step (without the two benchmark-side terms)."""
+    communication it waits for and the step (without the two benchmark-side terms). The op times
+    and the recomputation are those of one device's ``local_batch`` traced unsharded (``tp=1``):
+    with ``tp`` > 1, a device's share when the ILP splits the batch over the axis, and the routed
+    experts' average share (no ``ROUTING_IMBALANCE``, no dispatch) when it splits the experts."""
     # the planner's tracing internals, imported here: only this diagnostic needs them
     from autoplan.cost_models.compute import cost_key, is_matmul
     from autoplan.passes.strategies import tensor_args
@@ -305,11 +413,7 @@ def breakdown(run: PublishedRun) -> list[str]:
     from autoplan.planner.segment_model import SegmentCostModel
     from autoplan.planner.tracing import prepare_for_precision
 
-    s = run.shape
-    with torch.device("meta"):
-        model = llama_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn,
-                         vocab=s.vocab, positions=run.seq_len)  # fmt: skip
-        ids = torch.randint(0, s.vocab, (1, run.seq_len))
+    model, ids = build(run)
     cluster = as_cluster(run.cluster)
     model, inputs, targets = prepare_for_precision(model, (ids,), (ids,), "bf16")
     costs = SegmentCostModel(model, inputs, lm_loss, targets, cluster, optimizer="adamw")
@@ -325,36 +429,37 @@ def breakdown(run: PublishedRun) -> list[str]:
         outs = [v for v in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(v, torch.Tensor)]
         key = cost_key(n.target, n.args, n.kwargs)
         t = roofline_time_s(key, [a.meta["val"] for a in tensor_args(n)], outs, cluster.device)
-        kind = "attention" if "sdpa" in str(n.target) else "matmul" if is_matmul(n.target) else "other"
+        target = str(n.target)
+        kind = "attention" if "sdpa" in target else "experts" if "moe" in target else "other"
+        kind = "matmul" if kind == "other" and is_matmul(n.target) else kind
         where = (str(n.meta.get("autoplan.phase")), kind)
-        ms[where] = ms.get(where, 0.0) + t * 1e3 * (blocks if k == kept else 1)
+        ms[where] = ms.get(where, 0.0) + t * 1e3 * (blocks if k == kept else 1) * run.num_microbatches
     lines = []
+    torchtitan = run.framework == "torchtitan"
     for recompute in RECOMPUTE_MIX[run.activation_checkpointing]:
-        config = autoplan.ParallelConfig(
-            dp=run.dp, tp=1, pp=1, microbatch_size=run.local_batch, num_microbatches=1,
-            recompute=recompute, zero_stage=run.zero_stage,
-        )  # fmt: skip
+        config = parallel_config(run, recompute)
         est = autoplan.estimate(
             model, cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
             global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
         )  # fmt: skip
         redo = {"none": 0.0, "full": sum(x.full_recompute_s for x in seg.segments),
-                "selective": sum(x.selective_recompute_s for x in seg.segments)}[recompute]  # fmt: skip
-        if run.activation_checkpointing == "selective, per op":
+                "selective": sum(x.selective_recompute_s for x in seg.segments)}[recompute] * run.num_microbatches  # fmt: skip
+        if run.activation_checkpointing == "selective, per op" and torchtitan:
             redo += op_sac_extra_recompute_s(run)
-        if recompute == "full":
+        if recompute == "full" and torchtitan:
             redo += full_ac_extra_recompute_s(run)
-        kinds = ("matmul", "attention", "other")
+        copies_s = fsdp2_copy_s(run, sum(p.numel() for p in model.parameters())) if torchtitan else 0.0
+        kinds = ("matmul", "attention", "experts", "other") if run.shape.experts else ("matmul", "attention", "other")
         passes = " | ".join(
             f"{phase} " + ", ".join(f"{kind} {ms.get((phase, kind), 0.0):,.0f}" for kind in kinds)
             for phase in ("fwd", "bwd")
         )
         lines.append(
             f"  [{recompute}] ms per step: {passes} | recompute {redo * 1e3:,.0f} | FSDP2 copies "
-            f"{fsdp2_copy_s(run, sum(p.numel() for p in model.parameters())) * 1e3:,.0f} | optimizer "
+            f"{copies_s * 1e3:,.0f} | optimizer "
             f"{est.optimizer_s * 1e3:,.0f} | compute stream {est.compute_s * 1e3:,.0f} | exposed comm "
             f"{est.exposed_comm_s * 1e3:,.0f} | step {est.step_time_s * 1e3:,.0f} (published "
-            f"{run.global_batch * run.seq_len / run.dp / run.tokens_per_s_per_gpu * 1e3:,.0f})"
+            f"{run.global_batch * run.seq_len / run.num_gpus / run.tokens_per_s_per_gpu * 1e3:,.0f})"
         )
     return lines
 
@@ -370,7 +475,8 @@ def main() -> int:
         p = price(run)
         err = p.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu - 1
         errors.append(abs(err))
-        encoding.append(abs(p.published_mfu_check - run.mfu))
+        if run.framework == "torchtitan":
+            encoding.append(abs(p.published_mfu_check - run.mfu))
         if run.peak_memory_gib is not None:
             mem_errors.append(abs(p.peak_memory_gib / run.peak_memory_gib - 1))
         print(

@@ -213,6 +213,34 @@ def mixtral_lm(
     return MixtralForCausalLM(config)
 
 
+def qwen3_moe_lm(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    moe_ffn: int,
+    vocab: int,
+    positions: int,
+    experts: int,
+    top_k: int,
+) -> nn.Module:
+    """HF Qwen3-MoE (``Qwen3MoeForCausalLM``: every layer ``experts`` SwiGLU experts of ``moe_ffn``,
+    ``top_k`` per token with renormalised weights, per-head RMSNorm on queries and keys, untied
+    lm_head) of any shape (the benchmarks' Qwen3-30B-A3B), no KV cache. Unseeded: build it on
+    ``meta`` to plan."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        num_hidden_layers=layers, hidden_size=hidden, moe_intermediate_size=moe_ffn, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, num_experts=experts, num_experts_per_tok=top_k,
+        norm_topk_prob=True, vocab_size=vocab, max_position_embeddings=positions, use_cache=False,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return Qwen3MoeForCausalLM(config)
+
+
 GPT2_TP_PINS = {
     # HF Conv1D weight is (in, out): column-parallel is S(1), row-parallel S(0).
     "*mlp.c_fc.weight": "S(1)",
