@@ -44,8 +44,7 @@ class OverlapPolicy:
     prefetch_blocks: int = 1
     """Blocks ahead a sharded parameter's all-gather is issued (FSDP2 prefetches one)."""
     coalesce_gathers: bool = True
-    """Gather a block's sharded parameters in one collective (FSDP2); the multi-stage pipeline
-    runtime gathers them one by one (its stage splitter does not take coalesced gathers yet)."""
+    """Gather a block's sharded parameters in one collective (FSDP2)."""
     reshard_after_forward: bool = True
     """Free gathered parameters after the forward and gather them again for the backward
     (FSDP2's default; pipelined FSDP keeps them: ``False``)."""
@@ -58,18 +57,20 @@ DEFAULT_POLICY = OverlapPolicy()
 
 
 def gradients_reduced_in_backward(*, num_stages: int, num_microbatches: int, schedule: str) -> bool:
-    """Whether a pipeline plan's backward program converts the parameter gradients itself, in
-    buckets issued as their gradients exist (DDP's all-reduces, FSDP2's reduce-scatters): one
-    stage per rank, not zero-bubble (its split weight-gradient programs). With several
-    micro-batches the earlier ones' raw gradients are summed and the last micro-batch's backward
-    adds that sum to each of its gradients right before the gradient's bucket, as Megatron's
-    gradient buffer does (``num_microbatches`` does not change the rule). Otherwise (several
-    stages) the runtime converts a stage's raw gradients once per step, after the schedule. The
-    runtime (:mod:`autoplan.runtime.pipeline`), the step model
-    (:mod:`autoplan.cost_models.step`) and the memory model
-    (:func:`autoplan.cost_models.memory.stage_memory_parts`) all read this rule."""
-    del num_microbatches  # one stage converts in its (last) backward whatever the count
-    return num_stages == 1 and schedule != "zero-bubble"
+    """Whether a pipeline plan's backward programs convert the parameter gradients themselves, in
+    buckets issued as their gradients exist (DDP's all-reduces, FSDP2's reduce-scatters): every
+    schedule but zero-bubble (its split weight-gradient programs). With several micro-batches the
+    earlier ones' raw gradients are summed and each stage's last micro-batch's backward adds that
+    sum to each of its gradients right before the gradient's bucket, as Megatron's gradient buffer
+    does and as torch's pipelining runs FSDP2 (gradient sync on the last backward only), so
+    ``num_microbatches`` does not change the rule. With several stages each stage's buckets hold
+    its own gradients, issued in its last backward, and waited for before that backward hands its
+    input gradient on; a parameter tied across stages is converted after the schedule. Zero-bubble
+    converts the stages' raw gradients once per step, after the schedule. The runtime
+    (:mod:`autoplan.runtime.pipeline`), the step model (:mod:`autoplan.cost_models.step`) and the
+    memory model (:func:`autoplan.cost_models.memory.stage_memory_parts`) all read this rule."""
+    del num_stages, num_microbatches  # every stage converts in its (last) backward whatever the counts
+    return schedule != "zero-bubble"
 
 
 def gradient_buckets(sizes_bytes: Sequence[float], policy: OverlapPolicy = DEFAULT_POLICY) -> tuple[tuple[int, ...], ...]:

@@ -299,8 +299,8 @@ def stage_memory_parts(
                  j's own as its backward makes them, segment_costs' G_k), R = sum_i r_i
                  f = inflight, m = micro-batches per step
         reductions:     R + bucket + reduced     (after the schedule; activations freed)
-        reduced_in_backward (one stage: comm_schedule.gradients_reduced_in_backward; with m > 1
-        the last micro-batch's backward) with ZeRO >= 1: the backward reduce-scatters
+        reduced_in_backward (comm_schedule.gradients_reduced_in_backward: not zero-bubble; with
+        m > 1 the last micro-batch's backward) with ZeRO >= 1: the backward reduce-scatters
         its buckets as they fill, at most ``reduce_scatters_in_flight`` unwaited, so
                  R_j -> G_j + min(R_j, (in_flight + 1) bucket)    and no reductions after it
         optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)

@@ -66,35 +66,40 @@ compute is shorter than it. ZeRO-3 gathers every segment's weights (``param_nume
 every micro-batch's forward and, with ``reshard_after_forward``, again in its backward (and under
 full recomputation once more there: the re-run forward gathers its block's weights itself,
 :mod:`autoplan.passes.recompute`).
-Where the program reduces gradients in its backward (one stage per rank, not zero-bubble; with
-several micro-batches the last one's backward adds the earlier ones' sum before each bucket: :func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`, the rule the
+Where the program reduces gradients in its backward (every schedule but zero-bubble; with
+several micro-batches each stage's last one's backward adds the earlier ones' sum before each
+bucket: :func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`, the rule the
 runtime follows), segment ``j``'s gradient (``trainable_numel * g`` bytes) is cut into ``ceil(bytes / cap)`` equal
 pieces produced evenly over its backward, the pieces are grouped by
 :func:`~autoplan.cost_models.comm_schedule.gradient_buckets` in backward order (last segment
-first), and each bucket (all-reduce for ZeRO 0, reduce-scatter for ZeRO >= 1; latency per bucket)
-is issued on the link when its last piece exists (that fraction of the segment's backward compute
-done), behind whatever the link already carries (the
-backward's own all-gathers). Then::
+first; a bucket holds one stage's gradients), and each bucket (all-reduce for ZeRO 0,
+reduce-scatter for ZeRO >= 1; latency per bucket) is issued on the link when its last piece
+exists (that fraction of the segment's backward compute done), behind whatever the link already
+carries (the backward's own all-gathers). The buckets are waited for after the schedule, before
+the optimizer step (the stage hands its input gradient on without waiting for them). Then::
 
     F_k, B_k  = end of the forward / backward pass without reductions (per micro-batch)
     sync_k    = (end of the last backward with its reductions - B_k)        (contention)
               + max(0, last collective done - end of the last backward)     (the exposed tail)
+              + the gradients of parameters tied across stages (one reduction, exposed)
               + ZeRO 1-2's all-gather of the updated weights, per bucket    (after the step)
 
 where the tail is the larger of the dp link's and the tp link's: tensor-parallel gradient
 conversions (``grad_sync_s``) are issued on their own link when their segment's backward ends.
-Otherwise (micro-batches to accumulate, several stages) the runtime sums each stage's raw
-gradients over the micro-batches and converts them after the schedule, and nothing runs beside
-that: ``sync_k = sum(grad_sync_s) + sum(bucket times) + ZeRO 1-2's gathers``, all exposed, and a
-rank pays its stages' ``sync_k`` and optimizer steps one after the other::
+The tail is counted after the schedule even for a stage whose last backward ends before the
+pipeline drains (an over-estimate for the later stages of 1F1B, which have the cooldown to hide
+it). Under zero-bubble the runtime sums each stage's raw gradients over the micro-batches and
+converts them after the schedule, and nothing runs beside that:
+``sync_k = sum(grad_sync_s) + sum(bucket times) + ZeRO 1-2's gathers``, all exposed. A rank
+pays its stages' ``sync_k`` and optimizer steps one after the other::
 
     step = makespan + drain + max over ranks r of  sum_{k on r} (sync_k + optimizer_k)
 
 Pipeline sends of a stage's output (forward) and input gradient (backward) use the dp link when
 both cross nodes or both stay inside one: the send queues behind the dp collectives, and the
 schedule's transfer time becomes ``p2p' = p2p + the send's wait``. In the last micro-batch's
-backward a stage's send waits behind its reductions and delays the last backward of every
-stage before it: ``drain = sum_k (that wait of stage k)``. On devices whose collectives
+backward a stage's send waits behind its reductions on a shared link and delays the last
+backward of every stage before it: ``drain = sum_k (that wait of stage k)``. On devices whose collectives
 do not run beside compute (CPU ranks, :func:`~autoplan.cost_models.comm.overlaps_compute`) every
 collective is exposed: ``F_k = sum c + sum g``, reductions after the backward.
 
@@ -562,8 +567,8 @@ class _StageComm:
     send_wait_s: tuple[float, float]
     """Waits of the pipeline sends at the end of the forward and of the backward (steady state)."""
     drain_wait_s: float
-    """Wait of the last micro-batch's backward send behind the reductions: the previous stage's
-    last backward starts that much later."""
+    """Wait of the last micro-batch's backward send behind the reductions on a shared link: the
+    previous stage's last backward starts that much later."""
     rows: tuple[CommRow, ...]
     """The stage's collectives over the step, on ``dp`` and ``tp``."""
 
@@ -617,15 +622,20 @@ def _stage_comm(
     policy: OverlapPolicy,
     send_s: tuple[float, float] = (0.0, 0.0),
     reduced_in_backward: bool = True,
+    apart_numel: tuple[int, ...] = (),
+    copies_numel: int = 0,
 ) -> _StageComm:
     """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
     micro-batch's backward with the gradient reductions (``send_s``: the pipeline sends at the
     end of the forward and of the backward when they share the dp link, else 0). Without
     ``reduced_in_backward`` (:func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`)
     the runtime converts the accumulated gradients after the schedule: every reduction and
-    tensor-parallel gradient conversion is exposed, one after the other. Memoised: the search
-    prices the same stage under many schedules."""
+    tensor-parallel gradient conversion is exposed, one after the other. ``apart_numel`` (per
+    segment, of its ``trainable_numel``) and ``copies_numel`` (the stage's copies of parameters
+    tied to another stage): elements whose gradients are reduced after the schedule in any case,
+    one collective, exposed. Memoised: the search prices the same stage under many schedules."""
     m = num_microbatches
+    apart = apart_numel or (0,) * len(part)
     fwd_c = [s.fwd_s for s in part]
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
     overlap = overlaps_compute(cluster.device)
@@ -652,12 +662,14 @@ def _stage_comm(
     regather = recompute == "full"  # the re-run forward gathers its block's weights again
     gather_b = [g * (policy.reshard_after_forward + regather) for g in gather_f[::-1]]
     red_kind = "all_reduce" if z == 0 else "reduce_scatter"
-    grad_bytes = [s.trainable_numel * bpe.grads for s in part][::-1]
+    grad_bytes = [(s.trainable_numel - a) * bpe.grads for s, a in zip(part, apart, strict=True)][::-1]
     reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
+    apart_bytes = (sum(apart) + copies_numel) * bpe.grads
+    apart_s = time_of(red_kind)(apart_bytes) if apart_bytes > 0 else 0.0
     pre = policy.prefetch_blocks
     fwd = _run_pass(fwd_c, gather_f, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[0])
     bwd = _run_pass(bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, send_s=send_s[1])
-    if reduced_in_backward:
+    if reduced_in_backward:  # the buckets are waited for after the schedule, before the optimizer
         last = _run_pass(
             bwd_c, gather_b, overlap=overlap, slow=slow, prefetch=pre, reductions=reductions, send_s=send_s[1]
         )
@@ -682,21 +694,22 @@ def _stage_comm(
         min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
         if reduced_in_backward
         else reduce_total
-    )
+    ) + apart_s
+    reduce_total += apart_s
     n_gathered = sum(1 for b in gather_bytes if b > 0)
     if gathers_total > 0:
         passes = 1 + policy.reshard_after_forward + regather
         rows.append(CommRow(kind="all_gather", axis="dp", count=m * passes * n_gathered,
                             bytes=m * passes * sum(gather_bytes), total_s=gathers_total, exposed_s=gathers_exposed))  # fmt: skip
-    if reductions:
-        rows.append(CommRow(kind=red_kind, axis="dp", count=len(reductions), bytes=sum(bucket_bytes),
-                            total_s=reduce_total, exposed_s=reduce_exposed))  # fmt: skip
+    if reductions or apart_s > 0:
+        rows.append(CommRow(kind=red_kind, axis="dp", count=len(reductions) + (apart_s > 0),
+                            bytes=sum(bucket_bytes) + apart_bytes, total_s=reduce_total, exposed_s=reduce_exposed))  # fmt: skip
     if after_buckets:
         rows.append(CommRow(kind="all_gather", axis="dp", count=len(after_buckets),
                             bytes=sum(s.trainable_numel * bpe.weights for s in part), total_s=after, exposed_s=after))  # fmt: skip
     return _StageComm(
         fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s,
-        sync_s=(last.end_s - bwd.end_s) + tail + after, send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
+        sync_s=(last.end_s - bwd.end_s) + tail + apart_s + after, send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
         drain_wait_s=last.send_wait_s if reduced_in_backward else 0.0, rows=tuple(rows),
     )  # fmt: skip
 
@@ -741,7 +754,7 @@ class _StagePrice:
     estimate: StageEstimate
     sync_exposed_s: float
     """What the last micro-batch's gradient synchronisation adds after its backward (contention,
-    the exposed tail, ZeRO 1-2's all-gather after the step)."""
+    the exposed tail, ZeRO 1-2's all-gather after the step, tied parameters' reductions)."""
     optimizer_s: float
     compute_s: float
     """Per micro-batch compute of the forward and backward (waits for gathers excluded)."""
@@ -774,9 +787,11 @@ def _price_stage(
     policy: OverlapPolicy,
     send_s: tuple[float, float] = (0.0, 0.0),
     memory_only: bool = False,
+    tied: tuple[tuple[int, ...], int] = ((), 0),
 ) -> _StagePrice:
     """Times, memory and data-parallel communication of stage ``stage`` (segments ``part``;
-    ``send_s``: its pipeline sends that share the dp link, :func:`_stage_comm`)."""
+    ``send_s``: its pipeline sends that share the dp link; ``tied``: its parameters tied to
+    another stage, :func:`_tied_apart`; :func:`_stage_comm`)."""
     rank = stage % config.pp
     dp = config.dp_of(rank)
     fwd = sum(s.fwd_s for s in part)
@@ -794,7 +809,7 @@ def _price_stage(
         comm = _stage_comm(
             tuple(part), cluster, tp=config.tp, dp=dp, num_microbatches=config.num_microbatches,
             zero_stage=config.zero_stage, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s,
-            reduced_in_backward=in_backward,
+            reduced_in_backward=in_backward, apart_numel=tied[0], copies_numel=tied[1],
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
@@ -850,6 +865,23 @@ class _Transfer:
     bytes: float
     """Bytes over the busiest link."""
     spans_nodes: bool
+
+
+def _tied_apart(segs: Sequence[SegmentCost], bounds: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
+    """Per stage (segments ``bounds[k]:bounds[k+1]``), the parameters tied across stages that its
+    gradients hold: per segment the elements of its ``trainable_numel`` another stage also reads,
+    and the elements of the copies it holds of another stage's parameters. Their gradients are
+    converted after the schedule (:func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`)."""
+    stage_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
+    apart = [[0] * (bounds[k + 1] - bounds[k]) for k in range(len(bounds) - 1)]
+    copies = [0] * (len(bounds) - 1)
+    for i, s in enumerate(segs):
+        owner = s.tied_param_owner
+        if 0 <= owner < len(segs) and s.tied_trainable_numel and stage_of[owner] != stage_of[i]:
+            k = stage_of[owner]
+            copies[stage_of[i]] += s.tied_trainable_numel
+            apart[k][owner - bounds[k]] = max(apart[k][owner - bounds[k]], s.tied_trainable_numel)
+    return [(tuple(a), c) for a, c in zip(apart, copies, strict=True)]
 
 
 def _p2p(
@@ -946,7 +978,7 @@ def evaluate(
 
     With heterogeneous sub-meshes (``config.stage_dp``), ``stage_costs[k]`` are the segment costs
     of stage ``k``'s per-device micro-batch (``dp * microbatch_size / stage_dp[k]`` samples).
-    ``policy``: the program's overlap (default :data:`~autoplan.cost_models.comm_schedule.DEFAULT_POLICY`).
+    ``policy``: the program's overlap (default :data:`~autoplan.cost_models.comm_schedule.DEFAULT_POLICY`, what the runtime runs).
 
     (long: one pass over the stages composing time, memory and the communication account of the
     same configuration; the parts are the helpers above)"""
@@ -961,6 +993,7 @@ def evaluate(
     rec = list(stage_recompute) if stage_recompute is not None else [config.recompute] * nstages
     bpe = precision_bytes(costs.optimizer, precision)  # bytes per element: weights, grads, optimizer
     pol = DEFAULT_POLICY if policy is None else policy
+    tied = _tied_apart(segs, bounds)
     # first device of each stage's sub-mesh (Megatron order; stage sub-meshes are contiguous)
     offsets = list(itertools.accumulate((config.dp_of(k % config.pp) * config.tp for k in range(config.pp)), initial=0))
     p2p = (
@@ -979,6 +1012,7 @@ def evaluate(
             policy=pol,
             send_s=(0.0, 0.0) if memory_only else _shared_sends(config, cluster, p2p, k),
             memory_only=memory_only,
+            tied=tied[k],
         )
         for k in range(nstages)
     ]

@@ -28,6 +28,12 @@ Rules (the policy's DDP / FSDP2 behaviour, :mod:`autoplan.cost_models.comm_sched
   parameters, ZeRO-3) are one coalesced all-gather, as FSDP2 gathers a block's parameters in one
   collective: one latency per block and pass.
 * **The loss** is reduced after it is computed and waited for at the output.
+* **Pipeline stages** (``stage_of_segment``): a window never reaches back into another stage's
+  run, and a gradient bucket holds gradients of one stage only, so that every issue lands in the
+  stage program that consumes it and each stage's buckets are the step model's buckets of that
+  stage (:func:`autoplan.cost_models.step._bucket_plan` buckets a stage's segments). Gradients in
+  ``deferred_grads`` (a parameter tied across stages) get no bucket: the caller converts them
+  after the schedule.
 
 ``issue_after`` is never before the value's producer nor before the last placeholder (so the
 program's inputs stay first), and never after ``wait_before``.
@@ -35,7 +41,7 @@ program's inputs stay first), and never after ``wait_before``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,9 +126,10 @@ def _is_param_gather(r: Redistribution, by_name: Mapping[str, fx.Node]) -> bool:
     )
 
 
-def _runs(nodes: Sequence[fx.Node], segment_of: Mapping[str, int]) -> dict[str, int]:
-    """Op name -> index of its run of consecutive same-segment ops."""
+def _runs(nodes: Sequence[fx.Node], segment_of: Mapping[str, int]) -> tuple[dict[str, int], list[int | None]]:
+    """Op name -> index of its run of consecutive same-segment ops, and each run's segment."""
     run_of: dict[str, int] = {}
+    run_segment: list[int | None] = []
     run, last = -1, None
     for n in nodes:
         if n.op in ("placeholder", "output"):
@@ -131,8 +138,9 @@ def _runs(nodes: Sequence[fx.Node], segment_of: Mapping[str, int]) -> dict[str, 
         if seg != last or run < 0:
             run += 1
             last = seg
+            run_segment.append(seg)
         run_of[n.name] = run
-    return run_of
+    return run_of, run_segment
 
 
 def schedule_collectives(
@@ -142,14 +150,28 @@ def schedule_collectives(
     *,
     mesh_shape: Sequence[int],
     policy: OverlapPolicy = DEFAULT_POLICY,
+    stage_of_segment: Callable[[int], int] | None = None,
+    deferred_grads: frozenset[str] = frozenset(),
 ) -> CommSchedule:
-    """The program's communication order (see the module docstring)."""
+    """The program's communication order (see the module docstring). ``stage_of_segment``: the
+    pipeline stage of each segment (``None``: one stage); ``deferred_grads``: parameter node
+    names whose gradients are left to the caller (no bucket)."""
     nodes = list(gm.graph.nodes)
     pos = {n.name: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
     last_placeholder = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
     output = next(n for n in nodes if n.op == "output")
-    run_of = _runs(nodes, segment_of)
+    run_of, run_segment = _runs(nodes, segment_of)
+    run_stage = [
+        None if stage_of_segment is None or seg is None else stage_of_segment(seg) for seg in run_segment
+    ]
+
+    def window_start(run: int) -> int:
+        """The first run of a consumer's window: ``prefetch_blocks`` runs back, within its stage."""
+        lo = run
+        while lo > 0 and run - lo < policy.prefetch_blocks and run_stage[lo - 1] == run_stage[run]:
+            lo -= 1
+        return lo
     run_start: dict[int, int] = {}
     for name, run in run_of.items():
         run_start.setdefault(run, pos[name])
@@ -161,20 +183,21 @@ def schedule_collectives(
     # once that node has run)
     out_node = {resolve_value(a): a.name for a in output.args[0] if isinstance(a, fx.Node)}
     slots: list[CollectiveSlot | None] = [None] * len(redistributions)
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, int | None], list[int]] = {}
     for i, r in enumerate(redistributions):
         if r.consumer == OUTPUT:
             slots[i] = CollectiveSlot(index=i, issue_after=out_node[r.producer], wait_before=OUTPUT)
         elif r.arg_index == -1:
-            if r.bucket is not None:  # one flat buffer per bucket: its members share a dtype
-                groups.setdefault((r.bucket, _dtype(r, by_name)), []).append(i)
+            if r.bucket is not None and r.consumer not in deferred_grads:
+                # one flat buffer per bucket: its members share a dtype (and a stage)
+                stage = run_stage[run_of[out_node[r.producer]]] if out_node[r.producer] in run_of else None
+                groups.setdefault((r.bucket, _dtype(r, by_name), stage), []).append(i)
             else:
                 slots[i] = CollectiveSlot(index=i, issue_after=out_node[r.producer], wait_before=OUTPUT)
         else:
             consumer = by_name[r.consumer]
             arg = tensor_args(consumer)[r.arg_index]
-            window = run_of[r.consumer] - policy.prefetch_blocks
-            earliest = run_start.get(max(window, 0), pos[r.consumer]) - 1
+            earliest = run_start.get(window_start(run_of[r.consumer]), pos[r.consumer]) - 1
             issue = max(pos[arg.name], earliest, last_placeholder)
             issue = min(issue, pos[r.consumer] - 1)
             slots[i] = CollectiveSlot(index=i, issue_after=after(issue), wait_before=r.consumer)

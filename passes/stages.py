@@ -3,9 +3,11 @@
 Contract
 --------
 Input: the per-rank program of :func:`autoplan.runtime.codegen.generate_program` built with
-``defer_grad_conversions=True`` (parameter gradients leave raw; one stage may instead convert them
-in its backward, and may take the earlier micro-batches' summed gradients as trailing arguments,
-``accumulated_grad_inputs=True``), the traced step it came from,
+``defer_grad_conversions=True`` (parameter gradients leave raw), or converting them in the
+backward with windows and buckets cut at ``stage_starts`` (each stage converts its own parameters'
+gradients; a parameter tied across stages stays raw, ``deferred_grads``), possibly taking the
+earlier micro-batches' summed gradients as trailing arguments (``accumulated_grad_inputs=True``),
+the traced step it came from,
 its :class:`~autoplan.passes.layers.Layering`, the assignment, and ``stage_starts`` (``stage_starts[k]``
 is the first segment of stage ``k``; stages are contiguous segment ranges, ``stage_starts[0] == 0``).
 
@@ -33,8 +35,9 @@ Where each node goes:
 * other backward ops (views of gradients, gradient accumulation): a single-input one runs where
   its consumers are (the latest of their stages), a multi-input one where its inputs all exist
   (the earliest of their stages), so a gradient crosses a stage boundary once, summed;
-* collectives inserted before a consumer: the consumer's stage; constants (nodes depending on
-  no placeholder) are recomputed by every program that reads them;
+* collectives inserted before a consumer: the consumer's stage (a gradient conversion the output
+  reads: the stage of the parameters it converts); constants (nodes depending on no placeholder)
+  are recomputed by every program that reads them;
 * model inputs: stage 0; loss targets: the last stage (the loss and everything reading a target
   is in the epilogue, which the last stage holds; an op of an earlier stage reading a target is
   an :class:`UnsupportedModelError`).
@@ -388,7 +391,8 @@ def _place_unanchored(
 ) -> None:
     """Completes ``where`` in reverse program order: unanchored backward ops (single input: the
     latest stage of their consumers; several inputs: where they all exist) and inserted
-    collectives (their consumer's stage and phase), then the getitems of unanchored ops."""
+    collectives (their consumer's stage and phase; a gradient conversion the output reads: its
+    parameters' stage), then the getitems of unanchored ops."""
     stage, phase = where.stage, where.phase
     param_grad_stage: dict[fx.Node, int] = {}
     for fqn, g in zip(traced.trainable_names, prog.grads, strict=True):
@@ -414,7 +418,12 @@ def _place_unanchored(
             # a coalesced collective's consumers are its getitems' users; it runs where the
             # first of them does (the forward, if any consumer is in the forward)
             consumers = [c for u in n.users for c in (u.users if u.target is operator.getitem else [u])]
-            if prog.output in consumers:
+            # a gradient conversion (bucket) the output reads: the stage of the parameters it
+            # converts (each stage converts its own gradients in its backward)
+            grad_stages = {param_grad_stage[x] for x in (n, *n.users) if x in param_grad_stage}
+            if prog.output in consumers and n in from_bwd and len(grad_stages) == 1:
+                stage[n], phase[n] = grad_stages.pop(), "bwd"
+            elif prog.output in consumers:
                 stage[n], phase[n] = last, "bwd" if n in from_bwd else "fwd"
             elif n in from_bwd and last == 0:  # (only one stage converts gradients in its program)
                 stage[n], phase[n] = last, "bwd"

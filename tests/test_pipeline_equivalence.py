@@ -417,9 +417,9 @@ def test_planned_pipeline_runs_like_single_device(
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
-def _single_stage_after_a_step(model_name: str, plan_json: str) -> Any:
-    """This rank's only stage of ``plan_json`` applied to a fresh model, after one step (its
-    programs lowered)."""
+def _own_stage_after_a_step(model_name: str, plan_json: str) -> Any:
+    """This rank's only stage of ``plan_json`` (one per pipeline rank) applied to a fresh model,
+    after one step (its programs lowered)."""
     import autoplan
 
     plan = autoplan.Plan.from_dict(__import__("json").loads(plan_json))
@@ -437,7 +437,7 @@ def _train_public_bounded(rank: int, world_size: int, model_name: str, config: o
     from autoplan.runtime.lowering import REDUCE_SCATTER, WAIT
 
     out = _train_public(rank, world_size, model_name, config, plan_json)
-    stage = _single_stage_after_a_step(model_name, plan_json)
+    stage = _own_stage_after_a_step(model_name, plan_json)
     nodes = list(stage.lowered["backward"].graph_module.graph.nodes)
     issues = [i for i, n in enumerate(nodes) if n.target is REDUCE_SCATTER]
     waits = [i for i, n in enumerate(nodes) if n.target is WAIT and n.args[0].target is REDUCE_SCATTER]
@@ -472,14 +472,15 @@ def _train_public_last_backward(
     rank: int, world_size: int, model_name: str, config: object, plan_json: str
 ) -> dict[str, object]:
     """:func:`_train_public`, plus where the last micro-batch's lowered backward issues its
-    gradient collectives and runs its last matrix product."""
-    from autoplan.runtime.lowering import REDUCE_SCATTER
+    gradient collectives and runs its last matrix product, and which waits it leaves to after
+    the schedule (:func:`autoplan.runtime.lowering.defer_output_waits`)."""
+    from autoplan.runtime.lowering import REDUCE_SCATTER, WAIT
 
     # the flat gradient-bucket collectives (autoplan.runtime.collectives: DDP's in-place all-reduce,
     # FSDP2's reduce-scatter); the backward's other conversions run DTensor's out-of-place all_reduce
     buckets = (torch.ops._c10d_functional.all_reduce_.default, REDUCE_SCATTER)
     out = _train_public(rank, world_size, model_name, config, plan_json)
-    stage = _single_stage_after_a_step(model_name, plan_json)
+    stage = _own_stage_after_a_step(model_name, plan_json)
     program = stage.lowered["last_backward"]
     nodes = list(program.graph_module.graph.nodes)
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
@@ -487,42 +488,65 @@ def _train_public_last_backward(
     out["issues"] = [issue for issue, _ in program.collectives() if nodes[issue].target in buckets]
     earlier = stage.lowered["backward"].graph_module.graph.nodes
     out["earlier_buckets"] = sum(1 for n in earlier if n.target in buckets)
+    cut = stage._waits["last_backward"]
+    out["waits_after_schedule"] = 0 if cut is None else sum(1 for n in cut.finish.graph.nodes if n.target is WAIT)
+    out["waits_in_issue"] = 0 if cut is None else sum(
+        1 for n in cut.issue.graph.nodes if n.target is WAIT and n.args[0].target in buckets
+    )
+    out["bucket_issues"] = len(out["issues"])
     return out
 
 
 @pytest.mark.parametrize(
-    ("zero_stage", "num_microbatches"),
-    [(0, 2), pytest.param(3, 2, marks=pytest.mark.slow), pytest.param(0, 4, marks=pytest.mark.slow), (3, 4)],
+    ("pp", "zero_stage", "num_microbatches"),
+    [
+        pytest.param(1, 0, 2, marks=pytest.mark.slow),  # (CI: one stage ZeRO-3, two stages ZeRO-0)
+        pytest.param(1, 3, 2, marks=pytest.mark.slow),
+        pytest.param(1, 0, 4, marks=pytest.mark.slow),
+        (1, 3, 4),
+        (2, 0, 4),
+        pytest.param(2, 3, 4, marks=pytest.mark.slow),
+    ],
 )
-def test_single_stage_accumulating_microbatches_reduces_in_the_last_backward(
-    zero_stage: int, num_microbatches: int
+def test_accumulating_microbatches_reduce_in_each_stages_last_backward(
+    pp: int, zero_stage: int, num_microbatches: int
 ) -> None:
-    """One stage, dp=2, several micro-batches: the earlier micro-batches keep their raw gradients,
-    the last one's backward adds their sum and issues its gradient buckets (DDP all-reduces for
-    ZeRO-0, FSDP2 reduce-scatters for ZeRO-3) before its last matrix product, overlapping the rest
-    of the backward as the step model prices (``gradients_reduced_in_backward``); the pipeline
-    trains like the single-device model. A GPT-2 of width 128: 3 MiB of gradients, several
-    buckets (the first closes at 1 MiB)."""
+    """dp=2, one or two pipeline stages, several micro-batches: the earlier micro-batches keep
+    their raw gradients, each stage's last one's backward adds their sum and issues its gradient
+    buckets (DDP all-reduces for ZeRO-0, FSDP2 reduce-scatters for ZeRO-3) before its last matrix
+    product, overlapping the rest of the backward as the step model prices
+    (``gradients_reduced_in_backward``), and returns with its last buckets in flight (waited for
+    after the schedule, before the optimizer: the input gradient is sent without waiting for
+    them); the pipeline trains like the single-device model. A GPT-2 of width 128: 3 MiB of
+    gradients, several buckets (the first closes at 1 MiB); with two stages its tied embedding is
+    reduced after the schedule."""
     import json
 
     import autoplan
     from autoplan.cost_models.config import ParallelConfig
 
-    cfg = ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=GLOBAL_BATCH // (2 * num_microbatches),
+    cfg = ParallelConfig(dp=2, tp=1, pp=pp, microbatch_size=GLOBAL_BATCH // (2 * num_microbatches),
                          num_microbatches=num_microbatches, zero_stage=zero_stage)  # fmt: skip
     ids, labels = _batch(0)
     plan = autoplan.plan(
-        BUILDERS["gpt2_wide"](num_layers=NUM_LAYERS), "1x2xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss,
+        BUILDERS["gpt2_wide"](num_layers=NUM_LAYERS), f"1x{2 * pp}xCPU", example_inputs=(ids,), loss_fn=zoo.lm_loss,
         example_targets=(labels,), optimizer="sgd_momentum", global_batch_size=GLOBAL_BATCH, config=cfg,
     )  # fmt: skip
     assert plan.config == cfg
-    results = run_ranks(_train_public_last_backward, 2, "gpt2_wide", cfg, json.dumps(plan.to_dict()), timeout_s=900)
+    results = run_ranks(
+        _train_public_last_backward, 2 * pp, "gpt2_wide", cfg, json.dumps(plan.to_dict()), timeout_s=900
+    )
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
     for r in results:
         issues = r["issues"]
         assert isinstance(issues, list) and issues, r
         assert r["earlier_buckets"] == 0, r  # the earlier micro-batches keep raw gradients
         assert min(issues) < r["last_matmul"], r
+        # the last bucket(s) are waited for after the schedule; ZeRO-3 waits for the others in
+        # the backward (at most two reduce-scatters in flight), ZeRO-0 for none of them
+        assert r["waits_after_schedule"] >= 1, r
+        if zero_stage == 0:
+            assert r["waits_in_issue"] == 0, r
 
 
 @pytest.mark.slow  # 12-25 s of 2 ranks

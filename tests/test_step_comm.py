@@ -99,18 +99,59 @@ def test_gradient_reductions_hide_behind_a_long_backward_but_the_last_bucket_doe
     assert ar_long.total_s == pytest.approx(one.total_s) and ar_long.count == one.count
 
 
-def test_pipelined_gradients_are_reduced_after_the_schedule_with_nothing_beside_them():
-    """Several stages: the runtime converts each stage's summed gradients after the schedule
-    (comm_schedule.gradients_reduced_in_backward), so the estimate credits no overlap: every
-    bucket is exposed, and the step is the schedule plus the buckets plus the optimizer, however
-    long the backward."""
+def _without_gradients(costs: SegmentCosts) -> SegmentCosts:
+    return dataclasses.replace(costs, segments=tuple(dataclasses.replace(s, trainable_numel=0) for s in costs.segments))
+
+
+def test_pipelined_gradients_hide_behind_each_stages_last_backward():
+    """Several stages (1F1B): each stage's last micro-batch's backward issues its own buckets and
+    waits for them before it sends its input gradient on (comm_schedule.gradients_reduced_in_backward),
+    so with a long backward the buckets hide but each stage's tail, and the step grows by those
+    tails (and the contention), less than by one stage's buckets after the schedule."""
     cfg = _config(zero_stage=0, pp=2, dp=4, num_microbatches=2)
     est = evaluate(cfg, _costs(fwd_s=0.1), ONE_NODE)
     ar = _row(est, "all_reduce")
+    assert 0 < ar.exposed_s < 0.5 * ar.total_s
+    no_grads = evaluate(cfg, _without_gradients(_costs(fwd_s=0.1)), ONE_NODE)
+    assert no_grads.step_time_s < est.step_time_s < no_grads.step_time_s + ar.total_s
+    # the tails of both stages delay the step: more than one stage's exposed tail
+    assert est.step_time_s - no_grads.step_time_s > ar.exposed_s
+
+
+def test_zero_bubble_gradients_are_reduced_after_the_schedule_with_nothing_beside_them():
+    """Zero-bubble (split weight-gradient programs): the runtime converts each stage's summed
+    gradients after the schedule, so the estimate credits no overlap: every bucket is exposed,
+    and the step is the schedule plus the buckets plus the optimizer, however long the backward."""
+    cfg = _config(zero_stage=0, pp=2, dp=4, num_microbatches=2, schedule="zero-bubble")
+    est = evaluate(cfg, _costs(fwd_s=0.1), ONE_NODE)
+    ar = _row(est, "all_reduce")
     assert ar.exposed_s == pytest.approx(ar.total_s) and ar.total_s > 0
-    no_grads = evaluate(cfg, dataclasses.replace(_costs(fwd_s=0.1), segments=tuple(
-        dataclasses.replace(s, trainable_numel=0) for s in _costs(fwd_s=0.1).segments)), ONE_NODE)  # fmt: skip
+    no_grads = evaluate(cfg, _without_gradients(_costs(fwd_s=0.1)), ONE_NODE)
     assert est.step_time_s == pytest.approx(no_grads.step_time_s + ar.total_s)
+
+
+def test_parameters_tied_across_stages_are_reduced_after_the_schedule():
+    """A parameter of the prologue that the epilogue reads again (a tied embedding, P elements):
+    with both segments in one stage it is reduced in the backward like any other; split across
+    two stages, each stage's copy (P elements each) is reduced after the schedule, exposed."""
+    tied_p = 1_000_000
+    base = _costs(fwd_s=0.1)
+    segs = list(base.segments)
+    segs[-1] = dataclasses.replace(segs[-1], tied_param_numel=tied_p, tied_trainable_numel=tied_p, tied_param_owner=0)
+    costs = dataclasses.replace(base, segments=tuple(segs))
+    one = _row(evaluate(_config(zero_stage=0, pp=1, dp=4), costs, ONE_NODE), "all_reduce")
+    two = evaluate(_config(zero_stage=0, pp=2, dp=4), costs, ONE_NODE)
+    untied = evaluate(_config(zero_stage=0, pp=2, dp=4), base, ONE_NODE)
+    link = group_link(ONE_NODE, stride=1, size=4)
+    apart_s = link_time_s("all_reduce", 4 * tied_p, 4, link, backend="nccl")
+    assert one.bytes == pytest.approx(4 * 4_000_000 * len(segs))  # one stage: the copy is the parameter
+    # each pipeline rank reduces its stage's copy: the prologue's out of its buckets, the
+    # epilogue's beside them; the reported rank's row holds one exposed collective more
+    row, row_untied = _row(two, "all_reduce"), _row(untied, "all_reduce")
+    assert row.count == row_untied.count + 1
+    assert row.exposed_s >= apart_s * (1 - 1e-9)
+    # (the prologue's stage reduces 1M elements fewer in its backward, so its tail shrinks)
+    assert two.step_time_s > untied.step_time_s
 
 
 def test_zero3_is_never_cheaper_than_its_exposed_first_gathers():
@@ -198,17 +239,21 @@ def test_rows_exposed_within_total_and_summing_to_the_estimate(kw: dict[str, obj
     assert est.to_dict()["comm"] == est.comm.to_list()
 
 
-def test_pipeline_sends_never_wait_behind_gradient_reductions_run_after_the_schedule():
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_pipeline_sends_wait_behind_the_reductions_only_where_they_share_the_backward(schedule: str):
     """pp=2 x dp=2 on one node of 4 (the sends and the dp collectives share the intra-node link)
     against 2 nodes of 2 (dp inside a node, the sends across): same link numbers, so only the
-    sharing differs. A pipeline reduces its accumulated gradients after the schedule, when no send
-    is left: sharing the link costs the sends nothing (the estimate used to delay the last
-    backward's sends behind reductions the program does not run beside them)."""
-    cfg = _config(dp=2, pp=2, num_microbatches=4, zero_stage=0)
+    sharing differs. 1F1B reduces each stage's gradients in its last backward, so the last
+    backward's send queues behind them on a shared link; zero-bubble reduces its accumulated
+    gradients after the schedule, when no send is left, and sharing costs nothing."""
+    cfg = _config(dp=2, pp=2, num_microbatches=4, zero_stage=0, schedule=schedule)
     costs = _costs(fwd_s=1e-5)
     shared = evaluate(cfg, costs, Cluster(num_nodes=1, devices_per_node=4, device=GPU))
     alone = evaluate(cfg, costs, Cluster(num_nodes=2, devices_per_node=2, device=GPU))
-    assert shared.step_time_s == pytest.approx(alone.step_time_s)
+    if schedule == "zero-bubble":
+        assert shared.step_time_s == pytest.approx(alone.step_time_s)
+    else:
+        assert shared.step_time_s > alone.step_time_s
     zero_dp = dataclasses.replace(cfg, dp=1, microbatch_size=2)  # no dp collectives: nothing to share
     one = evaluate(zero_dp, costs, Cluster(num_nodes=1, devices_per_node=2, device=GPU))
     two = evaluate(zero_dp, costs, Cluster(num_nodes=2, devices_per_node=1, device=GPU))

@@ -26,7 +26,7 @@ the planner prices exactly this list and the program contains exactly these call
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -46,7 +46,7 @@ from autoplan.passes.moe import MOE_OPS, with_ep_group
 from autoplan.passes.placement import Spec
 from autoplan.passes.recompute import OP_META, TRANSITION_META
 from autoplan.passes.redistribute import OUTPUT, Redistribution, edge_redistributions
-from autoplan.passes.stages import ACCUMULATED_GRAD_META
+from autoplan.passes.stages import ACCUMULATED_GRAD_META, stage_of_segment
 from autoplan.passes.strategies import Strategy, resolve_value, tensor_args
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
@@ -120,6 +120,8 @@ def generate_program(
     layering: Layering | None = None,
     policy: OverlapPolicy = DEFAULT_POLICY,
     accumulated_grad_inputs: bool = False,
+    stage_starts: Sequence[int] | None = None,
+    deferred_grads: frozenset[str] = frozenset(),
 ) -> GeneratedProgram:
     """Build the per-rank program (see the module docstring).
 
@@ -127,7 +129,12 @@ def generate_program(
     conversion, no bucket): the caller runs the gradient :class:`Redistribution` steps itself,
     e.g. once after accumulating micro-batches (exact: every step is linear).
     ``accumulated_grad_inputs=True`` adds the trailing arguments of the earlier micro-batches'
-    summed raw gradients, added to each gradient before its conversion (module docstring)."""
+    summed raw gradients, added to each gradient before its conversion (module docstring).
+    ``stage_starts``: the program will be cut into these pipeline stages
+    (:func:`~autoplan.passes.stages.split_stages`): no prefetch window and no gradient bucket
+    spans two of them. ``deferred_grads``: FQNs whose gradients stay raw even when the others are
+    converted (a parameter tied across stages: the caller converts each stage's copy after the
+    schedule); they take no accumulated-gradient argument."""
     src_gm = traced.graph_module
     redistributions = edge_redistributions(traced, assignment, len(axis_names))
     if layering is None:
@@ -138,6 +145,8 @@ def generate_program(
         layering.segment_of,
         mesh_shape=tuple(mesh.shape) if mesh is not None else (),
         policy=policy,
+        stage_of_segment=None if stage_starts is None else stage_of_segment(layering, stage_starts),
+        deferred_grads=frozenset(param_node_name(f) for f in deferred_grads),
     )
     emit = _ProgramEmitter(
         traced,
@@ -150,6 +159,7 @@ def generate_program(
         defer_grad_conversions=defer_grad_conversions,
         accumulated_grad_inputs=accumulated_grad_inputs,
         mesh=mesh,
+        deferred_grads=deferred_grads,
     )
     for node in src_gm.graph.nodes:
         if node.op == "output":
@@ -187,8 +197,11 @@ class _ProgramEmitter:
         defer_grad_conversions: bool,
         accumulated_grad_inputs: bool = False,
         mesh: DeviceMesh | None = None,
+        deferred_grads: frozenset[str] = frozenset(),
     ) -> None:
         self.traced = traced
+        self.deferred = frozenset(i for i, f in enumerate(traced.trainable_names) if f in deferred_grads)
+        """Trainable parameter indices whose gradients leave raw (``generate_program(deferred_grads=)``)."""
         self.mesh = mesh
         self.assignment = assignment
         self.redistributions = redistributions
@@ -233,7 +246,7 @@ class _ProgramEmitter:
         """After the traced step's arguments: one per trainable parameter with a gradient."""
         fqns = self.traced.trainable_names
         for i, g in enumerate(self.grad_nodes):
-            if isinstance(g, fx.Node):
+            if isinstance(g, fx.Node) and i not in self.deferred:
                 ph = self.graph.placeholder(f"acc_{param_node_name(fqns[i])}")
                 ph.meta[ACCUMULATED_GRAD_META] = fqns[i]
                 self.accumulated[i] = ph
@@ -261,7 +274,8 @@ class _ProgramEmitter:
             elif not self.defer_grad_conversions:
                 if slot.bucket is None:
                     i = self.grad_index[r.consumer]
-                    self.converted_grads[i] = _emit_steps(self.graph, self._grad(i), r.steps, self.axis_names)
+                    if i not in self.deferred:
+                        self.converted_grads[i] = _emit_steps(self.graph, self._grad(i), r.steps, self.axis_names)
                 else:
                     self._emit_bucket(self.schedule.buckets[slot.bucket])
 

@@ -251,6 +251,88 @@ def sink_waits(gm: fx.GraphModule) -> int:
     return moved
 
 
+@dataclass(frozen=True, slots=True)
+class DeferredWaits:
+    """A lowered program cut in two at its output waits (:func:`defer_output_waits`): ``issue``
+    runs the program up to issuing its last collectives and returns its outputs with the
+    ``slots`` that the waits produce left ``None``, then the values ``finish`` reads; ``finish``
+    waits for those collectives and returns the ``slots``' values."""
+
+    issue: fx.GraphModule
+    finish: fx.GraphModule
+    slots: tuple[int, ...]
+    num_outputs: int
+
+    def run_issue(self, *local_args: Any) -> tuple[list[Any], list[Any]]:
+        """(the outputs, ``None`` at :attr:`slots`; what :meth:`run_finish` takes)."""
+        with torch.no_grad():
+            outs = list(self.issue(*local_args))
+        return outs[: self.num_outputs], outs[self.num_outputs :]
+
+    def run_finish(self, pending: Sequence[Any]) -> dict[int, Any]:
+        """Wait for the collectives ``issue`` left in flight: output slot -> its value."""
+        with torch.no_grad():
+            return dict(zip(self.slots, self.finish(*pending), strict=True))
+
+
+def defer_output_waits(gm: fx.GraphModule, slots: Sequence[int]) -> DeferredWaits | None:
+    """Cut the program at the waits whose results only output ``slots`` read (a backward's
+    gradient buckets, waited for at its end): those waits and the pure ops that depend on them
+    (and only feed those slots) move to a second program, so the first returns with its last
+    collectives still in flight, as DDP and FSDP2 leave their last gradient reductions to be
+    waited for before the optimizer step, not before the pipeline hands the input gradient on.
+    Only waits after the program's last issue move (an earlier one bounds the reduce-scatters in
+    flight, :func:`bound_reduce_scatters`). ``None`` when no wait qualifies."""
+    nodes = list(gm.graph.nodes)
+    output = next(n for n in nodes if n.op == "output")
+    out_args = list(output.args[0])
+    wanted = set(slots)
+    slot_uses: dict[fx.Node, set[int]] = {}
+    for i, a in enumerate(out_args):
+        if isinstance(a, fx.Node):
+            slot_uses.setdefault(a, set()).add(i)
+    # only waits after the last issue (an earlier one bounds the buckets in flight,
+    # bound_reduce_scatters), and the ops that read them
+    last_issue = max((i for i, n in enumerate(nodes) if _is_collective(n)), default=-1)
+    after_wait: set[fx.Node] = set()
+    for n in nodes[last_issue + 1 :]:
+        if n.op == "call_function" and (n.target is WAIT or any(a in after_wait for a in n.all_input_nodes)):
+            after_wait.add(n)
+    tail: set[fx.Node] = set()
+    for n in reversed(nodes[last_issue + 1 :]):
+        if n not in after_wait or _is_collective(n):
+            continue
+        users = [u for u in n.users if u is not output]
+        if all(u in tail for u in users) and (output not in n.users or slot_uses[n] <= wanted):
+            tail.add(n)
+    moved = [i for i, a in enumerate(out_args) if isinstance(a, fx.Node) and a in tail]
+    if not moved:
+        return None
+    order = [n for n in nodes if n in tail]
+    boundary = list(dict.fromkeys(a for n in order for a in n.all_input_nodes if a not in tail))
+    first = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        if n.op != "output" and n not in tail:
+            env[n] = first.node_copy(n, lambda x: env[x])
+    kept = [None if i in moved else (env[a] if isinstance(a, fx.Node) else a) for i, a in enumerate(out_args)]
+    first.output((*kept, *(env[b] for b in boundary)))
+    second = fx.Graph()
+    env2: dict[fx.Node, fx.Node] = {}
+    for k, b in enumerate(boundary):
+        env2[b] = second.placeholder(f"pending_{k}")
+        env2[b].meta = dict(b.meta)
+    for n in order:
+        env2[n] = second.node_copy(n, lambda x: env2[x])
+    second.output(tuple(env2[out_args[i]] for i in moved))
+    return DeferredWaits(
+        issue=fx.GraphModule(gm, first),
+        finish=fx.GraphModule(gm, second),
+        slots=tuple(moved),
+        num_outputs=len(out_args),
+    )
+
+
 REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
 
 

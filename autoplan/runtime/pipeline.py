@@ -18,15 +18,18 @@ received; the schedule's ``loss_fn`` (:meth:`StageModule.loss`) runs the stage's
 them and that micro-batch's targets and returns the (per-micro-batch mean) loss, whose backward
 seeds 1: the last stage's backward program starts from its own traced seed.
 
-One stage (not zero-bubble) converts its gradients in its backward, bucket by bucket as they exist
-(DDP/FSDP2); with several micro-batches the earlier ones' raw gradients are summed and the last
-one's backward (:attr:`StageModule.last_microbatch`) adds that sum to each gradient before its
-bucket, as Megatron's gradient buffer does. Otherwise raw parameter gradients are summed over
-micro-batches, then, once per step, converted to the
-parameter placement (in backward order, in the buckets of
-:func:`~autoplan.cost_models.comm_schedule.gradient_buckets` the step model prices: one coalesced
-all-reduce or reduce-scatter per bucket and mesh axis), divided by
-the number of micro-batches, and summed over the stages holding a copy of a tied parameter.
+Every stage (not under zero-bubble) converts its gradients in its backward, bucket by bucket as
+they exist (DDP/FSDP2; buckets hold one stage's gradients); with several micro-batches the
+earlier ones' raw gradients are summed and the last one's backward
+(:attr:`StageModule.last_microbatch`) adds that sum to each gradient before its bucket, as
+Megatron's gradient buffer does and as torch's pipelining runs FSDP2 (gradient sync in the last
+backward only). A stage's backward program waits for its buckets at its end, so it hands its
+input gradient on after them (the step model's ``drain``). A parameter tied across stages (and,
+under zero-bubble, every parameter) keeps its raw gradient summed over micro-batches, converted
+once per step after the schedule to the parameter placement (in backward order, in the buckets
+of :func:`~autoplan.cost_models.comm_schedule.gradient_buckets`: one coalesced all-reduce or
+reduce-scatter per bucket and mesh axis) and summed over the stages holding a copy. Every
+gradient is divided by the number of micro-batches.
 A frozen parameter (``requires_grad=False``) is held and read like the others but gets no
 gradient and no optimizer state. Where the program reads a parameter in another dtype than the
 model keeps it in (a bf16 plan of an fp32 model), the stages run in mixed precision: bf16 copies of
@@ -66,7 +69,6 @@ from torch.nn.modules.module import _IncompatibleKeys
 from autoplan.cost_models.comm import bucket_kind, plan_transition
 from autoplan.cost_models.comm_schedule import (
     DEFAULT_POLICY,
-    OverlapPolicy,
     gradient_buckets,
     gradients_reduced_in_backward,
 )
@@ -75,7 +77,14 @@ from autoplan.cost_models.errors import PlanError
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
 from autoplan.passes.recompute import POLICIES, recompute_stage_program
-from autoplan.passes.stages import StageProgram, StageSplit, ValueInfo, split_backward, split_stages
+from autoplan.passes.stages import (
+    StageProgram,
+    StageSplit,
+    ValueInfo,
+    split_backward,
+    split_stages,
+    stage_of_segment,
+)
 from autoplan.passes.strategies import Strategy
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.planner.plan import Plan
@@ -83,7 +92,7 @@ from autoplan.runtime import collectives as runtime
 from autoplan.runtime import precision, training
 from autoplan.runtime.codegen import STEP_FN, generate_program
 from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
-from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
+from autoplan.runtime.lowering import DeferredWaits, LocalProgram, defer_output_waits, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_optimizer
 
 
@@ -158,12 +167,19 @@ class StageModule(torch.nn.Module):
         compute_dtypes: Mapping[str, torch.dtype] | None = None,
         last_microbatch: StageProgram | None = None,
         num_microbatches: int = 1,
+        deferred_grads: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.program = program
+        self.converted_in_program: frozenset[str] = frozenset()
+        """FQNs whose gradients the (last micro-batch's) backward program converts itself
+        (DDP/FSDP2-style buckets issued during the backward); the others come out raw and
+        :meth:`PipelineModel._finish_grads` converts them after the schedule (a parameter tied
+        across stages, every parameter of a zero-bubble schedule)."""
         if last_microbatch is not None and (
             last_microbatch.saved != program.saved
-            or last_microbatch.accumulated_grads != tuple(f for f, _ in program.param_grads)
+            or last_microbatch.accumulated_grads
+            != tuple(f for f, _ in program.param_grads if f not in set(deferred_grads))
         ):
             raise AssertionError(f"stage {program.index}: the last micro-batch's backward reads other values")
         self.last_microbatch = last_microbatch
@@ -226,11 +242,12 @@ class StageModule(torch.nn.Module):
         """FQNs whose ``grad_acc`` tensor this module allocated (may be added to in place); the
         first micro-batch's gradient is the program's own output, kept without a copy."""
         self._local_params: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        self.grads_converted = False
-        """The (last micro-batch's) backward program converts the parameter gradients itself (one
-        stage: DDP/FSDP2-style buckets issued during the backward); else they come out raw and
-        :meth:`PipelineModel._finish_grads` converts them after the schedule."""
         """The parameters' local tensors when last detached, and those detached tensors."""
+        self._waits: dict[str, DeferredWaits | None] = {}
+        """Per converting program, its lowered form cut at its output waits (``None``: no cut)."""
+        self._in_flight: list[tuple[DeferredWaits, list[Any], dict[int, str]]] = []
+        """This step's converting backwards' buckets in flight: the cut program, what its finish
+        reads, and output slot -> FQN."""
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         """The stage's forward program on what it received; the last stage hands its inputs on
@@ -325,7 +342,11 @@ class StageModule(torch.nn.Module):
         if self.last_microbatch is not None and self.backwards_run == self.num_microbatches:
             return self._run_last_backward(saved, grads, n_in)
         if self.split is None:
-            res = self._run("backward", prog.backward, [*saved, *grads], lambda: self._as_dtensors(saved, grads))
+            converting = [f for f, _ in prog.param_grads] if self.last_microbatch is None else None
+            res = self._run(
+                "backward", prog.backward, [*saved, *grads], lambda: self._as_dtensors(saved, grads),
+                grads_from=n_in, grad_names=converting,
+            )  # fmt: skip
             param_grads = res[n_in:]
         else:  # B now; W later, when the schedule calls the runner dw_builder hands it
             with torch.no_grad(), implicit_replication():
@@ -344,7 +365,8 @@ class StageModule(torch.nn.Module):
     ) -> list[torch.Tensor | None]:
         """The step's last micro-batch: :attr:`last_microbatch`'s backward on the earlier
         micro-batches' summed raw gradients (taken out of ``grad_acc``, freed when it returns),
-        which leaves each parameter's converted gradient in ``grad_acc``."""
+        which leaves each parameter's converted gradient in ``grad_acc`` (a parameter tied across
+        stages: its raw gradient, added to the earlier ones')."""
         assert self.last_microbatch is not None
         fqns = self.last_microbatch.accumulated_grads
         accs = [self.grad_acc.pop(fqn) for fqn in fqns]
@@ -355,17 +377,36 @@ class StageModule(torch.nn.Module):
             wrapped = [_wrap(a, raw[fqn], self.mesh) for fqn, a in zip(fqns, accs, strict=True)]
             return [*self._as_dtensors(saved, grads), *wrapped]
 
-        res = self._run("last_backward", self.last_microbatch.backward, [*saved, *grads, *accs], as_dtensors)
-        for (fqn, _), g in zip(self.last_microbatch.param_grads, res[n_in:], strict=True):
-            self.grad_acc[fqn] = _unwrap(g)
+        names = [f for f, _ in self.last_microbatch.param_grads]
+        res = self._run(
+            "last_backward", self.last_microbatch.backward, [*saved, *grads, *accs], as_dtensors,
+            grads_from=n_in, grad_names=names,
+        )  # fmt: skip
+        for fqn, g in zip(names, res[n_in:], strict=True):
+            if g is None:  # its bucket is in flight: finish_conversions() waits for it
+                continue
+            if fqn in self.converted_in_program:
+                self.grad_acc[fqn] = _unwrap(g)
+            else:  # raw (a parameter tied across stages): added to the earlier micro-batches'
+                self._add_raw(fqn, g)
         it = iter(res[:n_in])
         return [_unwrap(next(it)) if v is not None else None for v in self.program.input_grads]
 
     def start_step(self) -> None:
-        """Forget the previous step's gradients and backward count."""
+        """Forget the previous step's gradients, backward count and collectives in flight."""
         self.grad_acc.clear()
         self._owned.clear()
         self.backwards_run = 0
+        self._in_flight.clear()
+
+    def finish_conversions(self) -> None:
+        """Wait for the gradient buckets the converting backward left in flight
+        (:func:`~autoplan.runtime.lowering.defer_output_waits`) and put their gradients in
+        ``grad_acc``: before the optimizer step, after the schedule."""
+        for waits, pending, names in self._in_flight:
+            for slot, g in waits.run_finish(pending).items():
+                self.grad_acc[names[slot]] = _unwrap(g)
+        self._in_flight.clear()
 
     def _as_dtensors(self, saved: Sequence[Any], grads: Sequence[torch.Tensor]) -> list[Any]:
         """The backward program's local arguments as the DTensors its DTensor form takes: saved
@@ -377,17 +418,36 @@ class StageModule(torch.nn.Module):
         return out + [_wrap(g, v, self.mesh) for g, v in zip(grads, specs, strict=True)]
 
     def _run(
-        self, which: str, program: torch.fx.GraphModule, rest: list[Any], as_dtensors: Callable[[], list[Any]]
+        self,
+        which: str,
+        program: torch.fx.GraphModule,
+        rest: list[Any],
+        as_dtensors: Callable[[], list[Any]],
+        *,
+        grads_from: int = 0,
+        grad_names: Sequence[str] | None = None,
     ) -> list[Any]:
         """Run a stage program lowered to local tensors on the parameters, the buffers and
         ``rest`` (local tensors); outputs stay local. At its first call the program is lowered
-        from its DTensor arguments (``as_dtensors()``: ``rest`` as DTensors)."""
+        from its DTensor arguments (``as_dtensors()``: ``rest`` as DTensors). A program that
+        converts gradients (``grad_names``: the FQNs of its outputs from ``grads_from`` on) returns
+        with its last buckets in flight, their outputs ``None``
+        (:func:`~autoplan.runtime.lowering.defer_output_waits`; :meth:`finish_conversions`)."""
         local = self.lowered.get(which)
         if local is None:
             local = self.lowered[which] = lower_to_local(program, [*self._args(), *as_dtensors()])
+            if grad_names is not None and self.converted_in_program:
+                slots = [grads_from + i for i, f in enumerate(grad_names) if f in self.converted_in_program]
+                self._waits[which] = defer_output_waits(local.graph_module, slots)
         with torch.no_grad():
             args = self._local_args()
-        return local.run_local(*args, *rest)
+        waits = self._waits.get(which)
+        if waits is None:
+            return local.run_local(*args, *rest)
+        outs, pending = waits.run_issue(*args, *rest)
+        assert grad_names is not None
+        self._in_flight.append((waits, pending, {grads_from + i: f for i, f in enumerate(grad_names)}))
+        return outs
 
     def _weight_grads(self, carry: Sequence[Any]) -> None:
         assert self.split is not None
@@ -395,16 +455,22 @@ class StageModule(torch.nn.Module):
             self._accumulate(self.split[1](*carry))
 
     def _accumulate(self, param_grads: Sequence[Any]) -> None:
+        """Add a micro-batch's raw gradients (``program.param_grads`` order) to ``grad_acc``
+        (``None``: a converted gradient still in flight, :meth:`finish_conversions`)."""
         for (fqn, _), g in zip(self.program.param_grads, param_grads, strict=True):
-            local = _unwrap(g)
-            acc = self.grad_acc.get(fqn)
-            if acc is None:
-                self.grad_acc[fqn] = local
-            elif fqn in self._owned:
-                acc.add_(local)
-            else:
-                self.grad_acc[fqn] = acc + local
-                self._owned.add(fqn)
+            if g is not None:
+                self._add_raw(fqn, g)
+
+    def _add_raw(self, fqn: str, g: Any) -> None:
+        local = _unwrap(g)
+        acc = self.grad_acc.get(fqn)
+        if acc is None:
+            self.grad_acc[fqn] = local
+        elif fqn in self._owned:
+            acc.add_(local)
+        else:
+            self.grad_acc[fqn] = acc + local
+            self._owned.add(fqn)
 
 
 class PipelineModel(torch.nn.Module):
@@ -598,6 +664,7 @@ class PipelineModel(torch.nn.Module):
     def _converted_grads(self, st: StageModule) -> dict[str, torch.Tensor]:
         """FQN -> the stage's local gradient in the parameter's placement (summed over the step's
         micro-batches, not yet divided)."""
+        st.finish_conversions()
         mesh = self.stage_mesh
         converted: dict[str, torch.Tensor] = {}
         groups: dict[tuple[str, ...], list[tuple[str, int | None, int]]] = {}  # (FQN, shard dim, bytes)
@@ -607,7 +674,7 @@ class PipelineModel(torch.nn.Module):
             local = st.grad_acc.get(fqn)
             dst = st.param_specs[fqn]
             assert local is not None, fqn
-            if st.grads_converted:  # the backward program reduced it already, bucket by bucket
+            if fqn in st.converted_in_program:  # the backward program reduced it already, bucket by bucket
                 converted[fqn] = local
                 continue
             assert v.spec is not None, fqn
@@ -779,8 +846,8 @@ def _reduces_in_backward(*, num_stages: int, num_microbatches: int, schedule: st
     ``reduce_scatters_in_flight`` reduce-scatters unwaited
     (:func:`~autoplan.runtime.lowering.bound_reduce_scatters`), so the unsharded gradients never
     all live at once (several micro-batches: the last one's backward, on its gradients plus the
-    earlier ones' sum). Otherwise they are converted once per step after the schedule, on the
-    gradients summed over micro-batches."""
+    earlier ones' sum; several stages: each its own). Otherwise (zero-bubble) they are converted
+    once per step after the schedule, on the gradients summed over micro-batches."""
     return gradients_reduced_in_backward(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
 
 
@@ -816,17 +883,23 @@ def build_pipeline(
     stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
     in_program = _reduces_in_backward(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
 
+    # a parameter read by several stages: each stage's copy gets its partial gradient, converted
+    # after the schedule and summed across the stages (PipelineModel._finish_grads)
+    tied = _tied_across_stages(traced_mb, layering, stage_starts)
+
     def split(*, defer: bool, accumulated: bool = False) -> StageSplit:
         return _split_program(
             traced_mb, assignment, layering, stage_starts=stage_starts, mesh=stage_mesh, axis_names=axis_names,
-            fallback_nodes=fallback_nodes, device=device, defer=defer, accumulated=accumulated,
+            fallback_nodes=fallback_nodes, device=device, defer=defer, accumulated=accumulated, deferred=tied,
         )  # fmt: skip
 
-    # several micro-batches in one stage: the earlier ones keep their raw gradients, the last
-    # one's backward adds their sum and converts each bucket as it exists
+    # several micro-batches: the earlier ones keep their raw gradients, the last one's backward
+    # adds their sum and converts each bucket as it exists
     accumulates = in_program and num_microbatches > 1
     programs = split(defer=accumulates or not in_program)
     last_mb = split(defer=False, accumulated=True).stages if accumulates else None
+    if not set(programs.tied_params) <= tied | set(traced_mb.frozen_names):
+        raise AssertionError(f"parameters shared by stages beyond the layering's: {sorted(programs.tied_params)}")
     pp_rank = mesh.get_local_rank("pp")
     pp_group = mesh.get_group("pp")
     mine = [s for s in range(num_stages) if s % pp == pp_rank]
@@ -849,11 +922,12 @@ def build_pipeline(
             compute_dtypes=dtypes,
             last_microbatch=recomputing(last_mb[s]) if last_mb is not None else None,
             num_microbatches=num_microbatches,
+            deferred_grads=tied,
         )  # fmt: skip
         for s in mine
     ]
     for mod in modules:
-        mod.grads_converted = in_program
+        mod.converted_in_program = frozenset(f for f, _ in mod.program.param_grads if in_program and f not in tied)
     stages = [
         _pipeline_stage(mod, stage_mesh=stage_mesh, num_stages=num_stages, device=device, pp_group=pp_group,
                         zero_bubble=schedule == "zero-bubble")  # fmt: skip
@@ -892,10 +966,10 @@ def _split_program(
     device: torch.device,
     defer: bool,
     accumulated: bool,
+    deferred: frozenset[str] = frozenset(),
 ) -> StageSplit:
     """The per-rank program (gradient conversions deferred, or in the backward, with the earlier
     micro-batches' summed gradients as arguments where ``accumulated``) cut into stage programs."""
-    num_stages = len(stage_starts)
     program = generate_program(
         traced_mb,
         assignment,
@@ -906,12 +980,24 @@ def _split_program(
         defer_grad_conversions=defer,
         accumulated_grad_inputs=accumulated,
         layering=layering,
-        # one stage: FSDP2's one-block-ahead gathers; several: each conversion stays in its
-        # consumer's block, so it lands in its consumer's stage program
-        policy=DEFAULT_POLICY if num_stages == 1 else OverlapPolicy(prefetch_blocks=0, coalesce_gathers=False),
+        # FSDP2's one-block-ahead gathers, windows and buckets within a stage (stage_starts), so
+        # that each conversion lands in its consumer's stage program
+        policy=DEFAULT_POLICY,
+        stage_starts=stage_starts,
+        deferred_grads=deferred,
     )
     return split_stages(
         program.graph_module, traced_mb, layering, assignment, stage_starts=stage_starts, mesh_ndim=len(axis_names)
+    )
+
+
+def _tied_across_stages(traced: TracedProgram, layering: Layering, stage_starts: Sequence[int]) -> frozenset[str]:
+    """FQNs of the trained parameters that segments of several stages read (a tied embedding)."""
+    stage_of = stage_of_segment(layering, stage_starts)
+    return frozenset(
+        fqn
+        for fqn in traced.trainable_names
+        if len({stage_of(seg) for seg in layering.param_segments.get(param_node_name(fqn), ())}) > 1
     )
 
 
