@@ -284,14 +284,21 @@ def test_pipeline_loss_with_no_or_two_targets_trains_like_single_device(num_targ
 # --- the stage split (one process) -----------------------------------------------------------------
 
 
-def _split(model: str, stage_starts: list[int]):  # noqa: ANN202
+def _split(  # noqa: ANN202
+    model: str, stage_starts: list[int], *, pins: Mapping[str, str] = DP_PINS, in_backward: bool = False
+):
+    """``model``'s step planned on 2 CPU ranks under ``pins``, generated with raw gradients (or,
+    ``in_backward``, converted in each stage's backward, a parameter tied across stages left
+    raw, as :func:`autoplan.runtime.pipeline.build_pipeline` generates it) and split."""
+    from autoplan.runtime.pipeline import _tied_across_stages
+
     net = BUILDERS[model](num_layers=NUM_LAYERS)
     ids, labels = zoo.token_batch(batch=2)
     traced = trace_training_step(net, (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,))
     layering = find_layers(traced)
     cluster = Cluster.preset("2xCPU")
     with planning_mesh(cluster) as mesh:
-        plan = plan_traced(traced, cluster, mesh=mesh, pins=DP_PINS)
+        plan = plan_traced(traced, cluster, mesh=mesh, pins=dict(pins))
         gen = generate_program(
             traced,
             plan.assignment(),
@@ -299,7 +306,10 @@ def _split(model: str, stage_starts: list[int]):  # noqa: ANN202
             axis_names=cluster.mesh_axis_names,
             device=torch.device("cpu"),
             mesh=mesh,
-            defer_grad_conversions=True,
+            defer_grad_conversions=not in_backward,
+            layering=layering,
+            stage_starts=stage_starts,
+            deferred_grads=_tied_across_stages(traced, layering, stage_starts),
         )
     split = split_stages(gen.graph_module, traced, layering, plan.assignment(), stage_starts=stage_starts, mesh_ndim=1)
     return traced, gen.graph_module, split, plan
@@ -323,6 +333,47 @@ def test_every_op_runs_in_exactly_one_stage_program(model: str) -> None:
                 seen[name] = st.index
     missing = {n for n in _ops(gen) if n in split.stage_of} - set(seen)
     assert not missing, missing
+
+
+ZERO3_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "S(0)"}
+
+
+def _calls(gm: torch.fx.GraphModule, targets: tuple[Any, ...]) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def test_each_stage_program_reduces_its_own_gradients() -> None:
+    """Data parallelism, gradients converted in the backward, split into two stages: each stage's
+    backward program holds gradient buckets (DDP all-reduces) of its own parameters only, together
+    every trained parameter but the tied embedding, which both stages return raw (converted after
+    the schedule); no forward program holds one (every op's reads are checked by the split)."""
+    from autoplan.runtime import collectives
+
+    traced, _, split, _ = _split("gpt2_wide", [0, 3], in_backward=True)
+    converted: set[str] = set()
+    for st in split.stages:
+        assert not _calls(st.forward, (collectives.all_reduce_coalesced,))
+        buckets = _calls(st.backward, (collectives.all_reduce_coalesced,))
+        assert buckets, st.index
+        members = {a.name for b in buckets for a in b.args[0]}
+        mine = {fqn for fqn, v in st.param_grads if fqn != "transformer.wte.weight"}
+        assert 0 < len(members) <= len(mine), st.index  # (the rest convert alone, e.g. a layer norm's)
+        converted |= mine
+    assert split.tied_params == {"transformer.wte.weight": (0, 1)}
+    assert converted == set(traced.trainable_names) - {"transformer.wte.weight"}
+
+
+def test_each_stage_program_gathers_its_parameters_one_block_ahead() -> None:
+    """Parameters sharded on the data-parallel axis, split into two stages: every stage's forward
+    and backward gather their blocks' parameters in coalesced all-gathers (FSDP2's per-block
+    gather, prefetched a block ahead within the stage: the split checks that each lands in the
+    stage that reads it)."""
+    from autoplan.runtime import collectives
+
+    _, _, split, _ = _split("gpt2_wide", [0, 3], pins=ZERO3_PINS, in_backward=True)
+    for st in split.stages:
+        for gm in (st.forward, st.backward):
+            assert _calls(gm, (collectives.all_gather_coalesced,)), st.index
 
 
 def test_boundary_values_and_gradients_pair_up() -> None:
