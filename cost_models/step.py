@@ -38,7 +38,7 @@ makespan of :mod:`autoplan.cost_models.schedule` over the ``(F_k, B_k)`` with po
 transfers of ``cut_bytes`` between stages, plus per stage what the last micro-batch's gradient
 synchronisation adds after its backward (below) and the optimizer step::
 
-    T(c) = makespan(F, B, m, schedule, p2p') + drain + max_k (sync_k + opt_k / dp^[zero>=1])
+    T(c) = makespan(F, B, m, schedule, p2p') + drain + max_r (sum_{k on r} (sync_k + opt_k / dp^[zero>=1]) - slack_r)
 
 With the optimizer state offloaded to host memory (``c.offload_optimizer``), ``opt_k`` is the
 host's step and the copies around it, not overlapped with compute (:func:`offload_time_s`)::
@@ -86,14 +86,17 @@ the optimizer step (the stage hands its input gradient on without waiting for th
 
 where the tail is the larger of the dp link's and the tp link's: tensor-parallel gradient
 conversions (``grad_sync_s``) are issued on their own link when their segment's backward ends.
-The tail is counted after the schedule even for a stage whose last backward ends before the
-pipeline drains (an over-estimate for the later stages of 1F1B, which have the cooldown to hide
-it). Under zero-bubble the runtime sums each stage's raw gradients over the micro-batches and
+With several stages on a rank (interleaving) their last backwards run one after the other and
+all their buckets are waited for after the schedule, so the rank's contention and tail are
+simulated as one pass over its stages' segments (:func:`_rank_in_backward_s`), not summed per
+stage. Under zero-bubble the runtime sums each stage's raw gradients over the micro-batches and
 converts them after the schedule, and nothing runs beside that:
 ``sync_k = sum(grad_sync_s) + sum(bucket times) + ZeRO 1-2's gathers``, all exposed. A rank
-pays its stages' ``sync_k`` and optimizer steps one after the other::
+pays its stages' ``sync_k`` and optimizer steps one after the other, from the end of its part
+of the schedule, which is ``slack_r`` before the makespan: the last backwards of stages
+``r - 1 .. 0`` and the sends between them, on the final chain (0 under zero-bubble)::
 
-    step = makespan + drain + max over ranks r of  sum_{k on r} (sync_k + optimizer_k)
+    step = makespan + drain + max over ranks r of  (sum_{k on r} (sync_k + optimizer_k) - slack_r)
 
 Pipeline sends of a stage's output (forward) and input gradient (backward) use the dp link when
 both cross nodes or both stay inside one: the send queues behind the dp collectives, and the
@@ -563,7 +566,12 @@ class _StageComm:
     """Per micro-batch compute of the forward and backward (gathers' waits excluded)."""
     sync_s: float
     """What the last micro-batch adds after its backward: contention, the exposed tail of the
-    reductions, ZeRO 1-2's gather of the updated weights."""
+    reductions (``in_backward_s``), ZeRO 1-2's gather of the updated weights."""
+    in_backward_s: float
+    """Of ``sync_s``, what the reductions issued in the last backward add (contention and
+    exposed tail; 0 when the gradients are reduced after the schedule)."""
+    last_pass: _LastPass | None
+    """The last backward's inputs when it reduces gradients (:func:`_rank_in_backward_s`)."""
     send_wait_s: tuple[float, float]
     """Waits of the pipeline sends at the end of the forward and of the backward (steady state)."""
     drain_wait_s: float
@@ -571,6 +579,40 @@ class _StageComm:
     previous stage's last backward starts that much later."""
     rows: tuple[CommRow, ...]
     """The stage's collectives over the step, on ``dp`` and ``tp``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _LastPass:
+    """A stage's last backward as :func:`_run_pass` simulates it: per segment (backward order)
+    compute and gather times, its gradient buckets and tensor-parallel gradient conversions."""
+
+    compute_s: tuple[float, ...]
+    gather_s: tuple[float, ...]
+    reductions: tuple[tuple[int, float, float], ...]
+    tp_sync_s: tuple[float, ...]
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _rank_in_backward_s(passes: tuple[_LastPass, ...], *, overlap: bool, slow: float, prefetch: int) -> float:
+    """What a rank's stages' in-backward reductions add after its part of the schedule, with
+    several stages on the rank (interleaving): their last backwards run one after the other (the
+    highest stage first, as the schedule drains) and every bucket is waited for only after the
+    schedule, so the rank's buckets queue on one link beside all of them: simulated as one pass
+    over the stages' segments (the other micro-batches' work between them, which hides more, is
+    left out: an over-estimate)."""
+    compute: list[float] = []
+    gather: list[float] = []
+    reductions: list[tuple[int, float, float]] = []
+    tp_sync: list[float] = []
+    for p in passes:
+        reductions += [(j + len(compute), frac, t) for j, frac, t in p.reductions]
+        compute += p.compute_s
+        gather += p.gather_s
+        tp_sync += p.tp_sync_s
+    bare = _run_pass(compute, gather, overlap=overlap, slow=slow, prefetch=prefetch)
+    last = _run_pass(compute, gather, overlap=overlap, slow=slow, prefetch=prefetch, reductions=reductions)
+    tail = max(last.done_s - last.end_s, _tp_sync_tail(tp_sync, compute, overlap))
+    return (last.end_s - bare.end_s) + tail
 
 
 def _pieces(nbytes: float, cap: float) -> int:
@@ -646,8 +688,10 @@ def _stage_comm(
         fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
         bwd = _run_pass(bwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
         tail = _tp_sync_tail(tp_sync, bwd_c, overlap and reduced_in_backward)
+        passed = _LastPass(tuple(bwd_c), (0.0,) * len(part), (), tuple(tp_sync)) if reduced_in_backward else None
         return _StageComm(
             fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s, sync_s=tail,
+            in_backward_s=tail if reduced_in_backward else 0.0, last_pass=passed,
             send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
         )  # fmt: skip
     link = group_link(cluster, stride=tp, size=dp)
@@ -707,9 +751,12 @@ def _stage_comm(
     if after_buckets:
         rows.append(CommRow(kind="all_gather", axis="dp", count=len(after_buckets),
                             bytes=sum(s.trainable_numel * bpe.weights for s in part), total_s=after, exposed_s=after))  # fmt: skip
+    in_backward = (last.end_s - bwd.end_s) + tail if reduced_in_backward else 0.0
     return _StageComm(
         fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s,
-        sync_s=(last.end_s - bwd.end_s) + tail + apart_s + after, send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
+        sync_s=(last.end_s - bwd.end_s) + tail + apart_s + after, in_backward_s=in_backward,
+        last_pass=_LastPass(tuple(bwd_c), tuple(gather_b), tuple(reductions), tuple(tp_sync)) if reduced_in_backward else None,
+        send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
         drain_wait_s=last.send_wait_s if reduced_in_backward else 0.0, rows=tuple(rows),
     )  # fmt: skip
 
@@ -855,6 +902,37 @@ def _price_stage(
 
 
 # --- the step ---------------------------------------------------------------------------------
+
+
+def _rank_after(
+    config: ParallelConfig, priced: Sequence[_StagePrice], cluster: Cluster, policy: OverlapPolicy,
+    p2p_s: Sequence[float],
+) -> tuple[list[float], list[float]]:
+    """Per pipeline rank, what its step adds after the schedule's makespan, and its optimizer
+    time. After its part of the schedule a rank waits for its stages' gradient reductions and
+    steps their optimizer, one stage after the other (interleaving puts v stages on a rank; their
+    in-backward reductions share one link: :func:`_rank_in_backward_s`). Rank ``r``'s part ends
+    before the makespan by its slack, the last backwards of the stages before it on the final
+    chain (stages ``r - 1 .. 0``) and the sends between them (not under zero-bubble, whose W
+    passes may run there)."""
+    after, optimizer = [0.0] * config.pp, [0.0] * config.pp
+    overlap = overlaps_compute(cluster.device)
+    slow = concurrent_compute_factor(cluster.device) - 1.0 if overlap else 0.0
+    for r in range(config.pp):
+        mine = sorted((p for p in priced if p.estimate.rank == r), key=lambda p: -p.estimate.segments[0])
+        for p in mine:
+            after[r] += p.sync_exposed_s + p.optimizer_s
+            optimizer[r] += p.optimizer_s
+        passes = [p.comm.last_pass for p in mine if p.comm is not None and p.comm.last_pass is not None]
+        if len(passes) > 1:  # the stages' in-backward reductions, simulated together
+            after[r] += _rank_in_backward_s(
+                tuple(passes), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks
+            ) - sum(p.comm.in_backward_s for p in mine if p.comm is not None)
+        if config.schedule != "zero-bubble":
+            slack = sum(priced[s].estimate.bwd_s + (p2p_s[s] if s < len(p2p_s) else 0.0) for s in range(r))
+            after[r] -= slack  # (rank 0 has none: the step never ends before the makespan)
+    return after, optimizer
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -1042,12 +1120,7 @@ def evaluate(
     makespan, compute, bubble, p2p_exposed = _pipeline_times(config, priced, p2p_s)
     # the last backward sends wait behind the reductions, and each delays the stages before it
     drain = sum(p.comm.drain_wait_s for p in priced if p.comm is not None)
-    # after the schedule a rank converts the gradients of its stages and steps their optimizer,
-    # one stage after the other (interleaving puts v stages on a rank)
-    after, optimizer = [0.0] * config.pp, [0.0] * config.pp
-    for p in priced:
-        after[p.estimate.rank] += p.sync_exposed_s + p.optimizer_s
-        optimizer[p.estimate.rank] += p.optimizer_s
+    after, optimizer = _rank_after(config, priced, cluster, pol, p2p_s)
     step = makespan + drain + max(after)
     m = config.num_microbatches
     flops = sum(s.flops for s in segs) * m * config.dp

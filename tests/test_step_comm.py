@@ -21,7 +21,16 @@ from autoplan.cost_models.comm import link_time_s
 from autoplan.cost_models.comm_schedule import MiB, OverlapPolicy
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.hardware import DEVICE_CATALOG
-from autoplan.cost_models.step import SegmentCost, SegmentCosts, TrainingEstimate, _run_pass, evaluate, group_link
+from autoplan.cost_models.step import (
+    SegmentCost,
+    SegmentCosts,
+    TrainingEstimate,
+    _LastPass,
+    _rank_in_backward_s,
+    _run_pass,
+    evaluate,
+    group_link,
+)
 
 LAT_US = 100.0
 GPU = dataclasses.replace(
@@ -278,3 +287,33 @@ def test_cpu_ranks_expose_every_collective():
     est = evaluate(cfg, _costs(fwd_s=0.1), Cluster.preset("2xCPU"))
     for r in est.comm.rows:
         assert r.exposed_s == pytest.approx(r.total_s), r
+
+
+def test_interleaved_stages_reductions_queue_on_one_link_behind_all_their_last_backwards():
+    """Two stages on one rank (interleaving), each a 10 ms last backward that issues a 6 ms
+    bucket at its end: alone, each bucket is exposed (6 ms each, 12 ms); waited for only after
+    the schedule, the first one runs beside the second stage's backward, so the rank waits for
+    the second one only (6 ms)."""
+    one = _LastPass(compute_s=(10e-3,), gather_s=(0.0,), reductions=((0, 1.0, 6e-3),), tp_sync_s=(0.0,))
+    alone = _rank_in_backward_s((one,), overlap=True, slow=0.0, prefetch=1)
+    together = _rank_in_backward_s((one, one), overlap=True, slow=0.0, prefetch=1)
+    assert alone == pytest.approx(6e-3)
+    assert together == pytest.approx(6e-3)
+
+
+def test_a_later_stage_reduces_its_gradients_while_the_earlier_ones_finish_their_last_backward():
+    """1F1B over 4 stages where only the last stage has gradients: its rank finishes the
+    schedule while stages 2, 1, 0 still run their last backward, so its reductions (and its
+    optimizer step) hide in that slack and the step grows by less than their exposed tail (the
+    sends cross nodes: they do not queue behind the reductions)."""
+    base = _costs(fwd_s=0.1)
+    only_last = dataclasses.replace(base, segments=tuple(
+        dataclasses.replace(s, trainable_numel=s.trainable_numel if i >= len(base.segments) - 2 else 0)
+        for i, s in enumerate(base.segments)))  # fmt: skip
+    cfg = _config(zero_stage=0, pp=4, dp=4, num_microbatches=4)
+    nodes = Cluster(num_nodes=4, devices_per_node=4, device=GPU)  # dp in a node, the sends across
+    est = evaluate(cfg, only_last, nodes)
+    none = evaluate(cfg, _without_gradients(base), nodes)
+    tail = _row(est, "all_reduce").exposed_s
+    assert tail > 0
+    assert est.step_time_s < none.step_time_s + tail
