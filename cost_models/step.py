@@ -99,10 +99,13 @@ of the schedule, which is ``slack_r`` before the makespan: the last backwards of
     step = makespan + drain + max over ranks r of  (sum_{k on r} (sync_k + optimizer_k) - slack_r)
 
 Pipeline sends of a stage's output (forward) and input gradient (backward) use the dp link when
-both cross nodes or both stay inside one: the send queues behind the dp collectives, and the
-schedule's transfer time becomes ``p2p' = p2p + the send's wait``. In the last micro-batch's
-backward a stage's send waits behind its reductions on a shared link and delays the last
-backward of every stage before it: ``drain = sum_k (that wait of stage k)``. On devices whose collectives
+both cross nodes or both stay inside one. The send runs on its own communicator beside the dp
+collectives queued on the link (NCCL runs communicators' kernels concurrently), so the two share
+its bandwidth equally: a send of ``s`` issued with ``b`` of dp collectives queued ends after
+``s + min(s, b)``, and they end ``min(s, b)`` later. The schedule's transfer time becomes
+``p2p' = p2p + the send's wait``. In the last micro-batch's backward a stage's send waits so beside
+its reductions and delays the last backward of every stage before it:
+``drain = sum_k (that wait of stage k)``. On devices whose collectives
 do not run beside compute (CPU ranks, :func:`~autoplan.cost_models.comm.overlaps_compute`) every
 collective is exposed: ``F_k = sum c + sum g``, reductions after the backward.
 
@@ -550,8 +553,10 @@ def _run_pass(
             link.run(t, reductions[r][2])
             r += 1
         t = link.compute_end(t, (1.0 - done_frac) * compute_s[j], slow)
-    done = max(t, link.free_s)
-    send_wait = link.run(t, send_s) - t - send_s if send_s > 0.0 else 0.0
+    # the send shares the link with the collectives still queued on it (module docstring)
+    backlog = max(0.0, link.free_s - t)
+    send_wait = min(send_s, backlog)
+    done = t + backlog + send_wait
     return _Pass(end_s=t, compute_s=t - waits, gather_wait_s=waits, done_s=done, send_wait_s=send_wait)
 
 
