@@ -726,24 +726,16 @@ def _stage_comm(
     else:  # after the schedule: the tensor-parallel conversions, then the buckets, nothing beside them
         last = bwd
         tail = sum(tp_sync) + sum(r[2] for r in reductions)
-    # ZeRO 1-2: the updated weights are all-gathered after the optimizer step, per bucket
-    after_buckets = []
-    if 1 <= z < 3:
-        after_buckets = _reductions(
-            [s.trainable_numel * bpe.weights for s in part][::-1], policy, time_of("all_gather")
-        )[0]
-    after = sum(b[2] for b in after_buckets)
+    after_row = _zero12_gathers(part, z, bpe, policy, time_of("all_gather"))
+    after = after_row.total_s if after_row is not None else 0.0
     # the rows: totals of every collective of the step; exposed = what the compute stream waits
     # for, the gathers' share first (a gather can wait behind a reduction on the link)
     gathers_total = m * (sum(gather_f) + sum(gather_b))
     reduce_total = sum(r[2] for r in reductions)
     waited = m * fwd.gather_wait_s + (m - 1) * bwd.gather_wait_s + last.gather_wait_s
     gathers_exposed = min(gathers_total, waited)
-    reduce_exposed = (
-        min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
-        if reduced_in_backward
-        else reduce_total
-    ) + apart_s
+    in_last = min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
+    reduce_exposed = (in_last if reduced_in_backward else reduce_total) + apart_s
     reduce_total += apart_s
     n_gathered = sum(1 for b in gather_bytes if b > 0)
     if gathers_total > 0:
@@ -753,17 +745,31 @@ def _stage_comm(
     if reductions or apart_s > 0:
         rows.append(CommRow(kind=red_kind, axis="dp", count=len(reductions) + (apart_s > 0),
                             bytes=sum(bucket_bytes) + apart_bytes, total_s=reduce_total, exposed_s=reduce_exposed))  # fmt: skip
-    if after_buckets:
-        rows.append(CommRow(kind="all_gather", axis="dp", count=len(after_buckets),
-                            bytes=sum(s.trainable_numel * bpe.weights for s in part), total_s=after, exposed_s=after))  # fmt: skip
-    in_backward = (last.end_s - bwd.end_s) + tail if reduced_in_backward else 0.0
+    rows += [after_row] if after_row is not None else []
     return _StageComm(
         fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s,
-        sync_s=(last.end_s - bwd.end_s) + tail + apart_s + after, in_backward_s=in_backward,
+        sync_s=(last.end_s - bwd.end_s) + tail + apart_s + after,
+        in_backward_s=(last.end_s - bwd.end_s) + tail if reduced_in_backward else 0.0,
         last_pass=_LastPass(tuple(bwd_c), tuple(gather_b), tuple(reductions), tuple(tp_sync)) if reduced_in_backward else None,
         send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
         drain_wait_s=last.send_wait_s if reduced_in_backward else 0.0, rows=tuple(rows),
     )  # fmt: skip
+
+
+def _zero12_gathers(
+    part: Sequence[SegmentCost], zero_stage: int, bpe: ElementBytes, policy: OverlapPolicy,
+    time_of: Callable[[float], float],
+) -> CommRow | None:
+    """ZeRO 1-2: the updated weights all-gathered after the optimizer step, per bucket, exposed
+    (``None``: another stage, or nothing trained)."""
+    if not 1 <= zero_stage < 3:
+        return None
+    weights = [s.trainable_numel * bpe.weights for s in part]
+    buckets = _reductions(weights[::-1], policy, time_of)[0]
+    if not buckets:
+        return None
+    total = sum(b[2] for b in buckets)
+    return CommRow(kind="all_gather", axis="dp", count=len(buckets), bytes=sum(weights), total_s=total, exposed_s=total)
 
 
 def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: bool) -> float:

@@ -143,6 +143,14 @@ def _runs(nodes: Sequence[fx.Node], segment_of: Mapping[str, int]) -> tuple[dict
     return run_of, run_segment
 
 
+def _window_start(run: int, run_stage: Sequence[int | None], prefetch_blocks: int) -> int:
+    """The first run of a consumer's window: ``prefetch_blocks`` runs back, within its stage."""
+    lo = run
+    while lo > 0 and run - lo < prefetch_blocks and run_stage[lo - 1] == run_stage[run]:
+        lo -= 1
+    return lo
+
+
 def schedule_collectives(
     gm: fx.GraphModule,
     redistributions: Sequence[Redistribution],
@@ -162,16 +170,7 @@ def schedule_collectives(
     last_placeholder = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=-1)
     output = next(n for n in nodes if n.op == "output")
     run_of, run_segment = _runs(nodes, segment_of)
-    run_stage = [
-        None if stage_of_segment is None or seg is None else stage_of_segment(seg) for seg in run_segment
-    ]
-
-    def window_start(run: int) -> int:
-        """The first run of a consumer's window: ``prefetch_blocks`` runs back, within its stage."""
-        lo = run
-        while lo > 0 and run - lo < policy.prefetch_blocks and run_stage[lo - 1] == run_stage[run]:
-            lo -= 1
-        return lo
+    run_stage = [None if stage_of_segment is None or seg is None else stage_of_segment(seg) for seg in run_segment]
     run_start: dict[int, int] = {}
     for name, run in run_of.items():
         run_start.setdefault(run, pos[name])
@@ -197,7 +196,8 @@ def schedule_collectives(
         else:
             consumer = by_name[r.consumer]
             arg = tensor_args(consumer)[r.arg_index]
-            earliest = run_start.get(window_start(run_of[r.consumer]), pos[r.consumer]) - 1
+            first_run = _window_start(run_of[r.consumer], run_stage, policy.prefetch_blocks)
+            earliest = run_start.get(first_run, pos[r.consumer]) - 1
             issue = max(pos[arg.name], earliest, last_placeholder)
             issue = min(issue, pos[r.consumer] - 1)
             slots[i] = CollectiveSlot(index=i, issue_after=after(issue), wait_before=r.consumer)

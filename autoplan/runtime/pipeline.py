@@ -883,9 +883,7 @@ def build_pipeline(
     stage_mesh = mesh[axis_names[0]] if len(axis_names) == 1 else mesh[axis_names]
     in_program = _reduces_in_backward(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
 
-    # a parameter read by several stages: each stage's copy gets its partial gradient, converted
-    # after the schedule and summed across the stages (PipelineModel._finish_grads)
-    tied = _tied_across_stages(traced_mb, layering, stage_starts)
+    tied = _tied_across_stages(traced_mb, layering, stage_starts)  # converted after the schedule
 
     def split(*, defer: bool, accumulated: bool = False) -> StageSplit:
         return _split_program(
@@ -926,7 +924,7 @@ def build_pipeline(
         )  # fmt: skip
         for s in mine
     ]
-    for mod in modules:
+    for mod in modules:  # (a tied parameter's gradient stays raw: converted after the schedule)
         mod.converted_in_program = frozenset(f for f, _ in mod.program.param_grads if in_program and f not in tied)
     stages = [
         _pipeline_stage(mod, stage_mesh=stage_mesh, num_stages=num_stages, device=device, pp_group=pp_group,
