@@ -287,3 +287,43 @@ def test_a_lowered_program_keeps_at_most_two_reduce_scatters_in_flight() -> None
         assert [a.shape for a in after] == [b.shape for b in before] and torch.equal(after[-1], before[-1])
     finally:
         dist.destroy_process_group()
+
+
+def test_a_backwards_last_buckets_are_left_in_flight_until_after_the_schedule() -> None:
+    """The five-bucket backward of the test above, lowered and bounded to two reduce-scatters in
+    flight: ``defer_output_waits`` cuts the program at the waits after its last issue (the last
+    two buckets), so it returns with them in flight and ``None`` in their output slots, and the
+    finishing program waits for them; the earlier waits (the bound) and the other output stay."""
+    import torch.distributed as dist
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autoplan.runtime.lowering import WAIT, bound_reduce_scatters, defer_output_waits, sink_waits
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = dist.group.WORLD
+
+        def backward(x: torch.Tensor) -> list[torch.Tensor]:
+            finishes, h = [], x
+            for _ in range(5):
+                h = torch.tanh(h @ h.t())
+                finishes.append(runtime.start_reduce_scatter_flat([h * 2], (0,), group, 0, average=False))
+            return [t for f in finishes for t in f()] + [h]
+
+        gm = make_fx(backward, tracing_mode="fake")(torch.randn(4, 4))
+        sink_waits(gm)
+        bound_reduce_scatters(gm)
+        x = torch.randn(4, 4)
+        whole = gm(x)
+        cut = defer_output_waits(gm, range(5))  # the five bucket outputs (not h, the sixth)
+        assert cut is not None and cut.slots == (3, 4)
+        assert sum(1 for n in cut.finish.graph.nodes if n.target is WAIT) == 2
+        assert sum(1 for n in cut.issue.graph.nodes if n.target is WAIT) == 3
+        outs, pending = cut.run_issue(x)
+        assert outs[3] is None and outs[4] is None and torch.equal(outs[5], whole[5])
+        finished = cut.run_finish(pending)
+        assert sorted(finished) == [3, 4] and all(finished[i].shape == whole[i].shape for i in (3, 4))
+        assert defer_output_waits(gm, [5]) is None  # h is no collective's result
+    finally:
+        dist.destroy_process_group()
