@@ -103,9 +103,9 @@ both cross nodes or both stay inside one. The send runs on its own communicator 
 collectives queued on the link (NCCL runs communicators' kernels concurrently), so the two share
 its bandwidth equally: a send of ``s`` issued with ``b`` of dp collectives queued ends after
 ``s + min(s, b)``, and they end ``min(s, b)`` later. The schedule's transfer time becomes
-``p2p' = p2p + the send's wait``. In the last micro-batch's backward a stage's send waits so beside
-its reductions and delays the last backward of every stage before it:
-``drain = sum_k (that wait of stage k)``. On devices whose collectives
+``p2p' = p2p + the send's wait``. In the last micro-batch's backward a stage's send shares the
+link with its reductions the same way, and its wait delays the last backward of every stage
+before it: ``drain = sum_k (that wait of stage k)``. On devices whose collectives
 do not run beside compute (CPU ranks, :func:`~autoplan.cost_models.comm.overlaps_compute`) every
 collective is exposed: ``F_k = sum c + sum g``, reductions after the backward.
 

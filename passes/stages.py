@@ -278,16 +278,18 @@ def _read_program(gm: fx.GraphModule, traced: TracedProgram) -> _Program:
     )
 
 
+def param_stages(layering: Layering, stage_of_seg: Callable[[int], int]) -> dict[str, tuple[int, ...]]:
+    """Parameter placeholder name -> the stages whose segments read it (several: a parameter tied
+    across stages, such as an embedding the last stage reads again)."""
+    return {p: tuple(sorted({stage_of_seg(s) for s in segs})) for p, segs in layering.param_segments.items()}
+
+
 def _layer_param_stages(
     prog: _Program, layering: Layering, stage_of_seg: Callable[[int], int]
 ) -> dict[str, tuple[int, ...]]:
     """Layering -> per parameter FQN, the stages whose segments read it (a single-stage parameter
     anchors the backward ops that read it)."""
-    return {
-        prog.pname_of[p]: tuple(sorted({stage_of_seg(s) for s in segs}))
-        for p, segs in layering.param_segments.items()
-        if p in prog.pname_of
-    }
+    return {prog.pname_of[p]: st for p, st in param_stages(layering, stage_of_seg).items() if p in prog.pname_of}
 
 
 def _split_tied_accumulations(

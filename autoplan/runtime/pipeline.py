@@ -23,8 +23,9 @@ they exist (DDP/FSDP2; buckets hold one stage's gradients); with several micro-b
 earlier ones' raw gradients are summed and the last one's backward
 (:attr:`StageModule.last_microbatch`) adds that sum to each gradient before its bucket, as
 Megatron's gradient buffer does and as torch's pipelining runs FSDP2 (gradient sync in the last
-backward only). A stage's backward program waits for its buckets at its end, so it hands its
-input gradient on after them (the step model's ``drain``). A parameter tied across stages (and,
+backward only). The last buckets are still in flight when that backward returns: the stage hands
+its input gradient on without waiting for them, and they are waited for after the schedule,
+before the optimizer (:meth:`StageModule.finish_conversions`). A parameter tied across stages (and,
 under zero-bubble, every parameter) keeps its raw gradient summed over micro-batches, converted
 once per step after the schedule to the parameter placement (in backward order, in the buckets
 of :func:`~autoplan.cost_models.comm_schedule.gradient_buckets`: one coalesced all-reduce or
@@ -81,6 +82,7 @@ from autoplan.passes.stages import (
     StageProgram,
     StageSplit,
     ValueInfo,
+    param_stages,
     split_backward,
     split_stages,
     stage_of_segment,
@@ -167,19 +169,22 @@ class StageModule(torch.nn.Module):
         compute_dtypes: Mapping[str, torch.dtype] | None = None,
         last_microbatch: StageProgram | None = None,
         num_microbatches: int = 1,
+        converts_grads: bool = False,
         deferred_grads: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
         self.program = program
-        self.converted_in_program: frozenset[str] = frozenset()
+        self.converted_in_program = frozenset(
+            f for f, _ in program.param_grads if converts_grads and f not in deferred_grads
+        )
         """FQNs whose gradients the (last micro-batch's) backward program converts itself
-        (DDP/FSDP2-style buckets issued during the backward); the others come out raw and
-        :meth:`PipelineModel._finish_grads` converts them after the schedule (a parameter tied
-        across stages, every parameter of a zero-bubble schedule)."""
+        (``converts_grads``: DDP/FSDP2-style buckets issued during the backward); the others come
+        out raw and :meth:`PipelineModel._finish_grads` converts them after the schedule
+        (``deferred_grads``: a parameter tied across stages; every parameter of a zero-bubble
+        schedule)."""
         if last_microbatch is not None and (
             last_microbatch.saved != program.saved
-            or last_microbatch.accumulated_grads
-            != tuple(f for f, _ in program.param_grads if f not in set(deferred_grads))
+            or last_microbatch.accumulated_grads != tuple(f for f, _ in program.param_grads if f not in deferred_grads)
         ):
             raise AssertionError(f"stage {program.index}: the last micro-batch's backward reads other values")
         self.last_microbatch = last_microbatch
@@ -920,12 +925,11 @@ def build_pipeline(
             compute_dtypes=dtypes,
             last_microbatch=recomputing(last_mb[s]) if last_mb is not None else None,
             num_microbatches=num_microbatches,
+            converts_grads=in_program,
             deferred_grads=tied,
         )  # fmt: skip
         for s in mine
     ]
-    for mod in modules:  # (a tied parameter's gradient stays raw: converted after the schedule)
-        mod.converted_in_program = frozenset(f for f, _ in mod.program.param_grads if in_program and f not in tied)
     stages = [
         _pipeline_stage(mod, stage_mesh=stage_mesh, num_stages=num_stages, device=device, pp_group=pp_group,
                         zero_bubble=schedule == "zero-bubble")  # fmt: skip
@@ -991,12 +995,8 @@ def _split_program(
 
 def _tied_across_stages(traced: TracedProgram, layering: Layering, stage_starts: Sequence[int]) -> frozenset[str]:
     """FQNs of the trained parameters that segments of several stages read (a tied embedding)."""
-    stage_of = stage_of_segment(layering, stage_starts)
-    return frozenset(
-        fqn
-        for fqn in traced.trainable_names
-        if len({stage_of(seg) for seg in layering.param_segments.get(param_node_name(fqn), ())}) > 1
-    )
+    stages = param_stages(layering, stage_of_segment(layering, stage_starts))
+    return frozenset(fqn for fqn in traced.trainable_names if len(stages.get(param_node_name(fqn), ())) > 1)
 
 
 def _check_stage_count(num_stages: int, *, layering: Layering, pp: int, virtual_stages: int) -> None:
