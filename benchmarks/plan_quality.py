@@ -10,8 +10,9 @@ and H100 clusters of 8 to 1024 GPUs, it prices
 
 * **grid**: every Megatron-style configuration — dp x tp x pp (tp inside a node), micro-batch
   size, schedule (GPipe, 1F1B, interleaved 1F1B with 2 or 4 virtual stages, zero-bubble),
-  recomputation (none / selective / full, the same on every stage), ZeRO 0-3 — with Megatron's
-  uniform stage split (blocks divided evenly, embedding on the first stage, head on the last);
+  recomputation (none / selective / full, the same on every stage), ZeRO 0-3, the experts split
+  over the data-parallel group (``ep = dp``, MoE shapes) — with Megatron's uniform stage split
+  (blocks divided evenly, embedding on the first stage, head on the last);
 * **planner**: ``autoplan.planner.search.search`` — the same configurations plus balanced stage
   boundaries (min-max over measured stage times) and per-stage recomputation,
 
@@ -139,7 +140,8 @@ def main() -> int:
                 costs._traces = traces  # noqa: SLF001 - traces depend on the model only: share them
                 t0 = time.perf_counter()
                 kw = dict(num_blocks=TRACED_BLOCKS, global_batch_size=shape.global_batch, precision="bf16",
-                          tokens_per_sample=shape.seq, expand_to_blocks=shape.layers)  # fmt: skip
+                          tokens_per_sample=shape.seq, expand_to_blocks=shape.layers,
+                          experts=shape.experts)  # fmt: skip
                 planner, _ = search(costs, cluster, space=PLANNER, **kw)  # type: ignore[arg-type]
                 t_plan = time.perf_counter() - t0
                 grid, _ = search(costs, cluster, space=GRID, **kw)  # type: ignore[arg-type]
@@ -153,10 +155,11 @@ def main() -> int:
                     f"MFU {planner.mfu:5.1%} mem {planner.peak_memory_bytes / 2**30:5.1f}GiB "
                     f"[dp{c.dp} tp{c.tp} pp{c.pp} mbs{c.microbatch_size}x{c.num_microbatches} "
                     f"{c.schedule if c.pp > 1 else 'none'}"
-                    f"{'/v' + str(c.virtual_stages) if c.virtual_stages > 1 else ''} rc={c.recompute} z{c.zero_stage}]"
+                    f"{'/v' + str(c.virtual_stages) if c.virtual_stages > 1 else ''} rc={c.recompute} z{c.zero_stage}"
+                    f"{f' ep{c.ep}' if c.ep > 1 else ''}]"
                     f"  grid {grid.step_time_s:8.3f}s [dp{g.dp} tp{g.tp} pp{g.pp} mbs{g.microbatch_size} "
                     f"{g.schedule if g.pp > 1 else 'none'} "
-                    f"rc={g.recompute} z{g.zero_stage}]  ratio {ratio:.3f}  search {t_plan:.1f}s",
+                    f"rc={g.recompute} z{g.zero_stage}{f' ep{g.ep}' if g.ep > 1 else ''}]  ratio {ratio:.3f}  search {t_plan:.1f}s",
                     flush=True,
                 )
     never_worse = sum(1 for r in rows if r[5] >= 0.99)

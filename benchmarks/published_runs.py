@@ -15,7 +15,7 @@ run, where its predicted step goes (:func:`breakdown`).
 
 Sources: the eight Llama rows, ``shared/published_runs.md`` (torchtitan, FSDP2 on 64 A100 80GB,
 pytorch/torchtitan docs/performance.md, 2024); the mixture-of-experts row, NeMo AutoModel's
-performance summary (Qwen3-30B-A3B, BF16, one DGX-H100, EP 8; the row's comment in ``RUNS`` says
+performance summary (Qwen3-30B-A3B, BF16, one DGX-H100, EP 8 priced as ``ep=8``; the row's comment in ``RUNS`` says
 what is exact and what is approximated). Add runs as rows of ``RUNS`` with their source. The
 corrections below (recomputation policies, FSDP2 copies, torchtitan's MFU) apply to the torchtitan
 rows only (``PublishedRun.framework``).
@@ -170,9 +170,9 @@ class PublishedRun:
     zero_stage: int
     dp: int
     tp: int = 1
-    """autoplan's in-stage model-parallel axis (``ParallelConfig.tp``): 1 for the torchtitan rows;
-    the expert-parallel degree of the MoE row, whose attention runs data-parallel over the same
-    ranks (the ILP's choice, module docstring)."""
+    """autoplan's in-stage model-parallel axis (``ParallelConfig.tp``)."""
+    ep: int = 1
+    """Expert-parallel degree (``ParallelConfig.ep``: the experts split over the dp ranks)."""
     num_microbatches: int = 1
     """Gradient-accumulation steps per optimizer step."""
     framework: str = "torchtitan"
@@ -206,21 +206,22 @@ def _tt(shape: Shape, seq: int, batch: int, ac: str, wps: float, mfu: float) -> 
 # (GBS 512 version): activation_checkpointing true (checkpoint_wrapper on every block: full),
 # torch.optim.Adam, TE attention/linear/RMSNorm, DeepEP dispatch, fake_balanced_gate (routing
 # forced balanced). Exact: shape, GPUs, batch, sequence, EP 8, full recomputation, bf16, Adam.
-# autoplan: tp=8 is the 8-rank axis; the ILP (checked with autoplan.plan on 1x8xH200, the H100
-# plan does not fit) runs attention batch-split over it (data parallel, as AutoModel) and the
-# experts split 16 per rank (EP 8) with the all-gather token dispatcher, not DeepEP's all-to-all.
-# Approximated: AutoModel FSDP-shards the non-expert weights over the 8 GPUs, autoplan (dp=1)
-# replicates them and all-reduces their gradients (its peak memory over-counts their optimizer
-# state: infeasible in the model, fits in the run); autoplan prices routing at ROUTING_IMBALANCE
-# 1.25 (the run forces balance); autoplan's full recomputation does not re-run the experts'
-# forward (checkpoint_wrapper does, dispatch included): not corrected.
-# Error -21.5% (--breakdown): of the predicted 27.7 s step, the non-matmul, non-attention ops
-# priced as HF eager runs them (fp32 RMSNorms with the per-head q/k norms, RoPE, routing softmax
-# and top-k, the loss) take 8.3 s forward+backward plus their recomputation, where the run uses TE's
-# fused kernels; the blocking token all-gather/reduce-scatter of the experts 5.4 s.
+# autoplan: exactly that layout, dp=8 ZeRO-3 (FSDP2 over the 8) with ep=8 (each rank 16 of the
+# 128 experts of every layer, tokens exchanged with all-to-all; DeepEP's kernels are priced as
+# all_to_all_single on NVLink). Approximated: autoplan prices routing at ROUTING_IMBALANCE 1.25
+# (the run forces balance); autoplan's full recomputation does not re-run the experts' forward
+# (checkpoint_wrapper does, dispatch included): not corrected.
+# Error -35.5% (--breakdown; priced with tp=8 and the all-gather dispatcher before ep existed:
+# -21.5%): of the predicted 33.7 s step, 10.0 s are the blocking all-to-alls (each token's 8
+# routed rows sent one by one, as torchtitan's and Megatron-Core's alltoall dispatchers do; DeepEP
+# sends a token once per destination rank, about 5.3 of 8 here, and the run forces balanced
+# routing where autoplan prices 1.25x), and 8.3 s the non-matmul ops priced as HF eager runs them
+# (fp32 RMSNorms with the per-head q/k norms, RoPE, routing softmax and top-k) where the run uses
+# TE's fused kernels. The same layout without ep (experts ZeRO-3-sharded, gathered per block) is
+# priced at 23.5 s.
 AUTOMODEL_QWEN3_30B = PublishedRun(
     shape=QWEN3_30B_A3B, cluster="1x8xH100", seq_len=4096, local_batch=4, activation_checkpointing="full",
-    zero_stage=0, dp=1, tp=8, num_microbatches=16, framework="automodel", tokens_per_s_per_gpu=12040,
+    zero_stage=3, dp=8, ep=8, num_microbatches=16, framework="automodel", tokens_per_s_per_gpu=12040,
     mfu=277 / 989, source=AUTOMODEL_H100,
 )  # fmt: skip
 
@@ -283,7 +284,7 @@ def parallel_config(run: PublishedRun, recompute: str) -> autoplan.ParallelConfi
     of the model-parallel axis (split over them when the ILP runs an op batch-parallel there)."""
     return autoplan.ParallelConfig(
         dp=run.dp, tp=run.tp, pp=1, microbatch_size=run.local_batch * run.tp,
-        num_microbatches=run.num_microbatches, recompute=recompute, zero_stage=run.zero_stage,
+        num_microbatches=run.num_microbatches, recompute=recompute, zero_stage=run.zero_stage, ep=run.ep,
     )  # fmt: skip
 
 

@@ -158,6 +158,34 @@ def collective_time_s(
     return min(times)
 
 
+ROUTING_IMBALANCE = 1.25
+"""Rows the busiest expert shard receives, relative to the mean, as priced: the capacity factor
+Switch Transformer trains with (Fedus et al. 2021, "Switch Transformers", Sec. 2.2: 1.25) and
+GShard's load-balancing bound (Lepikhin et al. 2020). Routing is dropless here (no row is
+dropped whatever the imbalance); the factor only prices the slowest rank."""
+
+
+def expert_exchange_bytes(routed_bytes: float, experts: int, *, backward: bool) -> tuple[float, float, float]:
+    """Bytes one rank sends in each all-to-all of an expert-parallel MoE op, in the order
+    :mod:`autoplan.passes.moe`'s dispatch runs them: the per-expert row counts (int64), the routed
+    rows out, the results back. ``routed_bytes``: the rank's routed rows (its tokens times top-k
+    times a row's bytes), the busiest rank's at :data:`ROUTING_IMBALANCE` times the mean; the
+    backward sends rows with their output gradients and gets input gradients with expert outputs
+    back (twice the bytes)."""
+    rows = routed_bytes * ROUTING_IMBALANCE * (2 if backward else 1)
+    return (8.0 * experts, rows, rows)
+
+
+def expert_exchange_s(routed_bytes: float, experts: int, num_ranks: int, link: LinkSpec, *, backward: bool) -> float:
+    """Time of :func:`expert_exchange_bytes`'s all-to-alls over ``num_ranks`` ranks on ``link``
+    (ring convention, ``all_to_all_single`` on every backend)."""
+    fit = link.params("all_to_all")
+    return sum(
+        collective_time_s("all_to_all", b, num_ranks, fit.bw_GBps, fit.latency_us, algorithm="ring")
+        for b in expert_exchange_bytes(routed_bytes, experts, backward=backward)
+    )
+
+
 def effective_collective(kind: str, nbytes: float, num_ranks: int, *, backend: Backend) -> tuple[str, float]:
     """The collective that really runs for ``kind`` on ``backend``, and its payload: gloo has no
     all_to_all, so DTensor all-gathers ``num_ranks * nbytes`` and keeps its chunk."""

@@ -148,6 +148,15 @@ class ParallelConfig:
     :func:`autoplan.cost_models.memory.offload_host_bytes_per_element`). Written in a config's
     dict and text only when set, so configurations without it read as before."""
 
+    ep: int = 1
+    """Expert parallelism: the routed experts of every MoE layer split over the ``ep`` ranks of
+    the data-parallel group (``1``: every rank holds every expert; else ``ep == dp``, each rank
+    holding ``experts / dp`` of them), each routed token sent to its expert's rank and back with
+    all-to-all (GShard; torchtitan's and Megatron-Core's expert parallel degree). The experts'
+    gradients are then complete on their rank: never reduced over dp. Needs ``tp == 1`` (the
+    experts split over one mesh axis), one data-parallel degree on every stage and no optimizer
+    offload. Written in a config's dict and text only when above 1."""
+
     def __post_init__(self) -> None:
         for name, hint in _COUNT_HINTS.items():
             v = getattr(self, name)
@@ -169,6 +178,7 @@ class ParallelConfig:
                 f"offload_optimizer must be True or False, got {self.offload_optimizer!r}: "
                 "True keeps the optimizer state in host memory"
             )
+        self._check_ep()
         if self.stage_dp is not None:
             object.__setattr__(self, "stage_dp", tuple(self.stage_dp))
             if len(self.stage_dp) != self.pp or any(
@@ -185,6 +195,24 @@ class ParallelConfig:
                     f"stage_dp {list(self.stage_dp)} must divide the {samples} samples of a micro-batch "
                     f"(dp*microbatch_size = {self.dp}*{self.microbatch_size})"
                 )
+
+    def _check_ep(self) -> None:
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(
+                f"ParallelConfig.ep must be a positive integer, got {self.ep!r}: use 1 for no expert parallelism"
+            )
+        if self.ep == 1:
+            return
+        if self.ep != self.dp:
+            raise ConfigError(
+                f"ep={self.ep} must be 1 or the data-parallel degree dp={self.dp} (the experts split over the whole "
+                "data-parallel group)"
+            )
+        if self.tp != 1 or self.stage_dp is not None or self.offload_optimizer:
+            raise ConfigError(
+                "expert parallelism (ep > 1) needs tp=1, no stage_dp and offload_optimizer=False: "
+                "set ep=1 or drop the other option"
+            )
 
     def dp_of(self, stage: int) -> int:
         """Data-parallel degree of pipeline stage ``stage``: ``stage_dp[stage]``, else ``dp``."""
@@ -251,11 +279,13 @@ class ParallelConfig:
             raise ConfigError(f"schedule {self.schedule!r} needs pp > 1")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values; ``offload_optimizer`` only when set (plans and estimates
-        without it are written as before it existed)."""
+        """The fields as plain values; ``offload_optimizer`` only when set and ``ep`` only above 1
+        (plans and estimates without them are written as before they existed)."""
         out = asdict(self)
         if not self.offload_optimizer:
             del out["offload_optimizer"]
+        if self.ep == 1:
+            del out["ep"]
         return out
 
     @classmethod
@@ -280,4 +310,6 @@ class ParallelConfig:
         parts += [f"recompute={self.recompute}", f"zero={self.zero_stage}"]
         if self.offload_optimizer:
             parts.append("offload=optimizer")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return " ".join(parts)

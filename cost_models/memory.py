@@ -26,7 +26,7 @@ combined by :func:`rank_memory_parts`). Both add :func:`allocator_margin_bytes` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Literal, Protocol
@@ -177,6 +177,10 @@ class SegmentMemory(Protocol):
     def tied_trainable_numel(self) -> int: ...
     @property
     def tied_param_owner(self) -> int: ...
+    @property
+    def dp_split_numel(self) -> int: ...
+    @property
+    def dp_split_trainable_numel(self) -> int: ...
 
 
 def segment_activation_bytes(seg: SegmentMemory, recompute: str) -> tuple[float, float, float]:
@@ -205,6 +209,7 @@ def segment_activation_bytes(seg: SegmentMemory, recompute: str) -> tuple[float,
     if recompute == "full":
         return seg.full_kept_bytes, 0.0, max(fwd_t, seg.full_bwd_transient_bytes)
     return seg.saved_bytes, 0.0, max(fwd_t, bwd_t)
+
 
 ALLOCATOR_MARGIN_FRACTION = 0.05
 """Bytes PyTorch's CUDA caching allocator reserves beyond the allocated peak (fragmentation: freed
@@ -329,26 +334,26 @@ def stage_memory_parts(
     :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks)."""
     tied = _tied_copies(segments, first_segment)
     param_numel, trainable = stage_numels(segments, first_segment)
-    w = float(param_numel * element.weights) / (dp if zero_stage >= 3 else 1)
+    # split over dp (experts): 1/dp held at any ZeRO stage, so only the unsharded parts change
+    split_p, split_t = (sum(getattr(s, f) for s in segments) for f in ("dp_split_numel", "dp_split_trainable_numel"))
+    not_held = 1 - 1 / dp
+    w = param_numel * element.weights / dp if zero_stage >= 3 else (param_numel - split_p * not_held) * element.weights
     largest_trained = max((s.trainable_numel for s in segments), default=0)
     o, step_temp = _optimizer_bytes(
-        element, trainable, largest_trained, shards=dp if zero_stage >= 1 else 1, device_kind=device_kind,
-        offload=offload_optimizer, host_is_device=host_is_device,
+        element, trainable if zero_stage >= 1 else trainable - split_t * not_held, largest_trained,
+        shards=dp if zero_stage >= 1 else 1, device_kind=device_kind, offload=offload_optimizer,
+        host_is_device=host_is_device,
     )  # fmt: skip
-    tied_grads = {id(s) for s in tied.values()}
-    raw = [
-        float((s.trainable_numel + (s.tied_trainable_numel if id(s) in tied_grads else 0)) * element.grads)
-        for s in segments
-    ]
-    grads = [r / (dp if zero_stage >= 2 else 1) for r in raw]
+    raw, grads = _gradient_bytes(segments, tied.values(), dp=dp, zero_stage=zero_stage, element=element)
     gathered = 0.0
     if zero_stage >= 3:
-        largest = max((s.param_numel for s in segments), default=0)
+        largest = max((s.param_numel - s.dp_split_numel for s in segments), default=0)
         regather = recompute == "full"  # the re-run forward gathers its block's weights once more
-        kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else param_numel
-        gathered = min(kept_numel, param_numel) * element.weights
+        unsplit = param_numel - split_p
+        kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else unsplit
+        gathered = min(kept_numel, unsplit) * element.weights
     activations, transients = _activations_and_transients(segments, recompute, inflight)
-    bucket = min(trainable * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
+    bucket = min((trainable - split_t) * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
     reduced = bucket / dp if zero_stage >= 1 else 0.0  # ZeRO 0: all-reduced in place
     in_backward = reduced_in_backward and zero_stage >= 1 and dp > 1
     held, reduction = _gradients_held(raw, grads, bucket, reduced, in_backward=in_backward, policy=policy)
@@ -362,6 +367,25 @@ def stage_memory_parts(
     parts = {"weights": w, "grads": grads_at_peak, "optimizer": o, "activations": activations,
              "transient": at_peak - activations - grads_at_peak}  # fmt: skip
     return _with_allocator(parts, device_kind)
+
+
+def _gradient_bytes(
+    segments: Sequence[SegmentMemory], tied: Iterable[SegmentMemory], *, dp: int, zero_stage: int,
+    element: ElementBytes,
+) -> tuple[list[float], list[float]]:
+    """Per segment, ``(R_j, g_j)`` of :func:`stage_memory_parts`: its raw gradient bytes (with the
+    stage's copies of tied parameters) and what is left after the reductions (``1/dp`` under ZeRO
+    >= 2). Gradients of parameters split over dp (``dp_split_trainable_numel``) are complete on
+    their rank: ``1/dp`` of them, raw and kept."""
+    tied_grads = {id(s) for s in tied}
+    reduced = [
+        float((s.trainable_numel - s.dp_split_trainable_numel + (s.tied_trainable_numel if id(s) in tied_grads else 0))
+              * element.grads)
+        for s in segments
+    ]  # fmt: skip
+    own = [s.dp_split_trainable_numel / dp * element.grads for s in segments]
+    raw = [r + e for r, e in zip(reduced, own, strict=True)]
+    return raw, [r / (dp if zero_stage >= 2 else 1) + e for r, e in zip(reduced, own, strict=True)]
 
 
 def _tied_copies(segments: Sequence[SegmentMemory], first_segment: int) -> dict[int, SegmentMemory]:
@@ -381,7 +405,13 @@ def stage_numels(segments: Sequence[SegmentMemory], first_segment: int) -> tuple
 
 
 def _optimizer_bytes(
-    element: ElementBytes, trainable: int, largest_trained: int, *, shards: int, device_kind: str, offload: bool,
+    element: ElementBytes,
+    trainable: float,
+    largest_trained: int,
+    *,
+    shards: int,
+    device_kind: str,
+    offload: bool,
     host_is_device: bool,
 ) -> tuple[float, float]:
     """``(O, opt_step's temporaries)`` of :func:`stage_memory_parts` for ``trainable`` elements

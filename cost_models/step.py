@@ -133,6 +133,7 @@ samples, its gradient synchronisation and ZeRO sharding run over ``d_k``, and a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -141,7 +142,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost_models.cluster import Cluster, LinkSpec
-from autoplan.cost_models.comm import link_time_s, overlaps_compute
+from autoplan.cost_models.comm import (
+    ROUTING_IMBALANCE,
+    expert_exchange_bytes,
+    expert_exchange_s,
+    link_time_s,
+    overlaps_compute,
+)
 from autoplan.cost_models.comm_schedule import (
     DEFAULT_POLICY,
     CommRow,
@@ -234,6 +241,34 @@ class SegmentCost:
     tied_trainable_numel: int = 0
     tied_param_owner: int = -1
     """The segment that holds the tied parameters (-1: none)."""
+    moe_fwd_s: float = 0.0
+    """Part of ``fwd_s`` in MoE expert ops (:mod:`autoplan.passes.moe`), their all-to-alls excluded."""
+    moe_bwd_s: float = 0.0
+    moe_ops: int = 0
+    """MoE expert ops in the segment's forward (one per MoE layer)."""
+    moe_routed_bytes: float = 0.0
+    """Bytes of the rows those ops route on one device per micro-batch (tokens times top-k times a
+    row), summed over the ops."""
+    experts: int = 0
+    """Routed experts per MoE layer (0: none)."""
+    expert_numel: int = 0
+    """The routed experts' stacked weights among ``param_numel`` (local on the tensor-parallel
+    group): what expert parallelism over the data-parallel group (``ParallelConfig.ep``) splits."""
+    expert_trainable_numel: int = 0
+    dp_split_numel: int = 0
+    """Elements of ``param_numel`` split over the data-parallel group instead of replicated or
+    ZeRO-sharded (the experts under ``ep``, set by :func:`expert_parallel_costs`): held ``1/dp``
+    per device whatever the ZeRO stage, never gathered, their gradients never reduced over dp."""
+    dp_split_trainable_numel: int = 0
+    fwd_all_to_all_s: float = 0.0
+    """Part of ``fwd_comm_s`` spent in the all-to-alls expert-parallel MoE ops run inside
+    (:func:`autoplan.passes.moe.moe_exchanges`)."""
+    bwd_all_to_all_s: float = 0.0
+    all_to_alls: int = 0
+    """How many all-to-alls the segment's forward runs (its backward runs as many)."""
+    fwd_all_to_all_bytes: float = 0.0
+    """Bytes the forward's all-to-alls send, per micro-batch."""
+    bwd_all_to_all_bytes: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -706,12 +741,14 @@ def _stage_comm(
         return lambda nbytes: link_time_s(kind, nbytes, dp, link, backend=cluster.backend)
 
     # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention)
-    gather_bytes = [s.param_numel * bpe.weights if z >= 3 else 0.0 for s in part]
+    gather_bytes = [(s.param_numel - s.dp_split_numel) * bpe.weights if z >= 3 else 0.0 for s in part]
     gather_f = [time_of("all_gather")(b) if b > 0 else 0.0 for b in gather_bytes]
     regather = recompute == "full"  # the re-run forward gathers its block's weights again
     gather_b = [g * (policy.reshard_after_forward + regather) for g in gather_f[::-1]]
     red_kind = "all_reduce" if z == 0 else "reduce_scatter"
-    grad_bytes = [(s.trainable_numel - a) * bpe.grads for s, a in zip(part, apart, strict=True)][::-1]
+    grad_bytes = [
+        (s.trainable_numel - s.dp_split_trainable_numel - a) * bpe.grads for s, a in zip(part, apart, strict=True)
+    ][::-1]
     reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
     apart_bytes = (sum(apart) + copies_numel) * bpe.grads
     apart_s = time_of(red_kind)(apart_bytes) if apart_bytes > 0 else 0.0
@@ -764,12 +801,70 @@ def _zero12_gathers(
     (``None``: another stage, or nothing trained)."""
     if not 1 <= zero_stage < 3:
         return None
-    weights = [s.trainable_numel * bpe.weights for s in part]
+    weights = [(s.trainable_numel - s.dp_split_trainable_numel) * bpe.weights for s in part]
     buckets = _reductions(weights[::-1], policy, time_of)[0]
     if not buckets:
         return None
     total = sum(b[2] for b in buckets)
     return CommRow(kind="all_gather", axis="dp", count=len(buckets), bytes=sum(weights), total_s=total, exposed_s=total)
+
+
+def expert_parallel_costs(costs: SegmentCosts, config: ParallelConfig, cluster: Cluster) -> SegmentCosts:
+    """``costs`` (solved on the tensor-parallel group, every expert local) with the routed experts
+    split over the ``config.ep == dp`` ranks of the data-parallel group, each rank holding
+    ``experts / dp`` of every MoE layer (GShard's expert parallelism; torchtitan's and
+    Megatron-Core's ``ep``): per segment with ``n`` MoE ops routing ``r`` bytes,
+
+        a2a_f = n * exchange(r / n, forward)      a2a_b = n * exchange(r / n, backward)
+        fwd_s += a2a_f + (imbalance - 1) * moe_fwd_s      bwd_s += a2a_b + (imbalance - 1) * moe_bwd_s
+        full_recompute_s += a2a_f + (imbalance - 1) * moe_fwd_s    (the re-run forward exchanges again)
+
+    ``exchange``: :func:`~autoplan.cost_models.comm.expert_exchange_s` on the dp group's link, the
+    op's blocking all-to-alls (``*_comm_s`` and the ``all_to_all`` row); ``imbalance``:
+    :data:`~autoplan.cost_models.comm.ROUTING_IMBALANCE` (a rank computes the rows routed to its
+    experts, the busiest rank sets the time). The experts' weights become ``dp_split_numel``:
+    held ``1/dp`` per device, never gathered, their gradients complete on their rank (each saw
+    every token routed to it), so never reduced over dp; under ZeRO 0 the optimizer step updates
+    ``1/dp`` of them (ZeRO >= 1 already divides the whole step by dp)."""
+    if config.ep == 1:
+        return costs
+    link = group_link(cluster, stride=config.tp, size=config.dp)
+    segments = []
+    for s in costs.segments:
+        if not s.moe_ops and not s.expert_numel:
+            segments.append(s)
+            continue
+        per_op = s.moe_routed_bytes / max(s.moe_ops, 1)
+        a2a_f, a2a_b = (
+            s.moe_ops * expert_exchange_s(per_op, s.experts, config.ep, link, backward=b) for b in (False, True)
+        )
+        bytes_f, bytes_b = (
+            s.moe_ops * sum(expert_exchange_bytes(per_op, s.experts, backward=b)) for b in (False, True)
+        )
+        slow_f, slow_b = (ROUTING_IMBALANCE - 1) * s.moe_fwd_s, (ROUTING_IMBALANCE - 1) * s.moe_bwd_s
+        held = s.trainable_numel - s.expert_trainable_numel * (1 - 1 / config.ep)
+        opt = (
+            s.optimizer_s * held / s.trainable_numel if config.zero_stage == 0 and s.trainable_numel else s.optimizer_s
+        )
+        segments.append(
+            dataclasses.replace(
+                s,
+                fwd_s=s.fwd_s + a2a_f + slow_f,
+                bwd_s=s.bwd_s + a2a_b + slow_b,
+                fwd_comm_s=s.fwd_comm_s + a2a_f,
+                bwd_comm_s=s.bwd_comm_s + a2a_b,
+                fwd_all_to_all_s=s.fwd_all_to_all_s + a2a_f,
+                bwd_all_to_all_s=s.bwd_all_to_all_s + a2a_b,
+                all_to_alls=s.all_to_alls + 3 * s.moe_ops,
+                fwd_all_to_all_bytes=s.fwd_all_to_all_bytes + bytes_f,
+                bwd_all_to_all_bytes=s.bwd_all_to_all_bytes + bytes_b,
+                full_recompute_s=s.full_recompute_s + a2a_f + slow_f,
+                optimizer_s=opt,
+                dp_split_numel=s.expert_numel,
+                dp_split_trainable_numel=s.expert_trainable_numel,
+            )  # fmt: skip
+        )
+    return dataclasses.replace(costs, segments=tuple(segments))
 
 
 def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: bool) -> float:
@@ -787,13 +882,25 @@ def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: boo
 def _tp_rows(part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool) -> list[CommRow]:
     """Tensor-parallel conversions of the step: the segments' forward and backward collectives in
     every micro-batch (the forward's again under full recomputation), all in the compute stream,
-    and the gradient conversions once (hidden as :func:`_tp_sync_tail` says)."""
+    and the gradient conversions once (hidden as :func:`_tp_sync_tail` says). The all-to-alls of
+    expert-parallel MoE ops (inside the op, blocking) get their own row, on ``dp`` where the
+    experts are split over it (:func:`expert_parallel_costs`)."""
     passes = 3 if recompute == "full" else 2
-    total = m * sum(s.fwd_comm_s * (passes - 1) + s.bwd_comm_s for s in part)
-    count = m * sum((passes - 1) * (s.fwd_comm_s > 0) + (s.bwd_comm_s > 0) for s in part)
+    a2a_total = m * sum(s.fwd_all_to_all_s * (passes - 1) + s.bwd_all_to_all_s for s in part)
+    total = m * sum(s.fwd_comm_s * (passes - 1) + s.bwd_comm_s for s in part) - a2a_total
+    count = m * sum(
+        (passes - 1) * (s.fwd_comm_s > s.fwd_all_to_all_s) + (s.bwd_comm_s > s.bwd_all_to_all_s) for s in part
+    )
     rows = []
     if total > 0:
         rows.append(CommRow(kind="redistribute", axis="tp", count=count, bytes=0.0, total_s=total, exposed_s=total))
+    if a2a_total > 0:
+        n = m * sum(s.all_to_alls * passes for s in part)
+        nbytes = m * sum(s.fwd_all_to_all_bytes * (passes - 1) + s.bwd_all_to_all_bytes for s in part)
+        axis = "dp" if any(s.dp_split_numel for s in part) else "tp"  # expert_parallel_costs: over dp
+        rows.append(
+            CommRow(kind="all_to_all", axis=axis, count=n, bytes=nbytes, total_s=a2a_total, exposed_s=a2a_total)
+        )
     sync = [s.grad_sync_s for s in part][::-1]
     if sum(sync) > 0:
         bwd = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]
@@ -945,7 +1052,6 @@ def _rank_after(
     return after, optimizer
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Transfer:
     """The pipeline send across one cut (per micro-batch and direction)."""
@@ -1071,6 +1177,7 @@ def evaluate(
 
     (long: one pass over the stages composing time, memory and the communication account of the
     same configuration; the parts are the helpers above)"""
+    costs = expert_parallel_costs(costs, config, cluster)
     segs = costs.segments
     nstages = config.pp * config.virtual_stages
     if nstages > len(segs) - 2 and nstages > 1:

@@ -113,6 +113,26 @@ def mixtral_8x7b() -> autoplan.Workload:
     )
 
 
+def llama3_8b_128k() -> autoplan.Workload:
+    """Llama 3 8B's shape (Grattafiori et al. 2024, table 3: 32 layers, width 4096, 32 heads with 8
+    key/value heads, SwiGLU of 14336, vocabulary 128256, RoPE base 500000) on sequences of 131,072
+    tokens, for planning only: build it on ``meta``, e.g. ``autoplan plan
+    examples/hf_models.py:llama3_8b_128k --cluster 1x8xH100 --global-batch-size 16 --precision bf16
+    --out llama8b-128k.json``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    seq = 131072
+    cfg = LlamaConfig(
+        num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=seq, rope_theta=500000.0,
+        use_cache=False,
+    )  # fmt: skip
+    ids = torch.randint(0, 128256, (1, seq))
+    return autoplan.Workload(
+        model=LlamaForCausalLM(cfg), example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), optimizer="adamw"
+    )
+
+
 # --- the model zoo: one tiny configuration per architecture --------------------------------------
 #
 # Random weights from the `transformers` config classes (nothing is downloaded): 2 layers of width

@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,19 +77,13 @@ from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSch
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 from autoplan.cost_models.cluster import Cluster
-from autoplan.cost_models.comm import collective_time_s
+from autoplan.cost_models.comm import ROUTING_IMBALANCE, expert_exchange_bytes, expert_exchange_s
 from autoplan.cost_models.compute import Gemm, register_flops, register_matmul_shapes
 from autoplan.cost_models.memory import tensor_bytes
 
 UNDECIDED = "*"
 """``ep_group`` the strategy table asks the op's strategies with (:func:`planning_args`): every
 axis may be expert-parallel. A traced node carries ``""`` (no exchange: the single-device values)."""
-
-ROUTING_IMBALANCE = 1.25
-"""Rows the busiest expert shard receives, relative to the mean, as priced: the capacity factor
-Switch Transformer trains with (Fedus et al. 2021, "Switch Transformers", Sec. 2.2: 1.25) and
-GShard's load-balancing bound (Lepikhin et al. 2020). Routing is dropless here (no row is
-dropped whatever the imbalance); the factor only prices the slowest rank."""
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -550,38 +545,71 @@ def _backward_gemms(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tens
     return Gemm(e, m, h, 2 * i), Gemm(e, m, h, i), Gemm(e, h, m, i), Gemm(e, m, 2 * i, h), Gemm(e, 2 * i, m, h)
 
 
-def moe_comm_time_s(node: fx.Node, input_specs: Sequence[Sequence[Placement]], cluster: Cluster) -> float:
-    """Time of the all-to-alls ``node`` runs inside under a strategy with these input specs (0 for
-    strategies without ``expert_parallel``): see the module docstring."""
+@dataclass(frozen=True, slots=True)
+class InOpExchange:
+    """The all-to-alls an expert-parallel MoE op runs inside (:func:`moe_exchanges`)."""
+
+    axis: int
+    """Mesh axis of the exchange (the strategy's ``expert_parallel`` axis)."""
+    count: int
+    """Collectives issued: the per-expert row counts, the rows out, the results back."""
+    bytes: float
+    """Bytes each rank sends, summed over the ``count`` exchanges (full-size, the ring convention
+    of :mod:`autoplan.cost_models.comm`)."""
+    time_s: float
+
+
+def moe_exchanges(node: fx.Node, input_specs: Sequence[Sequence[Placement]], cluster: Cluster) -> InOpExchange | None:
+    """The all-to-alls ``node`` runs inside under a strategy with these input specs (``None`` for
+    other ops and strategies without ``expert_parallel``): see the module docstring."""
     if node.target not in MOE_OPS:
-        return 0.0
+        return None
     backward = _is_backward(node.target)
     axes = ep_axes(input_specs, backward=backward)
     if not axes:
-        return 0.0
-    return _a2a_time_s(node, axes[0], input_specs, cluster, backward=backward)
+        return None
+    routed_bytes, experts = moe_routing(node, input_specs, cluster.mesh_shape)
+    n = cluster.mesh_shape[axes[0]]
+    link = cluster.axis_link(axes[0])
+    exchanged = expert_exchange_bytes(routed_bytes, experts, backward=backward)
+    time_s = expert_exchange_s(routed_bytes, experts, n, link, backward=backward)
+    return InOpExchange(axis=axes[0], count=len(exchanged), bytes=sum(exchanged), time_s=time_s)
 
 
-def _a2a_time_s(
-    node: fx.Node, axis: int, input_specs: Sequence[Sequence[Placement]], cluster: Cluster, *, backward: bool
-) -> float:
-    first = _first(backward)
+def moe_routing(
+    node: fx.Node, input_specs: Sequence[Sequence[Placement]], mesh_shape: Sequence[int]
+) -> tuple[float, int]:
+    """``(routed_bytes, experts)`` of a MoE op under a strategy with these input specs on a mesh of
+    ``mesh_shape``: the bytes of the rows one rank routes (its share of the tokens times top-k,
+    a row of the hidden size) and the op's number of experts."""
+    first = _first(_is_backward(node.target))
     x, idx, down = (node.args[first + i].meta["val"] for i in (_X, _INDEX, _DOWN))  # type: ignore[union-attr]
     token_shards = 1
-    for p, n in zip(input_specs[first + _X], cluster.mesh_shape, strict=True):
+    for p, n in zip(input_specs[first + _X], mesh_shape, strict=True):
         if isinstance(p, Shard):
             token_shards *= n
-    n = cluster.mesh_shape[axis]
-    rows = idx.numel() / token_shards * ROUTING_IMBALANCE
-    row_bytes = tensor_bytes(x) / x.shape[0]
-    width = 2 if backward else 1  # backward moves rows with their gradients, results with outputs
-    link = cluster.axis_link(axis).params("all_to_all")
-    # the exchanges _Dispatch runs, in order: the per-expert row counts (int64), the rows out, the
-    # results back
-    exchanged_bytes = (8.0 * down.shape[0], rows * row_bytes * width, rows * row_bytes * width)
-    return sum(
-        collective_time_s("all_to_all", b, n, link.bw_GBps, link.latency_us, algorithm="ring") for b in exchanged_bytes
-    )
+    return idx.numel() / token_shards * tensor_bytes(x) / x.shape[0], int(down.shape[0])
+
+
+def routed_experts(node: fx.Node) -> int:
+    """The number of experts of a MoE op."""
+    down = node.args[_first(_is_backward(node.target)) + _DOWN]
+    assert isinstance(down, fx.Node)
+    return int(down.meta["val"].shape[0])
+
+
+def expert_weights(node: fx.Node) -> tuple[fx.Node, fx.Node]:
+    """The stacked expert weights a MoE op reads: ``gate_up_proj`` and ``down_proj``."""
+    first = _first(_is_backward(node.target))
+    gate_up, down = node.args[first + _GATE_UP], node.args[first + _DOWN]
+    assert isinstance(gate_up, fx.Node) and isinstance(down, fx.Node)
+    return gate_up, down
+
+
+def moe_comm_time_s(node: fx.Node, input_specs: Sequence[Sequence[Placement]], cluster: Cluster) -> float:
+    """Time of :func:`moe_exchanges` (0 without any)."""
+    exchange = moe_exchanges(node, input_specs, cluster)
+    return exchange.time_s if exchange is not None else 0.0
 
 
 def moe_time_factor(node: fx.Node, input_specs: Sequence[Sequence[Placement]]) -> float:

@@ -935,3 +935,30 @@ def test_no_file_is_read_with_pickle_eval_unsafe_yaml_or_unrestricted_torch_load
     found += [f for p in test_files for f in _unsafe_calls(p, strict=False)]
 
     assert found == [], "unsafe deserialisation:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(dp=8, ep=4), "ep=4 must be 1 or the data-parallel degree dp=8"),
+        (dict(dp=2, tp=2, ep=2), "expert parallelism (ep > 1) needs tp=1, no stage_dp and offload_optimizer=False"),
+        (dict(dp=2, ep=2, offload_optimizer=True), "set ep=1 or drop the other option"),
+        (dict(dp=2, ep=0), "ParallelConfig.ep must be a positive integer, got 0: use 1 for no expert parallelism"),
+    ],
+    ids=["ep_not_dp", "ep_with_tp", "ep_with_offload", "ep_zero"],
+)
+def test_expert_parallel_config_that_cannot_run_names_the_fix(fields, message):
+    with pytest.raises(autoplan.ConfigError) as info:
+        autoplan.ParallelConfig(**fields)
+
+    one_line(info, message)
+
+
+def test_expert_parallel_needs_experts_divisible_by_ep():
+    """``ep=2`` for a dense model (no routed experts to split) is refused before any ILP."""
+    ids, labels = zoo.token_batch(batch=4, seq=8)
+    with pytest.raises(autoplan.ConfigError) as info:
+        autoplan.estimate(zoo.gpt2_tiny(num_layers=2), "2xCPU", (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
+                          global_batch_size=4, config=autoplan.ParallelConfig(dp=2, microbatch_size=2, ep=2))  # fmt: skip
+
+    one_line(info, "ep=2 splits each MoE layer's experts 2 ways but the model has no routed experts", "use ep=1")

@@ -21,7 +21,7 @@ from autoplan.api import plan as make_plan
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError, PlanFileError
 from autoplan.planner import joint
-from tests.zoo import gpt2_tiny, lm_loss, token_batch
+from tests.zoo import gpt2_tiny, lm_loss, mixtral_tiny, token_batch
 
 BASE = ParallelConfig(dp=2, tp=2, pp=2, microbatch_size=1, num_microbatches=4, schedule="1f1b")
 """8 devices (1x8xH100), GPT-2 tiny with 4 blocks."""
@@ -39,10 +39,16 @@ VARIANTS: dict[str, dict[str, object]] = {
     "zero_stage": {"zero_stage": 3},
     "stage_dp": {"stage_dp": (1, 3), "microbatch_size": 3},
     "offload_optimizer": {"offload_optimizer": True},
+    "ep": {"ep": 4, "dp": 4, "tp": 1},  # a mixture of experts (MOE_MODEL), experts split over dp
 }
 """Where a field needs another to be valid (``virtual_stages`` needs the interleaved schedule,
-``stage_dp=(1, 3)`` needs a micro-batch of 3 samples per replica), the comparison base is BASE
-with that other field changed too, so the difference is still the named field's alone."""
+``stage_dp=(1, 3)`` needs a micro-batch of 3 samples per replica, ``ep`` equals ``dp`` without
+tensor parallelism), the comparison base is BASE with that other field changed too, so the
+difference is still the named field's alone. ``ep`` is estimated on a mixture of experts
+(:data:`MOE_FIELDS`)."""
+
+MOE_FIELDS = {"ep"}
+"""Fields estimated on ``tests.zoo.mixtral_tiny`` (4 experts per layer) instead of GPT-2."""
 
 
 def _comparison_base(field: str) -> ParallelConfig:
@@ -59,11 +65,11 @@ def test_every_config_field_has_an_effect_check() -> None:
 
 
 @functools.cache
-def _estimate(config: ParallelConfig) -> tuple[float, tuple[float, ...], float | None]:
+def _estimate(config: ParallelConfig, *, moe: bool = False) -> tuple[float, tuple[float, ...], float | None]:
     ids, labels = token_batch(batch=4, seq=8)
     cluster = "1x8xH100" if config.world_size == 8 else f"{config.world_size // 8}x8xH100"
     est = autoplan.estimate(
-        gpt2_tiny(num_layers=4),
+        mixtral_tiny() if moe else gpt2_tiny(num_layers=4),
         cluster,
         (ids,),
         loss_fn=lm_loss,
@@ -82,7 +88,7 @@ def _one_cost_model_per_cluster() -> Iterator[None]:
     real = joint.SegmentCostModel
 
     def shared(model, inputs, loss_fn, targets, cluster, **kw):  # noqa: ANN001, ANN003, ANN202
-        key = json.dumps(cluster.to_dict(), sort_keys=True, default=str)
+        key = type(model).__name__ + json.dumps(cluster.to_dict(), sort_keys=True, default=str)
         if key not in made:
             made[key] = real(model, inputs, loss_fn, targets, cluster, **kw)
         return made[key]
@@ -101,7 +107,8 @@ def test_changing_one_config_field_changes_the_estimate(field: str) -> None:
         f.name for f in dataclasses.fields(ParallelConfig) if getattr(base, f.name) != getattr(changed, f.name)
     ]
     assert differing == [field]
-    assert _estimate(changed) != _estimate(base), f"ParallelConfig.{field} does not change the estimate"
+    moe = field in MOE_FIELDS
+    assert _estimate(changed, moe=moe) != _estimate(base, moe=moe), f"ParallelConfig.{field} does not change the estimate"
 
 
 # --- the removed sequence_parallel field ---------------------------------------------------------

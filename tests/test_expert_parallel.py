@@ -8,6 +8,7 @@ single-device model (``tests.harness``: 1e-5).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -16,15 +17,27 @@ from typing import Any
 import pytest
 import torch
 
+import autoplan
 from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.config import ParallelConfig
 from autoplan.passes import pass_order
 from autoplan.passes.layers import find_layers
-from autoplan.passes.moe import MOE_OPS, UNDECIDED, ep_axes, moe_comm_time_s, planning_args
+from autoplan.passes.moe import MOE_OPS, UNDECIDED, ep_axes, moe_comm_time_s, moe_exchanges, planning_args
+from autoplan.passes.placement import parse_spec
 from autoplan.passes.trace import param_node_name
 from autoplan.planner.mesh import planning_mesh
 from autoplan.planner.segment_costs import _add_node_times, _Sums
 from tests import zoo
-from tests.harness import Case, SeededBatches, assert_trains_like_reference, run_case
+from tests.harness import (
+    Case,
+    SeededBatches,
+    assert_trains_like_reference,
+    cpu_cluster,
+    reference_optimizer,
+    run_case,
+    run_ranks,
+    train_both,
+)
 
 _EXPERTS = {"*.experts.gate_up_proj": "S(0)", "*.experts.down_proj": "S(0)"}
 
@@ -221,6 +234,12 @@ def test_expert_parallel_all_to_alls_are_the_segments_communication():
             if node.op == "call_function" and node.target in MOE_OPS:
                 t = moe_comm_time_s(node, table.nodes[name].strategies[i].input_specs, cluster)
                 (expected_f if phase[name] == "fwd" else expected_b)[layering.segment_of[name]] += t
+        # the all-to-alls are also counted apart (their own row, all_to_all@tp), three per op
+        assert sums.a2a_s["fwd"] == pytest.approx(expected_f) and sums.a2a_s["bwd"] == pytest.approx(expected_b)
+        moe_fwd = [sum(1 for n, s in layering.segment_of.items() if s == k and phase[n] == "fwd"
+                       and nodes[n].op == "call_function" and nodes[n].target in MOE_OPS)
+                   for k in range(layering.num_segments)]  # fmt: skip
+        assert sums.a2a_count == [3 * c if expert_parallel else 0 for c in moe_fwd]
         return sums.fwd_comm, sums.bwd_comm, expected_f, expected_b
 
     fwd, bwd, expected_f, expected_b = comm_sums(expert_parallel=True)
@@ -228,3 +247,72 @@ def test_expert_parallel_all_to_alls_are_the_segments_communication():
     assert fwd == pytest.approx(expected_f) and bwd == pytest.approx(expected_b)
     fwd, bwd, _, _ = comm_sums(expert_parallel=False)
     assert sum(fwd) == 0 and sum(bwd) == 0
+
+
+def test_a_fixed_mesh_plan_lists_the_in_op_all_to_alls_as_exposed_communication():
+    """A plan on a fixed mesh with the experts expert-parallel: each MoE op's in-op all-to-alls
+    are an ``all_to_all`` row on its axis (exactly the exchanges priced in the op's time), moved
+    from compute to exposed communication; the step time is the same sum."""
+    x, y = zoo.token_batch(batch=32, seq=64)
+    cluster = cpu_cluster("4xCPU", compute_slowdown=0.02)  # _switch_case's: the all-to-all is the cheapest
+    build = functools.partial(zoo.mixtral_tiny, top_k=1, hidden=128, expert_hidden=512)
+    plan = autoplan.plan(build(), cluster, example_inputs=(x,), loss_fn=zoo.lm_loss,
+                         example_targets=(y,), profile=None, pins={"input_0": "S(0)", "target_0": "S(0)"} | _EXPERTS)  # fmt: skip
+    traced = pass_order.TRACE(build(), (x,), loss_fn=zoo.lm_loss, example_targets=(y,))
+    expected = 0.0
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in MOE_OPS:
+            specs = [parse_spec(spec) for spec in plan.nodes[node.name]["in"]]
+            exchange = moe_exchanges(node, specs, cluster)
+            assert exchange is not None, plan.nodes[node.name]  # pinned: expert parallel
+            expected += exchange.time_s
+    e = plan.estimate
+    (row,) = [r for r in e.comm.rows if r.kind == "all_to_all"]
+    assert row.total_s == pytest.approx(expected) and row.exposed_s == row.total_s
+    assert row.count == 3 * 4  # 2 layers, forward and backward, three exchanges each
+    assert e.comm.total_s == pytest.approx(e.comm_s)
+    assert e.comm.exposed_s == pytest.approx(e.exposed_comm_s)
+    assert e.step_time_s == pytest.approx(e.compute_s + e.exposed_comm_s)
+
+
+def _train_planned(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:  # noqa: ARG001
+    import json
+
+    plan = autoplan.Plan.from_dict(json.loads(plan_json))
+    model = zoo.mixtral_tiny(seed=5, top_k=2)
+    reference = copy.deepcopy(model)
+    batches = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})
+    x, y = batches(0)
+    pm = autoplan.parallelize(
+        model, plan.cluster, example_inputs=(x,), loss_fn=zoo.lm_loss, example_targets=(y,), plan=plan
+    )
+    return train_both(
+        pm, reference, batches=lambda step: ((batches(step)[0],), (batches(step)[1],)), loss_fn=zoo.lm_loss,
+        opt=pm.make_optimizer(lr=0.1), ref_opt=reference_optimizer("sgd_momentum", list(reference.parameters()), 0.1),
+        check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("zero_stage", [0, pytest.param(3, marks=pytest.mark.slow)])
+def test_experts_split_over_the_data_parallel_group_train_like_single_device(zero_stage: int):
+    """A global-batch plan with ``ep = dp = 2`` (two micro-batches accumulated): every MoE op runs
+    expert-parallel on the dp axis, each rank holding 2 of the 4 experts of every layer (never
+    gathered: ZeRO-3 shards the rest), the estimate lists its all-to-alls on dp, and it trains like
+    one device."""
+    import json
+
+    cfg = ParallelConfig(dp=2, microbatch_size=2, num_microbatches=2, zero_stage=zero_stage, ep=2)
+    x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
+    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), "1x2xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
+                         example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8, config=cfg)  # fmt: skip
+    assert plan.config == cfg
+    for d in _moe_layouts({"plan": plan}):
+        first = 1 if "backward" in d["op"] else 0
+        assert d["in"][first] == ["S(0)"] and d["in"][first + 4] == ["S(0)"], d  # tokens and experts on dp
+    experts = {n: list(p) for n, p in plan.param_specs.items() if "experts" in n}
+    assert len(experts) == 4 and all(p == ["S(0)"] for p in experts.values()), experts
+    rows = {(r.kind, r.axis) for r in plan.estimate.comm.rows}
+    assert ("all_to_all", "dp") in rows, rows
+    assert plan.parallelism() == {"dp": "data + expert + tensor/param-sharded (4/21 params)"} if zero_stage == 0 else True
+    results = run_ranks(_train_planned, 2, json.dumps(plan.to_dict()), timeout_s=900)
+    assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)

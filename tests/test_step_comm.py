@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 
 from autoplan.cost_models.cluster import Cluster
-from autoplan.cost_models.comm import link_time_s
+from autoplan.cost_models.comm import ROUTING_IMBALANCE, expert_exchange_s, link_time_s
 from autoplan.cost_models.comm_schedule import MiB, OverlapPolicy
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.hardware import DEVICE_CATALOG
@@ -317,3 +317,93 @@ def test_a_later_stage_reduces_its_gradients_while_the_earlier_ones_finish_their
     tail = _row(est, "all_reduce").exposed_s
     assert tail > 0
     assert est.step_time_s < none.step_time_s + tail
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_expert_parallel_all_to_alls_get_their_own_row(recompute: str):
+    """A segment whose tensor-parallel communication is partly MoE all-to-alls: the all-to-alls
+    are one ``all_to_all@tp`` row (every micro-batch's forward and backward, the forward's again
+    under full recomputation, all exposed), the rest stays ``redistribute@tp``; together they are
+    what the row was before the split."""
+    a2a_f, a2a_b, tp_comm = 3e-5, 5e-5, 1e-4
+    plain = _costs(fwd_s=5e-4, tp_comm_s=tp_comm)
+    moe = dataclasses.replace(
+        plain,
+        segments=tuple(
+            dataclasses.replace(
+                s,
+                fwd_all_to_all_s=a2a_f,
+                bwd_all_to_all_s=a2a_b,
+                all_to_alls=3,
+                fwd_all_to_all_bytes=1e6,
+                bwd_all_to_all_bytes=2e6,
+            )  # fmt: skip
+            for s in plain.segments
+        ),
+    )
+    cfg, cluster = (
+        _config(dp=4, tp=2, num_microbatches=4, recompute=recompute),
+        Cluster(num_nodes=1, devices_per_node=8, device=GPU),
+    )
+    before, after = evaluate(cfg, plain, cluster), evaluate(cfg, moe, cluster)
+    forwards, m, segs = (2 if recompute == "full" else 1), 4, len(plain.segments)
+    a2a = _row(after, "all_to_all", "tp")
+    assert a2a.total_s == pytest.approx(m * segs * (forwards * a2a_f + a2a_b))
+    assert a2a.exposed_s == a2a.total_s
+    assert a2a.count == m * segs * 3 * (forwards + 1)
+    assert a2a.bytes == pytest.approx(m * segs * (forwards * 1e6 + 2e6))
+    tp_before = sum(r.total_s for r in before.comm.rows if r.axis == "tp")
+    tp_after = sum(r.total_s for r in after.comm.rows if r.axis == "tp")
+    assert tp_after == pytest.approx(tp_before)
+    assert after.step_time_s == pytest.approx(before.step_time_s)
+    assert after.exposed_comm_s == pytest.approx(sum(r.exposed_s for r in after.comm.rows))
+
+
+def _moe_costs(*, experts_numel: int, params: int = 4_000_000) -> SegmentCosts:
+    """:func:`_costs` with one MoE layer per block: ``experts_numel`` of its ``params`` are the
+    routed experts (8 of them), 1 MB of routed rows per micro-batch, the experts' GEMMs 40 % of
+    the block's compute."""
+    plain = _costs(fwd_s=5e-4, params=params)
+    blocks = [
+        dataclasses.replace(s, moe_ops=1, moe_routed_bytes=1e6, experts=8, moe_fwd_s=2e-4, moe_bwd_s=4e-4,
+                            expert_numel=experts_numel, expert_trainable_numel=experts_numel)  # fmt: skip
+        for s in plain.segments[1:-1]
+    ]
+    return dataclasses.replace(plain, segments=(plain.segments[0], *blocks, plain.segments[-1]))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_experts_split_over_dp_exchange_tokens_and_are_never_reduced_or_gathered(zero_stage: int):
+    """``ep = dp``: each block's MoE op adds its all-to-alls on the dp link (forward once,
+    backward twice the bytes, an ``all_to_all@dp`` row, all exposed) and the busiest rank's
+    imbalance on its experts' compute; the experts' gradients leave the dp reduction and their
+    weights the ZeRO-3 gathers; each device holds 1/dp of them whatever the ZeRO stage."""
+    experts, params, dp, m = 3_000_000, 4_000_000, 8, 2
+    costs = _moe_costs(experts_numel=experts, params=params)
+    base = _config(dp=dp, num_microbatches=m, zero_stage=zero_stage)
+    replicated, split = evaluate(base, costs, ONE_NODE), evaluate(dataclasses.replace(base, ep=dp), costs, ONE_NODE)
+    blocks = len(costs.segments) - 2
+    link = group_link(ONE_NODE, stride=1, size=dp)
+    a2a = blocks * m * sum(expert_exchange_s(1e6, 8, dp, link, backward=b) for b in (False, True))
+    row = _row(split, "all_to_all", "dp")
+    assert row.total_s == pytest.approx(a2a) and row.exposed_s == row.total_s
+    assert row.count == blocks * m * 6
+    assert not [r for r in replicated.comm.rows if r.kind == "all_to_all"]
+    reduction = "all_reduce" if zero_stage == 0 else "reduce_scatter"
+    kept = sum(s.trainable_numel - s.expert_trainable_numel for s in costs.segments)
+    assert _row(split, reduction).bytes == pytest.approx(kept * 4)  # fp32 gradients, experts left out
+    assert _row(replicated, reduction).bytes == pytest.approx(sum(s.trainable_numel for s in costs.segments) * 4)
+    if zero_stage == 3:
+        gathers = _row(split, "all_gather")
+        assert gathers.bytes == pytest.approx(m * 2 * sum(s.param_numel - s.expert_numel for s in costs.segments) * 4)
+    weights = [st.memory_parts["weights"] for st in (replicated.stages[0], split.stages[0])]
+    total = sum(s.param_numel for s in costs.segments)
+    if zero_stage == 0:  # replicated: the experts held whole, split: 1/dp of them
+        assert weights == pytest.approx([total * 4, (total - blocks * experts * (1 - 1 / dp)) * 4])
+    else:  # ZeRO-3 holds 1/dp of everything either way
+        assert weights == pytest.approx([total * 4 / dp] * 2)
+    slower = blocks * m * (ROUTING_IMBALANCE - 1) * (2e-4 + 4e-4)
+    # the compute stream's time holds its blocking collectives (as the tensor-parallel ones); under
+    # ZeRO-3 its slowdown beside the (fewer) gathers differs too
+    if zero_stage == 0:
+        assert split.compute_s == pytest.approx(replicated.compute_s + slower + a2a, rel=1e-6)

@@ -98,8 +98,16 @@ def _rank(
     }
 
 
+ADAM_REL_TOL = 3e-5
+"""AdamW normalises each element's step to about ``LR``, so fp32 rounding in a gradient computed
+in another order (a tensor-parallel shard's sum) reaches the parameters unscaled: on the small
+parameters (biases, norm 0.04 after 4 steps) that is 1e-5 of their norm (measured: c_attn.bias
+1.18e-5, 2e-7 absolute, on an AMD EPYC 2-core VM; below 1e-5 on the previous one), with losses
+equal to every printed digit."""
+
+
 def _check(results: list[dict[str, Any]], model_keys: set[str]) -> None:
-    assert not mismatches(results), mismatches(results)
+    assert not mismatches(results, rel_tol=ADAM_REL_TOL), mismatches(results, rel_tol=ADAM_REL_TOL)
     for r in results:  # the clipping was active (norm above the threshold) and saw every shard
         torch.testing.assert_close(r["norms"], r["ref_norms"], rtol=1e-5, atol=0)
         assert min(r["ref_norms"]) > MAX_NORM, r["ref_norms"]

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import link_time_s, overlaps_compute, step_bytes, transition_cost_s
+from autoplan.cost_models.comm_schedule import CommRow, CommTotals
 from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.memory import device_kind, tensor_bytes, usable_memory_bytes
@@ -24,6 +25,7 @@ from autoplan.passes import liveness, pass_order
 from autoplan.passes.comm_order import CommSchedule
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.liveness import MemoryEstimate
+from autoplan.passes.moe import moe_exchanges
 from autoplan.passes.overlap import StepSchedule
 from autoplan.passes.placement import parse_spec, pin_admits, spec_str, spec_strs
 from autoplan.passes.redistribute import Redistribution
@@ -183,16 +185,20 @@ def plan_traced(
     )
     memory = _peak_memory(traced, assignment, redistributions, cluster, optimizer)
     records = _collective_records(redistributions, times_s, schedule, order)
+    in_op = _in_op_exchanges(traced, assignment, cluster)
+    in_op_s = sum(r.total_s for r in in_op)  # blocking, inside the ops' times: compute to communication
     estimate = Estimate(
         step_time_s=schedule.step_time_s,
-        compute_s=schedule.compute_s,
-        comm_s=schedule.comm_s,
-        exposed_comm_s=schedule.exposed_comm_s,
+        compute_s=schedule.compute_s - in_op_s,
+        comm_s=schedule.comm_s + in_op_s,
+        exposed_comm_s=schedule.exposed_comm_s + in_op_s,
         compute_sources=_compute_sources(traced, table, problem, solution),
         memory_bytes=memory.as_dict(),
         memory_peak_at=memory.peak_at,
         capacity_bytes=usable_memory_bytes(cluster.device.mem_capacity_bytes, device_kind(cluster.device)),
-        comm=comm_totals(records, cluster.mesh_axis_names, _step_costs(traced, redistributions, cluster)),
+        comm=CommTotals.merge(
+            (*comm_totals(records, cluster.mesh_axis_names, _step_costs(traced, redistributions, cluster)).rows, *in_op)
+        ),
     )
     plan = Plan(
         fingerprint=traced.fingerprint,
@@ -264,6 +270,27 @@ def _collective_times(
             t += transition_cost_s(r.src, r.dst, 0, cluster)  # the bucket's latency, paid once
         times_s.append(t)
     return times_s
+
+
+def _in_op_exchanges(traced: TracedProgram, assignment: Mapping[str, Strategy], cluster: Cluster) -> list[CommRow]:
+    """The all-to-alls expert-parallel MoE ops run inside (:func:`autoplan.passes.moe.moe_exchanges`):
+    priced in the ops' times, blocking (exposed), one row per op."""
+    rows = []
+    for node in traced.graph_module.graph.nodes:
+        strategy = assignment.get(node.name)
+        exchange = moe_exchanges(node, strategy.input_specs, cluster) if strategy is not None else None
+        if exchange is not None:
+            rows.append(
+                CommRow(
+                    kind="all_to_all",
+                    axis=cluster.mesh_axis_names[exchange.axis],
+                    count=exchange.count,
+                    bytes=exchange.bytes,
+                    total_s=exchange.time_s,
+                    exposed_s=exchange.time_s,
+                )  # fmt: skip
+            )
+    return rows
 
 
 def _step_costs(

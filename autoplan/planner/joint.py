@@ -23,20 +23,21 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import SCHEDULES, ParallelConfig
-from autoplan.cost_models.errors import ConfigError
+from autoplan.cost_models.errors import ConfigError, PlanError
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.cost_models.step import TrainingEstimate, evaluate
 from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
 from autoplan.passes.layers import Layering
+from autoplan.passes.moe import MOE_OPS, ep_axes, expert_weights
 from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
@@ -56,13 +57,20 @@ def _tokens_per_sample(example_inputs: Sequence[torch.Tensor]) -> int:
     return int(first.shape[1]) if first.dim() >= 2 and not first.is_floating_point() else 1
 
 
-def _check_config(config: ParallelConfig, cluster: Cluster, num_blocks: int, global_batch_size: int) -> None:
+def _check_config(
+    config: ParallelConfig, cluster: Cluster, num_blocks: int, global_batch_size: int, *, experts: int
+) -> None:
     config.check_against(
         world_size=cluster.world_size,
         devices_per_node=cluster.devices_per_node,
         num_blocks=num_blocks,
         global_batch_size=global_batch_size,
     )
+    if config.ep > 1 and (experts == 0 or experts % config.ep):
+        have = f"{experts} routed experts per layer" if experts else "no routed experts (no MoE layer)"
+        raise ConfigError(
+            f"ep={config.ep} splits each MoE layer's experts {config.ep} ways but the model has {have}: use ep=1"
+        )
 
 
 def estimate(
@@ -83,7 +91,7 @@ def estimate(
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
     costs._traced(config.microbatch_size)  # noqa: SLF001 - learn the number of blocks before any ILP
-    _check_config(config, cluster, costs.num_blocks, global_batch_size)
+    _check_config(config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts())
     seg = costs(config.tp, config.microbatch_size)
     samples = config.dp * config.microbatch_size
     stage_costs = [costs(config.tp, samples // d) for d in config.stage_dp] if config.stage_dp else None
@@ -144,7 +152,7 @@ def _search(
     )  # fmt: skip
     costs._traced(MIN_BASE_BATCH)  # noqa: SLF001 - learn the number of blocks (and a base, autoplan.passes.rebatch)
     if config is not None:
-        _check_config(config, cluster, costs.num_blocks, global_batch_size)
+        _check_config(config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts())
         if config.stage_dp is not None:
             raise ConfigError("a config with stage_dp fixes the stages: price it with autoplan.estimate")
         space = _space_for(config)
@@ -157,6 +165,7 @@ def _search(
         space=space,
         precision=precision,
         tokens_per_sample=_tokens_per_sample(inputs),
+        experts=costs.routed_experts(),
     )
     return best, every, costs
 
@@ -192,7 +201,8 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
         return
     dp_axis = 0  # stage_axes puts dp first when it is larger than one
     fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
-    params = {name for name, ns in table.nodes.items() if ns.kind == "param"}
+    experts = _expert_parallel_on_dp(table, fx_nodes, dp_axis) if config.ep > 1 else set()
+    params = {name for name, ns in table.nodes.items() if ns.kind == "param"} - experts
     # values computed from the batch: activations, their gradients, weight gradients
     data = {name for name, ns in table.nodes.items() if ns.kind in ("input", "target")}
     for name, ns in list(table.nodes.items()):
@@ -216,7 +226,9 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     for name, ns in list(table.nodes.items()):
         if ns.kind not in ("param", "input"):
             continue
-        if name.startswith("p_"):
+        if name in experts:
+            keep = tuple(s for s in ns.strategies if s.output_specs[0][dp_axis] == Shard(0))
+        elif name.startswith("p_"):
             if config.zero_stage >= 3:
                 keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][dp_axis], Shard))
             else:
@@ -238,6 +250,25 @@ EXECUTABLE_SPACE = SearchSpace(
 """What ``autoplan.parallelize`` can run today: plans are searched in this space (the what-if
 :func:`estimate` and :func:`search_config` also price ZeRO 1-2 and stages on sub-meshes of
 different sizes)."""
+
+
+def _expert_parallel_on_dp(table: StrategyTable, fx_nodes: Mapping[str, torch.fx.Node], dp_axis: int) -> set[str]:
+    """``ParallelConfig.ep > 1``: every MoE op keeps only its strategies that run expert
+    parallelism on the ``dp`` axis (tokens and experts split there, the all-to-all dispatch of
+    :mod:`autoplan.passes.moe`); returns the expert weights they read, which the caller keeps
+    split along the experts on ``dp`` (never gathered: the rule for other parameters)."""
+    weights: set[str] = set()
+    for name, ns in list(table.nodes.items()):
+        node = fx_nodes.get(name)
+        if node is None or node.target not in MOE_OPS:
+            continue
+        backward = node.target is torch.ops.autoplan.moe_experts_backward.default
+        keep = tuple(s for s in ns.strategies if ep_axes(s.input_specs, backward=backward) == [dp_axis])
+        if not keep:
+            raise PlanError(f"{name}: no expert-parallel strategy on the data-parallel axis; plan with ep=1")
+        table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+        weights |= {w.name for w in expert_weights(node)}
+    return weights
 
 
 def _check_executable(config: ParallelConfig) -> None:
@@ -269,6 +300,7 @@ def _space_for(config: ParallelConfig) -> SearchSpace:
         recompute=(config.recompute,),
         zero_stages=(config.zero_stage,),
         offload_optimizer=(config.offload_optimizer,),
+        expert_parallel=(config.ep > 1,),
         microbatch_sizes=(config.microbatch_size,),
         per_stage_recompute=False,
         hetero_stages=False,

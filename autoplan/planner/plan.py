@@ -225,6 +225,17 @@ class Estimate:
     files written before it was recorded."""
 
 
+def _expert_parallel_on(node: Mapping[str, Any], axis: int) -> bool:
+    """Whether a plan's node record is a MoE op splitting both its tokens and its experts on
+    ``axis`` (:func:`autoplan.passes.moe.ep_axes` on the recorded specs)."""
+    op = node.get("op", "")
+    if not op.startswith("autoplan.moe_experts"):
+        return False
+    first = 1 if "backward" in op else 0
+    specs = node.get("in", [])
+    return len(specs) > first + 4 and all(str(specs[i][axis]).startswith("S(") for i in (first, first + 4))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineLayout:
     """How a plan made for a global batch splits the model and the cluster (``plan.config`` has
@@ -375,7 +386,8 @@ class Plan:
         (the batch is split, so gradients are reduced over the axis), ``context`` (attention runs
         head-parallel and all-to-alls convert its inputs or output between heads and sequence:
         the sequence is split around it, DeepSpeed-Ulysses' layout), ``tensor/param-sharded``
-        (parameters are split), a combination, or ``replicated``."""
+        (parameters are split), ``expert`` (MoE layers split their tokens and experts over it and
+        exchange the routed tokens with all-to-all inside the op), a combination, or ``replicated``."""
         out = {}
         for axis, name in enumerate(self.placement_axis_names):
             grads_reduced = any(
@@ -394,6 +406,8 @@ class Plan:
                 kinds.append("data")
             if head_parallel and all_to_all:
                 kinds.append("context")
+            if any(_expert_parallel_on(d, axis) for d in self.nodes.values()):
+                kinds.append("expert")
             if params_sharded:
                 kinds.append(f"tensor/param-sharded ({params_sharded}/{len(self.param_specs)} params)")
             out[name] = " + ".join(kinds) if kinds else "replicated"

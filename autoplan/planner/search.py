@@ -60,6 +60,10 @@ class SearchSpace:
     where it does not fit without it (:func:`search`), and never on a device that is its own host
     (``DeviceSpec.host_link_GBps`` is ``None``: nothing leaves its memory)."""
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    expert_parallel: tuple[bool, ...] = (False, True)
+    """Routed experts replicated over the data-parallel group (False) or split over it
+    (``ParallelConfig.ep = dp``, True), the latter where the model's experts divide by ``dp`` and
+    ``tp == 1`` (:func:`candidates`)."""
     balanced_stages: bool = True
     per_stage_recompute: bool = True
     hetero_stages: bool = True
@@ -168,9 +172,10 @@ def virtual_stage_counts(*, pp: int, num_microbatches: int, num_blocks: int) -> 
 
 
 def candidates(
-    cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace
+    cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace, experts: int = 0
 ) -> list[ParallelConfig]:
-    """Every configuration of the search space that divides the cluster and the batch."""
+    """Every configuration of the search space that divides the cluster and the batch (and, for a
+    model with ``experts`` routed experts per MoE layer, the experts: ``ep = dp``)."""
     world = cluster.world_size
     out = []
     for pp in _divisors(world):
@@ -203,7 +208,10 @@ def candidates(
                             ]
                         else:
                             scheds.append((sch, 1))
-                for (sch, v), rec, z in itertools.product(scheds, space.recompute, space.zero_stages):
+                eps = [1] if False in space.expert_parallel else []
+                if True in space.expert_parallel and dp > 1 and tp == 1 and experts and experts % dp == 0:
+                    eps.append(dp)
+                for (sch, v), rec, z, ep in itertools.product(scheds, space.recompute, space.zero_stages, eps):
                     if dp == 1 and z > 0:
                         continue  # nothing to shard over
                     out.append(
@@ -217,6 +225,7 @@ def candidates(
                             virtual_stages=v,
                             recompute=rec,
                             zero_stage=z,
+                            ep=ep,
                         )  # fmt: skip
                     )
     return out
@@ -409,7 +418,7 @@ def first_fitting(
     adds time, :func:`autoplan.cost_models.step.offload_time_s`, so it is tried only where the
     configuration does not fit without it), else the least memory-hungry of them."""
     best: TrainingEstimate | None = None
-    for offload in offloads:
+    for offload in offloads if cand.ep == 1 else [False]:  # (ParallelConfig: ep > 1 keeps it on the device)
         est = place(dataclasses.replace(cand, offload_optimizer=offload))
         if best is None or _key(est) < _key(best):
             best = est
@@ -433,6 +442,7 @@ def search(
     precision: str = "fp32",
     tokens_per_sample: int = 1,
     expand_to_blocks: int | None = None,
+    experts: int = 0,
 ) -> tuple[TrainingEstimate, list[TrainingEstimate]]:
     """The fastest feasible configuration, and every evaluated one (best layout each).
 
@@ -440,7 +450,8 @@ def search(
     tensor-parallel group of ``tp`` (memoised here); a
     :class:`~autoplan.planner.segment_costs.SegmentCostOracle` is asked to prefetch every key the
     candidates need first, the ready ones laid out while it solves. ``expand_to_blocks`` prices a model with
-    that many identical blocks from a trace with fewer (:func:`expand_blocks`)."""
+    that many identical blocks from a trace with fewer (:func:`expand_blocks`). ``experts``: the
+    model's routed experts per MoE layer (0: none), for expert-parallel candidates."""
     space = space or SearchSpace()
     blocks = expand_to_blocks or num_blocks
     cache: dict[tuple[int, int], SegmentCosts] = {}
@@ -468,7 +479,7 @@ def search(
             precision=precision,
             tokens_per_sample=tokens_per_sample,
         )
-        if space.hetero_stages:
+        if space.hetero_stages and cand.ep == 1:  # (ParallelConfig: one dp degree under ep)
             alt = hetero_layout(
                 cand,
                 functools.partial(cost_at, cand.tp),
@@ -484,7 +495,9 @@ def search(
 
     todo = [
         c
-        for c in candidates(cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space)
+        for c in candidates(
+            cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space, experts=experts
+        )
         if space.fixed is None or c == dataclasses.replace(space.fixed, offload_optimizer=False)
     ]
     early: dict[int, TrainingEstimate] = {}
@@ -589,7 +602,7 @@ def _describe(c: ParallelConfig) -> str:
         f"dp={c.dp} tp={c.tp} pp={c.pp} mbs={c.microbatch_size}x{c.num_microbatches} "
         f"{c.schedule if c.pp > 1 else 'none'}"
         f"{f'(v={c.virtual_stages})' if c.virtual_stages > 1 else ''} recompute={c.recompute} zero={c.zero_stage}"
-        f"{' offload=optimizer' if c.offload_optimizer else ''}"
+        f"{' offload=optimizer' if c.offload_optimizer else ''}{f' ep={c.ep}' if c.ep > 1 else ''}"
     )
 
 

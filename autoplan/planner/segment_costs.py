@@ -69,7 +69,7 @@ from autoplan.passes import liveness
 from autoplan.passes.costing import CostProblem, Edge
 from autoplan.passes.layers import Layering
 from autoplan.passes.liveness import is_view_op
-from autoplan.passes.moe import MOE_OPS, moe_comm_time_s
+from autoplan.passes.moe import MOE_OPS, expert_weights, moe_exchanges, moe_routing
 from autoplan.passes.placement import Spec, local_numel
 from autoplan.passes.recompute import POLICIES, Policy, RecomputePartition, communicates, joint_recompute_partition
 from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
@@ -158,6 +158,18 @@ class _Sums:
     bwd_w: list[float]
     fwd_comm: list[float]
     bwd_comm: list[float]
+    a2a_s: dict[str, list[float]]
+    """Per phase (``fwd``, ``bwd``): the part of ``*_comm`` spent in MoE ops' all-to-alls."""
+    a2a_bytes: dict[str, list[float]]
+    a2a_count: list[int]
+    """All-to-alls of the forward (the backward runs as many)."""
+    moe: dict[str, list[float]]
+    """Per phase: the MoE expert ops' time without their all-to-alls."""
+    moe_ops: list[int]
+    routed: list[float]
+    experts: list[int]
+    expert_numel: list[int]
+    expert_trainable: list[int]
     redo_s: dict[Policy, list[float]]
     """Per policy: the forward time its backward re-runs."""
     grad_sync: list[float]
@@ -184,6 +196,9 @@ class _Sums:
     def zeros(cls, nseg: int) -> _Sums:
         return cls(
             fwd=[0.0] * nseg, bwd=[0.0] * nseg, bwd_w=[0.0] * nseg, fwd_comm=[0.0] * nseg, bwd_comm=[0.0] * nseg,
+            a2a_s={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg}, a2a_bytes={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg},
+            a2a_count=[0] * nseg, moe={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg}, moe_ops=[0] * nseg,
+            routed=[0.0] * nseg, experts=[0] * nseg, expert_numel=[0] * nseg, expert_trainable=[0] * nseg,
             redo_s={p: [0.0] * nseg for p in POLICIES}, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
             trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
             kept={p: [0.0] * nseg for p in POLICIES}, recreated={p: [0.0] * nseg for p in POLICIES},
@@ -223,6 +238,18 @@ class _Sums:
                     fwd_transient_bytes=self.fwd_transient[k],
                     bwd_transient_bytes=self.bwd_transient[k],
                     flops=self.flops[k],
+                    fwd_all_to_all_s=self.a2a_s["fwd"][k],
+                    bwd_all_to_all_s=self.a2a_s["bwd"][k],
+                    all_to_alls=self.a2a_count[k],
+                    fwd_all_to_all_bytes=self.a2a_bytes["fwd"][k],
+                    bwd_all_to_all_bytes=self.a2a_bytes["bwd"][k],
+                    moe_fwd_s=self.moe["fwd"][k],
+                    moe_bwd_s=self.moe["bwd"][k],
+                    moe_ops=self.moe_ops[k],
+                    moe_routed_bytes=self.routed[k],
+                    experts=self.experts[k],
+                    expert_numel=self.expert_numel[k],
+                    expert_trainable_numel=self.expert_trainable[k],
                 )
                 for k in range(len(self.fwd))
             ),
@@ -266,6 +293,7 @@ def _add_node_times(
     first reader keeps a copy)."""
     nodes = {n.name: n for n in gm.graph.nodes}
     mesh_shape = problem.cluster.mesh_shape
+    expert_params = {w.name for n in gm.graph.nodes if n.target in MOE_OPS for w in expert_weights(n)}
     for name, times in problem.node_time_s.items():
         if name not in choice or name not in seg_of:
             continue
@@ -279,6 +307,9 @@ def _add_node_times(
                 local = local_numel(spec, val.shape, mesh_shape)
                 sums.numel[k] += local
                 sums.trainable_numel[k] += local if name in trainable else 0
+                if name in expert_params:
+                    sums.expert_numel[k] += local
+                    sums.expert_trainable[k] += local if name in trainable else 0
                 sums.itemsize[k] = val.element_size()
                 for j in sorted(set(param_segments.get(name, ())) - {k}):
                     sums.tied_numel[j] += local
@@ -291,7 +322,21 @@ def _add_node_times(
         sums.flops[k] += op_flops(cost_key(node.target, node.args, node.kwargs), ins, outs)
         # an expert-parallel op's all-to-alls (inside its time) count as the segment's communication
         strategy = problem.table.nodes[name].strategies[choice[name]]
-        in_op = moe_comm_time_s(node, strategy.input_specs, problem.cluster) if node.target in MOE_OPS else 0.0
+        exchange = moe_exchanges(node, strategy.input_specs, problem.cluster)
+        in_op = exchange.time_s if exchange is not None else 0.0
+        if node.target in MOE_OPS:
+            side = "fwd" if phase[name] == "fwd" else "bwd"
+            sums.moe[side][k] += t - in_op
+            if side == "fwd":
+                routed, experts = moe_routing(node, strategy.input_specs, problem.cluster.mesh_shape)
+                sums.moe_ops[k] += 1
+                sums.routed[k] += routed
+                sums.experts[k] = max(sums.experts[k], experts)
+        if exchange is not None:
+            side = "fwd" if phase[name] == "fwd" else "bwd"
+            sums.a2a_s[side][k] += exchange.time_s
+            sums.a2a_bytes[side][k] += exchange.bytes
+            sums.a2a_count[k] += exchange.count if side == "fwd" else 0
         if phase[name] == "fwd":
             sums.fwd[k] += t
             sums.fwd_comm[k] += in_op

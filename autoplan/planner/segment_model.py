@@ -30,6 +30,7 @@ from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
 from autoplan.passes.layers import Layering
+from autoplan.passes.moe import MOE_OPS, routed_experts
 from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
 from autoplan.planner import progress
@@ -111,6 +112,12 @@ class SegmentCostModel(SegmentCostOracle):
         if layering.num_blocks != layering2.num_blocks:
             return None
         return traced, layering
+
+    def routed_experts(self) -> int:
+        """Routed experts per MoE layer of the model (the largest layer's; 0: no MoE layer), from a
+        traced micro-batch."""
+        traced, _ = self._traced(min(self._traces, default=MIN_BASE_BATCH))
+        return max((routed_experts(n) for n in traced.graph_module.graph.nodes if n.target in MOE_OPS), default=0)
 
     def ready(self, tp: int, microbatch_size: int) -> bool:
         """Whether ``(tp, microbatch_size)`` is answered without solving another ILP."""
@@ -337,7 +344,8 @@ def scale_costs(costs: SegmentCosts, factor: float) -> SegmentCosts:
                   "saved_bytes", "selective_kept_bytes", "input_bytes", "shared_input_bytes", "fwd_transient_bytes",
                   "bwd_transient_bytes", "selective_recomputed_bytes",
                   "selective_bwd_transient_bytes", "full_recompute_s", "full_kept_bytes", "full_recomputed_bytes",
-                  "full_bwd_transient_bytes", "flops")  # fmt: skip
+                  "full_bwd_transient_bytes", "flops", "fwd_all_to_all_s", "bwd_all_to_all_s",
+                  "fwd_all_to_all_bytes", "bwd_all_to_all_bytes")  # fmt: skip
     return dataclasses.replace(
         costs,
         segments=tuple(
