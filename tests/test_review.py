@@ -592,3 +592,35 @@ def test_show_of_a_plan_file_from_before_the_rows_says_they_are_not_recorded(gpt
     text = show_text(autoplan.Plan.from_dict(d))
 
     assert "Communication per step: not recorded per kind in this plan file" in text
+
+
+# --- explain: the configuration ----------------------------------------------------------------
+
+
+def test_explain_without_op_or_param_explains_the_searched_configuration(tmp_path, run_autoplan):
+    """A plan made by the joint search records what it weighed: the chosen configuration first, then
+    the best of each other combination of degrees, those that fit by step time (none faster than
+    the chosen one); ``autoplan explain plan.json`` prints them with the reason, ``--json`` parses."""
+    wl = on_meta(cli_models.gpt2_4_layers)
+    plan = plan_workload(wl, autoplan.Cluster.preset("1x8xH100"), profile=None, global_batch_size=16)
+    options = plan.configurations
+    assert options[0].config == plan.config and options[0].feasible
+    assert options[0].step_time_s == pytest.approx(plan.estimate.step_time_s)
+    degrees = [(c.config.dp, c.config.tp, c.config.pp, c.config.ep) for c in options]
+    assert len(options) > 1 and len(set(degrees)) == len(degrees)
+    fitting = [c.step_time_s for c in options[1:] if c.feasible]
+    assert fitting == sorted(fitting) and all(t >= options[0].step_time_s for t in fitting)
+    assert autoplan.Plan.from_dict(plan.to_dict()).configurations == options
+    path = tmp_path / "searched.json"
+    plan.save(path)
+
+    code, out, err = run_autoplan("explain", str(path))
+    assert code == 0, err
+    assert out.startswith(f"configuration: {plan.config}\n"), out
+    assert "why: the fastest configuration that fits" in out
+    assert str(options[1].config) in out
+    code, out, err = run_autoplan("explain", str(path), "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["chosen"] == str(plan.config) and d["reason"] and len(d["configurations"]) == len(options)
+    assert d["priced"] >= len(options)

@@ -44,7 +44,7 @@ from autoplan.passes.trace import LossFn, TracedProgram
 from autoplan.planner import plan_cache, progress
 from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import as_cluster, planning_mesh, stage_axes, stage_cluster
-from autoplan.planner.plan import Estimate, PipelineLayout, Plan
+from autoplan.planner.plan import ConfigOption, Estimate, PipelineLayout, Plan
 from autoplan.planner.search import SearchSpace, search
 from autoplan.planner.segment_model import SegmentCostModel, memory_tie_break
 from autoplan.planner.tracing import plan_forward_fingerprint, prepare_for_precision, trace_repeated
@@ -343,7 +343,7 @@ def plan_for_batch(
     cached = _cached_plan(key, model, example_inputs, example_targets, loss_fn)
     if cached is not None:
         return cached
-    best, _, costs = _search(
+    best, every, costs = _search(
         model, cluster, example_inputs, global_batch_size=global_batch_size, loss_fn=loss_fn,
         example_targets=example_targets, precision=precision, optimizer=optimizer, profile=profile, space=space,
         config=config, reduce_repeated=reduce_repeated,
@@ -370,10 +370,14 @@ def plan_for_batch(
         block_list=layering.block_prefix,
         traced_blocks=layering.num_blocks,
     )
-    solver_info = {**stage.solver, "plan_time_s": round(time.perf_counter() - t0, 3), "reduction": reduction}
+    solver_info = {
+        **stage.solver, "plan_time_s": round(time.perf_counter() - t0, 3), "reduction": reduction,
+        "configurations_priced": len(every),
+    }  # fmt: skip
     result = dataclasses.replace(
-        stage, cluster=cluster, estimate=_stage_estimate(best, stage), config=cfg, pipeline=layout, solver=solver_info
-    )
+        stage, cluster=cluster, estimate=_stage_estimate(best, stage), config=cfg, pipeline=layout, solver=solver_info,
+        configurations=weighed_configurations(best, every),
+    )  # fmt: skip
     if plan_cache.enabled():
         forward = plan_forward_fingerprint(result, model, example_inputs, example_targets, loss_fn)
         plan_cache.store(key, plan_cache.CacheEntry(plan=result, forward_fingerprint=forward))
@@ -441,6 +445,36 @@ def _full_depth(
     )
     problem = pass_order.EXPAND(memory_tie_break(problem), mult, twin)
     return dataclasses.replace(problem, capacity_bytes=float("inf"), memory_points=[])
+
+
+MAX_CONFIGURATIONS = 12
+"""Combinations of degrees a plan records (:func:`weighed_configurations`)."""
+
+
+def weighed_configurations(best: TrainingEstimate, every: Sequence[TrainingEstimate]) -> tuple[ConfigOption, ...]:
+    """``best`` and, per other combination of degrees (``dp, tp, pp, ep``) among ``every``
+    configuration the search priced, its fastest that fits (else its least memory-hungry): those
+    that fit by step time, then the others by memory, at most :data:`MAX_CONFIGURATIONS` in all."""
+
+    def degrees(e: TrainingEstimate) -> tuple[int, ...]:
+        return (e.config.dp, e.config.tp, e.config.pp, e.config.ep)
+
+    def rank(e: TrainingEstimate) -> tuple[bool, float]:  # the search's own order (search._key)
+        return (not e.feasible, e.step_time_s if e.feasible else e.peak_memory_bytes)
+
+    best_of: dict[tuple[int, ...], TrainingEstimate] = {}
+    for e in every:
+        k = degrees(e)
+        if k != degrees(best) and (k not in best_of or rank(e) < rank(best_of[k])):
+            best_of[k] = e
+    others = sorted(best_of.values(), key=rank)
+    return tuple(
+        ConfigOption(
+            config=e.config, step_time_s=e.step_time_s, compute_s=e.compute_s, exposed_comm_s=e.exposed_comm_s,
+            bubble_s=e.bubble_s, peak_memory_bytes=e.peak_memory_bytes, feasible=e.feasible,
+        )  # fmt: skip
+        for e in (best, *others)[:MAX_CONFIGURATIONS]
+    )
 
 
 def _stage_estimate(best: TrainingEstimate, stage: Plan) -> Estimate:

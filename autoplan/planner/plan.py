@@ -293,6 +293,43 @@ class PipelineLayout:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ConfigOption:
+    """A configuration the joint search priced: the fastest layout of one combination of degrees
+    (``dp``, ``tp``, ``pp``, ``ep``), or the least memory-hungry where none fits."""
+
+    config: ParallelConfig
+    step_time_s: float
+    compute_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    peak_memory_bytes: float
+    feasible: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_dict(),
+            "step_time_s": self.step_time_s,
+            "compute_s": self.compute_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "bubble_s": self.bubble_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "feasible": self.feasible,
+        }
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> ConfigOption:
+        return ConfigOption(
+            config=ParallelConfig.from_dict(dict(d["config"])),
+            step_time_s=float(d["step_time_s"]),
+            compute_s=float(d["compute_s"]),
+            exposed_comm_s=float(d["exposed_comm_s"]),
+            bubble_s=float(d["bubble_s"]),
+            peak_memory_bytes=float(d["peak_memory_bytes"]),
+            feasible=bool(d["feasible"]),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A sharding plan for one model on one cluster (see the module docstring)."""
 
@@ -317,6 +354,10 @@ class Plan:
     alternatives: Mapping[str, NodeExplanation] = field(default_factory=dict)
     """Per node with a choice: the chosen strategy and the next cheapest, each priced with the rest
     of the plan fixed (:mod:`autoplan.passes.explain`); read by ``autoplan explain``."""
+    configurations: tuple[ConfigOption, ...] = ()
+    """Plans made with a global batch: what the joint search weighed, the chosen configuration first,
+    then the best of each other combination of degrees it priced, fastest first (those that fit
+    before those that do not); read by ``autoplan explain`` without ``--op``/``--param``."""
     workload: str = ""
     """``FILE.py:FUNCTION`` the CLI built the model from (empty for plans made from Python): lets
     ``autoplan export-onnx`` and ``autoplan explain`` find the model again."""
@@ -556,6 +597,7 @@ class Plan:
             "collectives": [c.to_dict() for c in self.collectives],
             "nodes": {n: {"op": d["op"], "out": d["out"], "in": d["in"]} for n, d in self.nodes.items()},
             "alternatives": {n: x.to_dict() for n, x in self.alternatives.items()},
+            **({"configurations": [c.to_dict() for c in self.configurations]} if self.configurations else {}),
             "versions": dict(self.versions),
             **({"workload": self.workload} if self.workload else {}),
         }
@@ -610,6 +652,7 @@ class Plan:
                 solver=dict(d["solver"]),
                 versions=dict(d.get("versions", {})),
                 alternatives={str(n): NodeExplanation.from_dict(x) for n, x in d.get("alternatives", {}).items()},
+                configurations=tuple(ConfigOption.from_dict(c) for c in d.get("configurations", ())),
                 workload=str(d.get("workload", "")),
             )
             _check_plan_values(plan)

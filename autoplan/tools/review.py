@@ -23,7 +23,7 @@ from autoplan.cost_models.echo import terminal_safe
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.explain import Alternative, NodeExplanation
 from autoplan.passes.plan_text import param_node_name
-from autoplan.planner.plan import GiB, Plan, exposed_within_own_time
+from autoplan.planner.plan import ConfigOption, GiB, Plan, exposed_within_own_time
 from autoplan.tools import common, console
 
 MiB = 1024**2
@@ -514,6 +514,101 @@ def explain_text(ex: Explanation) -> str:
     return terminal_safe("\n".join(lines) + "\n")
 
 
+# -- the configuration ----------------------------------------------------------------------------
+
+
+def explain_configuration(plan: Plan) -> dict[str, Any]:
+    """Why the joint search chose ``plan.config``: the configurations it weighed
+    (``plan.configurations``: the best of each combination of degrees), each against the chosen one,
+    and a reason from the numbers. Plans on a fixed mesh have no configuration to explain."""
+    if plan.config is None:
+        raise PlanError(
+            "this plan was made on a fixed mesh (no global batch): there is no configuration to explain; "
+            "give --op NAME or --param NAME"
+        )
+    if not plan.configurations:
+        raise PlanError(
+            "the plan records no configurations the search weighed (made by an older autoplan?): re-plan to explain "
+            "its configuration, or give --op NAME or --param NAME"
+        )
+    chosen, others = plan.configurations[0], plan.configurations[1:]
+    rows = [
+        {
+            **c.to_dict(),
+            "config": str(c.config),
+            "vs_chosen_s": c.step_time_s - chosen.step_time_s,
+        }
+        for c in plan.configurations
+    ]
+    return {
+        "chosen": str(chosen.config),
+        "capacity_bytes": plan.estimate.capacity_bytes,
+        "priced": plan.solver.get("configurations_priced"),
+        "configurations": rows,
+        "reason": _configuration_reason(chosen, others, plan.estimate.capacity_bytes),
+    }
+
+
+def _configuration_reason(chosen: ConfigOption, others: Sequence[ConfigOption], capacity_bytes: float) -> str:
+    parts = ["the fastest configuration that fits"]
+    faster = [c for c in others if not c.feasible and c.step_time_s < chosen.step_time_s]
+    if faster:
+        f = min(faster, key=lambda c: c.step_time_s)
+        parts.append(
+            f"{f.config} would take {_ms(f.step_time_s)} ms but needs {_bytes(f.peak_memory_bytes)} per device "
+            f"of {_bytes(capacity_bytes)}"
+        )
+    fitting = [c for c in others if c.feasible]
+    if fitting:
+        n = fitting[0]
+        terms = {
+            "compute": n.compute_s - chosen.compute_s,
+            "exposed communication": n.exposed_comm_s - chosen.exposed_comm_s,
+            "bubble": n.bubble_s - chosen.bubble_s,
+        }
+        parts.append(
+            f"the next best degrees ({n.config}) take +{_ms(n.step_time_s - chosen.step_time_s)} ms "
+            f"({(n.step_time_s / chosen.step_time_s - 1):+.1%}: "
+            + ", ".join(f"{k} {v * 1e3:+,.3f} ms" for k, v in terms.items())
+            + ")"
+        )
+    return "; ".join(parts)
+
+
+def explain_configuration_text(ex: Mapping[str, Any]) -> str:
+    lines = [
+        f"configuration: {ex['chosen']}",
+        f"the search priced {ex['priced'] if ex['priced'] is not None else 'several'} configurations (every other "
+        "one's compute alone exceeds the chosen step); the best of each combination of degrees:",
+    ]
+    rows = [
+        (
+            "chosen" if k == 0 else f"#{k}",
+            r["config"],
+            _ms(r["step_time_s"]),
+            "-" if k == 0 else f"{r['vs_chosen_s'] * 1e3:+,.3f}",
+            _ms(r["compute_s"]),
+            _ms(r["exposed_comm_s"]),
+            _ms(r["bubble_s"]),
+            _bytes(r["peak_memory_bytes"]),
+            "yes" if r["feasible"] else "NO",
+        )
+        for k, r in enumerate(ex["configurations"])
+    ]
+    lines += table(
+        ("", "configuration", "step ms", "vs chosen ms", "compute ms", "exposed comm ms", "bubble ms", "peak/device",
+         "fits"),
+        rows,
+        align="llrrrrrrl",
+    )  # fmt: skip
+    lines.append(
+        "  compute: the compute stream's busy time (its blocking collectives included); "
+        f"{_bytes(ex['capacity_bytes'])} of memory per device"
+    )
+    lines.append(f"why: {ex['reason']}")
+    return terminal_safe("\n".join(lines) + "\n")
+
+
 # -- diff -------------------------------------------------------------------------------------
 def diff_plans(a: Plan, b: Plan) -> dict[str, Any]:
     """What changed from ``a`` to ``b``: estimate deltas, configuration, placements, collectives."""
@@ -637,7 +732,9 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
     p_show.set_defaults(func=cmd_show)
 
     p_explain = subparsers.add_parser(
-        "explain", help="the placements the solver considered for one op or parameter, their costs, and why one won"
+        "explain",
+        help="why the plan's configuration won (the degrees the search weighed), or with --op/--param the placements "
+        "the solver considered for one op or parameter, their costs, and why one won",
     )
     p_explain.add_argument("plan")
     p_explain.add_argument("--op", metavar="NAME", help="graph node name (see `autoplan show --json`, key nodes)")
@@ -663,6 +760,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
+    if args.op is None and args.param is None:
+        cx = explain_configuration(Plan.load(args.plan))
+        if args.json:
+            print(json.dumps(cx, indent=1), file=console.stdout())
+        else:
+            console.stdout().write(explain_configuration_text(cx))
+        return 0
     ex = explain(Plan.load(args.plan), op=args.op, param=args.param)
     if args.json:
         print(json.dumps(ex.to_dict(), indent=1), file=console.stdout())
