@@ -365,7 +365,7 @@ def test_run_trains_from_an_iterable_dataset_read_again_each_pass_like_single_de
     assert len(set(losses)) == 4  # other batches, not the example batch again
 
 
-@pytest.mark.parametrize("model", ["mlp_dataset", "mlp_stream"])
+@pytest.mark.parametrize("model", ["mlp_dataset", pytest.param("mlp_stream", marks=pytest.mark.slow)])
 def test_run_resumed_with_compare_catches_one_device_up_on_the_same_rows(model, tmp_path):  # noqa: ANN001
     """2 steps with a checkpoint, then a resumed run to step 5 with ``--compare``: the single-device
     model first trains on steps 1-2's global rows (a stream is read through them), then both

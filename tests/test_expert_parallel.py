@@ -152,6 +152,7 @@ def _moe_layouts(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [d for d in result["plan"].nodes.values() if d["op"].startswith("autoplan.moe_experts")]
 
 
+@pytest.mark.slow  # (CI runs the expert-parallel dispatch in test_experts_split_over_the_data_parallel_group_...)
 def test_experts_split_over_4_ranks_with_all_to_all_train_like_single_device():
     case = _switch_case(
         "switch-ep-4", preset="4xCPU", mesh_shape=None, pins={"input_0": "S(0)", "target_0": "S(0)"} | _EXPERTS

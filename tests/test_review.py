@@ -602,7 +602,7 @@ def test_explain_without_op_or_param_explains_the_searched_configuration(tmp_pat
     the best of each other combination of degrees, those that fit by step time (none faster than
     the chosen one); ``autoplan explain plan.json`` prints them with the reason, ``--json`` parses."""
     wl = on_meta(cli_models.gpt2_4_layers)
-    plan = plan_workload(wl, autoplan.Cluster.preset("1x8xH100"), profile=None, global_batch_size=16)
+    plan = plan_workload(wl, autoplan.Cluster.preset("1x4xH100"), profile=None, global_batch_size=8)
     options = plan.configurations
     assert options[0].config == plan.config and options[0].feasible
     assert options[0].step_time_s == pytest.approx(plan.estimate.step_time_s)
