@@ -48,3 +48,33 @@ def test_missing_or_reshaped_parameters_are_reported():
     reshaped = _result()
     reshaped["params"]["w"] = reshaped["params"]["w"][:2]
     assert "parameter shapes differ" in mismatches([reshaped])[0]
+
+
+def _abort_until(rank: int, world_size: int, marker: str, aborts: int) -> int:  # noqa: ARG001
+    """Abort the process (SIGABRT, as glibc's heap check does) the first ``aborts`` times it runs."""
+    import os
+    from pathlib import Path
+
+    path = Path(marker)
+    runs = int(path.read_text()) if path.exists() else 0
+    path.write_text(str(runs + 1))
+    if runs < aborts:
+        os.abort()
+    return runs
+
+
+def test_a_job_whose_rank_aborts_once_runs_again_and_twice_fails(tmp_path):
+    """run_ranks retries a job once when a rank dies by a signal (the known gloo heap abort), with
+    a warning; a second abort is a RankFailure, as is any exception (never retried)."""
+    from tests.harness import RankFailure, run_ranks
+
+    with pytest.warns(RuntimeWarning, match="killed by a signal"):
+        assert run_ranks(_abort_until, 1, str(tmp_path / "once"), 1, timeout_s=60) == [1]
+    with pytest.raises(RankFailure, match="exited with code -6"):
+        run_ranks(_abort_until, 1, str(tmp_path / "twice"), 2, timeout_s=60)
+    with pytest.raises(RankFailure, match="ZeroDivisionError"):
+        run_ranks(_divide_by_zero, 1, timeout_s=60)
+
+
+def _divide_by_zero(rank: int, world_size: int) -> float:  # noqa: ARG001
+    return 1 / 0

@@ -41,6 +41,7 @@ def test_lp_first_finds_the_ilp_optimum(problem, backend):  # noqa: ANN001
         assert lp.gap == 0.0
 
 
+@pytest.mark.slow  # (CI: test_lp_first_finds_the_ilp_optimum runs the LP attempt, then the MIP, on the same problem)
 def test_lp_attempt_leaves_the_variables_binary(problem):  # noqa: ANN001
     """After the LP relaxation the MIP must still see 0/1 integers (a wrong restore of PuLP's
     variables once made HiGHS return x = 0.5): the MIP after an LP attempt is integral."""
