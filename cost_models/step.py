@@ -838,9 +838,8 @@ def expert_parallel_costs(costs: SegmentCosts, config: ParallelConfig, cluster: 
         a2a_f, a2a_b = (
             s.moe_ops * expert_exchange_s(per_op, s.experts, config.ep, link, backward=b) for b in (False, True)
         )
-        bytes_f, bytes_b = (
-            s.moe_ops * sum(expert_exchange_bytes(per_op, s.experts, backward=b)) for b in (False, True)
-        )
+        exchanges = [expert_exchange_bytes(per_op, s.experts, backward=b) for b in (False, True)]
+        bytes_f, bytes_b = (s.moe_ops * sum(e) for e in exchanges)
         slow_f, slow_b = (ROUTING_IMBALANCE - 1) * s.moe_fwd_s, (ROUTING_IMBALANCE - 1) * s.moe_bwd_s
         held = s.trainable_numel - s.expert_trainable_numel * (1 - 1 / config.ep)
         opt = (
@@ -855,7 +854,7 @@ def expert_parallel_costs(costs: SegmentCosts, config: ParallelConfig, cluster: 
                 bwd_comm_s=s.bwd_comm_s + a2a_b,
                 fwd_all_to_all_s=s.fwd_all_to_all_s + a2a_f,
                 bwd_all_to_all_s=s.bwd_all_to_all_s + a2a_b,
-                all_to_alls=s.all_to_alls + 3 * s.moe_ops,
+                all_to_alls=s.all_to_alls + len(exchanges[0]) * s.moe_ops,
                 fwd_all_to_all_bytes=s.fwd_all_to_all_bytes + bytes_f,
                 bwd_all_to_all_bytes=s.bwd_all_to_all_bytes + bytes_b,
                 full_recompute_s=s.full_recompute_s + a2a_f + slow_f,
