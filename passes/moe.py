@@ -430,7 +430,7 @@ def _first(backward: bool) -> int:
     return int(backward)
 
 
-def _is_backward(op: object) -> bool:
+def is_moe_backward(op: object) -> bool:
     return op is torch.ops.autoplan.moe_experts_backward.default
 
 
@@ -498,7 +498,7 @@ def with_ep_group(node: fx.Node, args: tuple[Any, ...], input_specs: Sequence[Se
     group of the axis its strategy splits both tokens and experts on; ``""`` for none)."""
     if node.target not in MOE_OPS:
         return args
-    axes = ep_axes(input_specs, backward=_is_backward(node.target))
+    axes = ep_axes(input_specs, backward=is_moe_backward(node.target))
     return (*args[:-1], mesh.get_group(axes[0]).group_name if axes else "")
 
 
@@ -564,7 +564,7 @@ def moe_exchanges(node: fx.Node, input_specs: Sequence[Sequence[Placement]], clu
     other ops and strategies without ``expert_parallel``): see the module docstring."""
     if node.target not in MOE_OPS:
         return None
-    backward = _is_backward(node.target)
+    backward = is_moe_backward(node.target)
     axes = ep_axes(input_specs, backward=backward)
     if not axes:
         return None
@@ -582,7 +582,7 @@ def moe_routing(
     """``(routed_bytes, experts)`` of a MoE op under a strategy with these input specs on a mesh of
     ``mesh_shape``: the bytes of the rows one rank routes (its share of the tokens times top-k,
     a row of the hidden size) and the op's number of experts."""
-    first = _first(_is_backward(node.target))
+    first = _first(is_moe_backward(node.target))
     x, idx, down = (node.args[first + i].meta["val"] for i in (_X, _INDEX, _DOWN))  # type: ignore[union-attr]
     token_shards = 1
     for p, n in zip(input_specs[first + _X], mesh_shape, strict=True):
@@ -593,14 +593,14 @@ def moe_routing(
 
 def routed_experts(node: fx.Node) -> int:
     """The number of experts of a MoE op."""
-    down = node.args[_first(_is_backward(node.target)) + _DOWN]
+    down = node.args[_first(is_moe_backward(node.target)) + _DOWN]
     assert isinstance(down, fx.Node)
     return int(down.meta["val"].shape[0])
 
 
 def expert_weights(node: fx.Node) -> tuple[fx.Node, fx.Node]:
     """The stacked expert weights a MoE op reads: ``gate_up_proj`` and ``down_proj``."""
-    first = _first(_is_backward(node.target))
+    first = _first(is_moe_backward(node.target))
     gate_up, down = node.args[first + _GATE_UP], node.args[first + _DOWN]
     assert isinstance(gate_up, fx.Node) and isinstance(down, fx.Node)
     return gate_up, down
@@ -617,5 +617,5 @@ def moe_time_factor(node: fx.Node, input_specs: Sequence[Sequence[Placement]]) -
     time), else 1."""
     if node.target not in MOE_OPS:
         return 1.0
-    gu = _first(_is_backward(node.target)) + _GATE_UP
+    gu = _first(is_moe_backward(node.target)) + _GATE_UP
     return ROUTING_IMBALANCE if any(isinstance(p, Shard) for p in input_specs[gu]) else 1.0

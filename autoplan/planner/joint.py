@@ -37,7 +37,7 @@ from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
 from autoplan.passes.layers import Layering
-from autoplan.passes.moe import MOE_OPS, ep_axes, expert_weights
+from autoplan.passes.moe import MOE_OPS, ep_axes, expert_weights, is_moe_backward
 from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
@@ -45,7 +45,7 @@ from autoplan.planner import plan_cache, progress
 from autoplan.planner.ilp import plan_traced
 from autoplan.planner.mesh import as_cluster, planning_mesh, stage_axes, stage_cluster
 from autoplan.planner.plan import ConfigOption, Estimate, PipelineLayout, Plan
-from autoplan.planner.search import SearchSpace, search
+from autoplan.planner.search import SearchSpace, estimate_order, search
 from autoplan.planner.segment_model import SegmentCostModel, memory_tie_break
 from autoplan.planner.tracing import plan_forward_fingerprint, prepare_for_precision, trace_repeated
 
@@ -262,7 +262,7 @@ def _expert_parallel_on_dp(table: StrategyTable, fx_nodes: Mapping[str, torch.fx
         node = fx_nodes.get(name)
         if node is None or node.target not in MOE_OPS:
             continue
-        backward = node.target is torch.ops.autoplan.moe_experts_backward.default
+        backward = is_moe_backward(node.target)
         keep = tuple(s for s in ns.strategies if ep_axes(s.input_specs, backward=backward) == [dp_axis])
         if not keep:
             raise PlanError(f"{name}: no expert-parallel strategy on the data-parallel axis; plan with ep=1")
@@ -459,15 +459,12 @@ def weighed_configurations(best: TrainingEstimate, every: Sequence[TrainingEstim
     def degrees(e: TrainingEstimate) -> tuple[int, ...]:
         return (e.config.dp, e.config.tp, e.config.pp, e.config.ep)
 
-    def rank(e: TrainingEstimate) -> tuple[bool, float]:  # the search's own order (search._key)
-        return (not e.feasible, e.step_time_s if e.feasible else e.peak_memory_bytes)
-
     best_of: dict[tuple[int, ...], TrainingEstimate] = {}
     for e in every:
         k = degrees(e)
-        if k != degrees(best) and (k not in best_of or rank(e) < rank(best_of[k])):
+        if k != degrees(best) and (k not in best_of or estimate_order(e) < estimate_order(best_of[k])):
             best_of[k] = e
-    others = sorted(best_of.values(), key=rank)
+    others = sorted(best_of.values(), key=estimate_order)
     return tuple(
         ConfigOption(
             config=e.config, step_time_s=e.step_time_s, compute_s=e.compute_s, exposed_comm_s=e.exposed_comm_s,

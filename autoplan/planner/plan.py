@@ -227,7 +227,8 @@ class Estimate:
 
 def _expert_parallel_on(node: Mapping[str, Any], axis: int) -> bool:
     """Whether a plan's node record is a MoE op splitting both its tokens and its experts on
-    ``axis`` (:func:`autoplan.passes.moe.ep_axes` on the recorded specs)."""
+    ``axis``: :func:`autoplan.passes.moe.ep_axes`'s rule read on the recorded spec strings (this
+    module stays torch-free for the review commands; ``passes.moe`` registers torch ops)."""
     op = node.get("op", "")
     if not op.startswith("autoplan.moe_experts"):
         return False

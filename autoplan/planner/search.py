@@ -282,7 +282,7 @@ def best_layout(
                     precision=precision, tokens_per_sample=tokens_per_sample,
                 )  # fmt: skip
                 est = mixed if mixed.feasible else est  # (rounding of the running totals)
-        if best is None or _key(est) < _key(best):
+        if best is None or estimate_order(est) < estimate_order(best):
             best = est
     assert best is not None
     return best
@@ -420,7 +420,7 @@ def first_fitting(
     best: TrainingEstimate | None = None
     for offload in offloads if cand.ep == 1 else [False]:  # (ParallelConfig: ep > 1 keeps it on the device)
         est = place(dataclasses.replace(cand, offload_optimizer=offload))
-        if best is None or _key(est) < _key(best):
+        if best is None or estimate_order(est) < estimate_order(best):
             best = est
         if best.feasible:
             break
@@ -428,7 +428,8 @@ def first_fitting(
     return best
 
 
-def _key(e: TrainingEstimate) -> tuple[bool, float]:
+def estimate_order(e: TrainingEstimate) -> tuple[bool, float]:
+    """The search's order of estimates: those that fit by step time, then the others by memory."""
     return (not e.feasible, e.step_time_s if e.feasible else e.peak_memory_bytes)
 
 
@@ -489,7 +490,7 @@ def search(
                 tokens_per_sample=tokens_per_sample,
                 memo=splits,
             )  # fmt: skip
-            if alt is not None and _key(alt) < _key(est):
+            if alt is not None and estimate_order(alt) < estimate_order(est):
                 est = alt
         return est
 
@@ -610,6 +611,7 @@ __all__ = [
     "SearchSpace",
     "best_layout",
     "candidates",
+    "estimate_order",
     "expand_blocks",
     "first_fitting",
     "hetero_layout",

@@ -332,11 +332,10 @@ def _add_node_times(
                 sums.moe_ops[k] += 1
                 sums.routed[k] += routed
                 sums.experts[k] = max(sums.experts[k], experts)
-        if exchange is not None:
-            side = "fwd" if phase[name] == "fwd" else "bwd"
-            sums.a2a_s[side][k] += exchange.time_s
-            sums.a2a_bytes[side][k] += exchange.bytes
-            sums.a2a_count[k] += exchange.count if side == "fwd" else 0
+            if exchange is not None:
+                sums.a2a_s[side][k] += exchange.time_s
+                sums.a2a_bytes[side][k] += exchange.bytes
+                sums.a2a_count[k] += exchange.count if side == "fwd" else 0
         if phase[name] == "fwd":
             sums.fwd[k] += t
             sums.fwd_comm[k] += in_op
