@@ -335,7 +335,8 @@ def stage_memory_parts(
     tied = _tied_copies(segments, first_segment)
     param_numel, trainable = stage_numels(segments, first_segment)
     # split over dp (experts): 1/dp held at any ZeRO stage, so only the unsharded parts change
-    split_p, split_t = (sum(getattr(s, f) for s in segments) for f in ("dp_split_numel", "dp_split_trainable_numel"))
+    split_p = sum(s.dp_split_numel for s in segments)
+    split_t = sum(s.dp_split_trainable_numel for s in segments)
     not_held = 1 - 1 / dp
     w = param_numel * element.weights / dp if zero_stage >= 3 else (param_numel - split_p * not_held) * element.weights
     largest_trained = max((s.trainable_numel for s in segments), default=0)

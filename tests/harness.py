@@ -497,11 +497,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             with RankPool(world_size, timeout_s=timeout_s) as pool:
                 return pool.run(fn, *args)
         except RankFailure as failure:
-            if attempt == 2 or not ABORTED.search(str(failure)):
+            aborted = ABORTED.search(str(failure))
+            if attempt == 2 or aborted is None:
                 raise
             warnings.warn(
-                f"a gloo rank was killed by a signal ({ABORTED.search(str(failure)).group(0)}); "  # type: ignore[union-attr]
-                "running the job once more on fresh ranks",
+                f"a gloo rank was killed by a signal ({aborted.group(0)}); running the job once more on fresh ranks",
                 RuntimeWarning,
                 stacklevel=2,
             )
