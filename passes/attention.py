@@ -43,14 +43,25 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 from autoplan.cost_models.compute import register_flops
+from autoplan.passes.ring_attention import SEQ_DIM, UNDECIDED, cp_axes, ring_attention, ring_attention_backward
 
 _TORCH_SDPA = F.scaled_dot_product_attention
 logger = logging.getLogger(__name__)
+
+
+def _check_ring_call(attn_mask: torch.Tensor | None, cp_group: str) -> None:
+    """A kernel only runs the ring for a named group, without a mask (the strategies offer no other)."""
+    if cp_group == UNDECIDED or attn_mask is not None:
+        raise ValueError(
+            f"autoplan::sdpa: ring attention needs a process group name and no mask (got cp_group={cp_group!r}, "
+            f"mask {'given' if attn_mask is not None else 'none'}); code generation writes the plan's group"
+        )
 
 
 @torch.library.custom_op("autoplan::sdpa", mutates_args=())
@@ -63,11 +74,15 @@ def sdpa(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    cp_group: str = "",
 ) -> torch.Tensor:
     if dropout_p > 0.0:
         raise ValueError(
             f"autoplan::sdpa has no dropout (got dropout_p={dropout_p}); _routed_sdpa keeps it off this op"
         )
+    if cp_group:  # the plan's context-parallel group: this rank's sequence shard, ring attention
+        _check_ring_call(attn_mask, cp_group)
+        return ring_attention(query, key, value, is_causal, scale, cp_group).contiguous()
     out = _TORCH_SDPA(
         query,
         key,
@@ -82,7 +97,7 @@ def sdpa(
 
 
 @sdpa.register_fake
-def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN202
+def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cp_group=""):  # noqa: ANN001, ANN202
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
@@ -135,7 +150,12 @@ def sdpa_backward(
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    cp_group: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if cp_group:
+        _check_ring_call(attn_mask, cp_group)
+        dq, dk, dv = ring_attention_backward(grad_out, query, key, value, is_causal, scale, cp_group)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
     if query.device.type == "cpu" and attn_mask is None and not enable_gqa:
         # PyTorch's own fused CPU kernels (what autograd runs for F.scaled_dot_product_attention on
         # CPU, so the gradients are bitwise those of the single-device model): the forward again
@@ -152,7 +172,7 @@ def sdpa_backward(
 
 
 @sdpa_backward.register_fake
-def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):  # noqa: ANN001, ANN202
+def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, cp_group=""):  # noqa: ANN001, ANN202, E501
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
@@ -185,9 +205,10 @@ def _sdpa_backward_with_mask_fake(grad_out, query, key, value, attn_mask, dropou
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, *cp_group = inputs
     ctx.save_for_backward(query, key, value, attn_mask)
-    ctx.params = (dropout_p, is_causal, scale, enable_gqa)
+    # a context-parallel group only where the forward had one (traced graphs keep 9 arguments)
+    ctx.params = (dropout_p, is_causal, scale, enable_gqa, *[g for g in cp_group if g])
 
 
 def _backward(ctx, grad_out):  # noqa: ANN001, ANN202
@@ -196,9 +217,9 @@ def _backward(ctx, grad_out):  # noqa: ANN001, ANN202
         dq, dk, dv, dmask = torch.ops.autoplan.sdpa_backward_with_mask(
             grad_out, query, key, value, attn_mask, *ctx.params
         )
-        return dq, dk, dv, dmask, None, None, None, None
+        return dq, dk, dv, dmask, None, None, None, None, None
     dq, dk, dv = torch.ops.autoplan.sdpa_backward(grad_out, query, key, value, attn_mask, *ctx.params)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 sdpa.register_autograd(_backward, setup_context=_setup_context)
@@ -523,12 +544,53 @@ def _single_dim_strategies(
     return strategies
 
 
+def _sequence_row(num_outputs: int, num_inputs: int) -> list[Placement | None]:
+    """Ring attention on one axis: q, k, v (their gradients and grad_out) split along the sequence."""
+    return [Shard(SEQ_DIM)] * (num_outputs + num_inputs)
+
+
+def _cp_group(op_schema: OpSchema, index: int) -> str:
+    """The op's ``cp_group`` argument (``""`` where the node has none: no ring)."""
+    args = op_schema.args_schema
+    group = args[index] if len(args) > index else ""
+    assert isinstance(group, str), group
+    return group
+
+
+def _ring_valid(op_schema: OpSchema, *, first: int, cp_group: str) -> Callable[..., bool]:
+    """Strategies a ring may run: the sequence split on at most one axis, that axis the named
+    group's (``UNDECIDED``: any axis), the sequence cut into ``2n`` chunks (causal: the zigzag
+    layout) or ``n`` blocks, and queries and keys of one length (self-attention)."""
+    mesh = op_schema.get_mesh_from_args()
+    query, key = op_schema.args_schema[first], op_schema.args_schema[first + 1]
+    assert isinstance(query, OpStrategy) and isinstance(key, OpStrategy)
+    causal = bool(op_schema.args_schema[first + 5])
+    named = cp_group not in ("", UNDECIDED)
+    allowed = [d for d in range(mesh.ndim) if not named or mesh.get_group(d).group_name == cp_group]
+
+    def valid(input_specs: list[Any], output_spec: object) -> bool:
+        axes = cp_axes([spec.placements for spec in input_specs], backward=first == 1)
+        if not axes:
+            return not named
+        if len(axes) > 1 or axes[0] not in allowed or query.shape[SEQ_DIM] != key.shape[SEQ_DIM]:
+            return False
+        chunks = mesh.size(axes[0]) * (2 if causal else 1)
+        return query.shape[SEQ_DIM] % chunks == 0
+
+    return valid
+
+
 def _sdpa_strategy(op_schema: OpSchema) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args()
     query, mask = op_schema.args_schema[0], op_schema.args_schema[3]
     # output O; inputs q, k, v (+ mask)
     strategies = _single_dim_strategies(num_outputs=1, num_inputs=3, query=query, mask=mask, mask_grad=False)
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1)
+    cp_group = _cp_group(op_schema, 8)
+    if not cp_group or mask is not None:
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1)
+    strategies.append(_sequence_row(1, 3))
+    valid = _ring_valid(op_schema, first=0, cp_group=cp_group)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1, is_valid_strategy_cb=valid)
 
 
 def _sdpa_backward_strategy(op_schema: OpSchema, *, mask_grad: bool) -> OpStrategy:
@@ -536,7 +598,41 @@ def _sdpa_backward_strategy(op_schema: OpSchema, *, mask_grad: bool) -> OpStrate
     query, mask = op_schema.args_schema[1], op_schema.args_schema[4]
     # outputs dq, dk, dv (+ dmask); inputs grad_out, q, k, v (+ mask)
     strategies = _single_dim_strategies(num_outputs=3, num_inputs=4, query=query, mask=mask, mask_grad=mask_grad)
-    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3 + mask_grad)
+    cp_group = "" if mask_grad else _cp_group(op_schema, 9)
+    if not cp_group or mask is not None:
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3 + mask_grad)
+    strategies.append(_sequence_row(3, 4))
+    valid = _ring_valid(op_schema, first=1, cp_group=cp_group)
+    return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3, is_valid_strategy_cb=valid)
+
+
+RING_OPS = frozenset({torch.ops.autoplan.sdpa.default, torch.ops.autoplan.sdpa_backward.default})
+"""The attention ops that run a ring when their node names a context-parallel group."""
+
+
+def planning_args(op: object, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The arguments the strategy table calls an attention op's strategy function with:
+    ``cp_group`` undecided, so ring attention is offered on every axis (other ops: ``args``)."""
+    if op not in RING_OPS:
+        return args
+    return (*args[: _CP_GROUP_INDEX[op]], UNDECIDED)
+
+
+_CP_GROUP_INDEX = {torch.ops.autoplan.sdpa.default: 8, torch.ops.autoplan.sdpa_backward.default: 9}
+
+
+def with_cp_group(node: fx.Node, args: tuple[Any, ...], input_specs: Sequence[Sequence[Placement]],
+                  mesh: DeviceMesh | None) -> tuple[Any, ...]:  # fmt: skip
+    """``args`` of a generated attention node with the plan's context-parallel group written in
+    where its strategy splits the sequence (unchanged otherwise: the single-device kernel)."""
+    if node.target not in RING_OPS:
+        return args
+    axes = cp_axes(input_specs, backward=node.target is not torch.ops.autoplan.sdpa.default)
+    if not axes:
+        return args
+    if mesh is None:
+        raise ValueError(f"{node.name}: ring attention needs the mesh: pass mesh= to generate_program")
+    return (*args[: _CP_GROUP_INDEX[node.target]], mesh.get_group(axes[0]).group_name)
 
 
 _PROP = DTensor._op_dispatcher.sharding_propagator

@@ -46,9 +46,11 @@ from autoplan.cost_models.memory import (
 )
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.passes import liveness
+from autoplan.passes.attention import RING_OPS
 from autoplan.passes.moe import MOE_OPS, moe_comm_time_s, moe_time_factor
 from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
 from autoplan.passes.placement import Spec, local_numel, replicated, storage_factor
+from autoplan.passes.ring_attention import RingCost, ring_exchange, ring_size
 from autoplan.passes.strategies import Strategy, StrategyTable, ValueRef, resolve_value, tensor_args
 from autoplan.passes.trace import TracedProgram, param_node_name, written_tensor_args
 
@@ -115,6 +117,9 @@ class CostProblem:
     memory_points: list[MemoryPoint] = field(default_factory=list)
     edges: list[Edge] = field(default_factory=list)
     capacity_bytes: float = 0.0
+    ring_costs: dict[str, list[RingCost | None]] = field(default_factory=dict)
+    """Per attention node that may run a ring, per strategy: its transfers (the exposed part is in
+    ``node_time_s``)."""
 
 
 def _as_list(val: object) -> list[object]:
@@ -159,6 +164,26 @@ def _op_times_s(
             by_divisor[div] = roofline_time_s(key, ins, outs, device, work_divisor=div)
         times.append(by_divisor[div])
     return times
+
+
+def _ring_times(
+    problem: CostProblem, node: fx.Node, strategies: Sequence[Strategy], times: Sequence[float], profiled: Sequence[bool]
+) -> list[float]:
+    """Attention times with ring attention priced (:mod:`autoplan.passes.ring_attention`): a rank's
+    work is ``n`` blocks of its local shape (a profiled time is one block; the analytic time, the
+    op's work over its divisor, is all of them), and each ring shift beyond the block it overlaps
+    is exposed. Records the transfers in ``problem.ring_costs``."""
+    cluster = problem.cluster
+    out, rings = [], []
+    for t, s, measured in zip(times, strategies, profiled, strict=True):
+        n = ring_size(node, s.input_specs, cluster.mesh_shape)
+        work_s = t * n if measured else t
+        ring = ring_exchange(node, s.input_specs, cluster, step_compute_s=work_s / n) if n > 1 else None
+        rings.append(ring)
+        out.append(work_s + (ring.exposed_s if ring is not None else 0.0))
+    if any(r is not None for r in rings):
+        problem.ring_costs[node.name] = rings
+    return out
 
 
 def _profiled_time_s(
@@ -220,6 +245,8 @@ def build_cost_problem(
                 t * moe_time_factor(node, s.input_specs) + moe_comm_time_s(node, s.input_specs, cluster)
                 for t, s in zip(times, ns.strategies, strict=True)
             ]
+        if node.op == "call_function" and node.target in RING_OPS:  # ring attention: exposed shifts
+            times = _ring_times(problem, node, ns.strategies, times, profiled)
         problem.node_time_s[name] = times
         problem.node_time_profiled[name] = profiled
     _add_memory(problem, traced, table, optimizer)

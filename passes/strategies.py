@@ -46,7 +46,7 @@ from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from autoplan.passes.moe import planning_args
+from autoplan.passes import attention, moe
 from autoplan.passes.placement import Spec, is_segment_shard, is_shardable, is_supported, replicated, spec_str
 from autoplan.passes.segments import segment_counts, segment_variants
 from autoplan.passes.trace import TracedProgram
@@ -269,7 +269,9 @@ class _Enumerator:
             return a.meta["val"] if isinstance(a, fx.Node) else a
 
         args_strat = pytree.tree_map(
-            to_strategy, planning_args(op, node.args), is_leaf=lambda x: isinstance(x, fx.Node)
+            to_strategy,
+            attention.planning_args(op, moe.planning_args(op, node.args)),
+            is_leaf=lambda x: isinstance(x, fx.Node),
         )
         args_strat = tuple(_wrap_lists(a) for a in args_strat)
         schema_info = prop.op_to_schema_info.get(op) or prop.op_to_schema_info_for_single_dim_strategy.get(op)

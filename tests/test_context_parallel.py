@@ -4,7 +4,9 @@ The planner has no separate context-parallel machinery: a mesh axis splits the s
 intra-operator ILP shards the activations' token dim, and attention then runs head-parallel,
 the sequence <-> heads conversions being all-to-alls (DeepSpeed-Ulysses' layout; an all-gather
 of the projections' input where that is cheaper). Causal attention needs no load balancing in
-this layout: each rank attends over the whole sequence for its heads. These tests pin the input
+this layout: each rank attends over the whole sequence for its heads. Where the heads cannot be
+split (fewer heads than ranks), attention runs as a ring over the sequence shards
+(:mod:`autoplan.passes.ring_attention`, zigzag-balanced under the causal mask). These tests pin the input
 and target sequence-sharded (``S(1)`` of ``(B, T)``) and the weights replicated, so the axis can
 only split the tokens, and check the layout the plan runs before the numbers (harness: three
 steps, fp32, 1e-5).
@@ -13,6 +15,7 @@ steps, fp32, 1e-5).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,11 +31,13 @@ TOKEN_SHARDED = ("o_proj", "gate_proj", "up_proj", "down_proj")
 instead produce this rank's heads from all tokens: either is a context-parallel layout)."""
 
 
-def _case(name: str, *, preset: str, mesh_shape: tuple[int, ...] | None, batch: int, spec: str) -> Case:
+def _case(
+    name: str, *, preset: str, mesh_shape: tuple[int, ...] | None, batch: int, spec: str, heads: int = 4
+) -> Case:
     replicated = "R" if mesh_shape is None else ",".join("R" for _ in mesh_shape)
     return Case(
         name=name,
-        build_model=zoo.llama_long_context,
+        build_model=functools.partial(zoo.llama_long_context, heads=heads),
         batches=SeededBatches(zoo.token_batch, {"batch": batch, "seq": zoo.LONG_CONTEXT}),
         loss_fn=zoo.lm_loss,
         preset=preset,
@@ -81,4 +86,40 @@ def test_llama_context_x_tensor_parallel_on_2x2_mesh_trains_like_single_device()
     _assert_context_parallel(case, results[0], axis=0, weight_spec=None)
     attention = [d for d in results[0]["plan"].nodes.values() if d["op"] == "autoplan.sdpa.default"]
     assert all(d["out"][0] == ["S(1)", "S(1)"] for d in attention), attention
+    assert_trains_like_reference(results)
+
+
+def _assert_ring(result: Mapping[str, Any], *, axis: int) -> None:
+    """Every attention op splits the sequence (``S(2)`` of ``(B, H, T, D)``) on ``axis``, and the
+    estimate lists the ring's point-to-point transfers on that axis."""
+    plan = result["plan"]
+    attention = [d for d in plan.nodes.values() if d["op"].startswith("autoplan.sdpa")]
+    assert len(attention) == 4, attention  # 2 layers, forward and backward
+    assert all(spec[axis] == "S(2)" for d in attention for spec in d["in"][:3]), attention
+    rows = [r for r in plan.estimate.comm.rows if r.kind == "send_recv"]
+    assert [r.axis for r in rows] == [plan.placement_axis_names[axis]], plan.estimate.comm.rows
+    assert rows[0].count == 2 * (10 + 22), rows  # per layer: the forward's 10 messages, the backward's 22
+
+
+def test_llama_with_one_head_runs_ring_attention_over_2_ranks_and_trains_like_single_device():
+    """One head: no heads to split (Ulysses cannot run), so the sequence axis runs attention as a
+    causal ring (zigzag-balanced); replicated attention would compute the whole sequence twice."""
+    case = _case("llama-ring-2", preset="2xCPU", mesh_shape=None, batch=1, spec="S(1)", heads=1)
+    results = run_case(case, timeout_s=600)
+
+    _assert_ring(results[0], axis=0)
+    assert_trains_like_reference(results)
+
+
+@pytest.mark.slow
+def test_ring_attention_x_tensor_parallel_on_2x2_mesh_trains_like_single_device():
+    """Two heads, split tensor-parallel over mesh axis 1 (``zoo.LLAMA_TP_PINS``, k/v by heads):
+    none left for axis 0, which splits the sequence and runs each rank's head as a ring."""
+    case = _case("llama-ring-x-tp-2x2", preset="4xCPU", mesh_shape=(2, 2), batch=1, spec="S(1),R", heads=2)
+    case = dataclasses.replace(case, pins=dict(case.pins) | {k: f"R,{v}" for k, v in zoo.LLAMA_TP_PINS.items()})
+    results = run_case(case, timeout_s=900)
+
+    _assert_ring(results[0], axis=0)
+    attention = [d for d in results[0]["plan"].nodes.values() if d["op"].startswith("autoplan.sdpa")]
+    assert all(d["in"][0] == ["S(2)", "S(1)"] for d in attention), attention
     assert_trains_like_reference(results)

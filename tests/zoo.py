@@ -122,14 +122,14 @@ LONG_CONTEXT = 1024
 """Sequence length of :func:`llama_long_context`."""
 
 
-def llama_long_context(seed: int = 0) -> nn.Module:
-    """HF Llama for context-parallel tests: 2 layers of 4 heads (4 key/value heads, so a 2 x 2
-    mesh can split them over both axes), hidden 64 (head_dim 16), MLP 128, over ``LONG_CONTEXT``
-    positions."""
+def llama_long_context(seed: int = 0, heads: int = 4) -> nn.Module:
+    """HF Llama for context-parallel tests: 2 layers of ``heads`` heads (4 by default, so a 2 x 2
+    mesh can split them over both axes; 1 leaves no heads to split: Ulysses cannot run, ring
+    attention can), hidden 64, MLP 128, over ``LONG_CONTEXT`` positions."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=heads, num_key_value_heads=heads,
         vocab_size=VOCAB, max_position_embeddings=LONG_CONTEXT, attention_dropout=0.0, use_cache=False,
     )  # fmt: skip
     torch.manual_seed(seed)

@@ -185,13 +185,13 @@ def plan_traced(
     )
     memory = _peak_memory(traced, assignment, redistributions, cluster, optimizer)
     records = _collective_records(redistributions, times_s, schedule, order)
-    in_op = _in_op_exchanges(traced, assignment, cluster)
-    in_op_s = sum(r.total_s for r in in_op)  # blocking, inside the ops' times: compute to communication
+    in_op = _in_op_exchanges(traced, assignment, cluster) + _ring_transfers(problem, solution.choice, cluster)
+    in_op_exposed_s = sum(r.exposed_s for r in in_op)  # inside the ops' times: compute to communication
     estimate = Estimate(
         step_time_s=schedule.step_time_s,
-        compute_s=schedule.compute_s - in_op_s,
-        comm_s=schedule.comm_s + in_op_s,
-        exposed_comm_s=schedule.exposed_comm_s + in_op_s,
+        compute_s=schedule.compute_s - in_op_exposed_s,
+        comm_s=schedule.comm_s + sum(r.total_s for r in in_op),
+        exposed_comm_s=schedule.exposed_comm_s + in_op_exposed_s,
         compute_sources=_compute_sources(traced, table, problem, solution),
         memory_bytes=memory.as_dict(),
         memory_peak_at=memory.peak_at,
@@ -288,6 +288,27 @@ def _in_op_exchanges(traced: TracedProgram, assignment: Mapping[str, Strategy], 
                     bytes=exchange.bytes,
                     total_s=exchange.time_s,
                     exposed_s=exchange.time_s,
+                )  # fmt: skip
+            )
+    return rows
+
+
+def _ring_transfers(problem: CostProblem, choice: Mapping[str, int], cluster: Cluster) -> list[CommRow]:
+    """The ring shifts and zigzag moves of the attention ops that run a ring
+    (:func:`autoplan.passes.ring_attention.ring_exchange`), one row per op: the exposed part is in
+    the op's time, the rest overlaps the op's own blocks."""
+    rows = []
+    for name, rings in problem.ring_costs.items():
+        ring = rings[choice[name]] if name in choice else None
+        if ring is not None:
+            rows.append(
+                CommRow(
+                    kind="send_recv",
+                    axis=cluster.mesh_axis_names[ring.axis],
+                    count=ring.count,
+                    bytes=ring.bytes,
+                    total_s=ring.total_s,
+                    exposed_s=ring.exposed_s,
                 )  # fmt: skip
             )
     return rows

@@ -324,6 +324,8 @@ def _add_node_times(
         strategy = problem.table.nodes[name].strategies[choice[name]]
         exchange = moe_exchanges(node, strategy.input_specs, problem.cluster)
         in_op = exchange.time_s if exchange is not None else 0.0
+        ring = problem.ring_costs.get(name, [None] * (choice[name] + 1))[choice[name]]
+        in_op += ring.exposed_s if ring is not None else 0.0  # ring attention's shifts beyond its blocks
         if node.target in MOE_OPS:
             side = "fwd" if phase[name] == "fwd" else "bwd"
             sums.moe[side][k] += t - in_op

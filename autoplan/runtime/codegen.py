@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 
 from autoplan.cost_models.comm import TransitionStep, bucket_kind
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
+from autoplan.passes.attention import RING_OPS, with_cp_group
 from autoplan.passes.comm_order import START, CommSchedule, schedule_collectives
 from autoplan.passes.layers import Layering, find_layers
 from autoplan.passes.moe import MOE_OPS, with_ep_group
@@ -371,6 +372,8 @@ class _ProgramEmitter:
             if self.mesh is None:
                 raise ValueError(f"{node.name}: a mixture-of-experts op needs the mesh: pass mesh= to generate_program")
             new_args = with_ep_group(node, tuple(new_args), self.assignment[node.name].input_specs, self.mesh)
+        if node.target in RING_OPS:  # the plan's context-parallel group, where attention runs a ring
+            new_args = with_cp_group(node, tuple(new_args), self.assignment[node.name].input_specs, self.mesh)
         new_kwargs = _fix_device(dict(fx.node.map_arg(node.kwargs, lambda n: env[n])), self.device)
         if node.name in self.fallback_nodes:
             op = cast(Argument, node.target)  # an OpOverload: fx passes a callable argument through as it is
