@@ -269,6 +269,18 @@ class SegmentCost:
     fwd_all_to_all_bytes: float = 0.0
     """Bytes the forward's all-to-alls send, per micro-batch."""
     bwd_all_to_all_bytes: float = 0.0
+    fwd_ring_s: float = 0.0
+    """Part of ``fwd_comm_s`` ring attention waits for (:func:`autoplan.passes.ring_attention.ring_exchange`:
+    its shifts beyond the blocks they overlap, its zigzag moves)."""
+    bwd_ring_s: float = 0.0
+    fwd_ring_total_s: float = 0.0
+    """Link time of all of the forward ring's transfers (``fwd_ring_s`` of it exposed)."""
+    bwd_ring_total_s: float = 0.0
+    fwd_ring_bytes: float = 0.0
+    bwd_ring_bytes: float = 0.0
+    fwd_ring_messages: int = 0
+    """Point-to-point messages of the segment's forward rings (its backward's: ``bwd_ring_messages``)."""
+    bwd_ring_messages: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -885,14 +897,28 @@ def _tp_rows(part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bo
     expert-parallel MoE ops (inside the op, blocking) get their own row, on ``dp`` where the
     experts are split over it (:func:`expert_parallel_costs`)."""
     passes = 3 if recompute == "full" else 2
-    a2a_total = m * sum(s.fwd_all_to_all_s * (passes - 1) + s.bwd_all_to_all_s for s in part)
-    total = m * sum(s.fwd_comm_s * (passes - 1) + s.bwd_comm_s for s in part) - a2a_total
+
+    def per_step(fwd: Callable[[SegmentCost], float], bwd: Callable[[SegmentCost], float]) -> float:
+        return m * sum(fwd(s) * (passes - 1) + bwd(s) for s in part)
+
+    a2a_total = per_step(lambda s: s.fwd_all_to_all_s, lambda s: s.bwd_all_to_all_s)
+    ring_exposed = per_step(lambda s: s.fwd_ring_s, lambda s: s.bwd_ring_s)
+    total = per_step(lambda s: s.fwd_comm_s, lambda s: s.bwd_comm_s) - a2a_total - ring_exposed
     count = m * sum(
-        (passes - 1) * (s.fwd_comm_s > s.fwd_all_to_all_s) + (s.bwd_comm_s > s.bwd_all_to_all_s) for s in part
+        (passes - 1) * (s.fwd_comm_s > s.fwd_all_to_all_s + s.fwd_ring_s)
+        + (s.bwd_comm_s > s.bwd_all_to_all_s + s.bwd_ring_s)
+        for s in part
     )
     rows = []
     if total > 0:
         rows.append(CommRow(kind="redistribute", axis="tp", count=count, bytes=0.0, total_s=total, exposed_s=total))
+    ring_total = per_step(lambda s: s.fwd_ring_total_s, lambda s: s.bwd_ring_total_s)
+    if ring_total > 0:  # ring attention: its exposed part is in the compute stream, the rest beside its blocks
+        rows.append(
+            CommRow(kind="send_recv", axis="tp", count=int(per_step(lambda s: s.fwd_ring_messages, lambda s: s.bwd_ring_messages)),
+                    bytes=per_step(lambda s: s.fwd_ring_bytes, lambda s: s.bwd_ring_bytes), total_s=ring_total,
+                    exposed_s=min(ring_exposed, ring_total))  # fmt: skip
+        )
     if a2a_total > 0:
         n = m * sum(s.all_to_alls * passes for s in part)
         nbytes = m * sum(s.fwd_all_to_all_bytes * (passes - 1) + s.bwd_all_to_all_bytes for s in part)

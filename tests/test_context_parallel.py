@@ -99,6 +99,7 @@ def _assert_ring(result: Mapping[str, Any], *, axis: int) -> None:
     rows = [r for r in plan.estimate.comm.rows if r.kind == "send_recv"]
     assert [r.axis for r in rows] == [plan.placement_axis_names[axis]], plan.estimate.comm.rows
     assert rows[0].count == 2 * (10 + 22), rows  # per layer: the forward's 10 messages, the backward's 22
+    assert "context" in list(plan.parallelism().values())[axis]
 
 
 def test_llama_with_one_head_runs_ring_attention_over_2_ranks_and_trains_like_single_device():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import autoplan
 from autoplan.passes.ring_attention import ring_attention, ring_attention_backward, ring_cost
+from tests import zoo
 from tests.harness import run_ranks
 
 _CASES = [(True, 4, 4), (True, 4, 2), (False, 4, 4), (False, 4, 1)]
@@ -89,3 +90,25 @@ def test_ring_price_on_cpu_ranks_credits_no_overlap():
     q = _meta(1, 1, 256, 16)
     cost = ring_cost((q, q, q), causal=True, backward=True, axis=0, cluster=cluster, step_compute_s=10.0)
     assert cost.exposed_s == pytest.approx(cost.total_s) and cost.total_s > 0
+
+
+def test_joint_search_runs_a_ring_where_the_heads_run_out_and_lists_its_transfers():
+    """Two heads on 4 H100 with one sequence of 4,096 tokens: the 4-way axis cannot split the heads
+    (Ulysses), so attention splits the sequence and runs the ring; the estimate lists its
+    point-to-point messages on that axis (2 layers x (forward 3 shifts of k, v + 8 zigzag
+    messages, backward 3 + 3 shifts of k, v and their accumulators, the last hop, 14 zigzag)), part
+    of them hidden behind the ring's blocks."""
+    with torch.device("meta"):
+        model = zoo.llama_lm(layers=2, hidden=512, heads=2, kv_heads=2, ffn=1024, vocab=1024, positions=4096)
+    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
+    plan = autoplan.plan(model, "4xH100", example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,),
+                         global_batch_size=1, optimizer="adamw")  # fmt: skip
+
+    assert plan.config is not None and plan.config.tp == 4
+    attention = [d for d in plan.nodes.values() if d["op"].startswith("autoplan.sdpa")]
+    assert attention and all(d["in"][0] == ["S(2)"] for d in attention), attention
+    assert "context" in plan.parallelism()["tp"]
+    rings = [r for r in plan.estimate.comm.rows if r.kind == "send_recv"]
+    assert [r.axis for r in rings] == ["tp"], plan.estimate.comm.rows
+    assert rings[0].count == 2 * ((3 * 2 + 8) + (3 * 2 + 3 * 4 + 2 + 14))
+    assert 0 < rings[0].exposed_s < rings[0].total_s

@@ -427,7 +427,8 @@ class Plan:
         """Per mesh axis (:attr:`placement_axis_names`), what the plan does along it: ``data``
         (the batch is split, so gradients are reduced over the axis), ``context`` (attention runs
         head-parallel and all-to-alls convert its inputs or output between heads and sequence:
-        the sequence is split around it, DeepSpeed-Ulysses' layout), ``tensor/param-sharded``
+        the sequence is split around it, DeepSpeed-Ulysses' layout; or attention splits the
+        sequence itself, ring attention), ``tensor/param-sharded``
         (parameters are split), ``expert`` (MoE layers split their tokens and experts over it and
         exchange the routed tokens with all-to-all inside the op), a combination, or ``replicated``."""
         out = {}
@@ -443,10 +444,14 @@ class Plan:
                 for d in self.nodes.values()
             )
             all_to_all = any(k == "all_to_all" and a == axis for c in self.collectives for k, a in c.steps)
+            ring = any(
+                d["op"] == "autoplan.sdpa.default" and d["in"] and d["in"][0] and d["in"][0][axis] == "S(2)"
+                for d in self.nodes.values()
+            )
             kinds = []
             if grads_reduced:
                 kinds.append("data")
-            if head_parallel and all_to_all:
+            if (head_parallel and all_to_all) or ring:
                 kinds.append("context")
             if any(_expert_parallel_on(d, axis) for d in self.nodes.values()):
                 kinds.append("expert")

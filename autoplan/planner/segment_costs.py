@@ -72,6 +72,7 @@ from autoplan.passes.liveness import is_view_op
 from autoplan.passes.moe import MOE_OPS, expert_weights, moe_exchanges, moe_routing
 from autoplan.passes.placement import Spec, local_numel
 from autoplan.passes.recompute import POLICIES, Policy, RecomputePartition, communicates, joint_recompute_partition
+from autoplan.passes.ring_attention import RingCost
 from autoplan.passes.strategies import ValueRef, resolve_value, tensor_args
 
 
@@ -148,6 +149,20 @@ def segment_costs(
     return sums.costs(optimizer)
 
 
+@dataclass(frozen=True, slots=True)
+class _Ring:
+    """Ring attention transfers summed over a segment's ops of one phase."""
+
+    exposed_s: float = 0.0
+    total_s: float = 0.0
+    bytes: float = 0.0
+    messages: int = 0
+
+    def plus(self, ring: RingCost) -> _Ring:
+        return _Ring(self.exposed_s + ring.exposed_s, self.total_s + ring.total_s, self.bytes + ring.bytes,
+                     self.messages + ring.count)  # fmt: skip
+
+
 @dataclass(slots=True)
 class _Sums:
     """The per-segment sums :func:`segment_costs` accumulates (one entry per segment; ``cut`` one
@@ -163,6 +178,8 @@ class _Sums:
     a2a_bytes: dict[str, list[float]]
     a2a_count: list[int]
     """All-to-alls of the forward (the backward runs as many)."""
+    ring: dict[str, list[_Ring]]
+    """Per phase: the ring attention transfers of the segment's ops."""
     moe: dict[str, list[float]]
     """Per phase: the MoE expert ops' time without their all-to-alls."""
     moe_ops: list[int]
@@ -197,7 +214,8 @@ class _Sums:
         return cls(
             fwd=[0.0] * nseg, bwd=[0.0] * nseg, bwd_w=[0.0] * nseg, fwd_comm=[0.0] * nseg, bwd_comm=[0.0] * nseg,
             a2a_s={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg}, a2a_bytes={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg},
-            a2a_count=[0] * nseg, moe={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg}, moe_ops=[0] * nseg,
+            a2a_count=[0] * nseg, ring={"fwd": [_Ring()] * nseg, "bwd": [_Ring()] * nseg},
+            moe={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg}, moe_ops=[0] * nseg,
             routed=[0.0] * nseg, experts=[0] * nseg, expert_numel=[0] * nseg, expert_trainable=[0] * nseg,
             redo_s={p: [0.0] * nseg for p in POLICIES}, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
             trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
@@ -246,6 +264,14 @@ class _Sums:
                     moe_fwd_s=self.moe["fwd"][k],
                     moe_bwd_s=self.moe["bwd"][k],
                     moe_ops=self.moe_ops[k],
+                    fwd_ring_s=self.ring["fwd"][k].exposed_s,
+                    bwd_ring_s=self.ring["bwd"][k].exposed_s,
+                    fwd_ring_total_s=self.ring["fwd"][k].total_s,
+                    bwd_ring_total_s=self.ring["bwd"][k].total_s,
+                    fwd_ring_bytes=self.ring["fwd"][k].bytes,
+                    bwd_ring_bytes=self.ring["bwd"][k].bytes,
+                    fwd_ring_messages=self.ring["fwd"][k].messages,
+                    bwd_ring_messages=self.ring["bwd"][k].messages,
                     moe_routed_bytes=self.routed[k],
                     experts=self.experts[k],
                     expert_numel=self.expert_numel[k],
@@ -325,7 +351,10 @@ def _add_node_times(
         exchange = moe_exchanges(node, strategy.input_specs, problem.cluster)
         in_op = exchange.time_s if exchange is not None else 0.0
         ring = problem.ring_costs.get(name, [None] * (choice[name] + 1))[choice[name]]
-        in_op += ring.exposed_s if ring is not None else 0.0  # ring attention's shifts beyond its blocks
+        if ring is not None:  # ring attention: what it waits for is communication, the rest runs beside it
+            side = "fwd" if phase[name] == "fwd" else "bwd"
+            in_op += ring.exposed_s
+            sums.ring[side][k] = sums.ring[side][k].plus(ring)
         if node.target in MOE_OPS:
             side = "fwd" if phase[name] == "fwd" else "bwd"
             sums.moe[side][k] += t - in_op

@@ -345,7 +345,8 @@ def scale_costs(costs: SegmentCosts, factor: float) -> SegmentCosts:
                   "bwd_transient_bytes", "selective_recomputed_bytes",
                   "selective_bwd_transient_bytes", "full_recompute_s", "full_kept_bytes", "full_recomputed_bytes",
                   "full_bwd_transient_bytes", "flops", "fwd_all_to_all_s", "bwd_all_to_all_s",
-                  "fwd_all_to_all_bytes", "bwd_all_to_all_bytes")  # fmt: skip
+                  "fwd_all_to_all_bytes", "bwd_all_to_all_bytes", "fwd_ring_s", "bwd_ring_s", "fwd_ring_total_s",
+                  "bwd_ring_total_s", "fwd_ring_bytes", "bwd_ring_bytes")  # fmt: skip
     return dataclasses.replace(
         costs,
         segments=tuple(
