@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autoplan
+from autoplan.passes import ring_attention as ring
 from autoplan.passes.ring_attention import ring_attention, ring_attention_backward, ring_cost
 from tests import zoo
 from tests.harness import run_ranks
@@ -112,3 +113,19 @@ def test_joint_search_runs_a_ring_where_the_heads_run_out_and_lists_its_transfer
     assert [r.axis for r in rings] == ["tp"], plan.estimate.comm.rows
     assert rings[0].count == 2 * ((3 * 2 + 8) + (3 * 2 + 3 * 4 + 2 + 14))
     assert 0 < rings[0].exposed_s < rings[0].total_s
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_blocks_equal_the_explicit_formulas(causal: bool):
+    """The blocks the ring runs (PyTorch's fused kernel and its backward, given the merged output
+    and log-sum-exp) against ``_block_math`` / ``_block_backward_math`` (the path of devices with
+    no fused kernel wired), on this machine's CPU; ``benchmarks/ring_attention_blocks.py`` checks
+    CUDA's kernels the same way."""
+    torch.manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 4, 32, 16) for _ in range(4))
+    scale = 0.25
+    fused, math = ring._block(q, k, v, causal, scale), ring._block_math(q, k, v, causal, scale)
+    grads = ring._block_backward(dout, q, k, v, *math, causal, scale)
+    ref = ring._block_backward_math(dout, q, k, v, *math, causal, scale)
+    for a, b in zip((*fused, *grads), (*math, *ref), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
