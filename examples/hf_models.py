@@ -133,6 +133,29 @@ def llama3_8b_128k() -> autoplan.Workload:
     )
 
 
+def falcon_7b_32k() -> autoplan.Workload:
+    """Falcon-7B's shape (Almazrouei et al. 2023, "The Falcon Series of Open Language Models",
+    table 1 / its Hugging Face config: 32 layers, width 4544, 71 heads of 64 with one key/value
+    head (multi-query), parallel attention and MLP, vocabulary 65024) on sequences of 32,768 tokens,
+    for planning only: 71 heads split over no tensor-parallel degree, so a long sequence is split
+    by ring attention (``passes/ring_attention.py``), e.g. ``autoplan plan
+    examples/hf_models.py:falcon_7b_32k --cluster 1x8xH100 --global-batch-size 8 --precision bf16
+    --out falcon-32k.json``."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    seq = 32768
+    cfg = FalconConfig(
+        vocab_size=65024, hidden_size=4544, num_hidden_layers=32, num_attention_heads=71, multi_query=True,
+        new_decoder_architecture=False, parallel_attn=True, bias=False, max_position_embeddings=seq,
+        attention_dropout=0.0, hidden_dropout=0.0, use_cache=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    ids = torch.randint(0, 65024, (1, seq))
+    return autoplan.Workload(
+        model=FalconForCausalLM(cfg), example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,), optimizer="adamw"
+    )
+
+
 # --- the model zoo: one tiny configuration per architecture --------------------------------------
 #
 # Random weights from the `transformers` config classes (nothing is downloaded): 2 layers of width

@@ -431,8 +431,7 @@ def ring_cost(
         last = 2 * send_s(acc_bytes / 2)
         count, sent, total, exposed = count + 2, sent + acc_bytes, total + last, exposed + last
     if causal:
-        # zigzag there and back: of a rank's 2 chunks, (2n-2)/(2n) move on average
-        moved = (n - 1) / n
+        moved = zigzag_moved_fraction(n)  # there and back, as the busiest rank moves them
         there = [q, k, v] + ([q] if backward else [])  # backward: dO too
         back = [q] if not backward else [q, k, v]  # O, or dQ, dK, dV
         sizes = [float(tensor_bytes(t)) for t in there + back]
@@ -441,6 +440,19 @@ def ring_cost(
         zig_s = moved * sum(2 * send_s(b / 2) for b in sizes)
         total, exposed = total + zig_s, exposed + zig_s
     return RingCost(axis=axis, count=count, bytes=sent, total_s=total, exposed_s=exposed)
+
+
+def zigzag_moved_fraction(n: int) -> float:
+    """The largest share of its shard one rank of ``n`` sends (and receives) moving from the
+    contiguous layout (chunks ``2r, 2r+1``) to the zigzag one (chunks ``r, 2n-1-r``): 1/2 for
+    ``n = 2`` (chunks 0 and 2 stay), 1 for larger rings (some rank keeps neither chunk)."""
+
+    def owner(j: int) -> int:
+        return j if j < n else 2 * n - 1 - j
+
+    sent = max(sum(owner(j) != r for j in (2 * r, 2 * r + 1)) for r in range(n))
+    received = max(sum(j // 2 != r for j in (r, 2 * n - 1 - r)) for r in range(n))
+    return max(sent, received) / 2
 
 
 def ring_exchange(node: fx.Node, input_specs: Sequence[Sequence[Placement]], cluster: Cluster,

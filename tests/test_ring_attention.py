@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import autoplan
 from autoplan.passes import ring_attention as ring
-from autoplan.passes.ring_attention import ring_attention, ring_attention_backward, ring_cost
+from autoplan.passes.ring_attention import ring_attention, ring_attention_backward, ring_cost, zigzag_moved_fraction
 from tests import zoo
 from tests.harness import run_ranks
 
@@ -54,6 +54,12 @@ def test_ring_kernels_equal_attention_over_the_whole_sequence(world_size: int):
         assert all(e[3] < 1e-5 for e in errors), errors
 
 
+def test_zigzag_moves_half_a_shard_on_2_ranks_and_all_of_one_beyond():
+    assert zigzag_moved_fraction(1) == 0.0
+    assert zigzag_moved_fraction(2) == 0.5  # rank 0 keeps chunk 0, rank 1 keeps chunk 2
+    assert [zigzag_moved_fraction(n) for n in (3, 4, 8, 16)] == [1.0] * 4
+
+
 def _meta(*shape: int) -> torch.Tensor:
     return torch.empty(shape, device="meta")
 
@@ -67,7 +73,7 @@ def test_ring_price_counts_the_shifts_the_accumulators_and_the_zigzag_moves(caus
     q_bytes = 8 * 1024 * 128 * 4.0
     fwd = ring_cost((q, k, v), causal=causal, backward=False, axis=0, cluster=cluster, step_compute_s=1.0)
     bwd = ring_cost((q, k, v), causal=causal, backward=True, axis=0, cluster=cluster, step_compute_s=1.0)
-    moved = (n - 1) / n if causal else 0.0
+    moved = 1.0 if causal else 0.0  # of 4 ranks, rank 1 sends both its chunks (2 -> rank 2, 3 -> rank 3)
     # forward: n-1 shifts of k and v; causal: q, k, v there and the output back
     assert fwd.count == (n - 1) * 2 + (2 * 4 if causal else 0)
     assert fwd.bytes == pytest.approx((n - 1) * kv_bytes + moved * (2 * q_bytes + kv_bytes))
