@@ -4,7 +4,7 @@ against the explicit formulas, and one rank's measured block time against the an
     python benchmarks/ring_attention_blocks.py [--tokens 131072 --ranks 8 --heads 32 --kv-heads 8 --head-dim 128]
 
 Part 1 (correctness): :func:`autoplan.passes.ring_attention._block` / ``_block_backward`` (PyTorch's
-fused kernels: flash on CPU, flash (bf16) or memory-efficient (fp32) on CUDA) against ``_block_math`` /
+fused kernels: flash on CPU; on CUDA cuDNN (bf16) or memory-efficient (fp32)) against ``_block_math`` /
 ``_block_backward_math``, causal and not, grouped-query, in fp32 (and bf16 on CUDA).
 
 Part 2 (time, CUDA only; skipped on CPU): the blocks one rank of a causal ring of ``--ranks``

@@ -34,8 +34,8 @@ Communication per op on an axis of ``n`` ranks (``X``: one rank's k and v shards
               dV) back, blocking
 
 Each block's partial output and log-sum-exp come from PyTorch's fused CPU kernel
-(``_scaled_dot_product_flash_attention_for_cpu``; on CUDA the flash kernel in fp16/bf16, the
-memory-efficient one in fp32) and its backward, given the merged output
+(``_scaled_dot_product_flash_attention_for_cpu``; on CUDA cuDNN's (or flash without cuDNN) in
+fp16/bf16, the memory-efficient one in fp32) and its backward, given the merged output
 and log-sum-exp, gives that block's exact share of dQ, dK and dV (``P = exp(S - lse)``, ``dS = P
 (dP - rowsum(dO O))``). Other devices run the explicit formulas (O(c^2) memory per block).
 """
@@ -86,6 +86,9 @@ def _block(
     if q.device.type == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
+    if q.device.type == "cuda" and q.dtype in _FLASH_DTYPES and torch.backends.cudnn.is_available():
+        out, lse, *_ = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+        return out, lse.reshape(q.shape[:-1])  # cuDNN's is (B, H, T, 1)
     if q.device.type == "cuda" and q.dtype in _FLASH_DTYPES:
         out, lse, *_ = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse
@@ -96,8 +99,10 @@ def _block(
 
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
-"""Dtypes of CUDA's flash kernel (about twice the memory-efficient kernel's speed on an H200: 358
-against 174 TFLOP/s forward, 311 against 139 backward, bf16 8k x 16k blocks of 32 heads of 128)."""
+"""Dtypes of CUDA's cuDNN and flash attention kernels. On one H200 (torch 2.11, cuDNN 9.19; bf16,
+8k queries x 16k keys, 32 heads of 128), forward / forward+backward: cuDNN (what
+``F.scaled_dot_product_attention`` picks there) 667 / 544 TFLOP/s, flash 336 / 321, memory-efficient
+175 / 148."""
 
 
 def _bmhk(x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +138,13 @@ def _block_backward(
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, scale=scale
         )
+        return dq, dk, dv
+    if q.device.type == "cuda" and q.dtype in _FLASH_DTYPES and torch.backends.cudnn.is_available():
+        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: the kernel reads none
+        dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.unsqueeze(-1).contiguous(), no_rng, no_rng, None, None, None,
+            q.shape[SEQ_DIM], k.shape[SEQ_DIM], 0.0, causal, scale=scale,
+        )  # fmt: skip
         return dq, dk, dv
     if q.device.type == "cuda" and q.dtype in _FLASH_DTYPES:
         no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # no dropout: the kernel reads none
