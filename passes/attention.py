@@ -558,8 +558,8 @@ def _cp_group(op_schema: OpSchema, index: int) -> str:
 
 
 def _ring_valid(op_schema: OpSchema, *, first: int, cp_group: str) -> Callable[..., bool]:
-    """Strategies a ring may run: the sequence split on at most one axis, that axis the named
-    group's (``UNDECIDED``: any axis), the sequence cut into ``2n`` chunks (causal: the zigzag
+    """Strategies a ring may run: the sequence split on at most one axis of two or more ranks, that
+    axis the named group's (``UNDECIDED``: any axis), the sequence cut into ``2n`` chunks (causal: the zigzag
     layout) or ``n`` blocks, and queries and keys of one length (self-attention)."""
     mesh = op_schema.get_mesh_from_args()
     query, key = op_schema.args_schema[first], op_schema.args_schema[first + 1]
@@ -573,6 +573,8 @@ def _ring_valid(op_schema: OpSchema, *, first: int, cp_group: str) -> Callable[.
         if not axes:
             return not named
         if len(axes) > 1 or axes[0] not in allowed or query.shape[SEQ_DIM] != key.shape[SEQ_DIM]:
+            return False
+        if mesh.size(axes[0]) < 2:  # a ring of one rank is local attention: no second strategy for it
             return False
         chunks = mesh.size(axes[0]) * (2 if causal else 1)
         return query.shape[SEQ_DIM] % chunks == 0

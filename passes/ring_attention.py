@@ -312,6 +312,12 @@ def _forward_balanced(
     return torch.cat([acc_a[0], acc_b[0]], dim=SEQ_DIM), torch.cat([acc_a[1], acc_b[1]], dim=SEQ_DIM)
 
 
+def _forward_balanced_alone(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """A ring of one rank: one block over the whole sequence."""
+    heads = q.shape[1]
+    return _block(q, _expand_heads(k, heads), _expand_heads(v, heads), causal, scale)[0]
+
+
 def ring_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, scale: float | None, cp_group: str
 ) -> torch.Tensor:
@@ -319,6 +325,8 @@ def ring_attention(
     ``cp_group`` (local ``(B, H, T/n, D)`` tensors; k, v may have fewer heads)."""
     ring = _Ring.of(cp_group)
     s = _scale(q, scale)
+    if ring.size == 1:  # the whole sequence is here (gloo cannot send to its own rank)
+        return _forward_balanced_alone(q, k, v, is_causal, s)
     if is_causal:
         q, k, v = (ring.zigzag(x) for x in (q, k, v))
     out, _ = _forward_balanced(ring, q, k, v, is_causal, s)
@@ -338,6 +346,10 @@ def ring_attention_backward(
     """dQ, dK, dV of :func:`ring_attention` (the forward's ring again, then a ring carrying dK/dV)."""
     ring = _Ring.of(cp_group)
     s, heads, n, r = _scale(q, scale), q.shape[1], ring.size, ring.rank
+    if n == 1:  # the whole sequence is here: one block
+        out, lse = _block(q, _expand_heads(k, heads), _expand_heads(v, heads), is_causal, s)
+        dq, dk, dv = _block_backward(dout, q, _expand_heads(k, heads), _expand_heads(v, heads), out, lse, is_causal, s)
+        return dq, _fold_heads(dk, k.shape[1]), _fold_heads(dv, v.shape[1])
     if is_causal:
         q, k, v, dout = (ring.zigzag(x) for x in (q, k, v, dout))
     out32, lse = _forward_balanced(ring, q, k, v, is_causal, s)

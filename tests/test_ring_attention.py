@@ -47,7 +47,7 @@ def _ring_errors(rank: int, world_size: int) -> list[tuple[bool, int, int, float
     return errors
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_ring_kernels_equal_attention_over_the_whole_sequence(world_size: int):
     for errors in run_ranks(_ring_errors, world_size, timeout_s=300):
         assert [e[:3] for e in errors] == _CASES
