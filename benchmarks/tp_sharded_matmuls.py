@@ -1,6 +1,10 @@
 """How many forward weight matmuls run on a sharded weight under tensor-parallel pins (issue #20).
 
-    AUTOPLAN_NO_PLAN_CACHE=1 python benchmarks/tp_sharded_matmuls.py [--slowdown 1e5] [-v]
+    AUTOPLAN_LOCAL_LINKS=catalog AUTOPLAN_NO_PLAN_CACHE=1 python benchmarks/tp_sharded_matmuls.py [-v]
+
+(``AUTOPLAN_LOCAL_LINKS=catalog``: the 2xCPU links from the catalog, not this machine's measured
+ones, whose latency decides ties on tiny models; without it BLOOM's attention ``dense`` ties within
+a microsecond and may be gathered.)
 
 For tiny Hugging Face decoders (``examples/hf_models.py`` zoo configs) planned for ``2xCPU`` with
 Megatron pins on the projection weights (column-parallel fused/in projections, row-parallel
@@ -9,7 +13,7 @@ out/down projections), count the forward mm/addmm/bmm/linear nodes whose weight 
 (``S(d)`` or a fused projection's ``S(d)/k``). The tied ``lm_head`` is not pinned and stays
 replicated in every family. Prints a row per family and a final line::
 
-    tp_sharded_matmuls: gpt2=8/9 phi3=4/9 falcon=6/9 bloom=4/9 llama=14/15
+    tp_sharded_matmuls: gpt2=8/9 phi3=2/9 falcon=6/9 bloom=8/9 llama=14/15
 """
 
 from __future__ import annotations

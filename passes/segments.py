@@ -31,6 +31,17 @@ Contract (the rules this module adds to DTensor's sharding propagation, for ever
 
 Every other placement on the split dim keeps PyTorch's rule (gather, then split). A segment shard
 is planned on one mesh axis of a dim at a time (:func:`autoplan.passes.placement.is_shardable`).
+
+Merged dims: eager attention that flattens the heads into the batch of a ``bmm`` (BLOOM:
+``(B, H, T, D) -> (B * H, T, D)`` around ``baddbmm``/``bmm``) turns a shard of the heads into
+``S(0)/B`` of the flattened dim (DTensor's view rule). :func:`merged_dim_counts` names those
+``(size, k)`` so the planner admits that layout on such tensors; DTensor's own ``bmm``/``baddbmm``
+and view rules then keep the attention head-parallel, forward and backward.
+
+At run time ``S(d)/k`` is a data layout. DTensor 2.13 also reads ``_StridedShard`` as a shard
+*order*; every DTensor the runtime makes is set to the layout reading
+(:func:`autoplan.runtime.collectives.segment_layout`, the reading DTensor's view rules give) and
+the rules here keep their input's reading.
 """
 
 from __future__ import annotations
@@ -96,10 +107,15 @@ def _segment_split_strategy(op_schema: OpSchema) -> StrategyType:
         if segments.split_factor != len(sizes):
             continue
         out = tuple(Shard(dim) if a == axis else p for a, p in enumerate(spec.placements))
-        input_spec = DTensorSpec(spec.mesh, spec.placements, spec.tensor_meta)
+        input_spec = DTensorSpec(
+            spec.mesh,
+            spec.placements,
+            spec.tensor_meta,
+            use_strided_shard_as_shard_order=spec.use_strided_shard_as_shard_order,  # as the input reads it
+        )
         result.strategies.append(
             OpSpec(
-                output_specs=tuple(DTensorSpec(spec.mesh, out) for _ in sizes),
+                output_specs=tuple(DTensorSpec(spec.mesh, out) for _ in sizes),  # plain Shard pieces
                 input_specs=(input_spec,),
                 redistribute_cost=[generate_redistribute_costs(source, input_spec)],
             )
@@ -134,7 +150,7 @@ def _segment_cat_strategy(op_schema: OpSchema) -> StrategyType:
         )
         result.strategies.append(
             OpSpec(
-                output_specs=DTensorSpec(spec.mesh, out),
+                output_specs=DTensorSpec(spec.mesh, out, use_strided_shard_as_shard_order=False),  # a layout
                 input_specs=input_specs,
                 redistribute_cost=[
                     generate_redistribute_costs(c, s) for c, s in zip(children, input_specs, strict=True)
@@ -229,3 +245,88 @@ def segment_variants(
                 if is_shardable(seg, shape, mesh_shape) and seg not in out:
                     out.append(seg)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# merged dims: S(d)/k from views that flatten a sharded dim into a larger one
+
+VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _product(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _merged_groups(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The dims a view merges into one dim of ``dst``: ``(that dim, its size, the sizes it merges)``
+    for every run of several ``src`` dims (size-1 dims dropped) that become one ``dst`` dim."""
+    groups: list[tuple[int, int, tuple[int, ...]]] = []
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        a, b, at = [src[i]], [dst[j]], j
+        i, j = i + 1, j + 1
+        while _product(a) != _product(b):
+            if _product(a) < _product(b):
+                if i == len(src):
+                    return groups
+                a.append(src[i])
+                i += 1
+            else:
+                if j == len(dst):
+                    return groups
+                b.append(dst[j])
+                j += 1
+        a, b = [x for x in a if x != 1], [x for x in b if x != 1]
+        if len(b) == 1 and len(a) > 1:
+            groups.append((at, b[0], tuple(a)))
+    return groups
+
+
+_BATCHED_MATMULS = (aten.bmm.default, aten.baddbmm.default)
+_TO_BATCHED = (aten.transpose.int, aten.clone.default, aten.expand.default, aten.contiguous.default)
+
+
+def _feeds_batched_matmul(node: fx.Node) -> bool:
+    """``node`` is an operand of ``bmm``/``baddbmm`` (through transposes, clones, expands)."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if user.target in _BATCHED_MATMULS:
+                return True
+            if user.target in _TO_BATCHED:
+                stack.append(user)
+    return False
+
+
+def merged_dim_counts(gm: fx.GraphModule) -> set[tuple[int, int]]:
+    """``{(size, k)}``: a view merges dims ``(s_0, ..., s_m)`` into the batch dim (of ``size``) of
+    a ``bmm``/``baddbmm`` operand, and ``k = s_0 * ... * s_{i-1} > 1`` for some ``i``. A shard of
+    ``s_i`` (the heads in ``(B, H, T, D) -> (B * H, T, D)``, as BLOOM's eager attention does around
+    ``baddbmm``/``bmm``) is then the segment shard ``S(0)/k`` of the merged dim (DTensor's view rule
+    makes exactly that), so the batched matmul runs on each rank's heads instead of gathering them.
+    Other merges (``(B, T, C) -> (B * T, C)`` before a linear layer) add nothing: their segment
+    shards would only enlarge the search."""
+    found: set[tuple[int, int]] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in VIEW_OPS:
+            continue
+        src, dst = node.args[0].meta.get("val"), node.meta.get("val")
+        if not isinstance(src, torch.Tensor) or not isinstance(dst, torch.Tensor) or dst.dim() != 3:
+            continue
+        if not all(isinstance(x, int) for x in (*src.shape, *dst.shape)):
+            continue  # a symbolic size: no fixed segment count
+        if not _feeds_batched_matmul(node):
+            continue
+        for dim, size, parts in _merged_groups(tuple(src.shape), tuple(dst.shape)):
+            for i in range(1, len(parts)):
+                k = _product(parts[:i])
+                if dim == 0 and k > 1:
+                    found.add((size, k))
+    return found

@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 
 from autoplan.passes import attention, moe
 from autoplan.passes.placement import Spec, is_segment_shard, is_shardable, is_supported, replicated, spec_str
-from autoplan.passes.segments import segment_counts, segment_variants
+from autoplan.passes.segments import merged_dim_counts, segment_counts, segment_variants
 from autoplan.passes.trace import TracedProgram
 
 log = logging.getLogger(__name__)
@@ -176,8 +176,9 @@ class _Enumerator:
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
         self.segment_sizes = segment_sizes
-        """(dim size, k) of the fused splits: the only tensors ``S(d)/k`` may appear on (DTensor's
-        view rules also make ``S(d)/k`` of a flattened shard; those layouts are not planned)."""
+        """(dim size, k) of the fused splits and of the dims views merge (a shard of an inner dim
+        flattened into a larger one, :func:`autoplan.passes.segments.merged_dim_counts`): the only
+        tensors ``S(d)/k`` may appear on."""
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self._cache: dict[object, tuple[Strategy, ...] | None] = {}
 
@@ -398,7 +399,7 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
     rep = replicated(len(mesh_shape))
     table = StrategyTable(mesh_shape=mesh_shape)
     segments = segment_counts(traced.graph_module)
-    enum = _Enumerator(mesh, frozenset().union(*segments.values()))
+    enum = _Enumerator(mesh, frozenset().union(*segments.values(), merged_dim_counts(traced.graph_module)))
     depends_on_input: set[str] = set()
 
     def out_candidates(ref: ValueRef) -> list[Spec]:

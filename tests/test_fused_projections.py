@@ -4,7 +4,8 @@ With Megatron pins (column-parallel fused/in projections, row-parallel out/down 
 CPU ranks, the planner splits a fused projection by segments (``S(d)/k``,
 :mod:`autoplan.passes.segments`): GPT-2's ``c_attn`` by heads of q, k and v (attention runs
 head-parallel), Phi-3's ``gate_up_proj`` by features of gate and up (the SwiGLU runs
-feature-parallel). Each test asserts that every forward matmul of the named weights multiplies
+feature-parallel); BLOOM's eager attention, which flattens the heads into the batch of its
+``baddbmm``/``bmm``, runs on each rank's heads (``S(0)/B`` of ``B * H``). Each test asserts that every forward matmul of the named weights multiplies
 its local shard, then that three SGD steps train like the single device (fp32, relative 1e-5;
 tests/harness.py). The batch is pinned replicated and small (2 sequences of 16 tokens), so the
 layout under test is tensor parallel (with 8 sequences, the planner splits the batch of the second
@@ -12,7 +13,9 @@ GPT-2 block instead: its activations then cost more to reduce than its weights t
 
 Before (same pins, ``python /work/notes/h20_fused_count.py``): GPT-2 ran 4 of its 9 forward
 weight matmuls on sharded weights (``c_attn`` and, after the gathered heads, ``attn.c_proj``
-gathered), Phi-3 0 of 9.
+gathered), Phi-3 0 of 9. BLOOM's attention matmuls ran on gathered heads (with the catalog's
+links, 4 of its 9 forward weight matmuls on a sharded weight before, 8 of 9 after:
+``benchmarks/tp_sharded_matmuls.py``).
 """
 
 from __future__ import annotations
@@ -85,6 +88,57 @@ def test_phi3_fused_gate_up_runs_feature_parallel_on_2_ranks_and_trains_like_sin
     plan = results[0]["plan"]
     assert all(plan.param_specs[f"model.layers.{i}.mlp.gate_up_proj.weight"] == ("S(0)/2",) for i in range(2))
     assert_layers_use_sharded_weights(results[0], axis=0, weights=["*.gate_up_proj.weight", "*.down_proj.weight"])
+    assert_trains_like_reference(results)
+
+
+BLOOM_TP_PINS = {
+    # torch Linear weight is (out, in): query_key_value and dense_h_to_4h column-parallel, the
+    # attention's dense and dense_4h_to_h row-parallel.
+    "*.query_key_value.weight": "S(0)",
+    "*.self_attention.dense.weight": "S(1)",
+    "*.dense_h_to_4h.weight": "S(0)",
+    "*.dense_4h_to_h.weight": "S(1)",
+}
+
+
+def bloom_tiny(seed: int = 0):  # noqa: ANN201 - a transformers BloomForCausalLM
+    """HF BLOOM (fused ``query_key_value`` interleaved per head, ALiBi, eager attention through
+    ``baddbmm``/``bmm`` on ``(B * H, T, D)``): 2 layers, hidden 32, 4 heads of 8, no dropout."""
+    import torch
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        n_layer=2, hidden_size=32, n_head=4, vocab_size=zoo.VOCAB, use_cache=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return BloomForCausalLM(config).eval()
+
+
+def test_bloom_eager_attention_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
+    """BLOOM flattens ``(B, H, T, D)`` to ``(B * H, T, D)`` around its ``baddbmm``/``bmm``; with
+    the heads sharded that is ``S(0)/B`` of the flattened dim (:func:`merged_dim_counts`), so the
+    attention scores and context are computed on each rank's heads, forward and backward."""
+    case = Case(
+        name="bloom-eager-attention-tp-2",
+        build_model=bloom_tiny,
+        batches=SeededBatches(zoo.token_batch, {"batch": 2}),
+        loss_fn=zoo.lm_loss,
+        preset="2xCPU",
+        pins={"input_0": "R", "target_0": "R"} | BLOOM_TP_PINS,
+        optimizer="sgd_momentum",
+        lr=0.1,
+    )
+    results = run_case(case)
+
+    plan = results[0]["plan"]
+    batched = {n: r["in"] for n, r in plan.nodes.items() if r["op"] in ("aten.baddbmm.default", "aten.bmm.default")}
+    assert len(batched) == 2 * 2 + 2 * 4  # per layer: forward baddbmm and bmm, backward 4 bmm
+    gathered = {n: spec for n, spec in batched.items() if any(s != ["S(0)/2"] for s in spec[-2:])}
+    assert not gathered, f"attention matmuls on gathered heads: {gathered}"
+    assert_layers_use_sharded_weights(
+        results[0], axis=0, weights=["*.query_key_value.weight", "*.dense_h_to_4h.weight", "*.dense_4h_to_h.weight"]
+    )
     assert_trains_like_reference(results)
 
 

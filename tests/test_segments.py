@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import autoplan
 from autoplan.cost_models.comm import plan_transition
 from autoplan.passes.placement import is_shardable, parse_placement, pin_admits, placement_str
+from autoplan.passes.segments import _merged_groups, merged_dim_counts
 from autoplan.passes.strategies import build_strategy_table
 from autoplan.passes.trace import trace_training_step
 from autoplan.planner.mesh import planning_mesh
@@ -96,3 +97,35 @@ def test_fused_qkv_weight_may_be_split_by_heads_through_matmul_split_and_backwar
 def test_models_without_fused_splits_get_no_segment_shards():
     _, table = _table(zoo.llama_tiny)
     assert not [str(s) for ns in table.nodes.values() for s in ns.strategies if "/" in str(s)]
+
+
+def test_views_that_merge_dims_name_the_segment_shards_of_the_merged_dim():
+    assert _merged_groups((2, 4, 16, 8), (8, 16, 8)) == [(0, 8, (2, 4))]  # (B, H, T, D) -> (B * H, T, D)
+    assert _merged_groups((8, 16, 8), (2, 4, 16, 8)) == []  # unflattening merges nothing
+    assert _merged_groups((2, 16, 4, 8), (2, 16, 32)) == [(2, 32, (4, 8))]  # heads merged into features
+    assert _merged_groups((2, 1, 6), (2, 6)) == []  # a unit dim dropped merges nothing
+    assert _merged_groups((6, 4), (4, 6)) == []  # not a merge: 6 * 4 regrouped
+
+    class Heads(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B=2, H=4, T=16, D=8)
+            scores = torch.bmm(x.reshape(8, 16, 8), x.reshape(8, 16, 8).transpose(1, 2))
+            return scores.view(2, 4, 16, 16).sum()
+
+    gm = torch.export.export(Heads(), (torch.randn(2, 4, 16, 8),), strict=False).module()
+    # a shard of H (after B = 2 rows) in B * H = 8 is S(0)/2; the (2, 4, 16, 16) view is no merge
+    assert merged_dim_counts(gm) == {(8, 2)}
+
+    class Tokens(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B * T, C) before a linear layer
+            return (x.reshape(32, 8) @ torch.ones(8, 8)).sum()
+
+    gm = torch.export.export(Tokens(), (torch.randn(2, 16, 8),), strict=False).module()
+    assert merged_dim_counts(gm) == set()
+
+
+def test_bloom_eager_attention_may_run_on_sharded_heads():
+    from tests.test_fused_projections import bloom_tiny
+
+    _, table = _table(bloom_tiny)
+    bmms = [ns for ns in table.nodes.values() if ns.node.startswith(("bmm", "baddbmm"))]
+    assert bmms and all(any("S(0)/8" in str(s) for s in ns.strategies) for ns in bmms)  # B = 8 sequences

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
@@ -24,12 +25,31 @@ Finish = Callable[[], list[torch.Tensor]]
 """Waits for an issued flat collective and returns its per-tensor results."""
 
 
+def segment_layout(x: Any) -> Any:
+    """``x`` with its ``S(d)/k`` placements read as a data layout, what autoplan plans: DTensor
+    2.13 gives ``_StridedShard`` two meanings, told apart by its spec's
+    ``use_strided_shard_as_shard_order``. Its view rules make the layout (``False``: a shard of
+    the heads in ``(B, H, T, D) -> (B * H, T, D)``), while ``from_local``, ``distribute_tensor``
+    and ``redistribute`` to raw placements default to a shard *order* (``True``). An op whose
+    inputs mix the two matches none of its strategies and DTensor gathers them all (BLOOM's
+    ``baddbmm`` of a sharded ALiBi bias and view-sharded heads did), so every DTensor the runtime
+    makes goes through here. Returns ``x`` itself (its spec replaced when needed)."""
+    if not isinstance(x, DTensor):
+        return x
+    spec = x._spec
+    if spec.use_strided_shard_as_shard_order and any(isinstance(p, _StridedShard) for p in spec.placements):
+        x._spec = DTensorSpec(
+            spec.mesh, spec.placements, tensor_meta=spec.tensor_meta, use_strided_shard_as_shard_order=False
+        )
+    return x
+
+
 def _move(x: DTensor, axis: int, dst: Placement) -> DTensor:
     if not isinstance(x, DTensor):
         raise TypeError(f"expected a DTensor, got {type(x).__name__}")
     placements = list(x.placements)
     placements[axis] = dst
-    return x.redistribute(x.device_mesh, placements)
+    return segment_layout(x.redistribute(x.device_mesh, placements))
 
 
 def replicate(x: torch.Tensor, mesh: DeviceMesh) -> DTensor:
@@ -60,8 +80,10 @@ def all_to_all(x: DTensor, axis: int, dim: int) -> DTensor:
     local = out.to_local()
     if local.is_contiguous():
         return out
-    return DTensor.from_local(
-        local.contiguous(), out.device_mesh, out.placements, run_check=False, shape=out.shape, stride=out.stride()
+    return segment_layout(
+        DTensor.from_local(
+            local.contiguous(), out.device_mesh, out.placements, run_check=False, shape=out.shape, stride=out.stride()
+        )
     )
 
 
@@ -81,7 +103,9 @@ def to_partial(x: DTensor, axis: int, reduce_op: str = "sum") -> DTensor:
     local = x.to_local()
     if reduce_op == "sum" and x.device_mesh.get_local_rank(axis) != 0:
         local = torch.zeros_like(local)
-    return DTensor.from_local(local, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+    return segment_layout(
+        DTensor.from_local(local, x.device_mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
+    )
 
 
 def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, ...]:
@@ -99,7 +123,7 @@ def all_reduce_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
     for x, piece in zip(xs, pieces, strict=True):
         placements = list(x.placements)
         placements[axis] = Replicate()
-        out.append(DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
+        out.append(segment_layout(DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())))
     return tuple(out)
 
 
@@ -161,7 +185,7 @@ def all_gather_coalesced(xs: tuple[DTensor, ...], axis: int) -> tuple[DTensor, .
         full = torch.cat([pieces[r].view(t.shape) for r in range(n)], dim=dim).narrow(dim, 0, x.shape[dim])
         placements = list(x.placements)
         placements[axis] = Replicate()
-        out.append(DTensor.from_local(full.contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
+        out.append(segment_layout(DTensor.from_local(full.contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=x.stride())))
     return tuple(out)
 
 
@@ -184,7 +208,7 @@ def reduce_scatter_coalesced(xs: tuple[DTensor, ...], axis: int, dims: tuple[int
     for x, dim, piece in zip(xs, dims, pieces, strict=True):
         placements = list(x.placements)
         placements[axis] = Shard(dim)
-        out.append(DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride()))
+        out.append(segment_layout(DTensor.from_local(piece, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())))
     return tuple(out)
 
 

@@ -47,6 +47,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY
+from autoplan.runtime.collectives import segment_layout
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 COLLECTIVE_NAMESPACE = "_c10d_functional"
@@ -69,8 +70,8 @@ class Layout:
 
     def wrap(self, local: torch.Tensor) -> DTensor:
         """``local`` as this layout's DTensor (differentiable: ``DTensor.from_local``)."""
-        return DTensor.from_local(
-            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        return segment_layout(
+            DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride)
         )
 
     def wrap_no_grad(self, local: torch.Tensor) -> DTensor:

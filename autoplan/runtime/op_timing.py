@@ -89,7 +89,7 @@ from autoplan.passes.op_keys import OpTemplate, TensorArg, local_shard_shape, op
 from autoplan.passes.placement import Spec, local_numel
 from autoplan.passes.strategies import Strategy, StrategyTable
 from autoplan.passes.trace import TracedProgram, param_node_name
-from autoplan.runtime.collectives import replicated_call
+from autoplan.runtime.collectives import replicated_call, segment_layout
 from autoplan.runtime.lowering import WAIT, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
@@ -175,7 +175,9 @@ def _random_local(arg: TensorArg, shape: tuple[int, ...], device: str, gen: torc
 
 def _dtensor(arg: TensorArg, spec: Spec, mesh: DeviceMesh, gen: torch.Generator) -> DTensor:
     local = _random_local(arg, local_shard_shape(arg.shape, spec, tuple(mesh.shape)), mesh.device_type, gen)
-    return DTensor.from_local(local, mesh, spec, run_check=False, shape=torch.Size(arg.shape), stride=arg.stride)
+    return segment_layout(
+        DTensor.from_local(local, mesh, spec, run_check=False, shape=torch.Size(arg.shape), stride=arg.stride)
+    )
 
 
 COLD_FOOTPRINT_BYTES = 64 * 2**20

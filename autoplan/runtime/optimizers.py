@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.runtime.collectives import segment_layout
 
 
 def make_torch_optimizer(name: str, params: Sequence[torch.Tensor], **kwargs: Any) -> torch.optim.Optimizer:
@@ -179,8 +180,8 @@ class _HostStateView(Mapping[torch.Tensor, dict[str, torch.Tensor]]):
 
 def _in_layout_of(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
-        return DTensor.from_local(
-            value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        return segment_layout(
+            DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
         )
     return value
 

@@ -19,6 +19,7 @@ from autoplan.passes.trace import TracedProgram
 from autoplan.planner.plan import Plan
 from autoplan.runtime import training
 from autoplan.runtime.codegen import GeneratedProgram, expected_output_placements
+from autoplan.runtime.collectives import segment_layout
 from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
@@ -77,7 +78,9 @@ class ParallelModel(torch.nn.Module):
         trainable = set(traced.trainable_names)
         self._params = torch.nn.ParameterList(
             torch.nn.Parameter(
-                distribute_tensor(named[n].detach(), mesh, parse_spec(plan.param_specs[n]), src_data_rank=None),
+                segment_layout(
+                    distribute_tensor(named[n].detach(), mesh, parse_spec(plan.param_specs[n]), src_data_rank=None)
+                ),
                 requires_grad=n in trainable,
             )
             for n in self.param_names
@@ -216,7 +219,9 @@ class ParallelModel(torch.nn.Module):
         """Local batch fields as the DTensors of the planned global batch (the checked path)."""
         specs = [*self._input_specs, *self._target_specs]
         return [
-            DTensor.from_local(t, self.mesh, list(spec), run_check=False, shape=v.shape, stride=v.stride())
+            segment_layout(
+                DTensor.from_local(t, self.mesh, list(spec), run_check=False, shape=v.shape, stride=v.stride())
+            )
             for t, v, spec in zip(tensors, self._batch_values(), specs, strict=True)
         ]
 
@@ -229,7 +234,7 @@ class ParallelModel(torch.nn.Module):
     # -- execution --------------------------------------------------------------------------
     def _distribute(self, tensors: Sequence[torch.Tensor], specs: Sequence[Any]) -> list[DTensor]:
         return [
-            distribute_tensor(t.to(self.device), self.mesh, spec, src_data_rank=None)
+            segment_layout(distribute_tensor(t.to(self.device), self.mesh, spec, src_data_rank=None))
             for t, spec in zip(tensors, specs, strict=True)
         ]
 

@@ -108,7 +108,9 @@ def _local_shape(v: ValueInfo, mesh: DeviceMesh) -> tuple[int, ...]:
 def _wrap(local: torch.Tensor, v: ValueInfo, mesh: DeviceMesh) -> torch.Tensor:
     if v.spec is None:
         return local
-    return DTensor.from_local(local, mesh, list(v.spec), run_check=False, shape=torch.Size(v.shape), stride=v.stride)
+    return runtime.segment_layout(
+        DTensor.from_local(local, mesh, list(v.spec), run_check=False, shape=torch.Size(v.shape), stride=v.stride)
+    )
 
 
 def _unwrap(x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +218,9 @@ class StageModule(torch.nn.Module):
         self.param_specs = {n: assignment[param_node_name(n)].output_specs[0] for n in program.param_names}
         self.params = torch.nn.ParameterList(
             torch.nn.Parameter(
-                distribute_tensor(named[n].detach().to(device), mesh, list(self.param_specs[n]), src_data_rank=None),
+                runtime.segment_layout(
+                    distribute_tensor(named[n].detach().to(device), mesh, list(self.param_specs[n]), src_data_rank=None)
+                ),
                 requires_grad=named[n].requires_grad,  # a frozen parameter stays frozen (autoplan.passes.trace)
             )
             for n in program.param_names
@@ -280,7 +284,9 @@ class StageModule(torch.nn.Module):
             return [p.detach() for p in self.params] + list(self._buffers_list)
         shards = self._compute_shards()
         params = [
-            DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            runtime.segment_layout(
+                DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+            )
             for t, p in zip(shards, self.params, strict=True)
         ]
         return params + list(self._buffers_list)
@@ -327,7 +333,9 @@ class StageModule(torch.nn.Module):
 
         def as_dtensors() -> list[Any]:
             return [
-                distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None) if cut else _wrap(x, v, self.mesh)
+                runtime.segment_layout(distribute_tensor(x, self.mesh, list(v.spec), src_data_rank=None))
+                if cut
+                else _wrap(x, v, self.mesh)
                 for x, v, cut in zip(inputs, values, global_batch, strict=True)
             ]
 
