@@ -38,6 +38,9 @@ FAMILIES = {
     "phi3 (qkv_proj, gate_up_proj)": (hf_models.phi3_zoo, {
         "*qkv_proj.weight": "S(0)", "*o_proj.weight": "S(1)",
         "*gate_up_proj.weight": "S(0)", "*down_proj.weight": "S(1)"}),
+    "phi3-mha (Phi-3-mini layout)": (hf_models.phi3_mha_zoo, {
+        "*qkv_proj.weight": "S(0)", "*o_proj.weight": "S(1)",
+        "*gate_up_proj.weight": "S(0)", "*down_proj.weight": "S(1)"}),
     "falcon (query_key_value, MQA)": (hf_models.falcon_zoo, {
         "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
         "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),

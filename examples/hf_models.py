@@ -345,6 +345,15 @@ def phi3_zoo() -> autoplan.Workload:
     return _causal_lm(Phi3ForCausalLM(Phi3Config(**_DECODER, resid_pdrop=0.0, embd_pdrop=0.0)))
 
 
+def phi3_mha_zoo() -> autoplan.Workload:
+    """Phi-3-mini's layout: fused ``qkv_proj`` with as many key/value heads as query heads (its
+    q, k and v slices are equal segments) and fused ``gate_up_proj``."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(**{**_DECODER, "num_key_value_heads": _DECODER["num_attention_heads"]}, resid_pdrop=0.0, embd_pdrop=0.0)
+    return _causal_lm(Phi3ForCausalLM(cfg))
+
+
 def falcon_zoo() -> autoplan.Workload:
     """Falcon (7B layout): fused multi-query ``query_key_value``, parallel attention and MLP."""
     from transformers import FalconConfig, FalconForCausalLM

@@ -25,6 +25,11 @@ Contract (the rules this module adds to DTensor's sharding propagation, for ever
   size arguments are rewritten to local sizes, :func:`_local_split_sizes`);
 * ``cat`` of ``k`` equally shaped tensors along ``d`` (the backward of that split):
   ``(S(d), ..., S(d)) -> S(d)/k``; the local cat *is* the segment layout;
+* ``slice`` (step 1) that is exactly segment ``i`` of ``k`` (Phi-3 slices its fused QKV:
+  ``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``, equal segments when there are
+  as many key/value heads as heads): ``S(d)/k -> S(d)``; and its ``slice_backward``:
+  ``S(d) -> S(d)/k`` (the rank's rows of segment ``i``, zeros elsewhere; the pieces' gradients are
+  summed pointwise). The bounds are rewritten to local ones (:func:`_local_slice_bounds`);
 * DTensor's own rules carry ``S(d)/k`` through transposes, views, ``mm``/``addmm`` (weight and
   bias), sums and pointwise ops; :func:`segment_specs` offers ``S(d)/k`` to the parameters whose
   values flow (through views, transposes and the weight/bias operand of a matmul) into such a split.
@@ -177,10 +182,122 @@ def _local_split_sizes(input_specs: list[DTensorSpec], schema: OpSchema) -> OpSc
     return OpSchema(schema.op, tuple(args), schema.kwargs_schema)
 
 
+def _slice_bounds(args: Sequence[object], size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a step-1 ``slice``/``slice_backward`` over a dim of ``size`` (``args``:
+    dim, start, end, step), or ``None`` for another step or symbolic bounds."""
+    start, end, step = (list(args[1:4]) + [None, None, 1][len(args) - 1 :])[:3]
+    start = 0 if start is None else start
+    end = size if end is None else end
+    if not isinstance(start, int) or not isinstance(end, int) or step != 1:
+        return None
+    return max(0, min(size, start + size if start < 0 else start)), max(0, min(size, end + size if end < 0 else end))
+
+
+def _segment_of(bounds: tuple[int, int] | None, size: int) -> int | None:
+    """``k`` when ``bounds`` is one of ``k >= 2`` equal segments of a dim of ``size``."""
+    if bounds is None:
+        return None
+    start, end = bounds
+    piece = end - start
+    if piece <= 0 or size % piece or start % piece or size // piece < 2:
+        return None
+    return size // piece
+
+
+def _segment_slice_strategy(op_schema: OpSchema) -> StrategyType:
+    """PyTorch's slice strategies plus ``S(d)/k -> S(d)`` for a slice that is exactly one of the
+    ``k`` segments (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ... of a fused QKV)."""
+    result = _TORCH_SLICE(op_schema)
+    source = op_schema.args_schema[0]
+    assert isinstance(source, OpStrategy) and isinstance(result, OpStrategy)
+    args = list(op_schema.args_schema[1:]) or [0]
+    dim = normalize_dim(args[0], source.ndim)  # type: ignore[arg-type]
+    size = int(source.shape[dim])
+    k = _segment_of(_slice_bounds(args, size), size)
+    if k is None:
+        return result
+    for strategy in source.strategies:
+        spec = strategy.output_spec
+        axis = _segment_axis(spec.placements, dim)
+        if axis is None or getattr(spec.placements[axis], "split_factor", None) != k:
+            continue
+        out = tuple(Shard(dim) if a == axis else p for a, p in enumerate(spec.placements))
+        result.strategies.append(
+            OpSpec(
+                output_specs=DTensorSpec(spec.mesh, out),
+                input_specs=(spec,),
+                redistribute_cost=[generate_redistribute_costs(source, spec)],
+            )
+        )
+    return result
+
+
+def _segment_slice_backward_strategy(op_schema: OpSchema) -> StrategyType:
+    """PyTorch's ``slice_backward`` strategies plus ``S(d) -> S(d)/k`` when the slice was exactly
+    one of ``k`` segments: each rank's gradient is its rows of that segment, zeros elsewhere, which
+    is the segment layout (the backward of :func:`_segment_slice_strategy`; the pieces' gradients
+    are then summed pointwise)."""
+    result = _TORCH_SLICE_BACKWARD(op_schema)
+    grad = op_schema.args_schema[0]
+    assert isinstance(grad, OpStrategy) and isinstance(result, OpStrategy)
+    sizes, *args = op_schema.args_schema[1:]
+    if not isinstance(sizes, (list, tuple)) or not all(isinstance(v, int) for v in sizes):
+        return result
+    dim = normalize_dim(args[0], len(sizes))  # type: ignore[arg-type]
+    size = int(sizes[dim])
+    k = _segment_of(_slice_bounds(args, size), size)
+    if k is None:
+        return result
+    for strategy in grad.strategies:
+        spec = strategy.output_spec
+        axes = [a for a, p in enumerate(spec.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+        if len(axes) != 1 or type(spec.placements[axes[0]]) is not Shard:
+            continue
+        out = tuple(_StridedShard(dim, split_factor=k) if a == axes[0] else p for a, p in enumerate(spec.placements))
+        result.strategies.append(
+            OpSpec(
+                output_specs=DTensorSpec(spec.mesh, out, use_strided_shard_as_shard_order=False),  # a layout
+                input_specs=(spec,),
+                redistribute_cost=[generate_redistribute_costs(grad, spec)],
+            )
+        )
+    return result
+
+
+def _local_slice_bounds(input_specs: list[DTensorSpec], schema: OpSchema) -> OpSchema:
+    """At run time, a segment slice (or its backward) cuts the *local* tensor: its bounds / n (an
+    open end stays open). Only the strategies above leave the sliced dim sharded; PyTorch's gather
+    it first, and their arguments are left as they are."""
+    spec = input_specs[0]
+    meta = spec.tensor_meta
+    assert meta is not None
+    first = 2 if schema.op is aten.slice_backward.default else 1  # index of ``dim``
+    args = list(schema.args_schema) + [None] * (first + 3 - len(schema.args_schema))
+    dim = normalize_dim(args[first] or 0, len(meta.shape))  # type: ignore[arg-type]
+    axes = [a for a, p in enumerate(spec.placements) if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+    if len(axes) != 1:
+        return schema
+    n = spec.mesh.size(axes[0])
+    start, end = args[first + 1] or 0, args[first + 2]
+    assert isinstance(start, int) and start >= 0 and (end is None or isinstance(end, int) and end >= 0), schema
+    args[first + 1] = start // n
+    args[first + 2] = end if end is None or end >= _OPEN_END else end // n
+    return OpSchema(schema.op, tuple(args[: max(len(schema.args_schema), first + 3)]), schema.kwargs_schema)
+
+
+_OPEN_END = 2**62
+"""A slice's end at or past this is "to the end" (``x[..., a:]`` traces as ``end=2**63 - 1``)."""
+_TORCH_SLICE = _PROP.op_strategy_funcs[aten.slice.Tensor]
+_TORCH_SLICE_BACKWARD = _PROP.op_strategy_funcs[aten.slice_backward.default]
+
 for _op in SPLIT_OPS:
     _PROP.op_strategy_funcs[_op] = _segment_split_strategy
     _PROP.op_to_scalar_shape_adjuster[_op] = _local_split_sizes
 _PROP.op_strategy_funcs[aten.cat.default] = _segment_cat_strategy
+_PROP.op_strategy_funcs[aten.slice.Tensor] = _segment_slice_strategy
+_PROP.op_strategy_funcs[aten.slice_backward.default] = _segment_slice_backward_strategy
+for _op in (aten.slice.Tensor, aten.slice_backward.default):
+    _PROP.op_to_scalar_shape_adjuster[_op] = _local_slice_bounds
 _PROP.propagate_op_sharding.cache.cache_clear()
 
 
@@ -199,10 +316,40 @@ _THROUGH = {
 }
 
 
+def _tiling_slices(gm: fx.GraphModule) -> list[tuple[fx.Node, int, int]]:
+    """``(source, size, k)`` for every tensor whose step-1 ``slice``s along its last dim cut it
+    into exactly ``k >= 2`` equal segments (Phi-3 slices its fused QKV: ``qkv[..., :q]``,
+    ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``; equal when q, k and v are)."""
+    bounds: dict[fx.Node, set[tuple[int, int]]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.slice.Tensor:
+            continue
+        source = node.args[0]
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.dim() == 0 or not isinstance(val.shape[-1], int):
+            continue
+        args = list(node.args[1:]) or [0]
+        if normalize_dim(int(args[0]), val.dim()) != val.dim() - 1:
+            continue
+        found = _slice_bounds(args, int(val.shape[-1]))
+        if found is not None:
+            bounds.setdefault(source, set()).add(found)
+    out = []
+    for source, pieces in bounds.items():
+        size = int(source.meta["val"].shape[-1])
+        k = len(pieces)
+        if k >= 2 and size % k == 0 and pieces == {(i * size // k, (i + 1) * size // k) for i in range(k)}:
+            out.append((source, size, k))
+    return out
+
+
 def segment_counts(gm: fx.GraphModule) -> dict[str, set[tuple[int, int]]]:
     """Placeholder name -> {(size, k)}: the placeholder flows (through views, transposes and the
-    weight/bias operand of a matmul) into a split of a dim of ``size`` into ``k`` equal pieces."""
+    weight/bias operand of a matmul) into a split of a dim of ``size`` into ``k`` equal pieces, or
+    into ``slice``s that cut a last dim of ``size`` into ``k`` equal segments (every node on the way
+    having a dim of that size, so a per-head slice after a view to heads does not count)."""
     found: dict[str, set[tuple[int, int]]] = {}
+    cuts: list[tuple[fx.Node, int, int, bool]] = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in SPLIT_OPS:
             continue
@@ -214,14 +361,21 @@ def segment_counts(gm: fx.GraphModule) -> dict[str, set[tuple[int, int]]]:
         sizes = _piece_sizes(val.shape[dim], node.args[1])
         if len(sizes) < 2 or len(set(sizes)) != 1:
             continue
-        stack, seen = [source], set()
+        cuts.append((source, int(val.shape[dim]), len(sizes), False))
+    cuts += [(source, size, k, True) for source, size, k in _tiling_slices(gm)]
+    for source, size, k, keep_size in cuts:
+        stack: list[object] = [source]
+        seen: set[fx.Node] = set()
         while stack:
             n = stack.pop()
             if not isinstance(n, fx.Node) or n in seen:
                 continue
             seen.add(n)
+            val = n.meta.get("val")
+            if keep_size and (not isinstance(val, torch.Tensor) or size not in tuple(val.shape)):
+                continue
             if n.op == "placeholder":
-                found.setdefault(n.name, set()).add((int(val.shape[dim]), len(sizes)))
+                found.setdefault(n.name, set()).add((size, k))
             elif n.op == "call_function" and n.target in _THROUGH:
                 stack.extend(n.args[i] for i in _THROUGH[n.target] if i < len(n.args))
     return found

@@ -33,14 +33,18 @@ PHI3_MLP_TP_PINS = {
 }
 
 
-def phi3_tiny(seed: int = 0):  # noqa: ANN201 - a transformers Phi3ForCausalLM
+PHI3_TP_PINS = PHI3_MLP_TP_PINS | {"*.qkv_proj.weight": "S(0)", "*.o_proj.weight": "S(1)"}
+
+
+def phi3_tiny(seed: int = 0, kv_heads: int = 2):  # noqa: ANN201 - a transformers Phi3ForCausalLM
     """HF Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``): 2 layers, hidden 32, MLP 64, 4 heads of
-    8 sharing 2 key/value heads, vocab 128, 64 positions, no dropout."""
+    8 sharing ``kv_heads`` key/value heads (4: Phi-3-mini's layout), vocab 128, 64 positions, no
+    dropout."""
     import torch
     from transformers import Phi3Config, Phi3ForCausalLM
 
     config = Phi3Config(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
         vocab_size=zoo.VOCAB, max_position_embeddings=zoo.MAX_POSITIONS, use_cache=False, pad_token_id=0,
         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
     )  # fmt: skip
@@ -91,6 +95,40 @@ def test_phi3_fused_gate_up_runs_feature_parallel_on_2_ranks_and_trains_like_sin
     assert_trains_like_reference(results)
 
 
+def phi3_mini_tiny(seed: int = 0):  # noqa: ANN201 - a transformers Phi3ForCausalLM
+    """:func:`phi3_tiny` with 4 key/value heads, Phi-3-mini's layout (q, k and v equally wide)."""
+    return phi3_tiny(seed, kv_heads=4)
+
+
+@pytest.mark.slow
+def test_phi3_mini_layout_fused_qkv_slices_run_head_parallel_on_2_ranks_and_trains_like_single_device():
+    """Phi-3 slices its fused QKV (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``);
+    with as many key/value heads as heads the slices are the 3 equal segments of ``S(1)/3``, so the
+    attention runs on each rank's heads and ``o_proj`` row-parallel (before: both gathered)."""
+    case = Case(
+        name="phi3-mha-fused-qkv-tp-2",
+        build_model=phi3_mini_tiny,
+        batches=SeededBatches(zoo.token_batch, {"batch": 2}),
+        loss_fn=zoo.lm_loss,
+        preset="2xCPU",
+        pins={"input_0": "R", "target_0": "R"} | PHI3_TP_PINS,
+        optimizer="sgd_momentum",
+        lr=0.1,
+    )
+    results = run_case(case)
+
+    plan = results[0]["plan"]
+    assert all(plan.param_specs[f"model.layers.{i}.self_attn.qkv_proj.weight"] == ("S(0)/3",) for i in range(2))
+    slices = [r for n, r in plan.nodes.items() if r["op"] == "aten.slice_backward.default" and r["out"] == [["S(2)/3"]]]
+    assert len(slices) == 2 * 3, slices  # the q, k and v gradients land in their segments, in both layers
+    assert_layers_use_sharded_weights(
+        results[0],
+        axis=0,
+        weights=["*.qkv_proj.weight", "*.o_proj.weight", "*.gate_up_proj.weight", "*.down_proj.weight"],
+    )
+    assert_trains_like_reference(results)
+
+
 BLOOM_TP_PINS = {
     # torch Linear weight is (out, in): query_key_value and dense_h_to_4h column-parallel, the
     # attention's dense and dense_4h_to_h row-parallel.
@@ -115,6 +153,7 @@ def bloom_tiny(seed: int = 0):  # noqa: ANN201 - a transformers BloomForCausalLM
     return BloomForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 def test_bloom_eager_attention_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
     """BLOOM flattens ``(B, H, T, D)`` to ``(B * H, T, D)`` around its ``baddbmm``/``bmm``; with
     the heads sharded that is ``S(0)/B`` of the flattened dim (:func:`merged_dim_counts`), so the
