@@ -36,6 +36,20 @@ PHI3_MLP_TP_PINS = {
 PHI3_TP_PINS = PHI3_MLP_TP_PINS | {"*.qkv_proj.weight": "S(0)", "*.o_proj.weight": "S(1)"}
 
 
+def _tp_case(name: str, build, pins: dict[str, str]) -> Case:  # noqa: ANN001 - a model builder
+    """2 CPU ranks, tensor-parallel ``pins`` on a replicated batch of 2 sequences, SGD momentum."""
+    return Case(
+        name=name,
+        build_model=build,
+        batches=SeededBatches(zoo.token_batch, {"batch": 2}),
+        loss_fn=zoo.lm_loss,
+        preset="2xCPU",
+        pins={"input_0": "R", "target_0": "R"} | pins,
+        optimizer="sgd_momentum",
+        lr=0.1,
+    )
+
+
 def phi3_tiny(seed: int = 0, kv_heads: int = 2):  # noqa: ANN201 - a transformers Phi3ForCausalLM
     """HF Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``): 2 layers, hidden 32, MLP 64, 4 heads of
     8 sharing ``kv_heads`` key/value heads (4: Phi-3-mini's layout), vocab 128, 64 positions, no
@@ -53,16 +67,7 @@ def phi3_tiny(seed: int = 0, kv_heads: int = 2):  # noqa: ANN201 - a transformer
 
 
 def test_gpt2_fused_qkv_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
-    case = Case(
-        name="gpt2-fused-qkv-tp-2",
-        build_model=zoo.gpt2_tiny,
-        batches=SeededBatches(zoo.token_batch, {"batch": 2}),
-        loss_fn=zoo.lm_loss,
-        preset="2xCPU",
-        pins={"input_0": "R", "target_0": "R"} | zoo.GPT2_TP_PINS,
-        optimizer="sgd_momentum",
-        lr=0.1,
-    )
+    case = _tp_case("gpt2-fused-qkv-tp-2", zoo.gpt2_tiny, zoo.GPT2_TP_PINS)
     results = run_case(case)
 
     plan = results[0]["plan"]
@@ -77,16 +82,7 @@ def test_gpt2_fused_qkv_runs_head_parallel_on_2_ranks_and_trains_like_single_dev
 
 @pytest.mark.slow
 def test_phi3_fused_gate_up_runs_feature_parallel_on_2_ranks_and_trains_like_single_device():
-    case = Case(
-        name="phi3-fused-gate-up-tp-2",
-        build_model=phi3_tiny,
-        batches=SeededBatches(zoo.token_batch, {"batch": 2}),
-        loss_fn=zoo.lm_loss,
-        preset="2xCPU",
-        pins={"input_0": "R", "target_0": "R"} | PHI3_MLP_TP_PINS,
-        optimizer="sgd_momentum",
-        lr=0.1,
-    )
+    case = _tp_case("phi3-fused-gate-up-tp-2", phi3_tiny, PHI3_MLP_TP_PINS)
     results = run_case(case)
 
     plan = results[0]["plan"]
@@ -105,16 +101,7 @@ def test_phi3_mini_layout_fused_qkv_slices_run_head_parallel_on_2_ranks_and_trai
     """Phi-3 slices its fused QKV (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``);
     with as many key/value heads as heads the slices are the 3 equal segments of ``S(1)/3``, so the
     attention runs on each rank's heads and ``o_proj`` row-parallel (before: both gathered)."""
-    case = Case(
-        name="phi3-mha-fused-qkv-tp-2",
-        build_model=phi3_mini_tiny,
-        batches=SeededBatches(zoo.token_batch, {"batch": 2}),
-        loss_fn=zoo.lm_loss,
-        preset="2xCPU",
-        pins={"input_0": "R", "target_0": "R"} | PHI3_TP_PINS,
-        optimizer="sgd_momentum",
-        lr=0.1,
-    )
+    case = _tp_case("phi3-mha-fused-qkv-tp-2", phi3_mini_tiny, PHI3_TP_PINS)
     results = run_case(case)
 
     plan = results[0]["plan"]
@@ -158,16 +145,7 @@ def test_bloom_eager_attention_runs_head_parallel_on_2_ranks_and_trains_like_sin
     """BLOOM flattens ``(B, H, T, D)`` to ``(B * H, T, D)`` around its ``baddbmm``/``bmm``; with
     the heads sharded that is ``S(0)/B`` of the flattened dim (:func:`merged_dim_counts`), so the
     attention scores and context are computed on each rank's heads, forward and backward."""
-    case = Case(
-        name="bloom-eager-attention-tp-2",
-        build_model=bloom_tiny,
-        batches=SeededBatches(zoo.token_batch, {"batch": 2}),
-        loss_fn=zoo.lm_loss,
-        preset="2xCPU",
-        pins={"input_0": "R", "target_0": "R"} | BLOOM_TP_PINS,
-        optimizer="sgd_momentum",
-        lr=0.1,
-    )
+    case = _tp_case("bloom-eager-attention-tp-2", bloom_tiny, BLOOM_TP_PINS)
     results = run_case(case)
 
     plan = results[0]["plan"]
