@@ -12,7 +12,11 @@ os.environ["AUTOPLAN_LOCAL_LINKS"] = "catalog"  # at import: subprocesses and ra
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes over a minute on 2 CPU cores; deselect with -m 'not slow'")
+    config.addinivalue_line(
+        "markers",
+        "slow: outside CI's 15-minute budget on 2 cores (multi-rank variants, slower checks); "
+        "CI deselects them with -m 'not slow', -m slow runs them",
+    )
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -277,6 +277,7 @@ def _attention_backward_layouts(plan: autoplan.Plan) -> list[dict[str, object]]:
     return [d for d in plan.nodes.values() if d["op"] == "autoplan.sdpa_backward_with_mask.default"]
 
 
+@pytest.mark.slow
 def test_t5_style_bias_data_parallel_on_2_ranks_trains_like_single_device() -> None:
     case = _t5_case(name="t5-bias-dp-2", pins={"input_0": "S(0)", "target_0": "S(0)", "*": "R"})
     results = run_case(case)
@@ -288,6 +289,7 @@ def test_t5_style_bias_data_parallel_on_2_ranks_trains_like_single_device() -> N
     assert all(math.isfinite(x) for r in results for x in r["losses"])
 
 
+@pytest.mark.slow
 def test_t5_style_bias_head_parallel_on_2_ranks_trains_like_single_device() -> None:
     case = _t5_case(
         name="t5-bias-heads-2",

@@ -91,6 +91,7 @@ def last_line(text: str) -> str:
 # -- the shipped suite -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_shipped_suite_passes_against_committed_baseline(run_bench: Bench, tmp_path: Path) -> None:
     out_path = tmp_path / "results.json"
     rc, out, err = run_bench(str(SUITE), "--baseline", str(BASELINE), "--out", str(out_path), "--json")

@@ -134,6 +134,7 @@ def test_killed_rank_restarts_the_job_from_the_last_checkpoint_with_identical_pa
 
 
 @pytest.mark.parametrize("new_plan", ["tensor-parallel", "pipeline"])
+@pytest.mark.slow
 def test_checkpoint_of_a_data_parallel_plan_resumes_under_another_plan(new_plan, uninterrupted, plans, tmp_path):
     ckpt_dir, _ = uninterrupted
     resume_dir = tmp_path / "ckpt"
@@ -157,6 +158,7 @@ def test_checkpoint_of_a_data_parallel_plan_resumes_under_another_plan(new_plan,
         assert torch.equal(saved[name], value), name
 
 
+@pytest.mark.slow
 def test_only_checkpoint_corrupted_is_one_error_line_naming_the_directory(uninterrupted, plans, tmp_path):
     ckpt_dir, _ = uninterrupted
     broken = tmp_path / "ckpt"
@@ -173,6 +175,7 @@ def test_only_checkpoint_corrupted_is_one_error_line_naming_the_directory(uninte
     assert result.stdout == ""  # no rank was started
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoints_fall_back_to_the_previous_complete_one(uninterrupted, plans, tmp_path):
     """step_6 has a truncated index (found before launch), step_4 a shard with overwritten bytes
     (its size is right: the ranks find it by its CRC-32, each checking a share of the files):
@@ -196,6 +199,7 @@ def test_damaged_newest_checkpoints_fall_back_to_the_previous_complete_one(unint
         assert torch.equal(final[name], value), name
 
 
+@pytest.mark.slow
 def test_resuming_with_another_optimizer_names_both(uninterrupted, tmp_path):
     ckpt_dir, _ = uninterrupted
     sgd_plan = make_plan(tmp_path / "sgd.json", optimizer="sgd")

@@ -128,10 +128,12 @@ def _assert_clean_exit(proc: subprocess.CompletedProcess[str]) -> None:
         assert threads == "[]", f"rank {rank}: gloo threads still alive after the program returned: {threads}"
 
 
+@pytest.mark.slow
 def test_run_worker_ranks_exit_with_no_gloo_thread_left(tp_plan) -> None:
     _assert_clean_exit(_launch(_worker_program(tp_plan)))
 
 
+@pytest.mark.slow
 def test_calibration_ranks_exit_with_no_gloo_thread_left(tmp_path) -> None:
     _assert_clean_exit(_launch(_calibrate_program(tmp_path)))
     assert (tmp_path / "samples.json").is_file()

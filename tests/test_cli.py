@@ -168,10 +168,10 @@ def test_untraceable_model_error_is_the_only_stderr_line(untraceable_result):
 @pytest.mark.parametrize(
     "text",
     [
-        "num_nodes: 1\ndevices_per_node: 2\ndevice: [CP",  # truncated mid flow sequence
-        "num_nodes: 1\n\tdevices_per_node: 2\ndevice: CPU\n",  # a tab is not YAML indentation
+        # truncated mid flow sequence (-m slow: each case is an interpreter, the suite's budget)
+        pytest.param("num_nodes: 1\ndevices_per_node: 2\ndevice: [CP", id="truncated", marks=pytest.mark.slow),
+        pytest.param("num_nodes: 1\n\tdevices_per_node: 2\ndevice: CPU\n", id="tab_indent"),  # a tab is not indentation
     ],
-    ids=["truncated", "tab_indent"],
 )
 def test_malformed_cluster_yaml_names_the_file(text, tmp_path):
     (tmp_path / "my_cluster.yaml").write_text(text)
@@ -189,6 +189,7 @@ def test_unknown_device_preset_names_the_device(tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.slow
 def test_malformed_preset_shows_the_expected_format(tmp_path):
     result = run_cli(tmp_path, "plan", target("mlp"), "--cluster", "2x8", "--out", "plan.json")
 
@@ -196,6 +197,7 @@ def test_malformed_preset_shows_the_expected_format(tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.slow
 def test_run_with_a_plan_for_another_model_fails_before_launching_ranks(plan_copy, tmp_path):
     fingerprint = autoplan.Plan.load(plan_copy).fingerprint
 
@@ -205,6 +207,7 @@ def test_run_with_a_plan_for_another_model_fails_before_launching_ranks(plan_cop
     assert result.stdout == ""  # no summary, no torchrun, no step
 
 
+@pytest.mark.slow
 def test_run_with_nproc_other_than_the_plan_world_size_fails(plan_copy, tmp_path):
     result = run_cli(tmp_path, "run", target("mlp"), "--plan", "plan.json", "--nproc", "4", "--steps", "1")
 
@@ -212,7 +215,7 @@ def test_run_with_nproc_other_than_the_plan_world_size_fails(plan_copy, tmp_path
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("command", ["show", "run"])
+@pytest.mark.parametrize("command", ["show", pytest.param("run", marks=pytest.mark.slow)])
 def test_truncated_plan_file_is_reported_as_invalid_json(command, plan_copy, tmp_path):
     text = plan_copy.read_text()
     plan_copy.write_text(text[: len(text) // 2])
@@ -234,6 +237,7 @@ def test_plan_file_with_another_version_asks_to_re_plan(plan_copy, tmp_path):
     assert_bad_input(result, "plan.json", "version 99", "re-plan")
 
 
+@pytest.mark.slow
 def test_model_that_cannot_fit_reports_gib_and_devices(tmp_path):
     result = run_cli(tmp_path, "plan", target("huge"), "--cluster", "2xCPU", "--out", "plan.json")
 
@@ -248,6 +252,7 @@ def test_missing_target_file_is_named(tmp_path):
     assert not (tmp_path / "plan.json").exists()
 
 
+@pytest.mark.slow
 def test_missing_target_function_is_named(tmp_path):
     result = run_cli(tmp_path, "plan", target("no_such_build"), "--cluster", "2xCPU", "--out", "plan.json")
 
@@ -266,6 +271,7 @@ def test_failing_plan_leaves_an_existing_out_file_byte_identical(plan_copy, tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no temporary file left
 
 
+@pytest.mark.slow
 def test_out_into_a_missing_directory_is_bad_input(tmp_path):
     result = run_cli(tmp_path, "plan", target("mlp"), "--cluster", "2xCPU", "--out", "no_such_dir/plan.json", "-q")
 
@@ -303,6 +309,7 @@ _DATA_PARALLEL_2XCPU = ("--cluster", "2xCPU", "--pin", "input_0=S(0)", "--pin", 
 """``autoplan run`` options of the dataset workloads' tests: two CPU ranks, the batch split between them."""
 
 
+@pytest.mark.slow
 def test_run_trains_from_the_workloads_dataset_each_rank_loading_its_rows_like_single_device(tmp_path):
     """``Workload.dataset`` (3 global batches): the ranks train from the sharded loader, 4 steps
     start over at the first batch, and ``--compare`` feeds one device the same global batches."""
@@ -336,6 +343,7 @@ def _steps_equal_single_device(result: subprocess.CompletedProcess[str], num_ste
     return [float(line.split()[3]) for line in steps]
 
 
+@pytest.mark.slow
 def test_run_reshuffles_the_dataset_each_pass_and_compare_trains_one_device_on_the_same_rows(tmp_path):
     """``--shuffle --data-seed 3``: each pass of the 3 batches in a new order, the same on both
     ranks, and ``--compare``'s single-device model on the same global rows at every step."""
@@ -350,6 +358,7 @@ def test_run_reshuffles_the_dataset_each_pass_and_compare_trains_one_device_on_t
     _steps_equal_single_device(result, 4)
 
 
+@pytest.mark.slow
 def test_run_trains_from_an_iterable_dataset_read_again_each_pass_like_single_device(tmp_path):
     """``Workload.dataset`` an ``IterableDataset`` of 3 global batches: 4 steps read it a second
     time; each rank keeps its rows, ``--compare`` gets the whole batches of the same read."""
@@ -365,7 +374,8 @@ def test_run_trains_from_an_iterable_dataset_read_again_each_pass_like_single_de
     assert len(set(losses)) == 4  # other batches, not the example batch again
 
 
-@pytest.mark.parametrize("model", ["mlp_dataset", pytest.param("mlp_stream", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["mlp_dataset", "mlp_stream"])
 def test_run_resumed_with_compare_catches_one_device_up_on_the_same_rows(model, tmp_path):  # noqa: ANN001
     """2 steps with a checkpoint, then a resumed run to step 5 with ``--compare``: the single-device
     model first trains on steps 1-2's global rows (a stream is read through them), then both
@@ -393,8 +403,12 @@ def test_run_resumed_with_compare_catches_one_device_up_on_the_same_rows(model, 
     ("model", "options", "message"),
     [
         ("mlp", ("--shuffle",), "the workload has none (it trains on its example batch or batches=): give the"),
-        ("mlp_stream", ("--shuffle",), "SampleStream, an IterableDataset: shuffle its stream itself"),
-        ("mlp_dataset", ("--data-seed", "3"), "the data is not shuffled: add --shuffle"),
+        # (each case starts an interpreter that loads the model: two with -m slow, the suite's budget)
+        pytest.param(
+            "mlp_stream", ("--shuffle",), "SampleStream, an IterableDataset: shuffle its stream itself",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param("mlp_dataset", ("--data-seed", "3"), "the data is not shuffled: add --shuffle", marks=pytest.mark.slow),
         ("mlp_dataset", ("--shuffle", "--data-seed", "-1"), "--data-seed: expected an integer seed in 0..2**63-1"),
     ],
     ids=["shuffle_without_dataset", "shuffle_a_stream", "data_seed_unshuffled", "negative_data_seed"],
@@ -411,6 +425,7 @@ def test_run_bad_data_options_are_one_line_exit_2_before_launching(model, option
 HF = str(REPO_ROOT / "examples" / "hf_models.py")
 
 
+@pytest.mark.slow
 def test_estimate_prints_the_breakdown_of_a_hand_written_config(tmp_path):
     r = run_cli(tmp_path, "estimate", f"{HF}:gpt2_tiny", "--cluster", "2x8xH100", "--global-batch-size", "64",
                 "--config", "dp=4,tp=2,pp=2,microbatch_size=2,num_microbatches=8,schedule=1f1b", "--json")  # fmt: skip
@@ -423,8 +438,13 @@ def test_estimate_prints_the_breakdown_of_a_hand_written_config(tmp_path):
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ("dp=2,pp=2,microbatch_size=3", "dp*microbatch_size*num_microbatches = 2*3*1 = 6 but global_batch_size is 16"),
-        ("dp=1,pp=4,num_microbatches=16", "4 stages but the model has 2 blocks"),
+        # the two checks against the batch and the model run in-process in CI (tests/test_joint_search.py)
+        pytest.param(
+            "dp=2,pp=2,microbatch_size=3",
+            "dp*microbatch_size*num_microbatches = 2*3*1 = 6 but global_batch_size is 16",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param("dp=1,pp=4,num_microbatches=16", "4 stages but the model has 2 blocks", marks=pytest.mark.slow),
         ("dp=2,pipeline=2", "--config item 'pipeline=2' is malformed"),
         ("dp=two", "expected an integer"),
     ],
@@ -438,6 +458,7 @@ def test_bad_config_is_one_line_exit_2_and_no_file(config, message, tmp_path):  
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_plan_for_a_global_batch_writes_config_and_stages(tmp_path):
     out = tmp_path / "plan.json"
     r = run_cli(tmp_path, "plan", f"{HF}:gpt2_tiny", "--cluster", "4xCPU", "--global-batch-size", "16",

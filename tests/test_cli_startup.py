@@ -135,6 +135,7 @@ def test_report_imports_no_torch(plan_files: dict[str, Path], kind: str, tmp_pat
     assert html.read_text(encoding="utf-8") == report.render_html(Plan.load(plan_files[kind]))
 
 
+@pytest.mark.slow
 def test_autoplan_plan_stays_the_planning_function_after_the_plan_module_is_imported():
     """The exports are lazy, and ``autoplan/planner/plan.py`` (torch-free, loaded first by the review
     commands) shares its name with the function ``autoplan.plan``: the function must win."""

@@ -94,10 +94,14 @@ def _gpt2_step_counts(rank: int, world_size: int, mesh_shape: tuple[int, ...], p
 @pytest.mark.parametrize(
     ("mesh_shape", "pins"),
     [
-        ((2,), {"input_0": "S(0)", "target_0": "S(0)"}),
-        ((2,), {"input_0": "R", "target_0": "R", "*mlp.c_fc.weight": "S(1)", "*mlp.c_proj.weight": "S(0)"}),
+        # data parallel with -m slow (the suite's 15-minute budget: CI counts the tensor-parallel plan's)
+        pytest.param((2,), {"input_0": "S(0)", "target_0": "S(0)"}, id="data-parallel", marks=pytest.mark.slow),
+        pytest.param(
+            (2,),
+            {"input_0": "R", "target_0": "R", "*mlp.c_fc.weight": "S(1)", "*mlp.c_proj.weight": "S(0)"},
+            id="tensor-parallel",
+        ),
     ],
-    ids=["data-parallel", "tensor-parallel"],
 )
 def test_program_runs_exactly_the_collectives_the_plan_paid_for(mesh_shape, pins) -> None:
     results = run_ranks(_gpt2_step_counts, 2, mesh_shape, pins)
@@ -107,6 +111,7 @@ def test_program_runs_exactly_the_collectives_the_plan_paid_for(mesh_shape, pins
         assert sum(r["ran"].values()) > 0
 
 
+@pytest.mark.slow
 def test_data_parallel_gradients_are_reduced_in_one_coalesced_all_reduce() -> None:
     results = run_ranks(_gpt2_step_counts, 2, (2,), {"input_0": "S(0)", "target_0": "S(0)", "*": "R"})
     # one coalesced all-reduce carries all 28 parameter gradients; the few other collectives
@@ -118,6 +123,7 @@ def test_data_parallel_gradients_are_reduced_in_one_coalesced_all_reduce() -> No
     assert r["ran"]["all_reduce"] >= 1 and sum(r["ran"].values()) <= 3, r
 
 
+@pytest.mark.slow
 def test_zero3_gradients_are_reduce_scattered_in_coalesced_buckets() -> None:
     """Every parameter sharded on the data-parallel axis (ZeRO-3): the gradients leave the
     backward as a few coalesced reduce-scatters (FSDP2's per-bucket reduce-scatter), priced and
@@ -144,6 +150,7 @@ def _generated_code(rank: int, world_size: int) -> str:
     return pm.code
 
 
+@pytest.mark.slow
 def test_generated_program_is_readable_python_with_named_collectives() -> None:
     code = run_ranks(_generated_code, 2)[0]
     assert "def forward(" in code
@@ -209,6 +216,7 @@ def _gather_block(rank: int, world_size: int) -> list[list]:
     return [o.to_local().tolist() for o in out]
 
 
+@pytest.mark.slow
 def test_a_blocks_parameter_gathers_run_as_one_coalesced_all_gather_with_uneven_shards() -> None:
     expected = [torch.arange(15.0).view(5, 3).tolist(), torch.arange(14.0).view(2, 7).tolist(), [0.0, 1.0, 2.0]]
     for r in run_ranks(_gather_block, 2):

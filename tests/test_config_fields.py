@@ -99,7 +99,10 @@ def _one_cost_model_per_cluster() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("_one_cost_model_per_cluster")
-@pytest.mark.parametrize("field", list(VARIANTS))
+@pytest.mark.parametrize(
+    # dp and ep (an MoE trace) with -m slow: the suite's 15-minute budget
+    "field", [pytest.param(f, marks=pytest.mark.slow) if f in ("dp", "ep") else f for f in VARIANTS]
+)
 def test_changing_one_config_field_changes_the_estimate(field: str) -> None:
     base = _comparison_base(field)
     changed = dataclasses.replace(base, **{field: VARIANTS[field][field]})  # type: ignore[arg-type]

@@ -328,6 +328,7 @@ def _gpt2_pipeline(rank: int, world_size: int, pp: int, plan_json: str) -> dict[
     }
 
 
+@pytest.mark.slow
 def test_training_through_the_loader_equals_single_device_on_the_same_global_batches() -> None:
     """dp=2 ``ParallelModel`` (each rank loads half of each batch); a pp=1 x dp=2 pipeline (each
     rank loads its row of each of the 4 micro-batches, inputs and targets); a pp=2 pipeline

@@ -56,6 +56,7 @@ def _solve(traced, cluster, mesh, num_blocks=None):  # noqa: ANN001, ANN202
     return table, problem, sol
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder", [gpt2_tiny, llama_tiny], ids=["gpt2", "llama"])
 def test_shared_block_variables_keep_the_optimum(builder):  # noqa: ANN001
     ids, labels = token_batch()
@@ -137,6 +138,7 @@ def test_expanded_segment_costs_equal_the_full_trace():
     assert short_costs.cut_bytes == pytest.approx(full_costs.cut_bytes, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_expansion_refuses_blocks_that_differ():
     ids, labels = token_batch()
     a = trace_training_step(reduce_depth(gpt2_tiny(num_layers=4)).module, (ids,), loss_fn=lm_loss,

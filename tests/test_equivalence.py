@@ -152,6 +152,7 @@ def test_mlp_data_parallel_on_2_ranks_trains_like_single_device():
     assert_trains_like_reference(results)
 
 
+@pytest.mark.slow
 def test_mlp_tensor_parallel_on_2_ranks_trains_like_single_device():
     # torch Linear weight is (out, in): the first layer column-parallel (S(0)), the second
     # row-parallel (S(1)), so the hidden activation stays sharded between them.
@@ -180,6 +181,7 @@ def test_mlp_tensor_parallel_on_2_ranks_trains_like_single_device():
 # --- GPT-2 tiny (SGD with momentum) --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_gpt2_data_parallel_on_4_ranks_trains_like_single_device():
     case = Case(
         name="gpt2-dp-4",
@@ -254,6 +256,7 @@ def test_llama_gqa_tensor_parallel_on_2_ranks_trains_like_single_device():
     assert_trains_like_reference(results)
 
 
+@pytest.mark.slow
 def test_llama_gqa_data_x_tensor_parallel_on_2x2_mesh_trains_like_single_device():
     case = Case(
         name="llama-gqa-dp-x-tp-2x2",

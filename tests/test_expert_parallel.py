@@ -250,6 +250,7 @@ def test_expert_parallel_all_to_alls_are_the_segments_communication():
     assert sum(fwd) == 0 and sum(bwd) == 0
 
 
+@pytest.mark.slow
 def test_a_fixed_mesh_plan_lists_the_in_op_all_to_alls_as_exposed_communication():
     """A plan on a fixed mesh with the experts expert-parallel: each MoE op's in-op all-to-alls
     are an ``all_to_all`` row on its axis (exactly the exchanges priced in the op's time), moved

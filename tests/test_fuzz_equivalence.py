@@ -381,6 +381,7 @@ def fuzz(pool: RankPool, *, max_examples: int, derandomize: bool) -> FuzzStats:
     return stats
 
 
+@pytest.mark.slow
 def test_random_models_under_random_constraints_train_like_single_device(pool: RankPool) -> None:
     stats = fuzz(pool, max_examples=CI_EXAMPLES, derandomize=True)
 

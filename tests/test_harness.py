@@ -63,6 +63,7 @@ def _abort_until(rank: int, world_size: int, marker: str, aborts: int) -> int:  
     return runs
 
 
+@pytest.mark.slow
 def test_a_job_whose_rank_aborts_once_runs_again_and_twice_fails(tmp_path):
     """run_ranks retries a job once when a rank dies by a signal (the known gloo heap abort), with
     a warning; a second abort is a RankFailure, as is any exception (never retried)."""

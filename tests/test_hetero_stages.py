@@ -170,6 +170,7 @@ def test_config_stage_dp_checks_name_the_numbers():
         cfg.check_against(world_size=16, devices_per_node=8, num_blocks=6, global_batch_size=32)
 
 
+@pytest.mark.slow
 def test_estimate_prices_stage_dp_on_a_real_model():
     """Through the public what-if API on a traced GPT-2: uniform degrees written as stage_dp price
     exactly like the uniform config; a heterogeneous config prices each stage on its own share;

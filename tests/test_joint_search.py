@@ -60,6 +60,7 @@ def test_plan_with_a_global_batch_refuses_pins_it_would_not_apply():
         )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_expanded_blocks_equal_a_deeper_trace():
     """The search's costs of a 4-block model from its 2-block trace (autoplan.passes.depth; the default)
     match those of the full 4-block trace: the repeated middle blocks exactly, the whole step's
@@ -90,6 +91,7 @@ def test_expanded_blocks_equal_a_deeper_trace():
     assert grown.cut_bytes[1:-1] == pytest.approx(four.cut_bytes[1:-1])
 
 
+@pytest.mark.slow
 def test_estimate_is_the_planners_own_price(costs):  # noqa: ANN001
     """autoplan.estimate of the planner's choice gives the planner's step time and memory."""
     cluster = Cluster.preset(CLUSTER)
@@ -128,6 +130,7 @@ def test_pipeline_bubble_and_inflight_memory(costs):  # noqa: ANN001
     assert full.peak_memory_bytes < ofob.peak_memory_bytes and full.compute_s > ofob.compute_s
 
 
+@pytest.mark.slow
 def test_memory_pressure_picks_sharding_or_recompute():
     """A device too small for plain data parallelism: the search shards or recomputes; far too
     small: a clear InfeasiblePlanError naming the memory needed."""
@@ -167,6 +170,7 @@ def test_plan_with_global_batch_records_config_and_stages(tmp_path):  # noqa: AN
     assert again.estimate == plan.estimate
 
 
+@pytest.mark.slow
 def test_parallel_prefetch_gives_the_costs_of_solving_one_by_one():
     """SegmentCostModel.prefetch solves each tensor-parallel degree's micro-batch sizes in a
     forked worker; the costs (and which sizes were scaled rather than solved) are exactly those

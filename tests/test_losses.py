@@ -9,6 +9,7 @@ computes 9.0197, every step, with exit 0; a rank whose targets are all ignored g
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -88,6 +89,7 @@ def _padded_step_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return padded_batch(seed=step + 1)
 
 
+@pytest.mark.slow
 def test_padded_labels_on_a_split_batch_train_like_single_device() -> None:
     """Rank 0's half of every batch has no target at all. The vocabulary is wide enough that the
     plan splits the loss over the batch (gathering the log-probabilities would move 32 MiB)

@@ -199,6 +199,7 @@ def check_against_reference(results: list[dict[str, Any]]) -> None:
         assert max(errors.values()) <= PARAM_TOL < fp32_gap, (errors, fp32_gap)
 
 
+@pytest.mark.slow
 def test_bf16_plan_trains_an_fp32_model_with_fp32_master_weights_like_the_mixed_precision_reference(
     zero3_plan: Plan, tmp_path: Path
 ) -> None:
@@ -319,6 +320,7 @@ def test_fp32_bf16_or_mixed_parameters_run_a_bf16_plan() -> None:
         check_model_precision(model, "bf16", offload_optimizer=offload)
 
 
+@pytest.mark.slow
 def test_parallelize_refuses_an_fp16_model_for_a_bf16_plan_before_tracing(zero3_plan: Plan) -> None:
     with fake_job(2), pytest.raises(autoplan.PlanMismatchError, match="is torch.float16 but the plan computes in bf16"):
         _parallelized(_llama(torch.float16), zero3_plan)

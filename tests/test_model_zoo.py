@@ -47,9 +47,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # spawned ranks inherit it: nothin
 
 WORLD_SIZE = 2
 CLUSTER = "2xCPU"
-FAST = ("gpt2", "mixtral", "bert", "t5", "vit")
-"""The CI subset: a fused-qkv decoder, a mixture of experts, an encoder, an encoder-decoder with a
-learned attention bias, a vision model."""
+FAST = ("mixtral", "bert")
+"""The CI subset: a mixture of experts and an encoder (GPT-2's fused qkv trains on 2 ranks in CI in
+tests/test_fused_projections.py; the other models run with -m slow: the suite's 15-minute budget)."""
 KNOWN_BUGS = {
     "falcon": "the meta trace (autoplan plan) differs from the CPU trace (autoplan run): autoplan.sdpa_backward of "
     "multi-query attention gives k/v gradients (B,1,T,D) on meta, (B,H,T,D) plus a sum on CPU, and constants get "

@@ -70,6 +70,7 @@ def test_mixed_precision_estimate_adds_the_fp32_master_copy_to_every_optimizer()
     assert 0 < parts["grads"] <= 2 * numel  # those alive at the peak (memory.stage_memory_parts)
 
 
+@pytest.mark.slow
 def test_plans_report_the_optimizer_bytes_of_the_estimate():
     ids, labels = zoo.token_batch(batch=BATCH)
     est = _estimate("sgd_momentum")

@@ -172,6 +172,7 @@ def test_gpt2_pp2_x_dp2_1f1b_trains_like_single_device():
     run_pipeline_case(PipeCase(model="gpt2", layout="dp", schedule="1f1b"))
 
 
+@pytest.mark.slow
 def test_llama_pp2_x_tp2_gpipe_trains_like_single_device():
     run_pipeline_case(PipeCase(model="llama", layout="tp", schedule="gpipe"))
 
@@ -323,7 +324,7 @@ def _ops(gm: torch.fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
 
 
-@pytest.mark.parametrize("model", ["gpt2", "llama"])
+@pytest.mark.parametrize("model", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_every_op_runs_in_exactly_one_stage_program(model: str) -> None:
     _, gen, split, _ = _split(model, [0, 3])
     seen: dict[str, int] = {}
@@ -440,7 +441,7 @@ def _train_public(
 @pytest.mark.parametrize(
     ("model_name", "tp", "dp", "schedule", "zero_stage", "recompute"),
     [
-        ("gpt2", 1, 2, "1f1b", 0, "none"),
+        pytest.param("gpt2", 1, 2, "1f1b", 0, "none", marks=pytest.mark.slow),
         pytest.param("llama", 2, 1, "gpipe", 0, "none", marks=pytest.mark.slow),
         pytest.param("gpt2", 1, 2, "1f1b", 3, "full", marks=pytest.mark.slow),
         pytest.param("gpt2", 2, 2, "1f1b", 0, "none", marks=pytest.mark.slow, id="gpt2-pp2xdp2xtp2-8-ranks"),
@@ -502,6 +503,7 @@ def _train_public_bounded(rank: int, world_size: int, model_name: str, config: o
     return out
 
 
+@pytest.mark.slow
 def test_single_stage_zero3_reduce_scatters_in_the_backward_two_in_flight() -> None:
     """A one-stage one-micro-batch ZeRO-3 plan (dp=2) reduce-scatters its gradient buckets inside
     the backward program, at most two unwaited (FSDP2's bound; the memory model's
@@ -555,12 +557,12 @@ def _train_public_last_backward(
 @pytest.mark.parametrize(
     ("pp", "zero_stage", "num_microbatches"),
     [
-        # CI: two stages, ZeRO-0 (test_single_stage_zero3_... runs one stage's reduce-scatters)
+        # all with -m slow (CI trains a pipeline in test_pipeline_loss_with_no_or_two_targets_...)
         pytest.param(1, 0, 2, marks=pytest.mark.slow),
         pytest.param(1, 3, 2, marks=pytest.mark.slow),
         pytest.param(1, 0, 4, marks=pytest.mark.slow),
         pytest.param(1, 3, 4, marks=pytest.mark.slow),
-        (2, 0, 4),
+        pytest.param(2, 0, 4, marks=pytest.mark.slow),
         pytest.param(2, 3, 4, marks=pytest.mark.slow),
     ],
 )

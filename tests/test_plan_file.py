@@ -63,6 +63,7 @@ def test_planning_twice_gives_identical_json_and_timings_only_on_request(mlp_pla
     [[], ["--global-batch-size", "8", "--config", "dp=1,pp=2,microbatch_size=2,num_microbatches=4"]],
     ids=["ilp", "pipeline"],
 )
+@pytest.mark.slow
 def test_two_processes_write_byte_identical_plan_files(tmp_path, extra):  # noqa: ANN001
     """Determinism across processes (fixed solver seed, canonical strategy order, no wall-clock
     values in the file); the plan cache is off so both processes really plan."""

@@ -98,6 +98,7 @@ def test_infeasible_plan_names_needed_and_available_memory() -> None:
     assert "GiB" in msg and "2 devices" in msg and "\n" not in msg
 
 
+@pytest.mark.slow
 def test_cbc_and_highs_find_the_same_optimum() -> None:
     model, ids = _gpt2(256, 1, batch=64, seq=32)
     kwargs = dict(example_inputs=(ids,), loss_fn=zoo.lm_loss, example_targets=(ids,))

@@ -206,6 +206,7 @@ def blocked_by_memory(plan: autoplan.Plan) -> list[tuple[str, object]]:
 # --- show: golden and byte-stable --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plan_and_show_in_separate_processes_give_byte_identical_files_and_output(mlp_cli_runs):
     a_plan, b_plan = mlp_cli_runs["plans"]
     a_show, b_show = mlp_cli_runs["shows"]

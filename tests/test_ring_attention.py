@@ -99,6 +99,7 @@ def test_ring_price_on_cpu_ranks_credits_no_overlap():
     assert cost.exposed_s == pytest.approx(cost.total_s) and cost.total_s > 0
 
 
+@pytest.mark.slow
 def test_joint_search_runs_a_ring_where_the_heads_run_out_and_lists_its_transfers():
     """Two heads on 4 H100 with one sequence of 4,096 tokens: the 4-way axis cannot split the heads
     (Ulysses), so attention splits the sequence and runs the ring; the estimate lists its

@@ -313,6 +313,7 @@ def test_selective_recompute_trains_like_single_device(
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_full_recompute_per_block_trains_like_single_device() -> None:
     """dp=2, one stage, full recomputation per block: every block keeps its input, its backward
     re-runs the block's forward (matmuls included) one block at a time."""
@@ -330,6 +331,7 @@ def test_full_recompute_per_block_trains_like_single_device() -> None:
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_selective_recompute_under_megatron_tensor_parallelism_trains_like_single_device() -> None:
     """GPT-2 with Megatron pins on a stage mesh of 2 (pp=1, GPipe over 4 micro-batches): the
     all-reduces after the row-parallel matmuls communicate, so the backward keeps their results

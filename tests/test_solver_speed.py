@@ -24,7 +24,8 @@ def problem():  # noqa: ANN201
         return build_cost_problem(traced, table, cluster, optimizer="adam")
 
 
-@pytest.mark.parametrize("backend", ["highs", pytest.param("cbc", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["highs", "cbc"])
 def test_lp_first_finds_the_ilp_optimum(problem, backend):  # noqa: ANN001
     lp = ShardingILP(problem, SolverOptions(backend=backend, lp_first=True)).solve()
     mip = ShardingILP(problem, SolverOptions(backend=backend, lp_first=False)).solve()

@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tests import test_cli
 from tests.test_cli import HF, REPO_ROOT, target
 
@@ -33,6 +35,7 @@ def test_plan_json_parses_in_a_fresh_process(tmp_path):
     assert "HiGHS" not in r.stdout
 
 
+@pytest.mark.slow
 def test_joint_search_plan_json_parses_in_a_fresh_process(tmp_path):
     out = tmp_path / "plan.json"
     r = run_cli(tmp_path, "plan", f"{HF}:gpt2_tiny", "--cluster", "2x8xH100", "--global-batch-size", "32",
@@ -41,6 +44,7 @@ def test_joint_search_plan_json_parses_in_a_fresh_process(tmp_path):
     assert json.loads(r.stdout)["step_time_s"] > 0
 
 
+@pytest.mark.slow
 def test_show_json_parses(tmp_path):
     out = tmp_path / "plan.json"
     assert run_cli(tmp_path, "plan", target("mlp"), "--cluster", "2xCPU", "--out", str(out), "-q").returncode == 0

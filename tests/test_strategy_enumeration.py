@@ -65,8 +65,10 @@ def test_output_meta_from_the_trace_is_what_dtensor_propagates(build) -> None:  
     assert checked > 100  # forward and backward ops of two blocks, the head and the loss
 
 
-@pytest.mark.parametrize("build", [gpt2_tiny, llama_tiny], ids=["gpt2", "llama"])
-@pytest.mark.parametrize("cluster", ["1x4xA100-80GB", "2x4xA100-80GB"])
+@pytest.mark.parametrize(
+    "build", [pytest.param(gpt2_tiny, id="gpt2"), pytest.param(llama_tiny, id="llama", marks=pytest.mark.slow)]
+)
+@pytest.mark.parametrize("cluster", ["1x4xA100-80GB", pytest.param("2x4xA100-80GB", marks=pytest.mark.slow)])
 def test_tables_do_not_depend_on_dtensor_redistribution_costs(build, cluster, monkeypatch) -> None:  # noqa: ANN001
     """The enumeration gives DTensor's rules a redistribution cost of 0 (it prices transitions
     itself): the strategies found are exactly those found with DTensor's own costs."""

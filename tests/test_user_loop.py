@@ -116,6 +116,7 @@ def _check(results: list[dict[str, Any]], model_keys: set[str]) -> None:
     assert all(r["zeroed_by_load"] and r["reloaded_equal"] for r in results)
 
 
+@pytest.mark.slow
 def test_standard_loop_with_adamw_cosine_lr_and_clipping_under_tensor_parallelism_trains_like_single_device() -> None:
     pins = {"input_0": "R", "target_0": "R"} | zoo.GPT2_TP_PINS
     results = run_ranks(_rank, 2, pins, None)
@@ -203,6 +204,7 @@ def _deferred_rank(rank: int, world_size: int) -> dict[str, Any]:  # noqa: ARG00
     }
 
 
+@pytest.mark.slow
 def test_deferred_parallelize_plans_at_the_first_call_and_trains_like_single_device() -> None:
     """No example_inputs: the first ``pmodel(ids, targets=...)`` plans on its batch and runs the
     step; AdamW built afterwards over ``pmodel.parameters()`` steps that first loss's gradients."""
@@ -290,6 +292,7 @@ def _without_timing(plan: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in plan.items() if k != "solver"}
 
 
+@pytest.mark.slow
 def test_deferred_pipeline_plans_in_the_job_at_the_first_call_and_trains_like_single_device() -> None:
     """``parallelize(loss_fn=..., global_batch_size=8, config=pp=2)`` without example inputs: the
     first call's batch is planned by rank 0 with the joint search (its stage meshes need no

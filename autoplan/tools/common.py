@@ -180,13 +180,16 @@ def planning_inputs(args: argparse.Namespace) -> dict[str, str | None]:
 def make_plan(args: argparse.Namespace) -> Plan:
     """Plan the workload of parsed planning options (:func:`add_planning_arguments`) as
     ``autoplan plan`` does."""
+    # the options first: a mistyped one fails at once, before the model is built and traced
+    config = config_from_text(args.config)
+    if config is not None and args.global_batch_size is None:
+        raise ConfigError("--config needs --global-batch-size N (the configuration splits a global batch)")
+    pins = pins_from_args(args.pin)
+    cluster = cluster_from_args(args.cluster, args.mesh)
     # the planner and the workload loader import torch: loaded when a command plans, not at start-up
     from autoplan.api import plan as plan_model
     from autoplan.tools.loader import build_workload
 
-    if args.config and args.global_batch_size is None:
-        raise ConfigError("--config needs --global-batch-size N (the configuration splits a global batch)")
-    cluster = cluster_from_args(args.cluster, args.mesh)
     local_links.ensure_local_calibration(cluster, quiet=bool(getattr(args, "quiet", False)))  # NxCPU: measured once
     wl = build_workload(args.target, device="meta", seed=args.seed)
     return plan_model(
@@ -196,10 +199,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         loss_fn=wl.loss_fn,
         example_targets=wl.example_targets,
         optimizer=args.optimizer or wl.optimizer,
-        pins=pins_from_args(args.pin),
+        pins=pins,
         time_limit_s=args.time_limit,
         profile=None if args.no_profile else (args.profile_db or "auto"),
         global_batch_size=args.global_batch_size,
         precision=args.precision,
-        config=config_from_text(args.config),
+        config=config,
     )
