@@ -19,7 +19,10 @@ forward *and* backward::
 * nodes the loss depends on are the forward, the rest the backward
   (``meta["autoplan.phase"]`` is ``"fwd"`` or ``"bwd"``);
 * ``fingerprint`` is a hash of ops, wiring, shapes and dtypes: equal fingerprints mean a plan
-  made for one trace applies to the other.
+  made for one trace applies to the other;
+* a parameter is read as the model holds it, except a fused grouped-query QKV projection, which
+  the graph reads grouped by key/value head so tensor parallelism can split it by heads
+  (``param_layouts``, :mod:`autoplan.passes.kv_groups`; the runtime converts at its boundary).
 
 The model is first exported with ``torch.export`` (non-strict), which is the supported way to
 capture Hugging Face models; the joint graph is then built with ``make_fx`` over the exported
@@ -37,8 +40,8 @@ import logging
 import operator
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.cost_models.errors import UnsupportedModelError
 from autoplan.passes.attention import attention_as_single_op, causal_masks_as_flag
+from autoplan.passes.kv_groups import KVGroupRows, group_fused_qkv
 from autoplan.passes.losses import mean_losses_as_sums
 from autoplan.passes.moe import experts_as_single_op
 from autoplan.passes.plan_text import param_node_name, placeholder_name
@@ -85,6 +89,10 @@ class TracedProgram:
     """sha256 of ops, wiring, shapes and dtypes (hex, 16 chars)."""
     trace_time_s: float
     """Wall time spent exporting and building the joint graph."""
+    param_layouts: Mapping[str, KVGroupRows] = field(default_factory=dict)
+    """FQN -> the layout the graph reads a parameter in where it is not the model's (a fused
+    grouped-query QKV projection stored grouped by key/value head, :mod:`autoplan.passes.kv_groups`);
+    the step's gradient of it is in that layout too. Every other parameter is read as the model holds it."""
 
     @property
     def num_nodes(self) -> int:
@@ -310,6 +318,7 @@ def trace_training_step(
     _check_callables(model, loss_fn, num_inputs=len(inputs), num_targets=len(targets))
     wrapper = _LossWrapper(model, loss_fn, len(inputs))
     exported = _export(wrapper, inputs + targets)
+    param_layouts = group_fused_qkv(exported)  # before the joint graph: autograd differentiates the rewrite
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     param_names, buffer_names = tuple(params), tuple(buffers)
@@ -335,6 +344,7 @@ def trace_training_step(
         num_targets=len(targets),
         fingerprint=fingerprint,
         trace_time_s=dt,
+        param_layouts=param_layouts,
     )
 
 

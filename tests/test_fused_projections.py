@@ -13,7 +13,8 @@ GPT-2 block instead: its activations then cost more to reduce than its weights t
 
 Before (same pins, ``python /work/notes/h20_fused_count.py``): GPT-2 ran 4 of its 9 forward
 weight matmuls on sharded weights (``c_attn`` and, after the gathered heads, ``attn.c_proj``
-gathered), Phi-3 0 of 9. BLOOM's attention matmuls ran on gathered heads (with the catalog's
+gathered), Phi-3 0 of 9 (2 of 9 with segment shards only, its grouped-query QKV gathered; 8 of 9
+with the QKV stored grouped by key/value head, :mod:`autoplan.passes.kv_groups`). BLOOM's attention matmuls ran on gathered heads (with the catalog's
 links, 4 of its 9 forward weight matmuls on a sharded weight before, 8 of 9 after:
 ``benchmarks/tp_sharded_matmuls.py``).
 """
@@ -115,6 +116,26 @@ def test_phi3_mini_layout_fused_qkv_slices_run_head_parallel_on_2_ranks_and_trai
     )
     assert_trains_like_reference(results)
 
+
+
+def test_phi3_gqa_fused_qkv_grouped_by_key_value_head_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
+    """Phi-3 with 4 query heads sharing 2 key/value heads: the slices of its fused QKV differ in
+    size (16, 8, 8 features), so no segment shard holds a rank's query heads with the key/value
+    head they read. The trace keeps the weight grouped by key/value head
+    (:mod:`autoplan.passes.kv_groups`), a plain ``S(0)`` of it holds whole groups, and the
+    attention runs on each rank's heads with ``o_proj`` row-parallel (before: both gathered, 2 of
+    the 9 forward weight matmuls sharded). The reference compares the model's own layout."""
+    case = _tp_case("phi3-gqa-fused-qkv-tp-2", phi3_tiny, PHI3_TP_PINS)
+    results = run_case(case)
+
+    plan = results[0]["plan"]
+    assert all(plan.param_specs[f"model.layers.{i}.self_attn.qkv_proj.weight"] == ("S(0)",) for i in range(2))
+    assert_layers_use_sharded_weights(
+        results[0],
+        axis=0,
+        weights=["*.qkv_proj.weight", "*.o_proj.weight", "*.gate_up_proj.weight", "*.down_proj.weight"],
+    )
+    assert_trains_like_reference(results)
 
 BLOOM_TP_PINS = {
     # torch Linear weight is (out, in): query_key_value and dense_h_to_4h column-parallel, the

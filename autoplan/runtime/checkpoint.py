@@ -25,7 +25,9 @@ of: a crafted index that would run code when unpickled is refused as corrupted.
 The state dict is keyed by the *original model's* parameter FQNs, not by the parallelized
 module's attribute names, so it does not depend on the plan::
 
-    model.<fqn>                 parameter (DTensor in the plan's placement)
+    model.<fqn>                 parameter (DTensor in the plan's placement; a fused grouped-query
+                                QKV projection grouped by key/value head, as ``COMPLETE`` records
+                                under ``param_layouts``: autoplan.passes.kv_groups)
     optim.<fqn>.<state>         optimizer state (Adam ``step``/``exp_avg``/``exp_avg_sq``, SGD ``momentum_buffer``)
     train.step                  number of finished optimizer steps (the data position for ``Workload.batches``)
     train.rng                   CPU RNG state of rank 0 (restored on every rank)
@@ -45,7 +47,7 @@ import shutil
 import warnings
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoplan.cost_models.errors import CheckpointError, CorruptCheckpointError
+from autoplan.passes.kv_groups import KVGroupRows, layouts_from_json, layouts_to_json, to_model
 from autoplan.planner.plan import Plan
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel
@@ -81,6 +84,10 @@ class Checkpoint:
     files: tuple[tuple[str, int, int], ...] = ()
     """``(name, bytes, crc32)`` of every file the save wrote (empty in a checkpoint saved before
     autoplan recorded them)."""
+    param_layouts: Mapping[str, KVGroupRows] = field(default_factory=dict)
+    """FQN -> the layout a parameter (and its optimizer state) is stored in where it is not the
+    model's (a fused grouped-query QKV projection grouped by key/value head,
+    :mod:`autoplan.passes.kv_groups`); :func:`read_full_parameters` gives the model's layout back."""
 
     def __str__(self) -> str:
         return f"{self.path} (step {self.step})"
@@ -102,7 +109,10 @@ def _read_marker(path: Path) -> Checkpoint:
         files = tuple(
             (str(name), int(entry["bytes"]), int(entry["crc32"])) for name, entry in data.get("files", {}).items()
         )
-        return Checkpoint(path=path, step=int(data["step"]), optimizer=str(data["optimizer"]), files=files)
+        layouts = layouts_from_json(data.get("param_layouts", {}))
+        return Checkpoint(
+            path=path, step=int(data["step"]), optimizer=str(data["optimizer"]), files=files, param_layouts=layouts
+        )
     except FileNotFoundError as exc:
         raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE_MARKER} marker)") from exc
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -427,6 +437,7 @@ def save(
             "world_size": plan.world_size,
             "mesh_shape": list(plan.cluster.mesh_shape),
             "plan_fingerprint": plan.fingerprint,
+            "param_layouts": layouts_to_json(model.param_layouts),
             "files": files,
         }
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
@@ -471,6 +482,7 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
     params: dict[str, torch.nn.Parameter] = {}
     for fqn, _stage, p in model.parameter_copies():
         params.setdefault(fqn, p)
+    _check_layouts(ckpt, model.param_layouts, params)
     sd = _state_dict(params, optimizer, torch.get_rng_state(), 0)
     for key, value in sd.items():
         meta = metadata.state_dict_metadata.get(key)
@@ -497,6 +509,23 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
     return int(sd["train.step"])
 
 
+def _check_layouts(ckpt: Checkpoint, layouts: Mapping[str, KVGroupRows], params: Mapping[str, object]) -> None:
+    """The checkpoint stores every parameter in the layout this program keeps it in (a checkpoint
+    written before autoplan grouped a fused grouped-query QKV projection by key/value head holds it
+    in the model's row order: loading it in place would scramble the heads)."""
+    def say(rows: KVGroupRows | None) -> str:
+        return "the model's row order" if rows is None else f"grouped by key/value head ({rows})"
+
+    for fqn in params:
+        saved, wanted = ckpt.param_layouts.get(fqn), layouts.get(fqn)
+        if saved != wanted:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path} stores {fqn} in {say(saved)}, this program keeps it in {say(wanted)}: "
+                "resume it with the autoplan version that wrote it, or start without --checkpoint-dir and "
+                "load its full parameters (autoplan.runtime.checkpoint.read_full_parameters) into the model"
+            )
+
+
 def _load_state_dict(ckpt: Checkpoint, sd: dict[str, Any], *, no_dist: bool) -> None:
     """``dcp.load`` with the index read by :class:`_IndexReader`; any failure is a
     CorruptCheckpointError (DCP raises ``CheckpointException``, a ``BaseException``, when a rank
@@ -518,8 +547,8 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def read_full_parameters(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every parameter of a checkpoint as a full tensor by FQN, read in this process (no
-    process group needed): for inspection, export or tests."""
+    """Every parameter of a checkpoint as a full tensor by FQN in the model's own layout, read in
+    this process (no process group needed): for inspection, export or tests."""
     ckpt = _read_marker(Path(path))
     metadata = _read_metadata(ckpt)
     _check_files(ckpt, metadata)
@@ -531,4 +560,5 @@ def read_full_parameters(path: str | Path) -> dict[str, torch.Tensor]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         _load_state_dict(ckpt, sd, no_dist=True)
-    return {key.removeprefix("model."): t for key, t in sd.items()}
+    full = {key.removeprefix("model."): t for key, t in sd.items()}
+    return {fqn: to_model(ckpt.param_layouts, fqn, t) for fqn, t in full.items()}

@@ -14,6 +14,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.modules.module import _IncompatibleKeys
 
 from autoplan.cost_models.errors import PlanError
+from autoplan.passes import kv_groups
 from autoplan.passes.placement import parse_spec, spec_str
 from autoplan.passes.trace import TracedProgram
 from autoplan.planner.plan import Plan
@@ -73,13 +74,23 @@ class ParallelModel(torch.nn.Module):
         self.redistributions = program.redistributions
         self._traced = traced
         self.param_names = traced.param_names
+        self.param_layouts = dict(traced.param_layouts)
+        """FQN -> the layout the program keeps a parameter in where it is not the model's (a fused
+        grouped-query QKV projection grouped by key/value head, :mod:`autoplan.passes.kv_groups`):
+        its shards, gradient, optimizer state and :meth:`state_dict` entry are in that layout;
+        :meth:`full_parameters` and :meth:`load_state_dict` of full tensors use the model's."""
         named = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         trainable = set(traced.trainable_names)
         self._params = torch.nn.ParameterList(
             torch.nn.Parameter(
                 segment_layout(
-                    distribute_tensor(named[n].detach(), mesh, parse_spec(plan.param_specs[n]), src_data_rank=None)
+                    distribute_tensor(
+                        kv_groups.to_stored(self.param_layouts, n, named[n].detach()),
+                        mesh,
+                        parse_spec(plan.param_specs[n]),
+                        src_data_rank=None,
+                    )
                 ),
                 requires_grad=n in trainable,
             )
@@ -120,12 +131,13 @@ class ParallelModel(torch.nn.Module):
         yield from self._buffers_list
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered to a full tensor (collective: call on all ranks)."""
+        """Every parameter gathered to a full tensor in the model's own layout (collective: call
+        on all ranks)."""
         out = {}
         for n, p in self.named_sharded_parameters():
             value = p.detach()
             assert isinstance(value, DTensor)
-            out[n] = value.full_tensor()
+            out[n] = kv_groups.to_model(self.param_layouts, n, value.full_tensor())
         return out
 
     @property
@@ -294,12 +306,13 @@ class ParallelModel(torch.nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # noqa: ARG002
         """The parameters by the model's own names, as sharded DTensors (DCP saves and loads
-        them in place)."""
+        them in place), each in the layout the program keeps it in (:attr:`param_layouts`)."""
         return training.sharded_state_dict(self.owned_parameters())
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ARG002
-        """Load full tensors or DTensors by the model's parameter names into the shards."""
+        """Load full tensors (the model's layout) or DTensors (:meth:`state_dict`'s layout) by
+        the model's parameter names into the shards."""
         missing, unexpected = training.load_sharded_state_dict(
-            dict(self.named_sharded_parameters()), state_dict, strict=strict
+            dict(self.named_sharded_parameters()), state_dict, strict=strict, layouts=self.param_layouts
         )
         return _IncompatibleKeys(missing, unexpected)

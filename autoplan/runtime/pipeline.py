@@ -75,6 +75,8 @@ from autoplan.cost_models.comm_schedule import (
 )
 from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
+from autoplan.passes import kv_groups
+from autoplan.passes.kv_groups import KVGroupRows
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
 from autoplan.passes.recompute import POLICIES, recompute_stage_program
@@ -173,9 +175,13 @@ class StageModule(torch.nn.Module):
         num_microbatches: int = 1,
         converts_grads: bool = False,
         deferred_grads: frozenset[str] = frozenset(),
+        param_layouts: Mapping[str, KVGroupRows] | None = None,
     ) -> None:
         super().__init__()
         self.program = program
+        self.param_layouts = dict(param_layouts or {})
+        """FQN -> the layout the programs keep a parameter in where it is not the model's
+        (``TracedProgram.param_layouts``, :mod:`autoplan.passes.kv_groups`)."""
         self.converted_in_program = frozenset(
             f for f, _ in program.param_grads if converts_grads and f not in deferred_grads
         )
@@ -219,7 +225,12 @@ class StageModule(torch.nn.Module):
         self.params = torch.nn.ParameterList(
             torch.nn.Parameter(
                 runtime.segment_layout(
-                    distribute_tensor(named[n].detach().to(device), mesh, list(self.param_specs[n]), src_data_rank=None)
+                    distribute_tensor(
+                        kv_groups.to_stored(self.param_layouts, n, named[n].detach()).to(device),
+                        mesh,
+                        list(self.param_specs[n]),
+                        src_data_rank=None,
+                    )
                 ),
                 requires_grad=named[n].requires_grad,  # a frozen parameter stays frozen (autoplan.passes.trace)
             )
@@ -507,9 +518,13 @@ class PipelineModel(torch.nn.Module):
         tied_stages: Mapping[str, tuple[int, ...]] | None = None,
         offload_optimizer: bool = False,
         plan: Plan | None = None,
+        param_layouts: Mapping[str, KVGroupRows] | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
+        self.param_layouts = dict(param_layouts or {})
+        """FQN -> the layout the stages keep a parameter in where it is not the model's (every
+        rank knows all of them; :attr:`ParallelModel.param_layouts <autoplan.runtime.parallel.ParallelModel.param_layouts>`)."""
         """The plan this pipeline applies (``autoplan.parallelize``; ``None`` when built from its parts)."""
         self.batch_values = tuple(batch_values)
         """Stage 0's inputs then the last stage's targets: one micro-batch's model inputs and loss
@@ -800,7 +815,7 @@ class PipelineModel(torch.nn.Module):
         for st in self._stages:
             named = dict(zip(st.program.param_names, st.params, strict=True))
             miss, _ = training.load_sharded_state_dict(
-                named, state_dict, strict=strict, elsewhere=frozenset(state_dict)
+                named, state_dict, strict=strict, elsewhere=frozenset(state_dict), layouts=st.param_layouts
             )
             missing.update(miss)
         return _IncompatibleKeys(sorted(missing), [])
@@ -824,7 +839,7 @@ class PipelineModel(torch.nn.Module):
             for fqn, p in zip(st.program.param_names, st.params, strict=True):
                 value = p.detach()
                 assert isinstance(value, DTensor)
-                full = value.full_tensor()
+                full = kv_groups.to_model(st.param_layouts, fqn, value.full_tensor())
                 mine.setdefault(fqn, full)
         gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -935,6 +950,7 @@ def build_pipeline(
             num_microbatches=num_microbatches,
             converts_grads=in_program,
             deferred_grads=tied,
+            param_layouts=traced_mb.param_layouts,
         )  # fmt: skip
         for s in mine
     ]
@@ -961,6 +977,7 @@ def build_pipeline(
         device=device,
         offload_optimizer=offload_optimizer,
         plan=plan,
+        param_layouts=traced_mb.param_layouts,
     )
 
 

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.cost_models.errors import PlanError
+from autoplan.passes.kv_groups import KVGroupRows, to_stored
 from autoplan.runtime.lowering import local_shard
 
 
@@ -101,9 +102,12 @@ def load_sharded_state_dict(
     *,
     strict: bool = True,
     elsewhere: frozenset[str] = frozenset(),
+    layouts: Mapping[str, KVGroupRows] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Copy ``state_dict`` (FQN -> a full tensor, or a DTensor in any placement) into the sharded
-    parameters ``named``; returns the (missing, unexpected) keys. ``strict``: every parameter
+    parameters ``named``; returns the (missing, unexpected) keys. A full tensor is in the model's
+    layout and goes into the program's (``layouts``, :mod:`autoplan.passes.kv_groups`); a DTensor
+    is a program's own ``state_dict()`` value, already in it. ``strict``: every parameter
     must be given and no other key, except the ``elsewhere`` ones (parameters other pipeline
     ranks hold). Collective when a DTensor on another mesh is given."""
     missing = sorted(set(named) - set(state_dict))
@@ -128,7 +132,7 @@ def load_sharded_state_dict(
             if isinstance(value, DTensor) and value.device_mesh == param.device_mesh:
                 local = value.redistribute(param.device_mesh, param.placements).to_local()
             else:
-                full = value.full_tensor() if isinstance(value, DTensor) else value
+                full = value.full_tensor() if isinstance(value, DTensor) else to_stored(layouts or {}, fqn, value)
                 local = local_shard(full.to(param.device), param.device_mesh, param.placements)
             param.to_local().copy_(local)
     return missing, unexpected

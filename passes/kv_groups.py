@@ -1,0 +1,230 @@
+"""A fused grouped-query QKV projection stored grouped by key/value head, so tensor parallelism splits it by heads.
+
+Phi-3-style attention with fewer key/value heads ``G`` than query heads ``H`` (grouped-query
+attention, ``g = H / G`` query heads per key/value head) computes q, k and v with one matmul of a
+fused weight whose rows are ``[q (H*D); k (G*D); v (G*D)]`` and slices its output
+(``qkv[..., :H*D]``, ``qkv[..., H*D:(H+G)*D]``, ``qkv[..., (H+G)*D:]``). The three segments differ
+in size, so neither a plain shard ``S(0)`` (rank 0 of 2 holds all of q) nor the equal-segment
+``S(0)/3`` of :mod:`autoplan.passes.segments` gives a rank its query heads *and* the key/value
+heads they read: the planner gathered the weight and ran the attention replicated (2 of Phi-3's 9
+forward weight matmuls on a sharded weight, ``benchmarks/tp_sharded_matmuls.py``).
+
+Megatron-Core stores a fused GQA QKV weight grouped by key/value head,
+``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` (``q_j``: the ``g`` query heads that read key/value head
+``j``; Hugging Face's ``repeat_kv`` and SDPA's ``enable_gqa`` both pair query head ``h`` with
+key/value head ``h // g``), and views the fused output as ``(..., G, (g + 2) * D)`` before
+splitting it. A plain ``S(0)`` of that layout holds whole groups: rank ``r`` of ``n`` (``n``
+divides ``G``) holds query heads ``[r*H/n, (r+1)*H/n)`` and key/value heads ``[r*G/n, (r+1)*G/n)``,
+the pairs its attention needs, and DTensor's own view, slice and reshape rules keep every step
+local. Falcon-40B and InternLM2 define their fused weights in this layout already.
+
+This pass makes it the *stored* layout of such a parameter; the model's own layout stays what the
+user sees.
+
+Contract (:func:`group_fused_qkv`):
+
+* input: the forward graph ``torch.export`` gave (before the joint graph is built, so autograd
+  differentiates the rewritten forward);
+* match: a parameter ``W`` (and its bias, if any) read only by ``linear(x, W[, b])`` whose output is
+  read only by three ``slice`` ops of its last dim cutting it into ``(g*G*D, G*D, G*D)`` with
+  ``G >= 2`` and ``g >= 2``, each slice read only by views to ``(..., heads, D)`` (``D`` is taken
+  from those views);
+* rewrite: ``W`` (and ``b``) are read in the stored layout; each slice becomes
+  ``reshape(slice(view(linear(x, W), (..., G, (g+2)*D)), -1, lo, hi), (..., size))``, the same
+  values in the same order as the slice of the model's layout;
+* output: FQN -> :class:`KVGroupRows` of every rewritten parameter. The runtime distributes
+  ``to_stored(model value)`` and gives ``to_model(...)`` back (``full_parameters``, ``load_state_dict``
+  of full tensors, a checkpoint's full read), so the step is exactly the model's.
+
+Left as they are: multi-query attention (``G == 1``: the layout is already grouped and a single
+key/value head cannot be split; Falcon-7B), equal segments (``g == 1``: ``S(0)/3`` splits them), and a
+weight read anywhere else (a tied weight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+_WRAPPER_PREFIX = "model."  # the exported module wraps the user's model as ``model`` (autoplan.passes.trace)
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroupRows:
+    """A fused ``[q; k; v]`` parameter (weight rows or bias) stored grouped by key/value head:
+    ``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]`` with ``q_rows_per_group`` query rows and
+    ``kv_rows_per_group`` key (and value) rows per group."""
+
+    num_kv_heads: int
+    q_rows_per_group: int
+    """``g * D``: the rows of the ``g`` query heads that read one key/value head."""
+    kv_rows_per_group: int
+    """``D``: one key (or value) head's rows."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_kv_heads * (self.q_rows_per_group + 2 * self.kv_rows_per_group)
+
+    def _check(self, t: torch.Tensor) -> None:
+        if t.dim() == 0 or t.shape[0] != self.num_rows:
+            raise ValueError(f"a fused q/k/v parameter of {self.num_rows} rows expected, got shape {tuple(t.shape)}")
+
+    def to_stored(self, t: torch.Tensor) -> torch.Tensor:
+        """The model's ``[q; k; v]`` rows -> the stored ``[q_0 k_0 v_0 | ...]`` (a new tensor)."""
+        self._check(t)
+        groups, qr, kr, rest = self.num_kv_heads, self.q_rows_per_group, self.kv_rows_per_group, tuple(t.shape[1:])
+        q, k, v = t.split([groups * qr, groups * kr, groups * kr], 0)
+        grouped = torch.cat(
+            [q.reshape(groups, qr, *rest), k.reshape(groups, kr, *rest), v.reshape(groups, kr, *rest)], 1
+        )
+        return grouped.reshape(t.shape)
+
+    def to_model(self, t: torch.Tensor) -> torch.Tensor:
+        """The stored ``[q_0 k_0 v_0 | ...]`` rows -> the model's ``[q; k; v]`` (a new tensor)."""
+        self._check(t)
+        groups, qr, kr, rest = self.num_kv_heads, self.q_rows_per_group, self.kv_rows_per_group, tuple(t.shape[1:])
+        q, k, v = t.reshape(groups, qr + 2 * kr, *rest).split([qr, kr, kr], 1)
+        return torch.cat(
+            [q.reshape(groups * qr, *rest), k.reshape(groups * kr, *rest), v.reshape(groups * kr, *rest)], 0
+        )
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | None:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return tuple(int(s) for s in val.shape)
+    except TypeError:  # a symbolic size: not matched
+        return None
+
+
+def _slice_bounds(node: fx.Node, y: fx.Node, width: int, last: int) -> tuple[int, int] | None:
+    """``(start, end)`` of ``slice(y, last dim, start, end)`` with step 1, else ``None``."""
+    if node.op != "call_function" or node.target is not aten.slice.Tensor or node.kwargs:
+        return None
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1 :]
+    _, dim, start, end, step = args[:5]
+    if args[0] is not y or dim not in (last, -1) or step != 1:
+        return None
+    start = 0 if start is None else start
+    if not isinstance(start, int) or not (end is None or isinstance(end, int)):
+        return None
+    end = width if end is None else end
+    start, end = (start + width if start < 0 else start), (end + width if end < 0 else end)
+    return max(0, min(start, width)), max(0, min(end, width))
+
+
+def _head_dim(piece: fx.Node) -> int | None:
+    """``D`` when every reader of ``piece`` views it as ``(..., heads, D)``, else ``None``."""
+    dims = set()
+    for user in piece.users:
+        shape = _shape(user)
+        if user.target is not aten.view.default or shape is None or len(shape) < 2:
+            return None
+        dims.add(shape[-1])
+    return dims.pop() if len(dims) == 1 else None
+
+
+def _param(node: object) -> str | None:
+    """The parameter FQN a ``get_attr`` node reads (read by one op), else ``None``."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or len(node.users) != 1:
+        return None
+    target = str(node.target)
+    return target.removeprefix(_WRAPPER_PREFIX) if target.startswith(_WRAPPER_PREFIX) else None
+
+
+def _match(lin: fx.Node) -> tuple[list[str], KVGroupRows, list[tuple[fx.Node, int, int]]] | None:
+    """A fused GQA projection at ``linear`` node ``lin`` (module docstring), else ``None``."""
+    if lin.op != "call_function" or lin.target is not aten.linear.default or lin.kwargs:
+        return None
+    params = [_param(a) for a in lin.args[1:]]
+    out = _shape(lin)
+    if not params or any(p is None for p in params) or out is None or len(out) < 2:
+        return None
+    width, last = out[-1], len(out) - 1
+    pieces = []
+    for user in lin.users:
+        bounds = _slice_bounds(user, lin, width, last)
+        if bounds is None:
+            return None
+        pieces.append((user, *bounds))
+    pieces.sort(key=lambda p: p[1])
+    if len(pieces) != 3 or pieces[0][1] != 0 or pieces[-1][2] != width:
+        return None
+    if any(a[2] != b[1] for a, b in zip(pieces, pieces[1:], strict=False)):
+        return None
+    q_rows, k_rows, v_rows = (hi - lo for _, lo, hi in pieces)
+    dims = {_head_dim(node) for node, _, _ in pieces}
+    if len(dims) != 1 or None in dims or k_rows != v_rows:
+        return None
+    head = dims.pop()
+    assert head is not None
+    if head <= 0 or k_rows % head or q_rows % k_rows:
+        return None
+    kv_heads, per_group = k_rows // head, q_rows // k_rows
+    if kv_heads < 2 or per_group < 2:  # MQA (a single key/value head) or equal segments
+        return None
+    return [p for p in params if p is not None], KVGroupRows(kv_heads, per_group * head, head), pieces
+
+
+def group_fused_qkv(gm: fx.GraphModule) -> dict[str, KVGroupRows]:
+    """Rewrite every fused GQA projection of the exported forward ``gm`` to read its parameters in
+    the grouped layout (module docstring); returns FQN -> layout of each such parameter."""
+    layouts: dict[str, KVGroupRows] = {}
+    graph = gm.graph
+    for lin in list(graph.nodes):
+        found = _match(lin)
+        if found is None:
+            continue
+        names, rows, pieces = found
+        out = _shape(lin)
+        assert out is not None
+        lead, head = list(out[:-1]), rows.kv_rows_per_group
+        group_width = rows.q_rows_per_group + 2 * head
+        bounds = (0, rows.q_rows_per_group, rows.q_rows_per_group + head, group_width)
+        with graph.inserting_after(lin):
+            grouped = graph.call_function(aten.view.default, (lin, [*lead, rows.num_kv_heads, group_width]))
+        grouped.meta = {k: v for k, v in lin.meta.items() if k != "val"}
+        anchor = grouped
+        for i, (piece, lo, hi) in enumerate(pieces):
+            with graph.inserting_after(anchor):
+                part = graph.call_function(aten.slice.Tensor, (grouped, len(lead) + 1, bounds[i], bounds[i + 1]))
+            with graph.inserting_after(part):
+                flat = graph.call_function(aten.reshape.default, (part, [*lead, hi - lo]))
+            part.meta = flat.meta = {k: v for k, v in piece.meta.items() if k != "val"}
+            piece.replace_all_uses_with(flat)
+            graph.erase_node(piece)
+            anchor = flat
+        for name in names:
+            layouts[name] = rows
+    if layouts:
+        graph.lint()
+        gm.recompile()
+    return layouts
+
+
+def to_stored(layouts: Mapping[str, KVGroupRows], fqn: str, value: torch.Tensor) -> torch.Tensor:
+    """Parameter ``fqn``'s value in the model's layout -> the layout the program reads it in."""
+    rows = layouts.get(fqn)
+    return value if rows is None else rows.to_stored(value)
+
+
+def to_model(layouts: Mapping[str, KVGroupRows], fqn: str, value: torch.Tensor) -> torch.Tensor:
+    """Parameter ``fqn``'s value in the program's layout -> the model's own layout."""
+    rows = layouts.get(fqn)
+    return value if rows is None else rows.to_model(value)
+
+
+def layouts_to_json(layouts: Mapping[str, KVGroupRows]) -> dict[str, list[int]]:
+    """``{fqn: [num_kv_heads, q_rows_per_group, kv_rows_per_group]}`` (a checkpoint records it)."""
+    return {fqn: [r.num_kv_heads, r.q_rows_per_group, r.kv_rows_per_group] for fqn, r in sorted(layouts.items())}
+
+
+def layouts_from_json(data: Mapping[str, Sequence[int]]) -> dict[str, KVGroupRows]:
+    """The inverse of :func:`layouts_to_json`."""
+    return {str(fqn): KVGroupRows(*(int(x) for x in v)) for fqn, v in data.items()}
