@@ -13,7 +13,7 @@ out/down projections), count the forward mm/addmm/bmm/linear nodes whose weight 
 (``S(d)`` or a fused projection's ``S(d)/k``). The tied ``lm_head`` is not pinned and stays
 replicated in every family. Prints a row per family and a final line::
 
-    tp_sharded_matmuls: gpt2=8/9 phi3=2/9 phi3-mha=8/9 falcon=6/9 bloom=8/9 llama=14/15
+    tp_sharded_matmuls: gpt2=8/9 phi3=8/9 phi3-mha=8/9 falcon=6/9 bloom=8/9 llama=14/15
 """
 
 from __future__ import annotations

@@ -83,16 +83,8 @@ class ParallelModel(torch.nn.Module):
         buffers = dict(model.named_buffers())
         trainable = set(traced.trainable_names)
         self._params = torch.nn.ParameterList(
-            torch.nn.Parameter(
-                segment_layout(
-                    distribute_tensor(
-                        kv_groups.to_stored(self.param_layouts, n, named[n].detach()),
-                        mesh,
-                        parse_spec(plan.param_specs[n]),
-                        src_data_rank=None,
-                    )
-                ),
-                requires_grad=n in trainable,
+            training.sharded_parameter(
+                n, named[n], self.param_layouts, mesh, parse_spec(plan.param_specs[n]), requires_grad=n in trainable
             )
             for n in self.param_names
         )

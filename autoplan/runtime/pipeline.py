@@ -180,8 +180,7 @@ class StageModule(torch.nn.Module):
         super().__init__()
         self.program = program
         self.param_layouts = dict(param_layouts or {})
-        """FQN -> the layout the programs keep a parameter in where it is not the model's
-        (``TracedProgram.param_layouts``, :mod:`autoplan.passes.kv_groups`)."""
+        """``TracedProgram.param_layouts``: parameters kept in another layout than the model's."""
         self.converted_in_program = frozenset(
             f for f, _ in program.param_grads if converts_grads and f not in deferred_grads
         )
@@ -223,17 +222,10 @@ class StageModule(torch.nn.Module):
         buffers = dict(model.named_buffers())
         self.param_specs = {n: assignment[param_node_name(n)].output_specs[0] for n in program.param_names}
         self.params = torch.nn.ParameterList(
-            torch.nn.Parameter(
-                runtime.segment_layout(
-                    distribute_tensor(
-                        kv_groups.to_stored(self.param_layouts, n, named[n].detach()).to(device),
-                        mesh,
-                        list(self.param_specs[n]),
-                        src_data_rank=None,
-                    )
-                ),
+            training.sharded_parameter(
+                n, named[n], self.param_layouts, mesh, self.param_specs[n], device=device,
                 requires_grad=named[n].requires_grad,  # a frozen parameter stays frozen (autoplan.passes.trace)
-            )
+            )  # fmt: skip
             for n in program.param_names
         )
         dtypes = dict(compute_dtypes or {})

@@ -35,11 +35,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.kv_groups import KVGroupRows, to_stored
+from autoplan.runtime.collectives import segment_layout
 from autoplan.runtime.lowering import local_shard
 
 
@@ -88,6 +90,27 @@ def loss_installing_grads(
     if not torch.is_grad_enabled():
         return loss.detach()
     return _InstallGrads.apply(anchor, loss, list(params), grads)
+
+
+def sharded_parameter(
+    fqn: str,
+    value: torch.Tensor,
+    layouts: Mapping[str, KVGroupRows],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    requires_grad: bool,
+    device: torch.device | None = None,
+) -> torch.nn.Parameter:
+    """The model's parameter ``fqn`` (``value``, the model's layout) as a program keeps it: in the
+    layout the program reads it in (``layouts``, :mod:`autoplan.passes.kv_groups`), sharded by
+    ``placements`` over ``mesh`` (every rank holds the full value: no communication), frozen
+    unless ``requires_grad``."""
+    stored = to_stored(layouts, fqn, value.detach())
+    if device is not None:
+        stored = stored.to(device)
+    sharded = distribute_tensor(stored, mesh, list(placements), src_data_rank=None)
+    return torch.nn.Parameter(segment_layout(sharded), requires_grad=requires_grad)
 
 
 def sharded_state_dict(named: Mapping[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
