@@ -65,6 +65,10 @@ class KVGroupRows:
     kv_rows_per_group: int
     """``D``: one key (or value) head's rows."""
 
+    def __post_init__(self) -> None:
+        if min(self.num_kv_heads, self.q_rows_per_group, self.kv_rows_per_group) < 1:
+            raise ValueError(f"a key/value group layout needs positive sizes, got {self}")
+
     @property
     def num_rows(self) -> int:
         return self.num_kv_heads * (self.q_rows_per_group + 2 * self.kv_rows_per_group)
@@ -218,6 +222,13 @@ def to_model(layouts: Mapping[str, KVGroupRows], fqn: str, value: torch.Tensor) 
     """Parameter ``fqn``'s value in the program's layout -> the model's own layout."""
     rows = layouts.get(fqn)
     return value if rows is None else rows.to_model(value)
+
+
+def layout_text(rows: KVGroupRows | None) -> str:
+    """How a parameter's rows are ordered, in words (messages, plan text)."""
+    if rows is None:
+        return "in the model's order"
+    return f"grouped by key/value head ({rows.num_kv_heads} groups of {rows.q_rows_per_group} query + 2x{rows.kv_rows_per_group} key/value rows)"
 
 
 def layouts_to_json(layouts: Mapping[str, KVGroupRows]) -> dict[str, list[int]]:

@@ -10,7 +10,9 @@ tests/test_fused_projections.py.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import jsonschema
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,6 +25,7 @@ from tests import zoo
 from tests.test_fused_projections import phi3_tiny
 
 QKV = [f"model.layers.{i}.self_attn.qkv_proj.weight" for i in range(2)]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_grouped_rows_put_each_key_value_head_after_the_query_heads_that_read_it():
@@ -150,6 +153,33 @@ def test_checkpoint_in_another_layout_is_refused_naming_the_parameter(one_rank_p
     assert latest is not None
 
     with pytest.raises(
-        CheckpointError, match=r"stores model\.layers\.0\.self_attn\.qkv_proj\.weight in the model's row order"
+        CheckpointError,
+        match=r"stores model\.layers\.0\.self_attn\.qkv_proj\.weight with its rows in the model's order",
     ):
         checkpoint.load(latest, pm, opt)
+
+
+def test_plan_records_the_grouped_layout_and_a_plan_without_it_is_refused(one_rank_phi3):
+    from autoplan.errors import PlanFileError, PlanMismatchError
+    from autoplan.planner.plan import Plan
+
+    model, _, _, plan, _ = one_rank_phi3
+    assert dict(plan.param_layouts) == {n: KVGroupRows(2, 16, 8) for n in QKV}
+    saved = plan.to_dict()
+    assert saved["placements"]["param_layouts"] == {n: [2, 16, 8] for n in QKV}
+    jsonschema.validate(saved, json.loads((ROOT / "docs" / "plan.schema.json").read_text()))
+    assert Plan.from_dict(json.loads(json.dumps(saved))).param_layouts == plan.param_layouts
+    assert "(rows grouped by key/value head)" in plan.summary()
+
+    bad = json.loads(json.dumps(saved))
+    bad["placements"]["param_layouts"][QKV[0]] = [0, 16, 8]
+    with pytest.raises(PlanFileError, match="positive sizes"):
+        Plan.from_dict(bad)
+
+    old = json.loads(json.dumps(saved))
+    del old["placements"]["param_layouts"]  # as a plan made before the grouped layout reads
+    traced, _, _ = _traced_step(model)
+    Plan.from_dict(saved).check_fits(traced)  # the plan as made fits its program
+
+    with pytest.raises(PlanMismatchError, match="rows in the model's order, but the program reads them grouped"):
+        Plan.from_dict(old).check_fits(traced)

@@ -210,6 +210,7 @@ def plan_traced(
             tuple(spec_strs(assignment[f"target_{i}"].output_specs[0])) for i in range(traced.num_targets)
         ),
         param_specs={n: tuple(spec_strs(assignment[param_node_name(n)].output_specs[0])) for n in traced.param_names},
+        param_layouts=dict(traced.param_layouts),
         nodes=_node_records(traced, table, assignment),
         fallback_ops=dict(table.fallback_ops),
         collectives=records,

@@ -33,6 +33,7 @@ from autoplan.cost_models.files import (
 from autoplan.cost_models.memory import OPTIMIZERS
 from autoplan.cost_models.version import __version__
 from autoplan.passes.explain import NodeExplanation
+from autoplan.passes.kv_groups import KVGroupRows, layout_text, layouts_from_json, layouts_to_json
 from autoplan.passes.plan_text import param_node_name, spec_text
 
 if TYPE_CHECKING:  # loading, checking and printing a plan needs no torch (`autoplan show` starts fast)
@@ -359,6 +360,10 @@ class Plan:
     """Plans made with a global batch: what the joint search weighed, the chosen configuration first,
     then the best of each other combination of degrees it priced, fastest first (those that fit
     before those that do not); read by ``autoplan explain`` without ``--op``/``--param``."""
+    param_layouts: Mapping[str, KVGroupRows] = field(default_factory=dict)
+    """Parameters the program keeps in another layout than the model's, which their placements
+    are of (``TracedProgram.param_layouts``: a fused grouped-query QKV projection grouped by
+    key/value head, :mod:`autoplan.passes.kv_groups`); saved as ``placements.param_layouts``."""
     workload: str = ""
     """``FILE.py:FUNCTION`` the CLI built the model from (empty for plans made from Python): lets
     ``autoplan export-onnx`` and ``autoplan explain`` find the model again."""
@@ -533,7 +538,8 @@ class Plan:
         lines.append("  parameters:")
         width = max((len(n) for n in self.param_names), default=10)
         for name in self.param_names:
-            lines.append(f"    {name:<{width}}  {spec_text(self.param_specs[name])}")
+            grouped = "  (rows grouped by key/value head)" if name in self.param_layouts else ""
+            lines.append(f"    {name:<{width}}  {spec_text(self.param_specs[name])}{grouped}")
         return terminal_safe("\n".join(lines))  # names from a plan file never drive the terminal
 
     # -- checks -----------------------------------------------------------------------------
@@ -582,6 +588,7 @@ class Plan:
                 "inputs": [list(s) for s in self.input_specs],
                 "targets": [list(s) for s in self.target_specs],
                 "params": {n: list(self.param_specs[n]) for n in self.param_names},
+                **({"param_layouts": layouts_to_json(self.param_layouts)} if self.param_layouts else {}),
             },
             "estimate": {
                 "step_time_s": e.step_time_s,
@@ -635,6 +642,7 @@ class Plan:
                 input_specs=tuple(tuple(s) for s in d["placements"]["inputs"]),
                 target_specs=tuple(tuple(s) for s in d["placements"]["targets"]),
                 param_specs={k: tuple(v) for k, v in d["placements"]["params"].items()},
+                param_layouts=layouts_from_json(d["placements"].get("param_layouts", {})),
                 nodes={k: dict(v) for k, v in d["nodes"].items()},
                 fallback_ops=dict(d["fallback_ops"]),
                 collectives=tuple(CollectiveRecord.from_dict(c) for c in d["collectives"]),
@@ -758,6 +766,9 @@ def _check_plan_values(plan: Plan) -> None:
         )
     for n in plan.param_names:
         check(plan.param_specs[n], f"placements.params[{clip(n)}]")
+    for n in plan.param_layouts:
+        if n not in plan.param_specs:
+            raise ValueError(f"placements.param_layouts names {clip(n)}, which placements.params does not")
     for i, spec in enumerate(plan.input_specs + plan.target_specs):
         check(spec, f"placements.inputs/targets[{i}]")
     for j, c in enumerate(plan.collectives):
@@ -819,6 +830,13 @@ def _misfit(plan: Plan, traced: TracedProgram) -> str | None:
     missing = [n for n in traced.param_names if n not in plan.param_specs]
     if missing:
         return f"placements.params has no placement for the model's parameter {clip(missing[0])}"
+    for name in traced.param_names:
+        planned, read = plan.param_layouts.get(name), traced.param_layouts.get(name)
+        if planned != read:
+            return (
+                f"the plan's placement of {clip(name)} is of its rows {layout_text(planned)}, but the program reads "
+                f"them {layout_text(read)}: re-plan the model with this version of autoplan"
+            )
     for name in plan.param_names:
         problem = rank_problem(plan.param_specs[name], nodes[param_node_name(name)].meta.get("val"), placeholder=True)
         if problem:

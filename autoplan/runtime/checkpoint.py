@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoplan.cost_models.errors import CheckpointError, CorruptCheckpointError
-from autoplan.passes.kv_groups import KVGroupRows, layouts_from_json, layouts_to_json, to_model
+from autoplan.passes.kv_groups import KVGroupRows, layout_text, layouts_from_json, layouts_to_json, to_model
 from autoplan.planner.plan import Plan
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel
@@ -513,14 +513,11 @@ def _check_layouts(ckpt: Checkpoint, layouts: Mapping[str, KVGroupRows], params:
     """The checkpoint stores every parameter in the layout this program keeps it in (a checkpoint
     written before autoplan grouped a fused grouped-query QKV projection by key/value head holds it
     in the model's row order: loading it in place would scramble the heads)."""
-    def say(rows: KVGroupRows | None) -> str:
-        return "the model's row order" if rows is None else f"grouped by key/value head ({rows})"
-
     for fqn in params:
         saved, wanted = ckpt.param_layouts.get(fqn), layouts.get(fqn)
         if saved != wanted:
             raise CheckpointError(
-                f"checkpoint {ckpt.path} stores {fqn} in {say(saved)}, this program keeps it in {say(wanted)}: "
+                f"checkpoint {ckpt.path} stores {fqn} with its rows {layout_text(saved)}, this program keeps them {layout_text(wanted)}: "
                 "resume it with the autoplan version that wrote it, or start without --checkpoint-dir and "
                 "load its full parameters (autoplan.runtime.checkpoint.read_full_parameters) into the model"
             )
