@@ -51,15 +51,16 @@ def _tp_case(name: str, build, pins: dict[str, str]) -> Case:  # noqa: ANN001 - 
     )
 
 
-def phi3_tiny(seed: int = 0, kv_heads: int = 2):  # noqa: ANN201 - a transformers Phi3ForCausalLM
-    """HF Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``): 2 layers, hidden 32, MLP 64, 4 heads of
+def phi3_tiny(seed: int = 0, kv_heads: int = 2, num_layers: int = 2):  # noqa: ANN201 - a transformers Phi3ForCausalLM
+    """HF Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``): ``num_layers`` layers, hidden 32, MLP 64, 4 heads of
     8 sharing ``kv_heads`` key/value heads (4: Phi-3-mini's layout), vocab 128, 64 positions, no
     dropout."""
     import torch
     from transformers import Phi3Config, Phi3ForCausalLM
 
     config = Phi3Config(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
+        num_hidden_layers=num_layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=kv_heads,
         vocab_size=zoo.VOCAB, max_position_embeddings=zoo.MAX_POSITIONS, use_cache=False, pad_token_id=0,
         bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0,
     )  # fmt: skip
@@ -117,7 +118,6 @@ def test_phi3_mini_layout_fused_qkv_slices_run_head_parallel_on_2_ranks_and_trai
     assert_trains_like_reference(results)
 
 
-
 def test_phi3_gqa_fused_qkv_grouped_by_key_value_head_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
     """Phi-3 with 4 query heads sharing 2 key/value heads: the slices of its fused QKV differ in
     size (16, 8, 8 features), so no segment shard holds a rank's query heads with the key/value
@@ -136,6 +136,7 @@ def test_phi3_gqa_fused_qkv_grouped_by_key_value_head_runs_head_parallel_on_2_ra
         weights=["*.qkv_proj.weight", "*.o_proj.weight", "*.gate_up_proj.weight", "*.down_proj.weight"],
     )
     assert_trains_like_reference(results)
+
 
 BLOOM_TP_PINS = {
     # torch Linear weight is (out, in): query_key_value and dense_h_to_4h column-parallel, the

@@ -42,6 +42,7 @@ from tests.harness import (
     run_ranks,
     train_both,
 )
+from tests.test_fused_projections import PHI3_TP_PINS, phi3_tiny
 
 GLOBAL_BATCH = 8
 NUM_MICROBATCHES = 4
@@ -62,12 +63,14 @@ BUILDERS: dict[str, Callable[..., torch.nn.Module]] = {
     "gpt2": zoo.gpt2_tiny,
     "llama": zoo.llama_tiny,
     "gpt2_wide": _gpt2_wide,
+    "phi3": phi3_tiny,  # 4 query heads sharing 2 key/value heads, fused qkv_proj (autoplan.passes.kv_groups)
 }
 PINS: dict[tuple[str, str], Mapping[str, str]] = {
     ("gpt2", "dp"): DP_PINS,
     ("llama", "dp"): DP_PINS,
     ("gpt2", "tp"): GPT2_TP_PINS,
     ("llama", "tp"): LLAMA_TP_PINS,
+    ("phi3", "tp"): {"input_0": "R", "target_0": "R"} | PHI3_TP_PINS,
 }
 
 
@@ -488,7 +491,9 @@ def _own_stage_after_a_step(model_name: str, plan_json: str) -> Any:
     return stage
 
 
-def _train_public_bounded(rank: int, world_size: int, model_name: str, config: object, plan_json: str) -> dict[str, object]:
+def _train_public_bounded(
+    rank: int, world_size: int, model_name: str, config: object, plan_json: str
+) -> dict[str, object]:
     """:func:`_train_public`, plus where the stage's backward program waits for its reduce-scatters."""
     from autoplan.runtime.lowering import REDUCE_SCATTER, WAIT
 
@@ -547,8 +552,8 @@ def _train_public_last_backward(
     out["earlier_buckets"] = sum(1 for n in earlier if n.target in buckets)
     cut = stage._waits["last_backward"]
     out["waits_after_schedule"] = 0 if cut is None else sum(1 for n in cut.finish.graph.nodes if n.target is WAIT)
-    out["waits_in_issue"] = 0 if cut is None else sum(
-        1 for n in cut.issue.graph.nodes if n.target is WAIT and n.args[0].target in buckets
+    out["waits_in_issue"] = (
+        0 if cut is None else sum(1 for n in cut.issue.graph.nodes if n.target is WAIT and n.args[0].target in buckets)
     )
     out["bucket_issues"] = len(out["issues"])
     return out
@@ -605,6 +610,14 @@ def test_accumulating_microbatches_reduce_in_each_stages_last_backward(
         assert r["waits_after_schedule"] >= 1, r
         if zero_stage == 0:
             assert r["waits_in_issue"] == 0, r
+
+
+def test_grouped_query_fused_qkv_in_a_tensor_parallel_stage_trains_like_single_device() -> None:
+    """Phi-3's grouped-query fused QKV, kept grouped by key/value head (autoplan.passes.kv_groups),
+    in a pipeline stage on a 2-rank tensor-parallel stage mesh (1F1B, 4 micro-batches): the stage
+    keeps the grouped rows, shards them by whole groups, and its ``full_parameters`` (which the
+    comparison reads) give the model's rows back."""
+    run_pipeline_case(PipeCase(model="phi3", layout="tp", schedule="1f1b", pp=1, stage_size=2))
 
 
 @pytest.mark.slow  # 12-25 s of 2 ranks
