@@ -26,10 +26,11 @@ Contract (:func:`group_fused_qkv`):
 * input: the forward graph ``torch.export`` gave (before the joint graph is built, so autograd
   differentiates the rewritten forward);
 * match: a parameter ``W`` (and its bias, if any) read only by ``linear(x, W[, b])`` whose output is
-  read only by three ``slice`` ops of its last dim cutting it into ``(g*G*D, G*D, G*D)`` with
+  read only by three ``slice`` ops of its last dim, or cut by one ``split_with_sizes`` of its last
+  dim read through ``getitem``, into ``(g*G*D, G*D, G*D)`` with
   ``G >= 2`` and ``g >= 2``, each slice read only by views to ``(..., heads, D)`` (``D`` is taken
   from those views);
-* rewrite: ``W`` (and ``b``) are read in the stored layout; each slice becomes
+* rewrite: ``W`` (and ``b``) are read in the stored layout; each slice (or piece) becomes
   ``reshape(slice(view(linear(x, W), (..., G, (g+2)*D)), -1, lo, hi), (..., size))``, the same
   values in the same order as the slice of the model's layout;
 * output: FQN -> :class:`KVGroupRows` of every rewritten parameter. The runtime distributes
@@ -43,6 +44,8 @@ weight read anywhere else (a tied weight).
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -142,6 +145,33 @@ def _param(node: object) -> str | None:
     return target.removeprefix(_WRAPPER_PREFIX) if target.startswith(_WRAPPER_PREFIX) else None
 
 
+def _split_pieces(lin: fx.Node, width: int, last: int) -> list[tuple[fx.Node, int, int]] | None:
+    """``(reader, start, end)`` of each piece ``linear`` node ``lin``'s output is cut into along its
+    last dim: three ``slice`` readers (Phi-3), or one ``split_with_sizes`` whose three pieces are read
+    by ``getitem`` (``qkv.split([q, kv, kv], dim=-1)``); else ``None``."""
+    users = list(lin.users)
+    if len(users) == 1 and users[0].target is aten.split_with_sizes.default and not users[0].kwargs:
+        split = users[0]
+        sizes, dim = split.args[1], split.args[2] if len(split.args) > 2 else 0
+        if split.args[0] is not lin or dim not in (last, -1) or not isinstance(sizes, (list, tuple)):
+            return None
+        starts = [0, *itertools.accumulate(int(x) for x in sizes)]
+        pieces = []
+        for user in split.users:
+            if user.target is not operator.getitem or not isinstance(user.args[1], int):
+                return None
+            i = user.args[1]
+            pieces.append((user, starts[i], starts[i + 1]))
+        return pieces if starts[-1] == width else None
+    pieces = []
+    for user in users:
+        bounds = _slice_bounds(user, lin, width, last)
+        if bounds is None:
+            return None
+        pieces.append((user, *bounds))
+    return pieces
+
+
 def _match(lin: fx.Node) -> tuple[list[str], KVGroupRows, list[tuple[fx.Node, int, int]]] | None:
     """A fused GQA projection at ``linear`` node ``lin`` (module docstring), else ``None``."""
     if lin.op != "call_function" or lin.target is not aten.linear.default or lin.kwargs:
@@ -151,12 +181,9 @@ def _match(lin: fx.Node) -> tuple[list[str], KVGroupRows, list[tuple[fx.Node, in
     if not params or any(p is None for p in params) or out is None or len(out) < 2:
         return None
     width, last = out[-1], len(out) - 1
-    pieces = []
-    for user in lin.users:
-        bounds = _slice_bounds(user, lin, width, last)
-        if bounds is None:
-            return None
-        pieces.append((user, *bounds))
+    pieces = _split_pieces(lin, width, last)
+    if pieces is None:
+        return None
     pieces.sort(key=lambda p: p[1])
     if len(pieces) != 3 or pieces[0][1] != 0 or pieces[-1][2] != width:
         return None
@@ -201,8 +228,11 @@ def group_fused_qkv(gm: fx.GraphModule) -> dict[str, KVGroupRows]:
             with graph.inserting_after(part):
                 flat = graph.call_function(aten.reshape.default, (part, [*lead, hi - lo]))
             part.meta = flat.meta = {k: v for k, v in piece.meta.items() if k != "val"}
+            split = piece.args[0] if piece.target is operator.getitem else None
             piece.replace_all_uses_with(flat)
             graph.erase_node(piece)
+            if isinstance(split, fx.Node) and not split.users:  # the split_with_sizes, once its pieces are gone
+                graph.erase_node(split)
             anchor = flat
         for name in names:
             layouts[name] = rows

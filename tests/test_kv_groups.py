@@ -75,6 +75,58 @@ def test_phi3_gqa_trace_reads_qkv_grouped_and_computes_the_models_loss_and_gradi
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+class SplitQKV(torch.nn.Module):
+    """A decoder layer whose fused grouped-query QKV (with a bias) is cut by ``split`` rather than
+    slices: ``qkv(x).split([H*D, G*D, G*D], dim=-1)`` (DBRX's ``Wqkv`` cut), 4 heads on 2 key/value
+    heads, then causal SDPA and a tied-free LM head."""
+
+    def __init__(self, vocab: int = zoo.VOCAB, hidden: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.qkv = torch.nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim)
+        self.out = torch.nn.Linear(heads * self.head_dim, hidden)
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        (b, t, _), h, g, d = x.shape, self.heads, self.kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, g * d, g * d], dim=-1)
+        q = q.view(b, t, h, d).transpose(1, 2)
+        k = k.view(b, t, g, d).transpose(1, 2).repeat_interleave(h // g, dim=1)
+        v = v.view(b, t, g, d).transpose(1, 2).repeat_interleave(h // g, dim=1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.lm_head(x + self.out(a.transpose(1, 2).reshape(b, t, h * d)))
+
+
+def _logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_a_fused_qkv_cut_by_split_with_a_bias_is_grouped_too_and_computes_the_models_step():
+    model = SplitQKV()
+    ids, labels = zoo.token_batch(batch=2)
+    traced = trace_training_step(model, (ids,), loss_fn=_logits_loss, example_targets=(labels,))
+    assert dict(traced.param_layouts) == {n: KVGroupRows(2, 16, 8) for n in ("qkv.weight", "qkv.bias")}
+    assert not any(n.target is torch.ops.aten.split_with_sizes.default for n in traced.graph_module.graph.nodes)
+
+    params = dict(model.named_parameters())
+    args = [
+        traced.param_layouts[n].to_stored(p.detach()) if n in traced.param_layouts else p.detach()
+        for n, p in params.items()
+    ]
+    loss, *grads = traced.graph_module(*args, ids, labels)
+    model.zero_grad()
+    reference = _logits_loss(model(ids), labels)
+    reference.backward()
+
+    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=0)
+    for (name, p), g in zip(params.items(), grads, strict=True):
+        got = traced.param_layouts[name].to_model(g) if name in traced.param_layouts else g
+        torch.testing.assert_close(got, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize(
     "build",
     [
@@ -183,3 +235,29 @@ def test_plan_records_the_grouped_layout_and_a_plan_without_it_is_refused(one_ra
 
     with pytest.raises(PlanMismatchError, match="rows in the model's order, but the program reads them grouped"):
         Plan.from_dict(old).check_fits(traced)
+
+
+def test_with_tensor_parallel_pins_the_split_qkv_and_its_attention_run_on_each_ranks_groups():
+    import autoplan
+    from autoplan.planner.mesh import planning_alone
+    from tests.harness import cpu_cluster, forward_matmul_operands
+
+    model = SplitQKV()
+    ids, labels = zoo.token_batch(batch=2)
+    pins = {"input_0": "R", "target_0": "R", "qkv.weight": "S(0)", "qkv.bias": "S(0)", "out.weight": "S(1)"}
+    with planning_alone():  # whether or not this module's one-rank group is up (no collective is run)
+        plan = autoplan.plan(
+            model, cpu_cluster("2xCPU"), example_inputs=(ids,), loss_fn=_logits_loss,
+            example_targets=(labels,), optimizer="sgd", pins=pins, profile=None,
+        )  # fmt: skip
+    traced = trace_training_step(model, (ids,), loss_fn=_logits_loss, example_targets=(labels,))
+
+    weights = {
+        fqn: "".join(plan.nodes[node.name]["in"][i])
+        for node, operands in forward_matmul_operands(traced)
+        for i, fqn, _ in operands
+        if fqn in ("qkv.weight", "out.weight")
+    }
+    assert weights == {"qkv.weight": "S(1)", "out.weight": "S(0)"}, weights  # transposed: column, row parallel
+    attention = [r for r in plan.nodes.values() if "sdpa" in r["op"] and "backward" not in r["op"]]
+    assert attention and all(r["in"][0] == ["S(1)"] for r in attention), attention  # (B, H, T, D) by heads
