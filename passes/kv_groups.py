@@ -155,7 +155,9 @@ def _split_pieces(lin: fx.Node, width: int, last: int) -> list[tuple[fx.Node, in
         sizes, dim = split.args[1], split.args[2] if len(split.args) > 2 else 0
         if split.args[0] is not lin or dim not in (last, -1) or not isinstance(sizes, (list, tuple)):
             return None
-        starts = [0, *itertools.accumulate(int(x) for x in sizes)]
+        if not all(isinstance(x, int) for x in sizes):  # a symbolic size: not matched
+            return None
+        starts = [0, *itertools.accumulate(x for x in sizes if isinstance(x, int))]
         pieces = []
         for user in split.users:
             if user.target is not operator.getitem or not isinstance(user.args[1], int):
