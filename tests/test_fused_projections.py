@@ -51,6 +51,18 @@ def _tp_case(name: str, build, pins: dict[str, str]) -> Case:  # noqa: ANN001 - 
     )
 
 
+def _trains_tensor_parallel(case: Case, *, param_specs: dict[str, tuple[str, ...]], weights: list[str]) -> dict:
+    """Run ``case``; assert the plan gives the named parameters these placements, every forward
+    matmul of ``weights`` multiplies its local shard (axis 0), and training matches one device.
+    Returns rank 0's result."""
+    results = run_case(case)
+    plan = results[0]["plan"]
+    assert {n: plan.param_specs[n] for n in param_specs} == param_specs
+    assert_layers_use_sharded_weights(results[0], axis=0, weights=weights)
+    assert_trains_like_reference(results)
+    return results[0]
+
+
 def phi3_tiny(seed: int = 0, kv_heads: int = 2, num_layers: int = 2):  # noqa: ANN201 - a transformers Phi3ForCausalLM
     """HF Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``): ``num_layers`` layers, hidden 32, MLP 64, 4 heads of
     8 sharing ``kv_heads`` key/value heads (4: Phi-3-mini's layout), vocab 128, 64 positions, no
@@ -69,28 +81,20 @@ def phi3_tiny(seed: int = 0, kv_heads: int = 2, num_layers: int = 2):  # noqa: A
 
 
 def test_gpt2_fused_qkv_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
-    case = _tp_case("gpt2-fused-qkv-tp-2", zoo.gpt2_tiny, zoo.GPT2_TP_PINS)
-    results = run_case(case)
-
-    plan = results[0]["plan"]
-    assert all(plan.param_specs[f"transformer.h.{i}.attn.c_attn.weight"] == ("S(1)/3",) for i in range(2))
-    assert_layers_use_sharded_weights(
-        results[0],
-        axis=0,
+    _trains_tensor_parallel(
+        _tp_case("gpt2-fused-qkv-tp-2", zoo.gpt2_tiny, zoo.GPT2_TP_PINS),
+        param_specs={f"transformer.h.{i}.attn.c_attn.weight": ("S(1)/3",) for i in range(2)},
         weights=["*attn.c_attn.weight", "*attn.c_proj.weight", "*mlp.c_fc.weight", "*mlp.c_proj.weight"],
     )
-    assert_trains_like_reference(results)
 
 
 @pytest.mark.slow
 def test_phi3_fused_gate_up_runs_feature_parallel_on_2_ranks_and_trains_like_single_device():
-    case = _tp_case("phi3-fused-gate-up-tp-2", phi3_tiny, PHI3_MLP_TP_PINS)
-    results = run_case(case)
-
-    plan = results[0]["plan"]
-    assert all(plan.param_specs[f"model.layers.{i}.mlp.gate_up_proj.weight"] == ("S(0)/2",) for i in range(2))
-    assert_layers_use_sharded_weights(results[0], axis=0, weights=["*.gate_up_proj.weight", "*.down_proj.weight"])
-    assert_trains_like_reference(results)
+    _trains_tensor_parallel(
+        _tp_case("phi3-fused-gate-up-tp-2", phi3_tiny, PHI3_MLP_TP_PINS),
+        param_specs={f"model.layers.{i}.mlp.gate_up_proj.weight": ("S(0)/2",) for i in range(2)},
+        weights=["*.gate_up_proj.weight", "*.down_proj.weight"],
+    )
 
 
 def phi3_mini_tiny(seed: int = 0):  # noqa: ANN201 - a transformers Phi3ForCausalLM
@@ -103,19 +107,14 @@ def test_phi3_mini_layout_fused_qkv_slices_run_head_parallel_on_2_ranks_and_trai
     """Phi-3 slices its fused QKV (``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``);
     with as many key/value heads as heads the slices are the 3 equal segments of ``S(1)/3``, so the
     attention runs on each rank's heads and ``o_proj`` row-parallel (before: both gathered)."""
-    case = _tp_case("phi3-mha-fused-qkv-tp-2", phi3_mini_tiny, PHI3_TP_PINS)
-    results = run_case(case)
-
-    plan = results[0]["plan"]
-    assert all(plan.param_specs[f"model.layers.{i}.self_attn.qkv_proj.weight"] == ("S(0)/3",) for i in range(2))
-    slices = [r for n, r in plan.nodes.items() if r["op"] == "aten.slice_backward.default" and r["out"] == [["S(2)/3"]]]
-    assert len(slices) == 2 * 3, slices  # the q, k and v gradients land in their segments, in both layers
-    assert_layers_use_sharded_weights(
-        results[0],
-        axis=0,
+    result = _trains_tensor_parallel(
+        _tp_case("phi3-mha-fused-qkv-tp-2", phi3_mini_tiny, PHI3_TP_PINS),
+        param_specs={f"model.layers.{i}.self_attn.qkv_proj.weight": ("S(0)/3",) for i in range(2)},
         weights=["*.qkv_proj.weight", "*.o_proj.weight", "*.gate_up_proj.weight", "*.down_proj.weight"],
     )
-    assert_trains_like_reference(results)
+    nodes = result["plan"].nodes
+    slices = [r for r in nodes.values() if r["op"] == "aten.slice_backward.default" and r["out"] == [["S(2)/3"]]]
+    assert len(slices) == 2 * 3, slices  # the q, k and v gradients land in their segments, in both layers
 
 
 def test_phi3_gqa_fused_qkv_grouped_by_key_value_head_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
@@ -125,17 +124,11 @@ def test_phi3_gqa_fused_qkv_grouped_by_key_value_head_runs_head_parallel_on_2_ra
     (:mod:`autoplan.passes.kv_groups`), a plain ``S(0)`` of it holds whole groups, and the
     attention runs on each rank's heads with ``o_proj`` row-parallel (before: both gathered, 2 of
     the 9 forward weight matmuls sharded). The reference compares the model's own layout."""
-    case = _tp_case("phi3-gqa-fused-qkv-tp-2", phi3_tiny, PHI3_TP_PINS)
-    results = run_case(case)
-
-    plan = results[0]["plan"]
-    assert all(plan.param_specs[f"model.layers.{i}.self_attn.qkv_proj.weight"] == ("S(0)",) for i in range(2))
-    assert_layers_use_sharded_weights(
-        results[0],
-        axis=0,
+    _trains_tensor_parallel(
+        _tp_case("phi3-gqa-fused-qkv-tp-2", phi3_tiny, PHI3_TP_PINS),
+        param_specs={f"model.layers.{i}.self_attn.qkv_proj.weight": ("S(0)",) for i in range(2)},
         weights=["*.qkv_proj.weight", "*.o_proj.weight", "*.gate_up_proj.weight", "*.down_proj.weight"],
     )
-    assert_trains_like_reference(results)
 
 
 BLOOM_TP_PINS = {
@@ -167,18 +160,16 @@ def test_bloom_eager_attention_runs_head_parallel_on_2_ranks_and_trains_like_sin
     """BLOOM flattens ``(B, H, T, D)`` to ``(B * H, T, D)`` around its ``baddbmm``/``bmm``; with
     the heads sharded that is ``S(0)/B`` of the flattened dim (:func:`merged_dim_counts`), so the
     attention scores and context are computed on each rank's heads, forward and backward."""
-    case = _tp_case("bloom-eager-attention-tp-2", bloom_tiny, BLOOM_TP_PINS)
-    results = run_case(case)
-
-    plan = results[0]["plan"]
-    batched = {n: r["in"] for n, r in plan.nodes.items() if r["op"] in ("aten.baddbmm.default", "aten.bmm.default")}
+    result = _trains_tensor_parallel(
+        _tp_case("bloom-eager-attention-tp-2", bloom_tiny, BLOOM_TP_PINS),
+        param_specs={},
+        weights=["*.query_key_value.weight", "*.dense_h_to_4h.weight", "*.dense_4h_to_h.weight"],
+    )
+    nodes = result["plan"].nodes
+    batched = {n: r["in"] for n, r in nodes.items() if r["op"] in ("aten.baddbmm.default", "aten.bmm.default")}
     assert len(batched) == 2 * 2 + 2 * 4  # per layer: forward baddbmm and bmm, backward 4 bmm
     gathered = {n: spec for n, spec in batched.items() if any(s != ["S(0)/2"] for s in spec[-2:])}
     assert not gathered, f"attention matmuls on gathered heads: {gathered}"
-    assert_layers_use_sharded_weights(
-        results[0], axis=0, weights=["*.query_key_value.weight", "*.dense_h_to_4h.weight", "*.dense_4h_to_h.weight"]
-    )
-    assert_trains_like_reference(results)
 
 
 def _checkpoint_round_trip(rank: int, world_size: int, root: str) -> dict:
