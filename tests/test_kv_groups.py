@@ -192,23 +192,34 @@ def test_checkpoint_records_the_layout_and_reads_back_the_models(one_rank_phi3):
     assert all(torch.equal(saved[n], full[n]) for n in full)
 
 
-def test_checkpoint_in_another_layout_is_refused_naming_the_parameter(one_rank_phi3, tmp_path):
+def _without_layouts(root: Path, tmp_path: Path) -> checkpoint.Checkpoint:
+    """A copy of ``root``'s newest checkpoint whose marker records no layout, as a checkpoint
+    written before autoplan grouped the fused QKV reads."""
     import shutil
 
-    _, pm, opt, _, root = one_rank_phi3
     shutil.copytree(root, tmp_path / "ckpt")
-    marker_path = tmp_path / "ckpt" / "step_1" / checkpoint.COMPLETE_MARKER
-    marker = json.loads(marker_path.read_text())
-    del marker["param_layouts"]  # as written before autoplan grouped the projection
-    marker_path.write_text(json.dumps(marker))
     latest = checkpoint.find_latest(tmp_path / "ckpt")
     assert latest is not None
+    marker_path = latest.path / checkpoint.COMPLETE_MARKER
+    marker = json.loads(marker_path.read_text())
+    del marker["param_layouts"]
+    marker_path.write_text(json.dumps(marker))
+    found = checkpoint.find_latest(tmp_path / "ckpt")
+    assert found is not None and not found.param_layouts
+    return found
 
-    with pytest.raises(
-        CheckpointError,
-        match=r"stores model\.layers\.0\.self_attn\.qkv_proj\.weight with its rows in the model's order",
-    ):
-        checkpoint.load(latest, pm, opt)
+
+def test_checkpoint_in_another_layout_is_refused_naming_the_parameter(one_rank_phi3, tmp_path):
+    _, pm, opt, plan, root = one_rank_phi3
+    old = _without_layouts(root, tmp_path)
+    shapes = {n: tuple(t.shape) for n, t in pm.full_parameters().items()}
+    checkpoint.check_compatible(checkpoint.find_latest(root), plan, shapes)  # as written: compatible
+
+    refused = r"stores model\.layers\.0\.self_attn\.qkv_proj\.weight with its rows in the model's order"
+    with pytest.raises(CheckpointError, match=refused):  # before any rank starts (autoplan run)
+        checkpoint.check_compatible(old, plan, shapes)
+    with pytest.raises(CheckpointError, match=refused):  # and when loading
+        checkpoint.load(old, pm, opt)
 
 
 def test_plan_records_the_grouped_layout_and_a_plan_without_it_is_refused(one_rank_phi3):

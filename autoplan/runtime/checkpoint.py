@@ -324,8 +324,8 @@ def _verified_index(ckpt: Checkpoint) -> Metadata:
 
 def check_compatible(ckpt: Checkpoint, plan: Plan, param_shapes: Mapping[str, tuple[int, ...]]) -> None:
     """Cheap check, before any rank starts, that ``ckpt`` is readable and holds every
-    parameter of ``plan``'s model, with the shapes ``param_shapes`` (FQN -> shape), and state
-    for its optimizer."""
+    parameter of ``plan``'s model, with the shapes ``param_shapes`` (FQN -> shape), state for
+    its optimizer, and the fused QKV projections in the layout the plan's program keeps them in."""
     if ckpt.optimizer != plan.optimizer:
         raise CheckpointError(
             f"checkpoint {ckpt.path} holds {ckpt.optimizer} state but the plan trains with {plan.optimizer}: "
@@ -340,6 +340,7 @@ def check_compatible(ckpt: Checkpoint, plan: Plan, param_shapes: Mapping[str, tu
         )
     for fqn, shape in param_shapes.items():
         _check_shape(ckpt, f"model.{fqn}", entries.get(f"model.{fqn}"), tuple(shape))
+    _check_layouts(ckpt, plan.param_layouts, plan.param_layouts)  # the blocks the plan was traced with
 
 
 def _check_shape(ckpt: Checkpoint, key: str, meta: object, shape: tuple[int, ...]) -> None:
