@@ -13,7 +13,7 @@ out/down projections), count the forward mm/addmm/bmm/linear nodes whose weight 
 (``S(d)`` or a fused projection's ``S(d)/k``). The tied ``lm_head`` is not pinned and stays
 replicated in every family. Prints a row per family and a final line::
 
-    tp_sharded_matmuls: gpt2=8/9 phi3=8/9 phi3-mha=8/9 falcon=6/9 bloom=8/9 llama=14/15
+    tp_sharded_matmuls: gpt2=8/9 phi3=8/9 phi3-mha=8/9 falcon=6/9 bloom=8/9 gpt_neox=8/9 llama=14/15
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ FAMILIES = {
         "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
     "bloom (query_key_value)": (hf_models.bloom_zoo, {
         "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
+        "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
+    "gpt_neox (query_key_value per head)": (hf_models.gpt_neox_zoo, {
+        "*query_key_value.weight": "S(0)", "*attention.dense.weight": "S(1)",
         "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
     "llama (control, unfused)": (hf_models.llama_zoo, {
         "*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",

@@ -172,6 +172,36 @@ def test_bloom_eager_attention_runs_head_parallel_on_2_ranks_and_trains_like_sin
     assert not gathered, f"attention matmuls on gathered heads: {gathered}"
 
 
+def gpt_neox_tiny(seed: int = 0):  # noqa: ANN201 - a transformers GPTNeoXForCausalLM
+    """HF GPT-NeoX (Pythia): fused ``query_key_value`` laid out per head (``(H, 3 * D)``: each
+    head's q, k and v rows together), partial rotary, parallel residual; 2 layers, hidden 32, 4
+    heads, vocab 128, no dropout."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, vocab_size=zoo.VOCAB,
+        max_position_embeddings=zoo.MAX_POSITIONS, use_cache=False, bos_token_id=0, eos_token_id=0,
+        attention_dropout=0.0, hidden_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return GPTNeoXForCausalLM(config).eval()
+
+
+@pytest.mark.slow
+def test_gpt_neox_per_head_fused_qkv_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
+    """GPT-NeoX keeps each head's q, k and v rows together in its fused weight, so a plain ``S(0)``
+    holds whole heads and the attention runs on them (no segment shard, no grouped layout)."""
+    _trains_tensor_parallel(
+        _tp_case("gpt-neox-per-head-qkv-tp-2", gpt_neox_tiny, {
+            "*.query_key_value.weight": "S(0)", "*.attention.dense.weight": "S(1)",
+            "*.dense_h_to_4h.weight": "S(0)", "*.dense_4h_to_h.weight": "S(1)"}),
+        param_specs={f"gpt_neox.layers.{i}.attention.query_key_value.weight": ("S(0)",) for i in range(2)},
+        weights=["*.query_key_value.weight", "*.attention.dense.weight", "*.dense_h_to_4h.weight",
+                 "*.dense_4h_to_h.weight"],
+    )  # fmt: skip
+
+
 def _checkpoint_round_trip(rank: int, world_size: int, root: str) -> dict:
     import torch
 
