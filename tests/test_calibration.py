@@ -334,11 +334,12 @@ def test_catalog_clusters_serialise_without_profile_sections() -> None:
 
 
 @pytest.mark.slow  # launches torchrun; one gloo rank aborted at teardown once under a full-suite load
-def test_calibrate_on_two_gloo_ranks_writes_a_loadable_profile(tmp_path, capsys) -> None:
+def test_calibrate_on_two_gloo_ranks_writes_a_loadable_profile(tmp_path, capsys, caplog) -> None:
     out = tmp_path / "cpu2.yaml"
-    rc = autoplan.tools.cli.main(
-        ["calibrate", "--cluster", "2xCPU", "--out", str(out), "--max-bytes", str(4 * MiB), "--warmup", "2", "-q"]
-    )
+    with caplog.at_level("WARNING", logger="autoplan.cost_models.calibration"):
+        rc = autoplan.tools.cli.main(
+            ["calibrate", "--cluster", "2xCPU", "--out", str(out), "--max-bytes", str(4 * MiB), "--warmup", "2", "-q"]
+        )
     stdout = capsys.readouterr().out
     assert rc == 0, stdout
     assert "calibrate: axes=intra(2) fit_err_median=" in stdout.splitlines()[-1]
@@ -346,7 +347,12 @@ def test_calibrate_on_two_gloo_ranks_writes_a_loadable_profile(tmp_path, capsys)
     cluster = Cluster.from_file(out)
     link = cluster.axis_link("intra")
     assert link.bw_GBps > 0 and link.latency_us >= 0
-    assert set(link.collectives) == set(COMM_KINDS)
+    # a kind whose time does not grow with size on a loaded machine is priced with the joint fit,
+    # with a warning naming it (cost_models.calibration.fit_links): never dropped silently
+    unfitted = set(COMM_KINDS) - set(link.collectives)
+    assert set(link.collectives) <= set(COMM_KINDS) and len(unfitted) <= 1, link.collectives
+    for kind in unfitted:
+        assert any(f"{kind} is priced with the joint fit" in r.getMessage() for r in caplog.records), kind
     assert all(fit.bw_GBps > 0 for fit in link.collectives.values())
     assert cluster.calibration is not None and cluster.calibration.num_samples == len(COMM_KINDS) * 11
     assert cluster.calibration.comm_compute_slowdown is not None and cluster.calibration.comm_compute_slowdown >= 0
