@@ -155,7 +155,7 @@ def sdpa_backward(
     if cp_group:
         _check_ring_call(attn_mask, cp_group)
         dq, dk, dv = ring_attention_backward(grad_out, query, key, value, is_causal, scale, cp_group)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        return _input_shaped(dq, dk, dv, query, key, value)
     if query.device.type == "cpu" and attn_mask is None and not enable_gqa:
         # PyTorch's own fused CPU kernels (what autograd runs for F.scaled_dot_product_attention on
         # CPU, so the gradients are bitwise those of the single-device model): the forward again
@@ -166,9 +166,20 @@ def sdpa_backward(
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, query, key, value, out, lse, 0.0, is_causal, scale=scale
         )
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+        return _input_shaped(dq, dk, dv, query, key, value)
     dq, dk, dv, _ = _sdpa_grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa)
-    return dq, dk, dv
+    return _input_shaped(dq, dk, dv, query, key, value)
+
+
+def _input_shaped(
+    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each gradient in its input's shape, as the fake kernel promises: an input that broadcasts
+    along a dim (multi-query attention's one key/value head, ``(B, 1, S, D)`` beside ``H`` query
+    heads, as Falcon-7B passes it) gets its gradient summed over that dim. The kernels give the
+    broadcast shape there, so the CPU trace had an extra sum the meta trace lacked and the two
+    programs differed (Falcon's plans were refused at run time)."""
+    return tuple(g.sum_to_size(x.shape).contiguous() for g, x in ((dq, query), (dk, key), (dv, value)))  # type: ignore[return-value]
 
 
 @sdpa_backward.register_fake

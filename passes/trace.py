@@ -473,11 +473,21 @@ def _check_grads(gm: fx.GraphModule, trainable_names: Sequence[str]) -> None:
         )
 
 
+_CONSTANT_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.lift_fresh_copy.default)
+
+
 def _clean_graph(gm: fx.GraphModule) -> None:
     g = gm.graph
     for node in list(g.nodes):
         if node.op == "call_function" and node.target in _DROP_TARGETS and not node.users:
             g.erase_node(node)
+        elif _is_constant_copy(node):
+            # a copy of a tensor constant that nothing writes into is the constant: tracing on
+            # CPU records one (``lift_fresh_copy`` of an index list such as Falcon's
+            # ``fused_qkv[..., [-2], :]``), tracing on meta does not, and the two programs must match
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+    _constant_per_reader(gm)
     g.eliminate_dead_code()
     for node in g.nodes:
         if (
@@ -487,6 +497,30 @@ def _clean_graph(gm: fx.GraphModule) -> None:
         ):
             raise UnsupportedModelError(f"node {node.name} ({node.target}) has no tensor metadata")
     # no recompile: _canonicalize replaces the graph (which recompiles)
+
+
+def _is_constant_copy(node: fx.Node) -> bool:
+    """``clone``/``lift_fresh_copy`` of a ``get_attr`` constant, no reader of which writes into it."""
+    if node.op != "call_function" or node.target not in _CONSTANT_COPIES or node.kwargs.get("memory_format"):
+        return False
+    src = node.args[0]
+    return isinstance(src, fx.Node) and src.op == "get_attr" and not any(writes_an_argument(u) for u in node.users)
+
+
+def _constant_per_reader(gm: fx.GraphModule) -> None:
+    """Every reader of a tensor constant reads its own ``get_attr``, placed right before it.
+    Tracing on CPU shares one constant between readers where tracing on meta makes one per reader
+    (Falcon's index lists, forward and backward), and puts it elsewhere in the graph; the two
+    programs must match (``fingerprint``). Constants are never written into (the graph is
+    functional), so a reader's own copy of the node reads the same tensor."""
+    g = gm.graph
+    for node in [n for n in g.nodes if n.op == "get_attr"]:
+        for user in list(node.users):
+            with g.inserting_before(user):
+                mine = g.get_attr(str(node.target))
+            mine.meta = dict(node.meta)
+            user.replace_input_with(node, mine)
+        g.erase_node(node)
 
 
 _CANONICAL_TARGETS = {
