@@ -530,6 +530,22 @@ _CANONICAL_TARGETS = {
 }
 
 
+def _eval_batch_norm_saves_nothing(node: fx.Node) -> None:
+    """Batch norm in eval mode saves no statistics for its backward (which reads the running
+    ones): its CPU and CUDA kernels return empty ``save_mean``/``save_invstd``, its meta kernel
+    ``(C,)`` ones. Both become empty, in the node's value and its readers', so a model traced on
+    meta plans the program CPU and CUDA ranks trace (ResNet's plans were refused at run time)."""
+    val = node.meta.get("val")
+    if not isinstance(val, (tuple, list)) or len(val) != 3:
+        return
+    empty = [v.new_empty((0,)) if isinstance(v, torch.Tensor) else v for v in val[1:]]
+    node.meta["val"] = (val[0], *empty)
+    for user in node.users:
+        index = user.args[1] if user.target is operator.getitem else None
+        if isinstance(index, int) and index in (1, 2):
+            user.meta["val"] = empty[index - 1]
+
+
 def _canonicalize(gm: fx.GraphModule) -> None:
     """Make the graph identical whatever device the model was traced on (meta, CPU, CUDA):
     canonical targets and names ``<op>_<k>`` numbered in graph order."""
@@ -537,6 +553,8 @@ def _canonicalize(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "get_attr"):
             continue
+        if node.target is torch.ops.aten._native_batch_norm_legit_no_training.default:
+            _eval_batch_norm_saves_nothing(node)
         node.target = _CANONICAL_TARGETS.get(node.target, node.target)
         if node.target is torch.ops.aten.view.default and isinstance(node.meta.get("val"), torch.Tensor):
             node.args = (node.args[0], list(node.meta["val"].shape))  # resolve -1 the same way everywhere

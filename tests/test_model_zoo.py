@@ -51,8 +51,6 @@ FAST = ("mixtral", "bert")
 """The CI subset: a mixture of experts and an encoder (GPT-2's fused qkv trains on 2 ranks in CI in
 tests/test_fused_projections.py; the other models run with -m slow: the suite's 15-minute budget)."""
 KNOWN_BUGS = {
-    "resnet": "the meta trace differs from the CPU trace: native_batch_norm in eval mode returns save_mean/save_invstd "
-    "of shape (C,) on meta, (0,) on CPU; the plan is refused with PlanMismatchError",
     "swin": "native_layer_norm_backward's meta kernel gives grad_input the strides of a transposed grad_out, the CPU "
     "kernel contiguous ones: the meta trace differs (PlanMismatchError), and planned on CPU, DTensor's meta-based "
     "propagation then refuses the view of that gradient (RuntimeError: Cannot view a tensor ...); its backward also "
