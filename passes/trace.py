@@ -54,7 +54,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.cost_models.errors import UnsupportedModelError
 from autoplan.passes.attention import attention_as_single_op, causal_masks_as_flag
-from autoplan.passes.kv_groups import KVGroupRows, group_fused_qkv
+from autoplan.passes.kv_groups import group_fused_qkv
+from autoplan.passes.kv_rows import KVGroupRows
 from autoplan.passes.losses import mean_losses_as_sums
 from autoplan.passes.moe import experts_as_single_op
 from autoplan.passes.plan_text import param_node_name, placeholder_name

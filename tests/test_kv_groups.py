@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autoplan.errors import CheckpointError
-from autoplan.passes.kv_groups import KVGroupRows
+from autoplan.passes.kv_rows import KVGroupRows
 from autoplan.passes.trace import trace_training_step
 from autoplan.runtime import checkpoint
 from tests import zoo

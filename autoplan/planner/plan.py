@@ -33,7 +33,7 @@ from autoplan.cost_models.files import (
 from autoplan.cost_models.memory import OPTIMIZERS
 from autoplan.cost_models.version import __version__
 from autoplan.passes.explain import NodeExplanation
-from autoplan.passes.kv_groups import KVGroupRows, layout_text, layouts_from_json, layouts_to_json
+from autoplan.passes.kv_rows import KVGroupRows, layout_text, layouts_from_json, layouts_to_json
 from autoplan.passes.plan_text import param_node_name, spec_text
 
 if TYPE_CHECKING:  # loading, checking and printing a plan needs no torch (`autoplan show` starts fast)

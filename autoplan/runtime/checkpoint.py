@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from autoplan.cost_models.errors import CheckpointError, CorruptCheckpointError
-from autoplan.passes.kv_groups import KVGroupRows, layout_text, layouts_from_json, layouts_to_json, to_model
+from autoplan.passes.kv_rows import KVGroupRows, layout_text, layouts_from_json, layouts_to_json, to_model
 from autoplan.planner.plan import Plan
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel

@@ -14,7 +14,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.modules.module import _IncompatibleKeys
 
 from autoplan.cost_models.errors import PlanError
-from autoplan.passes import kv_groups
+from autoplan.passes import kv_rows
 from autoplan.passes.placement import parse_spec, spec_str
 from autoplan.passes.trace import TracedProgram
 from autoplan.planner.plan import Plan
@@ -129,7 +129,7 @@ class ParallelModel(torch.nn.Module):
         for n, p in self.named_sharded_parameters():
             value = p.detach()
             assert isinstance(value, DTensor)
-            out[n] = kv_groups.to_model(self.param_layouts, n, value.full_tensor())
+            out[n] = kv_rows.to_model(self.param_layouts, n, value.full_tensor())
         return out
 
     @property

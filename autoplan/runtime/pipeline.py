@@ -75,8 +75,8 @@ from autoplan.cost_models.comm_schedule import (
 )
 from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
-from autoplan.passes import kv_groups
-from autoplan.passes.kv_groups import KVGroupRows
+from autoplan.passes import kv_rows
+from autoplan.passes.kv_rows import KVGroupRows
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
 from autoplan.passes.recompute import POLICIES, recompute_stage_program
@@ -831,7 +831,7 @@ class PipelineModel(torch.nn.Module):
             for fqn, p in zip(st.program.param_names, st.params, strict=True):
                 value = p.detach()
                 assert isinstance(value, DTensor)
-                full = kv_groups.to_model(st.param_layouts, fqn, value.full_tensor())
+                full = kv_rows.to_model(st.param_layouts, fqn, value.full_tensor())
                 mine.setdefault(fqn, full)
         gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)

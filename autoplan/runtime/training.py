@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autoplan.cost_models.errors import PlanError
-from autoplan.passes.kv_groups import KVGroupRows, to_stored
+from autoplan.passes.kv_rows import KVGroupRows, to_stored
 from autoplan.runtime.collectives import segment_layout
 from autoplan.runtime.lowering import local_shard
 
