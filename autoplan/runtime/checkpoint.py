@@ -46,7 +46,7 @@ import re
 import shutil
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -340,7 +340,7 @@ def check_compatible(ckpt: Checkpoint, plan: Plan, param_shapes: Mapping[str, tu
         )
     for fqn, shape in param_shapes.items():
         _check_shape(ckpt, f"model.{fqn}", entries.get(f"model.{fqn}"), tuple(shape))
-    _check_layouts(ckpt, plan.param_layouts, plan.param_layouts)  # the blocks the plan was traced with
+    _check_layouts(ckpt, plan.param_layouts, plan.param_names)  # the blocks the plan was traced with
 
 
 def _check_shape(ckpt: Checkpoint, key: str, meta: object, shape: tuple[int, ...]) -> None:
@@ -510,8 +510,8 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
     return int(sd["train.step"])
 
 
-def _check_layouts(ckpt: Checkpoint, layouts: Mapping[str, KVGroupRows], params: Mapping[str, object]) -> None:
-    """The checkpoint stores every parameter in the layout this program keeps it in (a checkpoint
+def _check_layouts(ckpt: Checkpoint, layouts: Mapping[str, KVGroupRows], params: Iterable[str]) -> None:
+    """The checkpoint stores each of ``params`` in the layout this program keeps it in (a checkpoint
     written before autoplan grouped a fused grouped-query QKV projection by key/value head holds it
     in the model's row order: loading it in place would scramble the heads)."""
     for fqn in params:

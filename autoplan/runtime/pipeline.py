@@ -76,7 +76,6 @@ from autoplan.cost_models.comm_schedule import (
 from autoplan.cost_models.config import ScheduleName, check_schedule
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes import kv_rows
-from autoplan.passes.kv_rows import KVGroupRows
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
 from autoplan.passes.recompute import POLICIES, recompute_stage_program
@@ -175,7 +174,7 @@ class StageModule(torch.nn.Module):
         num_microbatches: int = 1,
         converts_grads: bool = False,
         deferred_grads: frozenset[str] = frozenset(),
-        param_layouts: Mapping[str, KVGroupRows] | None = None,
+        param_layouts: Mapping[str, kv_rows.KVGroupRows] | None = None,
     ) -> None:
         super().__init__()
         self.program = program
@@ -510,14 +509,14 @@ class PipelineModel(torch.nn.Module):
         tied_stages: Mapping[str, tuple[int, ...]] | None = None,
         offload_optimizer: bool = False,
         plan: Plan | None = None,
-        param_layouts: Mapping[str, KVGroupRows] | None = None,
+        param_layouts: Mapping[str, kv_rows.KVGroupRows] | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
+        """The plan this pipeline applies (``autoplan.parallelize``; ``None`` when built from its parts)."""
         self.param_layouts = dict(param_layouts or {})
         """FQN -> the layout the stages keep a parameter in where it is not the model's (every
         rank knows all of them; :attr:`ParallelModel.param_layouts <autoplan.runtime.parallel.ParallelModel.param_layouts>`)."""
-        """The plan this pipeline applies (``autoplan.parallelize``; ``None`` when built from its parts)."""
         self.batch_values = tuple(batch_values)
         """Stage 0's inputs then the last stage's targets: one micro-batch's model inputs and loss
         targets, with their placements on the stage mesh (every rank knows them; first-stage ranks
