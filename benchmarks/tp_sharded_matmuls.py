@@ -13,7 +13,8 @@ out/down projections), count the forward mm/addmm/bmm/linear nodes whose weight 
 (``S(d)`` or a fused projection's ``S(d)/k``). The tied ``lm_head`` is not pinned and stays
 replicated in every family. Prints a row per family and a final line::
 
-    tp_sharded_matmuls: gpt2=8/9 phi3=8/9 phi3-mha=8/9 falcon=6/9 bloom=8/9 gpt_neox=8/9 llama=14/15
+    tp_sharded_matmuls: gpt2=8/9 phi3=8/9 phi3-mha=8/9 falcon=6/9 falcon-wide=8/9 bloom=8/9 gpt_neox=8/9
+    llama=14/15
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ FAMILIES = {
     "falcon (query_key_value, MQA)": (hf_models.falcon_zoo, {
         "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
         "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
+    "falcon-wide (MQA, hidden 512)": (lambda: falcon_wide(), {
+        "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
+        "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
     "bloom (query_key_value)": (hf_models.bloom_zoo, {
         "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
         "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
@@ -55,6 +59,20 @@ FAMILIES = {
         "*o_proj.weight": "S(1)", "*gate_proj.weight": "S(0)", "*up_proj.weight": "S(0)",
         "*down_proj.weight": "S(1)"}),
 }  # fmt: skip
+
+
+def falcon_wide() -> autoplan.Workload:
+    """:func:`hf_models.falcon_zoo` with 8 heads of 64 (hidden 512): its fused multi-query weight
+    (640 x 512) is 8 times the q/k/v activation of the zoo batch (64 tokens x 640), so the planner
+    multiplies its row shards and gathers the activation; on the hidden-32 zoo config the weight is
+    the smaller operand and the planner gathers it (at hidden 256, ratio 4, it still does)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        num_hidden_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=hf_models.ZOO_VOCAB,
+        use_cache=False, bos_token_id=0, eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    return hf_models._causal_lm(FalconForCausalLM(cfg))
 
 
 def weight_matmuls(wl: autoplan.Workload, plan: autoplan.Plan) -> list[tuple[str, str, str]]:

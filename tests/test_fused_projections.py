@@ -16,7 +16,8 @@ weight matmuls on sharded weights (``c_attn`` and, after the gathered heads, ``a
 gathered), Phi-3 0 of 9 (2 of 9 with segment shards only, its grouped-query QKV gathered; 8 of 9
 with the QKV stored grouped by key/value head, :mod:`autoplan.passes.kv_groups`). BLOOM's attention matmuls ran on gathered heads (with the catalog's
 links, 4 of its 9 forward weight matmuls on a sharded weight before, 8 of 9 after:
-``benchmarks/tp_sharded_matmuls.py``).
+``benchmarks/tp_sharded_matmuls.py``). Falcon's multi-query ``query_key_value`` cannot be split by
+heads; it runs on its plain row shards where its weight outweighs the activation it makes.
 """
 
 from __future__ import annotations
@@ -253,3 +254,42 @@ def test_checkpoint_of_segment_sharded_fused_weights_resumes_bit_identically(tmp
     r = results[0]
     assert r["segmented"], r  # the plan does split the fused c_attn weights segment by segment
     assert r["step"] == 2 and r["max_diff"] == 0.0 and r["keys_on_disk"] > 0, r
+
+
+def falcon_wide_tiny(seed: int = 0):  # noqa: ANN201 - a transformers FalconForCausalLM
+    """HF Falcon (7B layout: multi-query ``query_key_value`` of rows ``[q (H·D); k (D); v (D)]``,
+    parallel attention and MLP), 2 layers, 4 heads of 64 (hidden 256), vocab 128, no dropout: its
+    fused weight (384 x 256) outweighs the activation it makes for 2 sequences of 16 tokens (32 x 384)
+    eight times over. (At hidden 128 the planner gathers the weight: moving the q, k and v segments
+    forward and their gradients backward then costs more.)"""
+    import torch
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(
+        num_hidden_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=zoo.VOCAB, use_cache=False,
+        bos_token_id=0, eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return FalconForCausalLM(config).eval()
+
+
+FALCON_TP_PINS = {
+    "*.query_key_value.weight": "S(0)", "*.self_attention.dense.weight": "S(1)",
+    "*.dense_h_to_4h.weight": "S(0)", "*.dense_4h_to_h.weight": "S(1)",
+}  # fmt: skip
+
+
+def test_falcon_multi_query_fused_qkv_runs_on_its_row_shards_on_2_ranks_and_trains_like_single_device():
+    """Multi-query attention's single key/value head cannot be split by heads (Megatron-Core needs
+    the key/value heads to divide by the tensor-parallel degree; the grouped layout of
+    :mod:`autoplan.passes.kv_groups` needs two or more). With weights that outweigh the tokens the
+    planner still multiplies the plain ``S(0)`` rows of ``query_key_value`` on each rank (rank 1's
+    rows straddle q, k and v) and gathers the smaller q/k/v output instead of the weight; the
+    attention then runs whole on each rank. Every forward weight matmul of both blocks runs on a
+    sharded weight and training matches one device. (On the zoo's hidden-32 Falcon the weight is the smaller operand and is gathered instead:
+    6 of 9 in ``benchmarks/tp_sharded_matmuls.py``.)"""
+    _trains_tensor_parallel(
+        _tp_case("falcon-mqa-fused-qkv-tp-2", falcon_wide_tiny, FALCON_TP_PINS),
+        param_specs={f"transformer.h.{i}.self_attention.query_key_value.weight": ("S(0)",) for i in range(2)},
+        weights=list(FALCON_TP_PINS),
+    )
