@@ -59,6 +59,7 @@ from autoplan.passes.kv_rows import KVGroupRows
 from autoplan.passes.losses import mean_losses_as_sums
 from autoplan.passes.moe import experts_as_single_op
 from autoplan.passes.plan_text import param_node_name, placeholder_name
+from autoplan.passes.strided import contiguous_norm_grads, dense_layouts
 
 log = logging.getLogger(__name__)
 
@@ -326,6 +327,7 @@ def trace_training_step(
     trainable_names = _trainable_names(params)
     gm = _trace_joint(exported, params, buffers, inputs, targets, trainable_names)
     _check_grads(gm, trainable_names)
+    dense_layouts(gm)  # before _clean_graph, whose dead-code elimination drops the replaced reads
     causal_masks_as_flag(gm)  # before _clean_graph, whose dead-code elimination drops the masks
     _clean_graph(gm)
     mean_losses_as_sums(gm)  # a sharded batch's mean loss is exact whatever the ignored targets
@@ -436,7 +438,8 @@ def _trace_joint(
         if not loss.requires_grad:  # the loss reads no trainable parameter
             return (loss, *(None for _ in trainable_names))
         trainable = [t for t in p.values() if t.requires_grad]
-        grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+        with contiguous_norm_grads():  # the same gradient strides on every device
+            grads = torch.autograd.grad(loss, trainable, allow_unused=True)
         return (loss, *grads)
 
     # frozen parameters enter the step as they are in the model: nothing differentiates them

@@ -50,12 +50,7 @@ CLUSTER = "2xCPU"
 FAST = ("mixtral", "bert")
 """The CI subset: a mixture of experts and an encoder (GPT-2's fused qkv trains on 2 ranks in CI in
 tests/test_fused_projections.py; the other models run with -m slow: the suite's 15-minute budget)."""
-KNOWN_BUGS = {
-    "swin": "native_layer_norm_backward's meta kernel gives grad_input the strides of a transposed grad_out, the CPU "
-    "kernel contiguous ones: the meta trace differs (PlanMismatchError), and planned on CPU, DTensor's meta-based "
-    "propagation then refuses the view of that gradient (RuntimeError: Cannot view a tensor ...); its backward also "
-    "writes in place (as_strided_ into a layer-norm mean), which the plan would convert: refused with PlanError",
-}
+KNOWN_BUGS: dict[str, str] = {}
 """Zoo models that fail today, with the bug (tests/test_model_zoo.py is where they were found).
 Their tests are strict xfails: fixing the bug makes them XPASS, which fails until the entry goes."""
 MODELS_PER_LAUNCH = 6
