@@ -399,6 +399,123 @@ def opt_zoo() -> autoplan.Workload:
     return _causal_lm(OPTForCausalLM(cfg))
 
 
+def gemma2_zoo() -> autoplan.Workload:
+    """Gemma 2: attention and final logit soft-capping, sliding-window layers alternating with
+    global ones, norms before and after the attention and the MLP."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return _causal_lm(Gemma2ForCausalLM(Gemma2Config(**_DECODER, head_dim=8, sliding_window=8, attention_dropout=0.0)))
+
+
+def gemma3_zoo() -> autoplan.Workload:
+    """Gemma 3 (text): query/key RMSNorm, local sliding-window layers with their own RoPE base."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(**_DECODER, head_dim=8, sliding_window=8, attention_dropout=0.0)
+    return _causal_lm(Gemma3ForCausalLM(cfg))
+
+
+def qwen3_zoo() -> autoplan.Workload:
+    """Qwen3: Llama with query/key RMSNorm per head."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _causal_lm(Qwen3ForCausalLM(Qwen3Config(**_DECODER, head_dim=8, attention_dropout=0.0)))
+
+
+def olmo2_zoo() -> autoplan.Workload:
+    """OLMo 2: norms after the attention and the MLP (not before), query/key RMSNorm over all heads."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return _causal_lm(Olmo2ForCausalLM(Olmo2Config(**_DECODER, attention_dropout=0.0)))
+
+
+def granite_zoo() -> autoplan.Workload:
+    """Granite: Llama with embedding, residual, attention and logit multipliers."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    cfg = GraniteConfig(
+        **_DECODER, attention_dropout=0.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.25, logits_scaling=2.0,
+    )  # fmt: skip
+    return _causal_lm(GraniteForCausalLM(cfg))
+
+
+def cohere_zoo() -> autoplan.Workload:
+    """Command-R (Cohere): attention and MLP in parallel off one bias-free LayerNorm, scaled
+    logits, tied lm_head."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    return _causal_lm(CohereForCausalLM(CohereConfig(**_DECODER, attention_dropout=0.0)))
+
+
+def stablelm_zoo() -> autoplan.Workload:
+    """StableLM: LayerNorm with biases, rotary embedding on a quarter of each head."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    cfg = StableLmConfig(**_DECODER, attention_dropout=0.0, hidden_dropout=0.0)
+    return _causal_lm(StableLmForCausalLM(cfg))
+
+
+def starcoder2_zoo() -> autoplan.Workload:
+    """StarCoder2: biases everywhere, LayerNorm, GELU MLP (``c_fc``/``c_proj``), sliding window."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
+
+    cfg = Starcoder2Config(
+        **_DECODER, sliding_window=8, attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0
+    )
+    return _causal_lm(Starcoder2ForCausalLM(cfg))
+
+
+def phi_zoo() -> autoplan.Workload:
+    """Phi-1/2: attention and MLP in parallel, partial rotary embedding, ``dense`` output projection."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    cfg = PhiConfig(**_DECODER, attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    return _causal_lm(PhiForCausalLM(cfg))
+
+
+_GPT_STYLE = dict(
+    n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    vocab_size=ZOO_VOCAB, use_cache=False, bos_token_id=0, eos_token_id=0,
+)  # fmt: skip
+
+
+def gptj_zoo() -> autoplan.Workload:
+    """GPT-J: attention and MLP in parallel, interleaved (every-other-element) rotary embedding on
+    the first dims of each head, bias-free q/k/v."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    return _causal_lm(GPTJForCausalLM(GPTJConfig(**_GPT_STYLE, rotary_dim=4)))
+
+
+def codegen_zoo() -> autoplan.Workload:
+    """CodeGen: one fused ``qkv_proj`` laid out in 4 model-parallel blocks (q, v, k inside each),
+    GPT-J's rotary embedding and parallel block, lm_head with a bias."""
+    from transformers import CodeGenConfig, CodeGenForCausalLM
+
+    return _causal_lm(CodeGenForCausalLM(CodeGenConfig(**_GPT_STYLE, n_ctx=64, rotary_dim=4)))
+
+
+def gpt_bigcode_zoo() -> autoplan.Workload:
+    """GPTBigCode (StarCoder 1, SantaCoder): GPT-2 with multi-query attention, one fused
+    ``c_attn`` Linear of rows ``[q (H·D); k (D); v (D)]``."""
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
+
+    return _causal_lm(GPTBigCodeForCausalLM(GPTBigCodeConfig(**_GPT_STYLE, multi_query=True)))
+
+
+def mpt_zoo() -> autoplan.Workload:
+    """MPT: ALiBi position bias (no position embedding), fused ``Wqkv``, bias-free LayerNorm and
+    linears."""
+    from transformers import MptConfig, MptForCausalLM
+
+    cfg = MptConfig(
+        n_layers=2, d_model=32, n_heads=4, max_seq_len=64, vocab_size=ZOO_VOCAB, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return _causal_lm(MptForCausalLM(cfg))
+
+
 # mixture-of-experts decoders (4 experts, top 2) --------------------------------------------------
 
 
@@ -605,6 +722,19 @@ ZOO: dict[str, ZooModel] = {
     "bloom": ZooModel(build=bloom_zoo, kind="decoder", frozen=("transformer.word_embeddings_layernorm.*",)),
     "gpt_neox": ZooModel(build=gpt_neox_zoo, kind="decoder", frozen=("gpt_neox.embed_in.weight",)),
     "opt": ZooModel(build=opt_zoo, kind="decoder", frozen=("model.decoder.embed_positions.weight",)),
+    "gemma2": ZooModel(build=gemma2_zoo, kind="decoder", frozen=("model.layers.0.pre_feedforward_layernorm.weight",)),
+    "gemma3": ZooModel(build=gemma3_zoo, kind="decoder", frozen=("model.layers.*.self_attn.q_norm.weight",)),
+    "qwen3": ZooModel(build=qwen3_zoo, kind="decoder", frozen=("model.layers.*.self_attn.k_norm.weight",)),
+    "olmo2": ZooModel(build=olmo2_zoo, kind="decoder", frozen=("model.layers.0.post_attention_layernorm.weight",)),
+    "granite": ZooModel(build=granite_zoo, kind="decoder", frozen=("model.embed_tokens.weight",)),
+    "cohere": ZooModel(build=cohere_zoo, kind="decoder", frozen=("model.layers.0.input_layernorm.weight",)),
+    "stablelm": ZooModel(build=stablelm_zoo, kind="decoder", frozen=("model.layers.0.input_layernorm.*",)),
+    "starcoder2": ZooModel(build=starcoder2_zoo, kind="decoder", frozen=("model.embed_tokens.weight",)),
+    "phi": ZooModel(build=phi_zoo, kind="decoder", frozen=("model.final_layernorm.*",)),
+    "gptj": ZooModel(build=gptj_zoo, kind="decoder", frozen=("transformer.ln_f.*",)),
+    "codegen": ZooModel(build=codegen_zoo, kind="decoder", frozen=("transformer.wte.weight",)),
+    "gpt_bigcode": ZooModel(build=gpt_bigcode_zoo, kind="decoder", frozen=("transformer.wpe.weight",)),
+    "mpt": ZooModel(build=mpt_zoo, kind="decoder", frozen=("transformer.norm_f.weight",)),
     "mixtral": ZooModel(build=mixtral_zoo, kind="MoE decoder", frozen=("model.layers.*.mlp.gate.weight",)),
     "qwen2_moe": ZooModel(build=qwen2_moe_zoo, kind="MoE decoder", frozen=("model.embed_tokens.weight",)),
     "qwen3_moe": ZooModel(build=qwen3_moe_zoo, kind="MoE decoder", frozen=("model.embed_tokens.weight",)),
