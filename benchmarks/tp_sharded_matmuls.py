@@ -14,7 +14,10 @@ out/down projections), count the forward mm/addmm/bmm/linear nodes whose weight 
 replicated in every family. Prints a row per family and a final line::
 
     tp_sharded_matmuls: gpt2=8/9 phi3=8/9 phi3-mha=8/9 falcon=6/9 falcon-wide=8/9 bloom=8/9 gpt_neox=8/9
-    llama=14/15
+    gptj=12/13 codegen=8/9 mpt=8/9 gpt_bigcode=6/9 llama=14/15
+
+(The multi-query rows, Falcon and GPTBigCode at hidden 32, gather their small fused weight: see
+``falcon_wide``.)
 """
 
 from __future__ import annotations
@@ -54,6 +57,18 @@ FAMILIES = {
     "gpt_neox (query_key_value per head)": (hf_models.gpt_neox_zoo, {
         "*query_key_value.weight": "S(0)", "*attention.dense.weight": "S(1)",
         "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
+    "gptj (eager attention, parallel block)": (hf_models.gptj_zoo, {
+        "*attn.q_proj.weight": "S(0)", "*attn.k_proj.weight": "S(0)", "*attn.v_proj.weight": "S(0)",
+        "*attn.out_proj.weight": "S(1)", "*mlp.fc_in.weight": "S(0)", "*mlp.fc_out.weight": "S(1)"}),
+    "codegen (qkv_proj in 4 blocks, eager)": (hf_models.codegen_zoo, {
+        "*attn.qkv_proj.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
+        "*mlp.fc_in.weight": "S(0)", "*mlp.fc_out.weight": "S(1)"}),
+    "mpt (Wqkv, ALiBi, eager)": (hf_models.mpt_zoo, {
+        "*attn.Wqkv.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
+        "*ffn.up_proj.weight": "S(0)", "*ffn.down_proj.weight": "S(1)"}),
+    "gpt_bigcode (c_attn, MQA)": (hf_models.gpt_bigcode_zoo, {
+        "*attn.c_attn.weight": "S(0)", "*attn.c_proj.weight": "S(1)",
+        "*mlp.c_fc.weight": "S(0)", "*mlp.c_proj.weight": "S(1)"}),
     "llama (control, unfused)": (hf_models.llama_zoo, {
         "*q_proj.weight": "S(0)", "*k_proj.weight": "S(0)", "*v_proj.weight": "S(0)",
         "*o_proj.weight": "S(1)", "*gate_proj.weight": "S(0)", "*up_proj.weight": "S(0)",

@@ -293,3 +293,50 @@ def test_falcon_multi_query_fused_qkv_runs_on_its_row_shards_on_2_ranks_and_trai
         param_specs={f"transformer.h.{i}.self_attention.query_key_value.weight": ("S(0)",) for i in range(2)},
         weights=list(FALCON_TP_PINS),
     )
+
+
+def codegen_tiny(seed: int = 0):  # noqa: ANN201 - a transformers CodeGenForCausalLM
+    """``examples/hf_models.py``'s zoo CodeGen (2 layers, hidden 32, 4 heads), seeded."""
+    import torch
+
+    from examples import hf_models
+
+    torch.manual_seed(seed)
+    return hf_models.codegen_zoo().model
+
+
+def mpt_tiny(seed: int = 0):  # noqa: ANN201 - a transformers MptForCausalLM
+    """``examples/hf_models.py``'s zoo MPT (2 layers, hidden 32, 4 heads), seeded."""
+    import torch
+
+    from examples import hf_models
+
+    torch.manual_seed(seed)
+    return hf_models.mpt_zoo().model
+
+
+@pytest.mark.slow
+def test_codegen_fused_qkv_in_model_parallel_blocks_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
+    """CodeGen lays its ``qkv_proj`` out in 4 blocks, each holding q, v and k of a quarter of the
+    heads: a plain ``S(0)`` over 2 ranks holds 2 whole blocks, so the eager attention runs on each
+    rank's heads with no segment shard or grouped layout."""
+    _trains_tensor_parallel(
+        _tp_case("codegen-blocked-qkv-tp-2", codegen_tiny, {
+            "*attn.qkv_proj.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
+            "*mlp.fc_in.weight": "S(0)", "*mlp.fc_out.weight": "S(1)"}),
+        param_specs={f"transformer.h.{i}.attn.qkv_proj.weight": ("S(0)",) for i in range(2)},
+        weights=["*attn.qkv_proj.weight", "*attn.out_proj.weight", "*mlp.fc_in.weight", "*mlp.fc_out.weight"],
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_mpt_fused_wqkv_with_alibi_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
+    """MPT's ``Wqkv`` is ``[q; k; v]`` of equal widths (``S(0)/3``) and its eager attention adds an
+    ALiBi bias per head: both run on each rank's heads."""
+    _trains_tensor_parallel(
+        _tp_case("mpt-wqkv-alibi-tp-2", mpt_tiny, {
+            "*attn.Wqkv.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
+            "*ffn.up_proj.weight": "S(0)", "*ffn.down_proj.weight": "S(1)"}),
+        param_specs={f"transformer.blocks.{i}.attn.Wqkv.weight": ("S(0)/3",) for i in range(2)},
+        weights=["*attn.Wqkv.weight", "*attn.out_proj.weight", "*ffn.up_proj.weight", "*ffn.down_proj.weight"],
+    )  # fmt: skip

@@ -79,3 +79,17 @@ def test_a_job_whose_rank_aborts_once_runs_again_and_twice_fails(tmp_path):
 
 def _divide_by_zero(rank: int, world_size: int) -> float:  # noqa: ARG001
     return 1 / 0
+
+
+def _call(rank: int, world_size: int, f) -> object:  # noqa: ANN001, ARG001
+    return f(rank)
+
+
+def test_a_job_the_ranks_cannot_receive_fails_at_once_naming_the_fix():
+    """A closure or lambda cannot be pickled to the ranks: ``multiprocessing.Queue`` pickles in a
+    feeder thread that only prints the error, so the ranks used to wait out the whole timeout
+    (300 s) and report "no result"; the job now fails before it is sent."""
+    from tests.harness import run_ranks
+
+    with pytest.raises(TypeError, match="cannot be sent to the ranks.*module-level functions"):
+        run_ranks(_call, 1, lambda rank: rank, timeout_s=60)
