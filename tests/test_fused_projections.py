@@ -22,6 +22,8 @@ heads; it runs on its plain row shards where its weight outweighs the activation
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests import zoo
@@ -295,48 +297,40 @@ def test_falcon_multi_query_fused_qkv_runs_on_its_row_shards_on_2_ranks_and_trai
     )
 
 
-def codegen_tiny(seed: int = 0):  # noqa: ANN201 - a transformers CodeGenForCausalLM
-    """``examples/hf_models.py``'s zoo CodeGen (2 layers, hidden 32, 4 heads), seeded."""
+def zoo_decoder(builder: str, seed: int = 0):  # noqa: ANN201 - a transformers model
+    """The model of ``examples/hf_models.py``'s zoo ``builder`` (2 layers, hidden 32, 4 heads),
+    seeded; ``functools.partial(zoo_decoder, name)`` is a picklable ``Case.build_model``."""
     import torch
 
     from examples import hf_models
 
     torch.manual_seed(seed)
-    return hf_models.codegen_zoo().model
+    return getattr(hf_models, builder)().model
 
 
-def mpt_tiny(seed: int = 0):  # noqa: ANN201 - a transformers MptForCausalLM
-    """``examples/hf_models.py``'s zoo MPT (2 layers, hidden 32, 4 heads), seeded."""
-    import torch
-
-    from examples import hf_models
-
-    torch.manual_seed(seed)
-    return hf_models.mpt_zoo().model
-
-
-@pytest.mark.slow
-def test_codegen_fused_qkv_in_model_parallel_blocks_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
-    """CodeGen lays its ``qkv_proj`` out in 4 blocks, each holding q, v and k of a quarter of the
-    heads: a plain ``S(0)`` over 2 ranks holds 2 whole blocks, so the eager attention runs on each
-    rank's heads with no segment shard or grouped layout."""
-    _trains_tensor_parallel(
-        _tp_case("codegen-blocked-qkv-tp-2", codegen_tiny, {
-            "*attn.qkv_proj.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
-            "*mlp.fc_in.weight": "S(0)", "*mlp.fc_out.weight": "S(1)"}),
-        param_specs={f"transformer.h.{i}.attn.qkv_proj.weight": ("S(0)",) for i in range(2)},
-        weights=["*attn.qkv_proj.weight", "*attn.out_proj.weight", "*mlp.fc_in.weight", "*mlp.fc_out.weight"],
-    )  # fmt: skip
+BLOCKED_QKV_CASES = {
+    # CodeGen lays its qkv_proj out in 4 blocks, each holding q, v and k of a quarter of the heads:
+    # a plain S(0) over 2 ranks holds 2 whole blocks (no segment shard, no grouped layout).
+    "codegen": ("codegen_zoo", "transformer.h.{}.attn.qkv_proj.weight", "S(0)", {
+        "*attn.qkv_proj.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
+        "*mlp.fc_in.weight": "S(0)", "*mlp.fc_out.weight": "S(1)"}),
+    # MPT's Wqkv is [q; k; v] of equal widths (S(0)/3); its eager attention adds ALiBi per head.
+    "mpt": ("mpt_zoo", "transformer.blocks.{}.attn.Wqkv.weight", "S(0)/3", {
+        "*attn.Wqkv.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
+        "*ffn.up_proj.weight": "S(0)", "*ffn.down_proj.weight": "S(1)"}),
+}  # fmt: skip
 
 
 @pytest.mark.slow
-def test_mpt_fused_wqkv_with_alibi_runs_head_parallel_on_2_ranks_and_trains_like_single_device():
-    """MPT's ``Wqkv`` is ``[q; k; v]`` of equal widths (``S(0)/3``) and its eager attention adds an
-    ALiBi bias per head: both run on each rank's heads."""
+@pytest.mark.parametrize("name", sorted(BLOCKED_QKV_CASES))
+def test_codegen_blocked_and_mpt_equal_segment_fused_qkv_run_head_parallel_on_2_ranks_and_train_like_single_device(
+    name: str,
+):
+    """The eager attention of both runs on each rank's heads, and every forward matmul of the
+    pinned projections multiplies its local shard."""
+    builder, qkv, spec, pins = BLOCKED_QKV_CASES[name]
     _trains_tensor_parallel(
-        _tp_case("mpt-wqkv-alibi-tp-2", mpt_tiny, {
-            "*attn.Wqkv.weight": "S(0)", "*attn.out_proj.weight": "S(1)",
-            "*ffn.up_proj.weight": "S(0)", "*ffn.down_proj.weight": "S(1)"}),
-        param_specs={f"transformer.blocks.{i}.attn.Wqkv.weight": ("S(0)/3",) for i in range(2)},
-        weights=["*attn.Wqkv.weight", "*attn.out_proj.weight", "*ffn.up_proj.weight", "*ffn.down_proj.weight"],
-    )  # fmt: skip
+        _tp_case(f"{name}-fused-qkv-tp-2", functools.partial(zoo_decoder, builder), pins),
+        param_specs={qkv.format(i): (spec,) for i in range(2)},
+        weights=list(pins),
+    )
