@@ -22,7 +22,10 @@ forward *and* backward::
   made for one trace applies to the other;
 * a parameter is read as the model holds it, except a fused grouped-query QKV projection, which
   the graph reads grouped by key/value head so tensor parallelism can split it by heads
-  (``param_layouts``, :mod:`autoplan.passes.kv_groups`; the runtime converts at its boundary).
+  (``param_layouts``, :mod:`autoplan.passes.kv_groups`; the runtime converts at its boundary);
+* the graph is the same whichever device the model was traced on (``meta``, CPU, CUDA): among
+  others, layer-norm gradients are computed from a contiguous ``grad_out`` and ``as_strided``
+  that only restates a dense layout is a view (:mod:`autoplan.passes.strided`).
 
 The model is first exported with ``torch.export`` (non-strict), which is the supported way to
 capture Hugging Face models; the joint graph is then built with ``make_fx`` over the exported
