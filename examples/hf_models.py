@@ -516,6 +516,18 @@ def mpt_zoo() -> autoplan.Workload:
     return _causal_lm(MptForCausalLM(cfg))
 
 
+def mamba_zoo() -> autoplan.Workload:
+    """Mamba: selective state-space layers (causal depthwise convolution, input-dependent scan), no
+    attention."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    cfg = MambaConfig(
+        vocab_size=ZOO_VOCAB, hidden_size=32, state_size=4, num_hidden_layers=2, use_cache=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return _causal_lm(MambaForCausalLM(cfg))
+
+
 # mixture-of-experts decoders (4 experts, top 2) --------------------------------------------------
 
 
@@ -603,6 +615,22 @@ def electra_zoo() -> autoplan.Workload:
 # encoder-decoders --------------------------------------------------------------------------------
 
 
+def albert_zoo() -> autoplan.Workload:
+    """ALBERT: factorized embedding (16 -> 32), one layer's weights shared by every layer."""
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    return _masked_lm(AlbertForMaskedLM(AlbertConfig(**_ENCODER, embedding_size=16)))
+
+
+def deberta_v2_zoo() -> autoplan.Workload:
+    """DeBERTa-v2: disentangled attention (content-to-position and position-to-content terms over
+    log-bucketed relative positions)."""
+    from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+    cfg = DebertaV2Config(**_ENCODER, relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"])
+    return _masked_lm(DebertaV2ForMaskedLM(cfg))
+
+
 def t5_zoo() -> autoplan.Workload:
     """T5: learned relative position bias added to the attention scores."""
     from transformers import T5Config, T5ForConditionalGeneration
@@ -634,6 +662,18 @@ def vit_zoo() -> autoplan.Workload:
 
     cfg = ViTConfig(**{**_ENCODER, "vocab_size": None}, image_size=ZOO_IMAGE, patch_size=4, num_labels=ZOO_LABELS)
     return _classifier(ViTForImageClassification(cfg), _images)
+
+
+def dinov2_zoo() -> autoplan.Workload:
+    """DINOv2: ViT with layer scale and an interpolated position table (its ``mask_token`` is read
+    only when masking patches, so the zoo freezes it)."""
+    from transformers import Dinov2Config, Dinov2ForImageClassification
+
+    encoder = {
+        k: v for k, v in _ENCODER.items() if k not in ("vocab_size", "max_position_embeddings", "intermediate_size")
+    }
+    cfg = Dinov2Config(**encoder, mlp_ratio=2, image_size=ZOO_IMAGE, patch_size=4, num_labels=ZOO_LABELS)
+    return _classifier(Dinov2ForImageClassification(cfg), _images)
 
 
 def convnext_zoo() -> autoplan.Workload:
@@ -735,6 +775,7 @@ ZOO: dict[str, ZooModel] = {
     "codegen": ZooModel(build=codegen_zoo, kind="decoder", frozen=("transformer.wte.weight",)),
     "gpt_bigcode": ZooModel(build=gpt_bigcode_zoo, kind="decoder", frozen=("transformer.wpe.weight",)),
     "mpt": ZooModel(build=mpt_zoo, kind="decoder", frozen=("transformer.norm_f.weight",)),
+    "mamba": ZooModel(build=mamba_zoo, kind="decoder", frozen=("backbone.norm_f.weight",)),
     "mixtral": ZooModel(build=mixtral_zoo, kind="MoE decoder", frozen=("model.layers.*.mlp.gate.weight",)),
     "qwen2_moe": ZooModel(build=qwen2_moe_zoo, kind="MoE decoder", frozen=("model.embed_tokens.weight",)),
     "qwen3_moe": ZooModel(build=qwen3_moe_zoo, kind="MoE decoder", frozen=("model.embed_tokens.weight",)),
@@ -746,9 +787,12 @@ ZOO: dict[str, ZooModel] = {
         build=distilbert_zoo, kind="encoder", frozen=("distilbert.embeddings.position_embeddings.weight",)
     ),
     "electra": ZooModel(build=electra_zoo, kind="encoder", frozen=("electra.embeddings.*",)),
+    "albert": ZooModel(build=albert_zoo, kind="encoder", frozen=("albert.embeddings.position_embeddings.weight",)),
+    "deberta_v2": ZooModel(build=deberta_v2_zoo, kind="encoder", frozen=("deberta.embeddings.word_embeddings.weight",)),
     "t5": ZooModel(build=t5_zoo, kind="encoder-decoder", frozen=("shared.weight",)),
     "bart": ZooModel(build=bart_zoo, kind="encoder-decoder", frozen=("model.*.embed_positions.weight",)),
     "vit": ZooModel(build=vit_zoo, kind="vision", frozen=("vit.embeddings.position_embeddings",)),
+    "dinov2": ZooModel(build=dinov2_zoo, kind="vision", frozen=("dinov2.embeddings.mask_token",)),
     "convnext": ZooModel(build=convnext_zoo, kind="vision", frozen=("convnext.embeddings.*",)),
     "resnet": ZooModel(build=resnet_zoo, kind="vision", frozen=("resnet.embedder.*",)),
     "swin": ZooModel(build=swin_zoo, kind="vision", frozen=("swin.embeddings.patch_embeddings.*",)),

@@ -2,7 +2,8 @@
 gradients of a transposed ``grad_out`` (:mod:`autoplan.passes.strided`): Swin's classifier head
 (layer norm, transpose, ``AdaptiveAvgPool1d(1)``) traces to a graph without ``as_strided`` or
 ``copy_``, the same on ``meta`` and CPU, that computes the model's loss and gradients and plans
-(Swin was a known zoo bug until these rewrites: its plan was refused).
+(Swin was a known zoo bug until these rewrites: its plan was refused). Also here: a 0-dim constant
+moved to the model's device traces the same on ``meta`` and CPU (DeBERTa-v2's relative positions).
 """
 
 from __future__ import annotations
@@ -137,3 +138,27 @@ def test_a_zero_buffer_written_whole_then_read_is_a_copy_of_what_was_written():
     assert dense_layouts(gm) == 2  # the buffer's write and its one read
     assert not _targets(gm) & {aten.as_strided.default, aten.copy_.default, aten.new_zeros.default}
     torch.testing.assert_close(gm(src), before, rtol=0, atol=0)
+
+
+class ScalarConstant(torch.nn.Module):
+    """DeBERTa-v2's bucketing: a 0-dim tensor made in ``forward`` and moved to the input's device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        return torch.where(y.abs() < 0.5, torch.tensor(0.5).type_as(y), y)
+
+
+def test_a_scalar_constant_moved_to_the_models_device_traces_the_same_on_meta_and_cpu():
+    def traced(device: str):  # noqa: ANN202
+        torch.manual_seed(0)
+        with torch.device(device):
+            model, x = ScalarConstant(), torch.randn(4, 8)
+        return trace_training_step(model, (x,), loss_fn=lambda out: out.square().mean())
+
+    meta, cpu = traced("meta"), traced("cpu")
+    assert aten._to_copy.default not in _targets(meta.graph_module)
+    assert meta.fingerprint == cpu.fingerprint
