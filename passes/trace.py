@@ -489,10 +489,13 @@ def _clean_graph(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target in _DROP_TARGETS and not node.users:
             g.erase_node(node)
         elif _is_scalar_constant_move(node):
-            # a 0-dim constant moved to the model's device: tracing on meta records the move, tracing
-            # on CPU does not (DeBERTa-v2's ``torch.tensor(mid - 1).type_as(...)``); a 0-dim CPU
-            # tensor is a valid operand on any device, so the two programs are the same without it
-            node.replace_all_uses_with(node.args[0])
+            # a 0-dim constant moved to the model's device: tracing on meta or CUDA records the move,
+            # tracing on CPU does not (DeBERTa-v2's ``torch.tensor(mid - 1).type_as(...)``); the
+            # constant is stored on that device instead, so every trace reads it without a move
+            const = node.args[0]
+            value = getattr(gm, str(const.target))
+            setattr(gm, str(const.target), value.to(node.kwargs.get("device", value.device)))
+            node.replace_all_uses_with(const)
             g.erase_node(node)
         elif _is_constant_copy(node):
             # a copy of a tensor constant that nothing writes into is the constant: tracing on
@@ -513,11 +516,14 @@ def _clean_graph(gm: fx.GraphModule) -> None:
 
 
 def _is_scalar_constant_move(node: fx.Node) -> bool:
-    """``_to_copy`` of a 0-dim ``get_attr`` constant that changes nothing but its device."""
+    """``_to_copy`` of a 0-dim ``get_attr`` constant, its only reader, that changes nothing but
+    its device."""
     if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default or len(node.args) != 1:
         return False
     src = node.args[0]
-    val = src.meta.get("val") if isinstance(src, fx.Node) and src.op == "get_attr" else None
+    if not isinstance(src, fx.Node) or src.op != "get_attr" or len(src.users) != 1:
+        return False
+    val = src.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 0:
         return False
     same_kind = node.kwargs.get("dtype", val.dtype) == val.dtype and node.kwargs.get("layout") in (None, torch.strided)
