@@ -34,6 +34,27 @@ from autoplan.passes.trace import trace_training_step  # noqa: E402
 from examples import hf_models  # noqa: E402
 from tests.harness import cpu_cluster, forward_matmul_operands  # noqa: E402
 
+
+def falcon_wide() -> autoplan.Workload:
+    """:func:`hf_models.falcon_zoo` with 8 heads of 64 (hidden 512): its fused multi-query weight
+    (640 x 512) is 8 times the q/k/v activation of the zoo batch (64 tokens x 640), so the planner
+    multiplies its row shards and gathers the activation; on the hidden-32 zoo config the weight is
+    the smaller operand and the planner gathers it (at hidden 256, ratio 4, it still does)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    cfg = FalconConfig(
+        num_hidden_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=hf_models.ZOO_VOCAB,
+        use_cache=False, bos_token_id=0, eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    return hf_models._causal_lm(FalconForCausalLM(cfg))
+
+
+FALCON_BLOOM_PINS = {
+    "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
+    "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)",
+}  # fmt: skip
+"""Megatron pins for Falcon's and BLOOM's module names (the same in both)."""
+
 # torch Linear weight is (out, in): column-parallel S(0), row-parallel S(1); HF Conv1D is (in, out).
 FAMILIES = {
     "gpt2 (c_attn, Conv1D)": (hf_models.gpt2_zoo, {
@@ -45,15 +66,9 @@ FAMILIES = {
     "phi3-mha (Phi-3-mini layout)": (hf_models.phi3_mha_zoo, {
         "*qkv_proj.weight": "S(0)", "*o_proj.weight": "S(1)",
         "*gate_up_proj.weight": "S(0)", "*down_proj.weight": "S(1)"}),
-    "falcon (query_key_value, MQA)": (hf_models.falcon_zoo, {
-        "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
-        "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
-    "falcon-wide (MQA, hidden 512)": (lambda: falcon_wide(), {
-        "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
-        "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
-    "bloom (query_key_value)": (hf_models.bloom_zoo, {
-        "*query_key_value.weight": "S(0)", "*self_attention.dense.weight": "S(1)",
-        "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
+    "falcon (query_key_value, MQA)": (hf_models.falcon_zoo, FALCON_BLOOM_PINS),
+    "falcon-wide (MQA, hidden 512)": (falcon_wide, FALCON_BLOOM_PINS),
+    "bloom (query_key_value)": (hf_models.bloom_zoo, FALCON_BLOOM_PINS),
     "gpt_neox (query_key_value per head)": (hf_models.gpt_neox_zoo, {
         "*query_key_value.weight": "S(0)", "*attention.dense.weight": "S(1)",
         "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)"}),
@@ -74,20 +89,6 @@ FAMILIES = {
         "*o_proj.weight": "S(1)", "*gate_proj.weight": "S(0)", "*up_proj.weight": "S(0)",
         "*down_proj.weight": "S(1)"}),
 }  # fmt: skip
-
-
-def falcon_wide() -> autoplan.Workload:
-    """:func:`hf_models.falcon_zoo` with 8 heads of 64 (hidden 512): its fused multi-query weight
-    (640 x 512) is 8 times the q/k/v activation of the zoo batch (64 tokens x 640), so the planner
-    multiplies its row shards and gathers the activation; on the hidden-32 zoo config the weight is
-    the smaller operand and the planner gathers it (at hidden 256, ratio 4, it still does)."""
-    from transformers import FalconConfig, FalconForCausalLM
-
-    cfg = FalconConfig(
-        num_hidden_layers=2, hidden_size=512, num_attention_heads=8, vocab_size=hf_models.ZOO_VOCAB,
-        use_cache=False, bos_token_id=0, eos_token_id=0, hidden_dropout=0.0, attention_dropout=0.0,
-    )  # fmt: skip
-    return hf_models._causal_lm(FalconForCausalLM(cfg))
 
 
 def weight_matmuls(wl: autoplan.Workload, plan: autoplan.Plan) -> list[tuple[str, str, str]]:

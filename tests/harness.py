@@ -456,8 +456,6 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on every rank; the per-rank results in rank order."""
-        if not self._procs:
-            self._start()
         try:  # a Queue pickles in a feeder thread that only prints its error: the ranks would wait out the timeout
             pickle.dumps((fn, args))
         except Exception as exc:  # noqa: BLE001 - any pickling error, reported as one
@@ -465,6 +463,8 @@ class RankPool:
                 f"{getattr(fn, '__qualname__', fn)!r} or its arguments cannot be sent to the ranks: {exc}; use "
                 "module-level functions (no closures or lambdas) and picklable arguments"
             ) from exc
+        if not self._procs:
+            self._start()
         job_id, self._next_id = self._next_id, self._next_id + 1
         for q in self._jobs:
             q.put((job_id, fn, args))

@@ -275,12 +275,6 @@ def falcon_wide_tiny(seed: int = 0):  # noqa: ANN201 - a transformers FalconForC
     return FalconForCausalLM(config).eval()
 
 
-FALCON_TP_PINS = {
-    "*.query_key_value.weight": "S(0)", "*.self_attention.dense.weight": "S(1)",
-    "*.dense_h_to_4h.weight": "S(0)", "*.dense_4h_to_h.weight": "S(1)",
-}  # fmt: skip
-
-
 def test_falcon_multi_query_fused_qkv_runs_on_its_row_shards_on_2_ranks_and_trains_like_single_device():
     """Multi-query attention's single key/value head cannot be split by heads (Megatron-Core needs
     the key/value heads to divide by the tensor-parallel degree; the grouped layout of
@@ -291,9 +285,9 @@ def test_falcon_multi_query_fused_qkv_runs_on_its_row_shards_on_2_ranks_and_trai
     sharded weight and training matches one device. (On the zoo's hidden-32 Falcon the weight is the smaller operand and is gathered instead:
     6 of 9 in ``benchmarks/tp_sharded_matmuls.py``.)"""
     _trains_tensor_parallel(
-        _tp_case("falcon-mqa-fused-qkv-tp-2", falcon_wide_tiny, FALCON_TP_PINS),
+        _tp_case("falcon-mqa-fused-qkv-tp-2", falcon_wide_tiny, BLOOM_TP_PINS),  # BLOOM's module names
         param_specs={f"transformer.h.{i}.self_attention.query_key_value.weight": ("S(0)",) for i in range(2)},
-        weights=list(FALCON_TP_PINS),
+        weights=list(BLOOM_TP_PINS),
     )
 
 
