@@ -149,11 +149,15 @@ class ParallelConfig:
     dict and text only when set, so configurations without it read as before."""
 
     ep: int = 1
-    """Expert parallelism: the routed experts of every MoE layer split over the ``ep`` ranks of
-    the data-parallel group (``1``: every rank holds every expert; else ``ep == dp``, each rank
-    holding ``experts / dp`` of them), each routed token sent to its expert's rank and back with
-    all-to-all (GShard; torchtitan's and Megatron-Core's expert parallel degree). The experts'
-    gradients are then complete on their rank: never reduced over dp. Needs ``tp == 1`` (the
+    """Expert parallelism: the routed experts of every MoE layer split over groups of ``ep``
+    ranks of the data-parallel group (``1``: every rank holds every expert; else ``ep`` divides
+    ``dp``, each rank holding ``experts / ep`` of them), each routed token sent to its expert's
+    rank in its group and back with all-to-all (GShard; torchtitan's and Megatron-Core's expert
+    parallel degree). With ``ep < dp`` the stage mesh has two data-parallel axes, ``dp`` (``dp /
+    ep``: the replicas of each expert shard) and ``ep`` (the expert groups, consecutive ranks):
+    the batch is split over both, the dense parameters' gradients are reduced over both and the
+    experts' over ``dp`` only (ZeRO shards each over the ranks it is replicated on). With ``ep ==
+    dp`` one axis, ``dp``, and the experts' gradients are never reduced. Needs ``tp == 1`` (the
     experts split over one mesh axis), one data-parallel degree on every stage and no optimizer
     offload. Written in a config's dict and text only when above 1."""
 
@@ -203,10 +207,10 @@ class ParallelConfig:
             )
         if self.ep == 1:
             return
-        if self.ep != self.dp:
+        if self.dp % self.ep:
             raise ConfigError(
-                f"ep={self.ep} must be 1 or the data-parallel degree dp={self.dp} (the experts split over the whole "
-                "data-parallel group)"
+                f"ep={self.ep} must divide the data-parallel degree dp={self.dp} (the experts split over groups of "
+                f"ep ranks of the data-parallel group): use a divisor of {self.dp}"
             )
         if self.tp != 1 or self.stage_dp is not None or self.offload_optimizer:
             raise ConfigError(

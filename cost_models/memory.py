@@ -286,6 +286,7 @@ def stage_memory_parts(
     reduced_in_backward: bool = False,
     offload_optimizer: bool = False,
     host_is_device: bool = False,
+    ep: int | None = None,
 ) -> dict[str, float]:
     """Peak bytes per device of one pipeline stage (:mod:`autoplan.cost_models.step`), by part:
     the liveness peak of the step as it runs. Per segment ``j`` of the stage (in order):
@@ -331,13 +332,19 @@ def stage_memory_parts(
     adds the stage's own copy of it (``tied_param_numel``) to ``P_j`` and ``T'_j``.
     Recomputation (selective or full, per block as :mod:`autoplan.runtime.pipeline` executes it)
     enters only through ``kept_j`` and ``T_j``. ``offload_optimizer``: ``O`` and ``opt_step`` as
-    :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks)."""
+    :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks). ``ep``: the
+    elements split over groups of ``ep`` ranks (``dp_split_numel``, the experts; ``None``: over
+    all of dp) count ``1/ep`` in ``W`` below ZeRO 3 and in ``O`` under ZeRO 0; with ``ep < dp``
+    ZeRO 3 gathers their ``1/ep`` shard as it gathers the rest and the buckets hold their
+    gradients too."""
     tied = _tied_copies(segments, first_segment)
     param_numel, trainable = stage_numels(segments, first_segment)
-    # split over dp (experts): 1/dp held at any ZeRO stage, so only the unsharded parts change
+    # split over ep ranks of dp (experts): 1/ep held below ZeRO 3, so only the unsharded parts
+    # change; with ep < dp their shards are gathered (ZeRO 3) and reduced over the dp/ep replicas
+    e = ep or dp
     split_p = sum(s.dp_split_numel for s in segments)
     split_t = sum(s.dp_split_trainable_numel for s in segments)
-    not_held = 1 - 1 / dp
+    not_held = 1 - 1 / e
     w = param_numel * element.weights / dp if zero_stage >= 3 else (param_numel - split_p * not_held) * element.weights
     largest_trained = max((s.trainable_numel for s in segments), default=0)
     o, step_temp = _optimizer_bytes(
@@ -345,16 +352,18 @@ def stage_memory_parts(
         shards=dp if zero_stage >= 1 else 1, device_kind=device_kind, offload=offload_optimizer,
         host_is_device=host_is_device,
     )  # fmt: skip
-    raw, grads = _gradient_bytes(segments, tied.values(), dp=dp, zero_stage=zero_stage, element=element)
+    raw, grads = _gradient_bytes(segments, tied.values(), dp=dp, ep=e, zero_stage=zero_stage, element=element)
     gathered = 0.0
+    shard_gathered = 1 / e if e < dp else 0.0  # of the experts, gathered over their replicas
     if zero_stage >= 3:
-        largest = max((s.param_numel - s.dp_split_numel for s in segments), default=0)
+        largest = max((s.param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments), default=0)
         regather = recompute == "full"  # the re-run forward gathers its block's weights once more
-        unsplit = param_numel - split_p
+        unsplit = param_numel - split_p * (1 - shard_gathered)
         kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else unsplit
         gathered = min(kept_numel, unsplit) * element.weights
     activations, transients = _activations_and_transients(segments, recompute, inflight)
-    bucket = min((trainable - split_t) * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
+    reduced_numel = trainable - split_t * (1 - shard_gathered)
+    bucket = min(reduced_numel * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
     reduced = bucket / dp if zero_stage >= 1 else 0.0  # ZeRO 0: all-reduced in place
     in_backward = reduced_in_backward and zero_stage >= 1 and dp > 1
     held, reduction = _gradients_held(raw, grads, bucket, reduced, in_backward=in_backward, policy=policy)
@@ -372,21 +381,24 @@ def stage_memory_parts(
 
 def _gradient_bytes(
     segments: Sequence[SegmentMemory], tied: Iterable[SegmentMemory], *, dp: int, zero_stage: int,
-    element: ElementBytes,
+    element: ElementBytes, ep: int | None = None,
 ) -> tuple[list[float], list[float]]:
     """Per segment, ``(R_j, g_j)`` of :func:`stage_memory_parts`: its raw gradient bytes (with the
     stage's copies of tied parameters) and what is left after the reductions (``1/dp`` under ZeRO
-    >= 2). Gradients of parameters split over dp (``dp_split_trainable_numel``) are complete on
-    their rank: ``1/dp`` of them, raw and kept."""
+    >= 2). Gradients of parameters split over ``ep`` ranks of dp (``dp_split_trainable_numel``;
+    ``ep`` None: over all of dp) are ``1/ep`` of them raw, reduced over the ``dp / ep`` replicas
+    (``1/dp`` kept under ZeRO >= 2)."""
+    e = ep or dp
     tied_grads = {id(s) for s in tied}
     reduced = [
         float((s.trainable_numel - s.dp_split_trainable_numel + (s.tied_trainable_numel if id(s) in tied_grads else 0))
               * element.grads)
         for s in segments
     ]  # fmt: skip
-    own = [s.dp_split_trainable_numel / dp * element.grads for s in segments]
-    raw = [r + e for r, e in zip(reduced, own, strict=True)]
-    return raw, [r / (dp if zero_stage >= 2 else 1) + e for r, e in zip(reduced, own, strict=True)]
+    own = [s.dp_split_trainable_numel / e * element.grads for s in segments]
+    raw = [r + x for r, x in zip(reduced, own, strict=True)]
+    kept = dp / e if zero_stage >= 2 else 1  # of a rank's expert gradients, over their replicas
+    return raw, [r / (dp if zero_stage >= 2 else 1) + x / kept for r, x in zip(reduced, own, strict=True)]
 
 
 def _tied_copies(segments: Sequence[SegmentMemory], first_segment: int) -> dict[int, SegmentMemory]:

@@ -256,9 +256,11 @@ class SegmentCost:
     group): what expert parallelism over the data-parallel group (``ParallelConfig.ep``) splits."""
     expert_trainable_numel: int = 0
     dp_split_numel: int = 0
-    """Elements of ``param_numel`` split over the data-parallel group instead of replicated or
-    ZeRO-sharded (the experts under ``ep``, set by :func:`expert_parallel_costs`): held ``1/dp``
-    per device whatever the ZeRO stage, never gathered, their gradients never reduced over dp."""
+    """Elements of ``param_numel`` split over groups of ``ParallelConfig.ep`` ranks of the
+    data-parallel group instead of replicated or ZeRO-sharded (the experts under ``ep``, set by
+    :func:`expert_parallel_costs`): ``1/ep`` on a device, gathered and reduced over the ``dp /
+    ep`` replicas only (:class:`_DpGroups`); with ``ep == dp`` held ``1/dp`` whatever the ZeRO
+    stage, never gathered, their gradients never reduced."""
     dp_split_trainable_numel: int = 0
     fwd_all_to_all_s: float = 0.0
     """Part of ``fwd_comm_s`` spent in the all-to-alls expert-parallel MoE ops run inside
@@ -702,6 +704,52 @@ def _reductions(
     return out, [b[2] for b in plan]
 
 
+@dataclass(frozen=True, slots=True)
+class _DpGroups:
+    """The data-parallel collectives of a stage whose ``dp`` ranks are ``tp`` apart: over one
+    group, or, with the routed experts split over groups of ``1 < ep < dp`` consecutive ranks
+    (``ParallelConfig.ep``; :func:`autoplan.planner.mesh.stage_axes`: axes ``dp`` of ``r = dp /
+    ep`` replicas, ``ep * tp`` apart, and ``ep``), over both axes one after the other, as DTensor
+    converts a placement on both (full-size bytes ``B``, ring convention)::
+
+        all_reduce      t_r(B) + t_ep(B)
+        reduce_scatter  t_r(B) + t_ep(B / r)        all_gather  t_ep(B / r) + t_r(B)
+
+    The experts' weights and gradients (``1 / ep`` of them on a rank) are gathered and reduced
+    over the ``r`` replicas only (:meth:`expert_time_of`; ``None`` with ``ep`` 1 or ``dp``: they
+    never leave their rank)."""
+
+    cluster: Cluster
+    tp: int
+    dp: int
+    ep: int
+
+    @property
+    def split(self) -> bool:
+        return 1 < self.ep < self.dp
+
+    def _time(self, kind: str, nbytes: float, ranks: int, stride: int) -> float:
+        link = group_link(self.cluster, stride=stride, size=ranks)
+        return link_time_s(kind, nbytes, ranks, link, backend=self.cluster.backend)
+
+    def time_of(self, kind: str) -> Callable[[float], float]:
+        """Seconds of a ``kind`` collective of the dense parameters over the whole dp group."""
+        if not self.split:
+            return lambda nbytes: self._time(kind, nbytes, self.dp, self.tp)
+        r = self.dp // self.ep
+        inner = 1.0 if kind == "all_reduce" else 1.0 / r
+        return lambda nbytes: (
+            self._time(kind, nbytes, r, self.tp * self.ep) + self._time(kind, nbytes * inner, self.ep, self.tp)
+        )
+
+    def expert_time_of(self, kind: str) -> Callable[[float], float] | None:
+        """Seconds of a ``kind`` collective of the experts' shards over their replicas."""
+        if not self.split:
+            return None
+        r = self.dp // self.ep
+        return lambda nbytes: self._time(kind, nbytes, r, self.tp * self.ep)
+
+
 @functools.lru_cache(maxsize=1 << 14)
 def _stage_comm(
     part: tuple[SegmentCost, ...],
@@ -718,6 +766,7 @@ def _stage_comm(
     reduced_in_backward: bool = True,
     apart_numel: tuple[int, ...] = (),
     copies_numel: int = 0,
+    ep: int = 1,
 ) -> _StageComm:
     """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
     micro-batch's backward with the gradient reductions (``send_s``: the pipeline sends at the
@@ -727,14 +776,15 @@ def _stage_comm(
     tensor-parallel gradient conversion is exposed, one after the other. ``apart_numel`` (per
     segment, of its ``trainable_numel``) and ``copies_numel`` (the stage's copies of parameters
     tied to another stage): elements whose gradients are reduced after the schedule in any case,
-    one collective, exposed. Memoised: the search prices the same stage under many schedules."""
+    one collective, exposed. ``ep``: the experts' split (:class:`_DpGroups`). Memoised: the search
+    prices the same stage under many schedules."""
     m = num_microbatches
     apart = apart_numel or (0,) * len(part)
     fwd_c = [s.fwd_s for s in part]
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
     overlap = overlaps_compute(cluster.device)
     slow = concurrent_compute_factor(cluster.device) - 1.0 if overlap else 0.0  # compute's slowdown beside comm
-    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap)
+    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if 1 < ep < dp else "dp")
     tp_sync = [s.grad_sync_s for s in part][::-1]
     if dp == 1:
         fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
@@ -746,15 +796,18 @@ def _stage_comm(
             in_backward_s=tail if reduced_in_backward else 0.0, last_pass=passed,
             send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
         )  # fmt: skip
-    link = group_link(cluster, stride=tp, size=dp)
+    groups = _DpGroups(cluster, tp=tp, dp=dp, ep=ep)
+    time_of, experts_of = groups.time_of, groups.expert_time_of
     z = zero_stage
-
-    def time_of(kind: str) -> Callable[[float], float]:
-        return lambda nbytes: link_time_s(kind, nbytes, dp, link, backend=cluster.backend)
-
-    # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention)
+    # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention); the
+    # experts' shards (1/ep on a rank) are gathered and reduced over their replicas where ep < dp
     gather_bytes = [(s.param_numel - s.dp_split_numel) * bpe.weights if z >= 3 else 0.0 for s in part]
-    gather_f = [time_of("all_gather")(b) if b > 0 else 0.0 for b in gather_bytes]
+    expert_gather = experts_of("all_gather")
+    gather_e = [s.dp_split_numel / ep * bpe.weights if z >= 3 and expert_gather else 0.0 for s in part]
+    gather_f = [
+        (time_of("all_gather")(b) if b > 0 else 0.0) + (expert_gather(e) if expert_gather and e > 0 else 0.0)
+        for b, e in zip(gather_bytes, gather_e, strict=True)
+    ]
     regather = recompute == "full"  # the re-run forward gathers its block's weights again
     gather_b = [g * (policy.reshard_after_forward + regather) for g in gather_f[::-1]]
     red_kind = "all_reduce" if z == 0 else "reduce_scatter"
@@ -762,6 +815,11 @@ def _stage_comm(
         (s.trainable_numel - s.dp_split_trainable_numel - a) * bpe.grads for s, a in zip(part, apart, strict=True)
     ][::-1]
     reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
+    expert_reduce = experts_of(red_kind)
+    if expert_reduce is not None:  # their own buckets (another mesh axis), in the order they fill
+        grads_e = [s.dp_split_trainable_numel / ep * bpe.grads for s in part][::-1]
+        more, more_bytes = _reductions(grads_e, policy, expert_reduce)
+        reductions, bucket_bytes = sorted(reductions + more, key=lambda r: r[:2]), bucket_bytes + more_bytes
     apart_bytes = (sum(apart) + copies_numel) * bpe.grads
     apart_s = time_of(red_kind)(apart_bytes) if apart_bytes > 0 else 0.0
     pre = policy.prefetch_blocks
@@ -775,7 +833,7 @@ def _stage_comm(
     else:  # after the schedule: the tensor-parallel conversions, then the buckets, nothing beside them
         last = bwd
         tail = sum(tp_sync) + sum(r[2] for r in reductions)
-    after_row = _zero12_gathers(part, z, bpe, policy, time_of("all_gather"))
+    after_row = _zero12_gathers(part, z, bpe, policy, time_of("all_gather"), experts=(ep, expert_gather))
     after = after_row.total_s if after_row is not None else 0.0
     # the rows: totals of every collective of the step; exposed = what the compute stream waits
     # for, the gathers' share first (a gather can wait behind a reduction on the link)
@@ -786,11 +844,12 @@ def _stage_comm(
     in_last = min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
     reduce_exposed = (in_last if reduced_in_backward else reduce_total) + apart_s
     reduce_total += apart_s
-    n_gathered = sum(1 for b in gather_bytes if b > 0)
+    n_gathered = sum(1 for b in (*gather_bytes, *gather_e) if b > 0)
     if gathers_total > 0:
         passes = 1 + policy.reshard_after_forward + regather
         rows.append(CommRow(kind="all_gather", axis="dp", count=m * passes * n_gathered,
-                            bytes=m * passes * sum(gather_bytes), total_s=gathers_total, exposed_s=gathers_exposed))  # fmt: skip
+                            bytes=m * passes * (sum(gather_bytes) + sum(gather_e)), total_s=gathers_total,
+                            exposed_s=gathers_exposed))  # fmt: skip
     if reductions or apart_s > 0:
         rows.append(CommRow(kind=red_kind, axis="dp", count=len(reductions) + (apart_s > 0),
                             bytes=sum(bucket_bytes) + apart_bytes, total_s=reduce_total, exposed_s=reduce_exposed))  # fmt: skip
@@ -807,14 +866,20 @@ def _stage_comm(
 
 def _zero12_gathers(
     part: Sequence[SegmentCost], zero_stage: int, bpe: ElementBytes, policy: OverlapPolicy,
-    time_of: Callable[[float], float],
+    time_of: Callable[[float], float], *, experts: tuple[int, Callable[[float], float] | None] = (1, None),
 ) -> CommRow | None:
     """ZeRO 1-2: the updated weights all-gathered after the optimizer step, per bucket, exposed
-    (``None``: another stage, or nothing trained)."""
+    (``None``: another stage, or nothing trained). ``experts``: ``ep`` and the time of gathering
+    the experts' shards over their replicas (:class:`_DpGroups`; ``None``: never gathered)."""
     if not 1 <= zero_stage < 3:
         return None
-    weights = [(s.trainable_numel - s.dp_split_trainable_numel) * bpe.weights for s in part]
+    weights = [float(s.trainable_numel - s.dp_split_trainable_numel) * bpe.weights for s in part]
     buckets = _reductions(weights[::-1], policy, time_of)[0]
+    ep, expert_time = experts
+    if expert_time is not None:
+        shards = [s.dp_split_trainable_numel / ep * bpe.weights for s in part]
+        buckets += _reductions(shards[::-1], policy, expert_time)[0]
+        weights += shards
     if not buckets:
         return None
     total = sum(b[2] for b in buckets)
@@ -823,24 +888,25 @@ def _zero12_gathers(
 
 def expert_parallel_costs(costs: SegmentCosts, config: ParallelConfig, cluster: Cluster) -> SegmentCosts:
     """``costs`` (solved on the tensor-parallel group, every expert local) with the routed experts
-    split over the ``config.ep == dp`` ranks of the data-parallel group, each rank holding
-    ``experts / dp`` of every MoE layer (GShard's expert parallelism; torchtitan's and
+    split over groups of ``config.ep`` consecutive ranks of the data-parallel group, each rank
+    holding ``experts / ep`` of every MoE layer (GShard's expert parallelism; torchtitan's and
     Megatron-Core's ``ep``): per segment with ``n`` MoE ops routing ``r`` bytes,
 
         a2a_f = n * exchange(r / n, forward)      a2a_b = n * exchange(r / n, backward)
         fwd_s += a2a_f + (imbalance - 1) * moe_fwd_s      bwd_s += a2a_b + (imbalance - 1) * moe_bwd_s
         full_recompute_s += a2a_f + (imbalance - 1) * moe_fwd_s    (the re-run forward exchanges again)
 
-    ``exchange``: :func:`~autoplan.cost_models.comm.expert_exchange_s` on the dp group's link, the
-    op's blocking all-to-alls (``*_comm_s`` and the ``all_to_all`` row); ``imbalance``:
+    ``exchange``: :func:`~autoplan.cost_models.comm.expert_exchange_s` on the expert group's link,
+    the op's blocking all-to-alls (``*_comm_s`` and the ``all_to_all`` row); ``imbalance``:
     :data:`~autoplan.cost_models.comm.ROUTING_IMBALANCE` (a rank computes the rows routed to its
     experts, the busiest rank sets the time). The experts' weights become ``dp_split_numel``:
-    held ``1/dp`` per device, never gathered, their gradients complete on their rank (each saw
-    every token routed to it), so never reduced over dp; under ZeRO 0 the optimizer step updates
-    ``1/dp`` of them (ZeRO >= 1 already divides the whole step by dp)."""
+    ``1/ep`` of them on a rank, their gradients complete within the group (each rank saw every
+    token of its group routed to its experts), so reduced only over the ``dp / ep`` replicas
+    (:class:`_DpGroups`; never where ``ep == dp``); under ZeRO 0 the optimizer step updates
+    ``1/ep`` of them (ZeRO >= 1 already divides the whole step by dp)."""
     if config.ep == 1:
         return costs
-    link = group_link(cluster, stride=config.tp, size=config.dp)
+    link = group_link(cluster, stride=config.tp, size=config.ep)
     segments = []
     for s in costs.segments:
         if not s.moe_ops and not s.expert_numel:
@@ -890,12 +956,15 @@ def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: boo
     return max(0.0, link.free_s - t)
 
 
-def _tp_rows(part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool) -> list[CommRow]:
+def _tp_rows(
+    part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool, expert_axis: str = "dp"
+) -> list[CommRow]:
     """Tensor-parallel conversions of the step: the segments' forward and backward collectives in
     every micro-batch (the forward's again under full recomputation), all in the compute stream,
     and the gradient conversions once (hidden as :func:`_tp_sync_tail` says). The all-to-alls of
-    expert-parallel MoE ops (inside the op, blocking) get their own row, on ``dp`` where the
-    experts are split over it (:func:`expert_parallel_costs`)."""
+    expert-parallel MoE ops (inside the op, blocking) get their own row, on ``expert_axis``
+    (``dp``, or ``ep`` for groups smaller than dp) where the experts are split over the
+    data-parallel group (:func:`expert_parallel_costs`)."""
     passes = 3 if recompute == "full" else 2
 
     def per_step(fwd: Callable[[SegmentCost], float], bwd: Callable[[SegmentCost], float]) -> float:
@@ -922,7 +991,7 @@ def _tp_rows(part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bo
     if a2a_total > 0:
         n = m * sum(s.all_to_alls * passes for s in part)
         nbytes = m * sum(s.fwd_all_to_all_bytes * (passes - 1) + s.bwd_all_to_all_bytes for s in part)
-        axis = "dp" if any(s.dp_split_numel for s in part) else "tp"  # expert_parallel_costs: over dp
+        axis = expert_axis if any(s.dp_split_numel for s in part) else "tp"  # expert_parallel_costs: over dp
         rows.append(
             CommRow(kind="all_to_all", axis=axis, count=n, bytes=nbytes, total_s=a2a_total, exposed_s=a2a_total)
         )
@@ -999,7 +1068,7 @@ def _price_stage(
         comm = _stage_comm(
             tuple(part), cluster, tp=config.tp, dp=dp, num_microbatches=config.num_microbatches,
             zero_stage=config.zero_stage, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s,
-            reduced_in_backward=in_backward, apart_numel=tied[0], copies_numel=tied[1],
+            reduced_in_backward=in_backward, apart_numel=tied[0], copies_numel=tied[1], ep=config.ep,
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
@@ -1009,6 +1078,7 @@ def _price_stage(
         element=bpe,
         zero_stage=z,
         dp=dp,
+        ep=config.ep,
         inflight=_inflight(config, rank),
         num_microbatches=config.num_microbatches,
         first_segment=segments[0],

@@ -940,12 +940,12 @@ def test_no_file_is_read_with_pickle_eval_unsafe_yaml_or_unrestricted_torch_load
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(dp=8, ep=4), "ep=4 must be 1 or the data-parallel degree dp=8"),
+        (dict(dp=8, ep=3), "ep=3 must divide the data-parallel degree dp=8"),
         (dict(dp=2, tp=2, ep=2), "expert parallelism (ep > 1) needs tp=1, no stage_dp and offload_optimizer=False"),
         (dict(dp=2, ep=2, offload_optimizer=True), "set ep=1 or drop the other option"),
         (dict(dp=2, ep=0), "ParallelConfig.ep must be a positive integer, got 0: use 1 for no expert parallelism"),
     ],
-    ids=["ep_not_dp", "ep_with_tp", "ep_with_offload", "ep_zero"],
+    ids=["ep_not_dividing_dp", "ep_with_tp", "ep_with_offload", "ep_zero"],
 )
 def test_expert_parallel_config_that_cannot_run_names_the_fix(fields, message):
     with pytest.raises(autoplan.ConfigError) as info:

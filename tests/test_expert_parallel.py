@@ -295,26 +295,48 @@ def _train_planned(rank: int, world_size: int, plan_json: str) -> dict[str, Any]
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("zero_stage", [0, pytest.param(3, marks=pytest.mark.slow)])
-def test_experts_split_over_the_data_parallel_group_train_like_single_device(zero_stage: int):
-    """A global-batch plan with ``ep = dp = 2`` (two micro-batches accumulated): every MoE op runs
-    expert-parallel on the dp axis, each rank holding 2 of the 4 experts of every layer (never
-    gathered: ZeRO-3 shards the rest), the estimate lists its all-to-alls on dp, and it trains like
-    one device."""
+@pytest.mark.parametrize(
+    ("dp", "ep", "zero_stage"),
+    [(2, 2, 0), pytest.param(2, 2, 3, marks=pytest.mark.slow), (4, 2, 0), pytest.param(4, 2, 3, marks=pytest.mark.slow)],
+    ids=["ep=dp=2", "ep=dp=2-zero3", "dp=4-ep=2", "dp=4-ep=2-zero3"],
+)
+def test_experts_split_over_the_data_parallel_group_train_like_single_device(dp: int, ep: int, zero_stage: int):
+    """A global-batch plan with the experts split over groups of ``ep`` ranks of ``dp``: every MoE
+    op runs expert-parallel on the expert axis, each rank holding 4 / ep of the 4 experts of every
+    layer (never gathered there), and it trains like one device.
+
+    ``ep == dp == 2`` (two micro-batches accumulated): one axis, ``dp``; the experts' gradients
+    are complete on their rank. ``dp = 4, ep = 2``: the mesh's axes are ``dp`` (2 replicas of each
+    expert shard) and ``ep`` (2 consecutive ranks); the batch is split over both, the dense
+    gradients are reduced over both and the experts' over ``dp`` only (ZeRO-3 shards them there
+    and gathers them before the op)."""
     import json
 
-    cfg = ParallelConfig(dp=2, microbatch_size=2, num_microbatches=2, zero_stage=zero_stage, ep=2)
+    m = 4 // dp
+    cfg = ParallelConfig(dp=dp, microbatch_size=2, num_microbatches=m, zero_stage=zero_stage, ep=ep)
     x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
-    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), "1x2xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
+    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), f"1x{dp}xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
                          example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8, config=cfg)  # fmt: skip
     assert plan.config == cfg
+    split = ep < dp
+    assert plan.pipeline is not None
+    assert plan.pipeline.stage_axis_names == (("dp", "ep") if split else ("dp",))
+    batch = ["S(0)"] * (2 if split else 1)
     for d in _moe_layouts({"plan": plan}):
         first = 1 if "backward" in d["op"] else 0
-        assert d["in"][first] == ["S(0)"] and d["in"][first + 4] == ["S(0)"], d  # tokens and experts on dp
+        assert d["in"][first] == batch and d["in"][first + 4] == ["R", "S(0)"][-len(batch) :], d  # tokens, experts
     experts = {n: list(p) for n, p in plan.param_specs.items() if "experts" in n}
-    assert len(experts) == 4 and all(p == ["S(0)"] for p in experts.values()), experts
+    assert len(experts) == 4 and all(p[-1] == "S(0)" for p in experts.values()), experts
+    if zero_stage == 0:
+        assert all(p == ["R", "S(0)"][-len(batch) :] for p in experts.values()), experts
+    elif split:
+        assert all(p[0].startswith("S(") for p in experts.values()), experts  # ZeRO-3 over the replicas
     rows = {(r.kind, r.axis) for r in plan.estimate.comm.rows}
-    assert ("all_to_all", "dp") in rows, rows
-    assert plan.parallelism() == {"dp": "data + expert + tensor/param-sharded (4/21 params)"} if zero_stage == 0 else True
-    results = run_ranks(_train_planned, 2, json.dumps(plan.to_dict()), timeout_s=900)
+    assert ("all_to_all", "ep" if split else "dp") in rows, rows
+    if split:
+        assert plan.parallelism()["dp"] == "data" if zero_stage == 0 else True
+        assert plan.parallelism()["ep"].startswith("data + expert"), plan.parallelism()
+    else:
+        assert plan.parallelism() == {"dp": "data + expert + tensor/param-sharded (4/21 params)"} if zero_stage == 0 else True
+    results = run_ranks(_train_planned, dp, json.dumps(plan.to_dict()), timeout_s=900)
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)

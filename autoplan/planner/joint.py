@@ -43,7 +43,7 @@ from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
 from autoplan.planner import plan_cache, progress
 from autoplan.planner.ilp import plan_traced
-from autoplan.planner.mesh import as_cluster, planning_mesh, stage_axes, stage_cluster
+from autoplan.planner.mesh import as_cluster, data_parallel_axes, planning_mesh, stage_axes, stage_cluster
 from autoplan.planner.plan import ConfigOption, Estimate, PipelineLayout, Plan
 from autoplan.planner.search import SearchSpace, estimate_order, search
 from autoplan.planner.segment_model import SegmentCostModel, memory_tie_break
@@ -199,9 +199,10 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     axis's job, which the search prices separately."""
     if config.dp == 1:
         return
-    dp_axis = 0  # stage_axes puts dp first when it is larger than one
+    dp_axes = data_parallel_axes(config)
+    ep_axis = dp_axes[-1]  # stage_axes: the ep axis last (one axis when ep is 1 or dp)
     fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
-    experts = _expert_parallel_on_dp(table, fx_nodes, dp_axis) if config.ep > 1 else set()
+    experts = _expert_parallel_on(table, fx_nodes, ep_axis) if config.ep > 1 else set()
     params = {name for name, ns in table.nodes.items() if ns.kind == "param"} - experts
     # values computed from the batch: activations, their gradients, weight gradients
     data = {name for name, ns in table.nodes.items() if ns.kind in ("input", "target")}
@@ -213,28 +214,32 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
 
         def allowed(s: Strategy, ns: NodeStrategies = ns) -> bool:
             for spec, ref in zip(s.input_specs, ns.inputs, strict=True):
-                placement = spec[dp_axis]
-                if ref.node in params and not isinstance(placement, Replicate):
-                    return False  # a weight used as a shard of the dp axis
-                if ref.node in data and isinstance(placement, Replicate) and _rank(fx_nodes.get(ref.node)) > 0:
-                    return False  # a batch-split value gathered whole on every dp rank
+                for axis in dp_axes:
+                    placement = spec[axis]
+                    whole = ref.node in params or (ref.node in experts and axis != ep_axis)
+                    if whole and not isinstance(placement, Replicate):
+                        return False  # a weight used as a shard of a dp axis (an expert: of its replicas' axis)
+                    if ref.node in data and isinstance(placement, Replicate) and _rank(fx_nodes.get(ref.node)) > 0:
+                        return False  # a batch-split value gathered whole on every dp rank
             return True
 
         keep = tuple(s for s in ns.strategies if allowed(s))
         if keep and len(keep) < len(ns.strategies):
             table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+    stored = Shard if config.zero_stage >= 3 else Replicate  # a parameter on a dp axis: ZeRO-3 or whole
     for name, ns in list(table.nodes.items()):
         if ns.kind not in ("param", "input"):
             continue
         if name in experts:
-            keep = tuple(s for s in ns.strategies if s.output_specs[0][dp_axis] == Shard(0))
+            axes = [a for a in dp_axes if a != ep_axis]
+            keep = tuple(
+                s for s in ns.strategies
+                if s.output_specs[0][ep_axis] == Shard(0) and all(isinstance(s.output_specs[0][a], stored) for a in axes)
+            )  # fmt: skip
         elif name.startswith("p_"):
-            if config.zero_stage >= 3:
-                keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][dp_axis], Shard))
-            else:
-                keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][dp_axis], Replicate))
+            keep = tuple(s for s in ns.strategies if all(isinstance(s.output_specs[0][a], stored) for a in dp_axes))
         elif name.startswith(("input_", "target_")):
-            keep = tuple(s for s in ns.strategies if s.output_specs[0][dp_axis] == Shard(0))
+            keep = tuple(s for s in ns.strategies if all(s.output_specs[0][a] == Shard(0) for a in dp_axes))
         else:
             continue
         if keep:
@@ -252,20 +257,21 @@ EXECUTABLE_SPACE = SearchSpace(
 different sizes)."""
 
 
-def _expert_parallel_on_dp(table: StrategyTable, fx_nodes: Mapping[str, torch.fx.Node], dp_axis: int) -> set[str]:
+def _expert_parallel_on(table: StrategyTable, fx_nodes: Mapping[str, torch.fx.Node], ep_axis: int) -> set[str]:
     """``ParallelConfig.ep > 1``: every MoE op keeps only its strategies that run expert
-    parallelism on the ``dp`` axis (tokens and experts split there, the all-to-all dispatch of
-    :mod:`autoplan.passes.moe`); returns the expert weights they read, which the caller keeps
-    split along the experts on ``dp`` (never gathered: the rule for other parameters)."""
+    parallelism on the ``ep_axis`` (``dp``, or ``ep`` when smaller than dp: tokens and experts
+    split there, the all-to-all dispatch of :mod:`autoplan.passes.moe`); returns the expert
+    weights they read, which the caller keeps split along the experts on that axis (never
+    gathered there: the rule for other parameters)."""
     weights: set[str] = set()
     for name, ns in list(table.nodes.items()):
         node = fx_nodes.get(name)
         if node is None or node.target not in MOE_OPS:
             continue
         backward = is_moe_backward(node.target)
-        keep = tuple(s for s in ns.strategies if ep_axes(s.input_specs, backward=backward) == [dp_axis])
+        keep = tuple(s for s in ns.strategies if ep_axes(s.input_specs, backward=backward) == [ep_axis])
         if not keep:
-            raise PlanError(f"{name}: no expert-parallel strategy on the data-parallel axis; plan with ep=1")
+            raise PlanError(f"{name}: no expert-parallel strategy on the expert-parallel axis; plan with ep=1")
         table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
         weights |= {w.name for w in expert_weights(node)}
     return weights

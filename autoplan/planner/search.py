@@ -61,9 +61,9 @@ class SearchSpace:
     (``DeviceSpec.host_link_GBps`` is ``None``: nothing leaves its memory)."""
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     expert_parallel: tuple[bool, ...] = (False, True)
-    """Routed experts replicated over the data-parallel group (False) or split over it
-    (``ParallelConfig.ep = dp``, True), the latter where the model's experts divide by ``dp`` and
-    ``tp == 1`` (:func:`candidates`)."""
+    """Routed experts replicated over the data-parallel group (False) or split over groups of
+    ``ep`` of its ranks (True: every ``ParallelConfig.ep > 1`` dividing both ``dp`` and the
+    model's experts), the latter where ``tp == 1`` (:func:`candidates`)."""
     balanced_stages: bool = True
     per_stage_recompute: bool = True
     hetero_stages: bool = True
@@ -175,7 +175,8 @@ def candidates(
     cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace, experts: int = 0
 ) -> list[ParallelConfig]:
     """Every configuration of the search space that divides the cluster and the batch (and, for a
-    model with ``experts`` routed experts per MoE layer, the experts: ``ep = dp``)."""
+    model with ``experts`` routed experts per MoE layer, the expert-parallel degrees ``ep``
+    dividing both ``dp`` and the experts)."""
     world = cluster.world_size
     out = []
     for pp in _divisors(world):
@@ -209,8 +210,8 @@ def candidates(
                         else:
                             scheds.append((sch, 1))
                 eps = [1] if False in space.expert_parallel else []
-                if True in space.expert_parallel and dp > 1 and tp == 1 and experts and experts % dp == 0:
-                    eps.append(dp)
+                if True in space.expert_parallel and tp == 1 and experts:
+                    eps += [ep for ep in _divisors(dp) if ep > 1 and experts % ep == 0]
                 for (sch, v), rec, z, ep in itertools.product(scheds, space.recompute, space.zero_stages, eps):
                     if dp == 1 and z > 0:
                         continue  # nothing to shard over
