@@ -749,6 +749,36 @@ class _DpGroups:
         r = self.dp // self.ep
         return lambda nbytes: self._time(kind, nbytes, r, self.tp * self.ep)
 
+    def rows(
+        self, kind: str, dense: Sequence[float], experts: Sequence[float], *, times: int, total_s: float,
+        exposed_s: float,
+    ) -> list[CommRow]:
+        """The rows of ``times`` runs of ``kind`` collectives of ``dense`` and ``experts`` bytes
+        (one per bucket or block; 0: none) that take ``total_s``, ``exposed_s`` of it waited for:
+        one row, ``dp``, or with the group split, one per axis (each collective of the dense
+        parameters runs on both), the times in proportion to each axis's link time."""
+        if not self.split:
+            sizes = [b for b in (*dense, *experts) if b > 0]
+            return [CommRow(kind=kind, axis="dp", count=times * len(sizes), bytes=times * sum(sizes), total_s=total_s,
+                            exposed_s=exposed_s)]  # fmt: skip
+        r = self.dp // self.ep
+        inner = 1.0 if kind == "all_reduce" else 1.0 / r
+        on_axis = {
+            "dp": [b for b in (*dense, *experts) if b > 0],
+            "ep": [b * inner for b in dense if b > 0],
+        }
+        link_s = {
+            "dp": sum(self._time(kind, b, r, self.tp * self.ep) for b in on_axis["dp"]),
+            "ep": sum(self._time(kind, b, self.ep, self.tp) for b in on_axis["ep"]),
+        }
+        whole = sum(link_s.values())
+        return [
+            CommRow(kind=kind, axis=axis, count=times * len(sizes), bytes=times * sum(sizes),
+                    total_s=total_s * link_s[axis] / whole, exposed_s=exposed_s * link_s[axis] / whole)  # fmt: skip
+            for axis, sizes in on_axis.items()
+            if sizes and whole > 0
+        ]
+
 
 @functools.lru_cache(maxsize=1 << 14)
 def _stage_comm(
@@ -815,11 +845,11 @@ def _stage_comm(
         (s.trainable_numel - s.dp_split_trainable_numel - a) * bpe.grads for s, a in zip(part, apart, strict=True)
     ][::-1]
     reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
-    expert_reduce = experts_of(red_kind)
+    expert_reduce, expert_buckets = experts_of(red_kind), list[float]()
     if expert_reduce is not None:  # their own buckets (another mesh axis), in the order they fill
         grads_e = [s.dp_split_trainable_numel / ep * bpe.grads for s in part][::-1]
-        more, more_bytes = _reductions(grads_e, policy, expert_reduce)
-        reductions, bucket_bytes = sorted(reductions + more, key=lambda r: r[:2]), bucket_bytes + more_bytes
+        more, expert_buckets = _reductions(grads_e, policy, expert_reduce)
+        reductions = sorted(reductions + more, key=lambda r: r[:2])
     apart_bytes = (sum(apart) + copies_numel) * bpe.grads
     apart_s = time_of(red_kind)(apart_bytes) if apart_bytes > 0 else 0.0
     pre = policy.prefetch_blocks
@@ -833,8 +863,8 @@ def _stage_comm(
     else:  # after the schedule: the tensor-parallel conversions, then the buckets, nothing beside them
         last = bwd
         tail = sum(tp_sync) + sum(r[2] for r in reductions)
-    after_row = _zero12_gathers(part, z, bpe, policy, time_of("all_gather"), experts=(ep, expert_gather))
-    after = after_row.total_s if after_row is not None else 0.0
+    after_rows = _zero12_gathers(part, z, bpe, policy, groups)
+    after = sum(r.total_s for r in after_rows)
     # the rows: totals of every collective of the step; exposed = what the compute stream waits
     # for, the gathers' share first (a gather can wait behind a reduction on the link)
     gathers_total = m * (sum(gather_f) + sum(gather_b))
@@ -844,16 +874,14 @@ def _stage_comm(
     in_last = min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
     reduce_exposed = (in_last if reduced_in_backward else reduce_total) + apart_s
     reduce_total += apart_s
-    n_gathered = sum(1 for b in (*gather_bytes, *gather_e) if b > 0)
     if gathers_total > 0:
         passes = 1 + policy.reshard_after_forward + regather
-        rows.append(CommRow(kind="all_gather", axis="dp", count=m * passes * n_gathered,
-                            bytes=m * passes * (sum(gather_bytes) + sum(gather_e)), total_s=gathers_total,
-                            exposed_s=gathers_exposed))  # fmt: skip
+        rows += groups.rows("all_gather", gather_bytes, gather_e, times=m * passes, total_s=gathers_total,
+                            exposed_s=gathers_exposed)  # fmt: skip
     if reductions or apart_s > 0:
-        rows.append(CommRow(kind=red_kind, axis="dp", count=len(reductions) + (apart_s > 0),
-                            bytes=sum(bucket_bytes) + apart_bytes, total_s=reduce_total, exposed_s=reduce_exposed))  # fmt: skip
-    rows += [after_row] if after_row is not None else []
+        rows += groups.rows(red_kind, [*bucket_bytes, apart_bytes], expert_buckets, times=1, total_s=reduce_total,
+                            exposed_s=reduce_exposed)  # fmt: skip
+    rows += after_rows
     return _StageComm(
         fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s,
         sync_s=(last.end_s - bwd.end_s) + tail + apart_s + after,
@@ -865,25 +893,24 @@ def _stage_comm(
 
 
 def _zero12_gathers(
-    part: Sequence[SegmentCost], zero_stage: int, bpe: ElementBytes, policy: OverlapPolicy,
-    time_of: Callable[[float], float], *, experts: tuple[int, Callable[[float], float] | None] = (1, None),
-) -> CommRow | None:
+    part: Sequence[SegmentCost], zero_stage: int, bpe: ElementBytes, policy: OverlapPolicy, groups: _DpGroups
+) -> list[CommRow]:
     """ZeRO 1-2: the updated weights all-gathered after the optimizer step, per bucket, exposed
-    (``None``: another stage, or nothing trained). ``experts``: ``ep`` and the time of gathering
-    the experts' shards over their replicas (:class:`_DpGroups`; ``None``: never gathered)."""
+    (none: another stage, or nothing trained); the experts' shards over their replicas where
+    the group is split (:class:`_DpGroups`)."""
     if not 1 <= zero_stage < 3:
-        return None
+        return []
     weights = [float(s.trainable_numel - s.dp_split_trainable_numel) * bpe.weights for s in part]
-    buckets = _reductions(weights[::-1], policy, time_of)[0]
-    ep, expert_time = experts
+    buckets, dense = _reductions(weights[::-1], policy, groups.time_of("all_gather"))
+    expert_time, shards = groups.expert_time_of("all_gather"), list[float]()
     if expert_time is not None:
-        shards = [s.dp_split_trainable_numel / ep * bpe.weights for s in part]
-        buckets += _reductions(shards[::-1], policy, expert_time)[0]
-        weights += shards
+        more, shards = _reductions([s.dp_split_trainable_numel / groups.ep * bpe.weights for s in part][::-1],
+                                   policy, expert_time)  # fmt: skip
+        buckets += more
     if not buckets:
-        return None
+        return []
     total = sum(b[2] for b in buckets)
-    return CommRow(kind="all_gather", axis="dp", count=len(buckets), bytes=sum(weights), total_s=total, exposed_s=total)
+    return groups.rows("all_gather", dense, shards, times=1, total_s=total, exposed_s=total)
 
 
 def expert_parallel_costs(costs: SegmentCosts, config: ParallelConfig, cluster: Cluster) -> SegmentCosts:

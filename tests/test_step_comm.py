@@ -407,3 +407,46 @@ def test_experts_split_over_dp_exchange_tokens_and_are_never_reduced_or_gathered
     # ZeRO-3 its slowdown beside the (fewer) gathers differs too
     if zero_stage == 0:
         assert split.compute_s == pytest.approx(replicated.compute_s + slower + a2a, rel=1e-6)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_experts_split_over_groups_smaller_than_dp_reduce_their_shards_over_the_replicas(zero_stage: int):
+    """``dp = 8, ep = 2``: the MoE all-to-alls run on the 2 ranks of an expert group (an
+    ``all_to_all@ep`` row, on that group's link); each device holds 1/2 of the experts (1/8
+    under ZeRO-3), whose gradients (and ZeRO-3 gathers) run over the 4 replicas only (axis
+    ``dp``), while the dense parameters' run over both axes, one after the other: on ``dp``
+    their whole bytes, on ``ep`` the whole bytes for an all-reduce and a quarter for a
+    reduce-scatter or all-gather. The rows add up to the estimate's communication."""
+    experts, params, dp, ep, m = 3_000_000, 4_000_000, 8, 2, 2
+    costs = _moe_costs(experts_numel=experts, params=params)
+    cfg = _config(dp=dp, num_microbatches=m, zero_stage=zero_stage, ep=ep)
+    est = evaluate(cfg, costs, ONE_NODE)
+    blocks, r = len(costs.segments) - 2, dp // ep
+    link = group_link(ONE_NODE, stride=1, size=ep)
+    a2a = _row(est, "all_to_all", "ep")
+    assert a2a.total_s == pytest.approx(blocks * m * sum(expert_exchange_s(1e6, 8, ep, link, backward=b) for b in (False, True)))
+    assert not [row for row in est.comm.rows if row.kind == "all_to_all" and row.axis == "dp"]
+    reduction = "all_reduce" if zero_stage == 0 else "reduce_scatter"
+    dense = sum(s.trainable_numel - s.expert_trainable_numel for s in costs.segments) * 4
+    shards = blocks * experts / ep * 4
+    assert _row(est, reduction, "dp").bytes == pytest.approx(dense + shards)
+    assert _row(est, reduction, "ep").bytes == pytest.approx(dense if zero_stage == 0 else dense / r)
+    # each axis's share of the reductions' time is its link time: the 4 replicas' ring of the
+    # larger bytes takes longer than the pair's
+    assert _row(est, reduction, "dp").total_s > _row(est, reduction, "ep").total_s > 0
+    weights = est.stages[0].memory_parts["weights"]
+    total = sum(s.param_numel for s in costs.segments)
+    if zero_stage == 0:
+        assert weights == pytest.approx((total - blocks * experts * (1 - 1 / ep)) * 4)
+    else:
+        assert weights == pytest.approx(total * 4 / dp)
+        gathers = _row(est, "all_gather", "dp")  # forward and backward, each micro-batch: dense whole, experts 1/ep
+        assert gathers.bytes == pytest.approx(m * 2 * (sum(s.param_numel - s.expert_numel for s in costs.segments)
+                                                        + blocks * experts / ep) * 4)  # fmt: skip
+        assert _row(est, "all_gather", "ep").bytes == pytest.approx(
+            m * 2 * sum(s.param_numel - s.expert_numel for s in costs.segments) * 4 / r
+        )
+    assert est.comm.exposed_s == pytest.approx(est.exposed_comm_s)
+    # more ranks per expert group: fewer expert bytes held, more all-to-all ranks
+    wider = evaluate(dataclasses.replace(cfg, ep=4), costs, ONE_NODE)
+    assert wider.stages[0].memory_parts["weights"] <= weights
