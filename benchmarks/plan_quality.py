@@ -11,8 +11,8 @@ and H100 clusters of 8 to 1024 GPUs, it prices
 * **grid**: every Megatron-style configuration — dp x tp x pp (tp inside a node), micro-batch
   size, schedule (GPipe, 1F1B, interleaved 1F1B with 2 or 4 virtual stages, zero-bubble),
   recomputation (none / selective / full, the same on every stage), ZeRO 0-3, the experts split
-  over the data-parallel group (``ep = dp``, MoE shapes) — with Megatron's uniform stage split
-  (blocks divided evenly, embedding on the first stage, head on the last);
+  over groups of the data-parallel group (``ep`` dividing ``dp``, MoE shapes) — with Megatron's
+  uniform stage split (blocks divided evenly, embedding on the first stage, head on the last);
 * **planner**: ``autoplan.planner.search.search`` — the same configurations plus balanced stage
   boundaries (min-max over measured stage times) and per-stage recomputation,
 

@@ -27,9 +27,10 @@ that autoplan cannot express faithfully, issue #20 item 5):
   Mixtral 8x7B bf16 at 438 (MCore v0.8) and 468 (v0.9) TFLOP/s per GPU on H100, with no
   configuration (GPUs, TP/PP/EP, batch) given: nothing to price.
 - NeMo AutoModel performance summary (as the row above): DeepSeek V3 671B (256 and 1,024 H100,
-  PP 4 VP 8 EP 64) and Kimi K2 (256 H100, PP 8 EP 32): pipeline stages whose experts are split
-  over ranks of other stages' data-parallel replicas (EP beyond one stage's mesh axis) and MLA
-  attention (no zoo model); GPT-OSS 20B/120B (8/64 H100, FSDP, no EP): attention sinks,
+  PP 4 VP 8 EP 64, FSDP 64 and 256) and Kimi K2 (256 H100, PP 8 VP 4 EP 32, FSDP 32): the expert
+  groups lie within each stage's data-parallel ranks (``ep = dp`` on 256 GPUs, ``ep = dp / 4``
+  on 1,024, both expressible since ``ep`` may divide ``dp``), but MLA attention, the leading dense
+  layers and the multi-token-prediction head have no zoo model; GPT-OSS 20B/120B (8/64 H100, FSDP, no EP): attention sinks,
   alternating sliding-window layers and clamped SwiGLU experts, not in the zoo.
 - Megatron-Bridge performance summary (NVIDIA-NeMo/Megatron-Bridge ``docs/performance-summary.md``,
   25.11): GPT-OSS 120B BF16 on 64 H100 (PP 4, EP 8; same model gap, and EP with PP); every other
@@ -172,7 +173,8 @@ class PublishedRun:
     tp: int = 1
     """autoplan's in-stage model-parallel axis (``ParallelConfig.tp``)."""
     ep: int = 1
-    """Expert-parallel degree (``ParallelConfig.ep``: the experts split over the dp ranks)."""
+    """Expert-parallel degree (``ParallelConfig.ep``: the experts split over groups of that many
+    dp ranks)."""
     num_microbatches: int = 1
     """Gradient-accumulation steps per optimizer step."""
     framework: str = "torchtitan"

@@ -218,6 +218,19 @@ class ParallelConfig:
                 "set ep=1 or drop the other option"
             )
 
+    def stage_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """Shape and axis names of one pipeline stage's device mesh: the ``dp`` and ``tp`` axes
+        larger than one (a size-one axis only multiplies the ILP's strategies by layouts that
+        split nothing). Experts split over groups smaller than dp (``1 < ep < dp``) split the
+        data-parallel ranks into two axes, ``dp`` of ``dp / ep`` (the replicas of an expert
+        shard) and ``ep`` (an expert group: consecutive ranks, so that its all-to-alls stay
+        within a node where they can); the batch is split over both."""
+        sizes = [(self.dp, "dp")]
+        if 1 < self.ep < self.dp:
+            sizes = [(self.dp // self.ep, "dp"), (self.ep, "ep")]
+        axes = [(size, name) for size, name in (*sizes, (self.tp, "tp")) if size > 1] or [(1, "dp")]
+        return tuple(a[0] for a in axes), tuple(a[1] for a in axes)
+
     def dp_of(self, stage: int) -> int:
         """Data-parallel degree of pipeline stage ``stage``: ``stage_dp[stage]``, else ``dp``."""
         return self.stage_dp[stage] if self.stage_dp is not None else self.dp

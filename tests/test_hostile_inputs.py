@@ -475,6 +475,7 @@ PIPELINE_MISFITS = {
     "recompute_per_stage_missing": ({"stage_recompute": ["none"]}, "pipeline.stage_recompute ['none'] must give"),
     "unknown_recompute": ({"stage_recompute": ["none", "most"]}, "must give one of none, selective, full"),
     "stage_mesh_of_other_size": ({"stage_mesh_shape": [4]}, "pipeline.stage_mesh_shape [4]"),
+    "stage_mesh_axis_renamed": ({"stage_axis_names": ["ep"]}, "is not the stage mesh of config"),
     "traced_blocks_beyond_model": ({"traced_blocks": 7}, "pipeline.traced_blocks 7 must be 0..4"),
     "no_config": ({}, "KeyError: 'config'"),
 }

@@ -82,17 +82,8 @@ def planning_mesh(cluster: Cluster, *, device_type: str = "cpu") -> Iterator[Dev
 
 
 def stage_axes(config: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Shape and names of one stage's mesh: the ``dp`` and ``tp`` axes larger than one (a
-    size-one axis only multiplies the ILP's strategies by layouts that split nothing). Experts
-    split over groups smaller than dp (``1 < ep < dp``) split the data-parallel ranks into two
-    axes, ``dp`` of ``dp / ep`` (the replicas of an expert shard) and ``ep`` (an expert group:
-    consecutive ranks, so that its all-to-alls stay within a node where they can); the batch is
-    split over both."""
-    sizes = [(config.dp, "dp")]
-    if 1 < config.ep < config.dp:
-        sizes = [(config.dp // config.ep, "dp"), (config.ep, "ep")]
-    axes = [(size, name) for size, name in (*sizes, (config.tp, "tp")) if size > 1] or [(1, "dp")]
-    return tuple(a[0] for a in axes), tuple(a[1] for a in axes)
+    """Shape and names of one stage's mesh (:meth:`ParallelConfig.stage_mesh`)."""
+    return config.stage_mesh()
 
 
 def data_parallel_axes(config: ParallelConfig) -> tuple[int, ...]:

@@ -955,6 +955,13 @@ def _check_pipeline_layout(plan: Plan) -> None:
             f"{clip(list(layout.stage_axis_names))} must be one named axis per size, {cfg.dp * cfg.tp} devices "
             f"(config dp*tp = {cfg.dp}*{cfg.tp})"
         )
+    if (layout.stage_mesh_shape, layout.stage_axis_names) != cfg.stage_mesh():
+        shape, names = cfg.stage_mesh()
+        raise ValueError(
+            f"pipeline.stage_mesh_shape {clip(list(layout.stage_mesh_shape))} with axes "
+            f"{clip(list(layout.stage_axis_names))} is not the stage mesh of config {cfg}: {list(shape)} with axes "
+            f"{list(names)}"
+        )
     if cfg.world_size != plan.world_size:
         raise ValueError(f"config ({cfg}) uses {cfg.world_size} devices but the cluster has {plan.world_size}")
     if layout.global_batch_size != cfg.global_batch_size:
