@@ -332,11 +332,9 @@ def stage_memory_parts(
     adds the stage's own copy of it (``tied_param_numel``) to ``P_j`` and ``T'_j``.
     Recomputation (selective or full, per block as :mod:`autoplan.runtime.pipeline` executes it)
     enters only through ``kept_j`` and ``T_j``. ``offload_optimizer``: ``O`` and ``opt_step`` as
-    :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks). ``ep``: the
-    elements split over groups of ``ep`` ranks (``dp_split_numel``, the experts; ``None``: over
-    all of dp) count ``1/ep`` in ``W`` below ZeRO 3 and in ``O`` under ZeRO 0; with ``ep < dp``
-    ZeRO 3 gathers their ``1/ep`` shard as it gathers the rest and the buckets hold their
-    gradients too."""
+    :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks). ``ep``: ``dp_split_numel``
+    (experts) is split over ``ep`` ranks (``None``: dp), ``1/ep`` of it in ``W`` below ZeRO 3 and in
+    ``O`` under ZeRO 0; with ``ep < dp`` ZeRO 3 gathers and the buckets reduce that shard too."""
     tied = _tied_copies(segments, first_segment)
     param_numel, trainable = stage_numels(segments, first_segment)
     # split over ep ranks of dp (experts): 1/ep held below ZeRO 3, so only the unsharded parts
@@ -353,14 +351,9 @@ def stage_memory_parts(
         host_is_device=host_is_device,
     )  # fmt: skip
     raw, grads = _gradient_bytes(segments, tied.values(), dp=dp, ep=e, zero_stage=zero_stage, element=element)
-    gathered = 0.0
     shard_gathered = 1 / e if e < dp else 0.0  # of the experts, gathered over their replicas
-    if zero_stage >= 3:
-        largest = max((s.param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments), default=0)
-        regather = recompute == "full"  # the re-run forward gathers its block's weights once more
-        unsplit = param_numel - split_p * (1 - shard_gathered)
-        kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else unsplit
-        gathered = min(kept_numel, unsplit) * element.weights
+    gathered = _zero3_gathered_bytes(segments, param_numel, split_p * (1 - shard_gathered), shard_gathered,
+                                     zero_stage=zero_stage, recompute=recompute, policy=policy, element=element)  # fmt: skip
     activations, transients = _activations_and_transients(segments, recompute, inflight)
     reduced_numel = trainable - split_t * (1 - shard_gathered)
     bucket = min(reduced_numel * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
@@ -377,6 +370,22 @@ def stage_memory_parts(
     parts = {"weights": w, "grads": grads_at_peak, "optimizer": o, "activations": activations,
              "transient": at_peak - activations - grads_at_peak}  # fmt: skip
     return _with_allocator(parts, device_kind)
+
+
+def _zero3_gathered_bytes(
+    segments: Sequence[SegmentMemory], param_numel: int, never_gathered: float, shard_gathered: float, *,
+    zero_stage: int, recompute: str, policy: OverlapPolicy, element: ElementBytes,
+) -> float:
+    """``gathered`` of :func:`stage_memory_parts`: ZeRO-3's gathered weights (0 below ZeRO 3), of
+    the stage's parameters less the ``never_gathered`` elements (the experts' other shards; each
+    segment gathers ``shard_gathered`` of its experts)."""
+    if zero_stage < 3:
+        return 0.0
+    largest = max((s.param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments), default=0)
+    regather = recompute == "full"  # the re-run forward gathers its block's weights once more
+    unsplit = param_numel - never_gathered
+    kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else unsplit
+    return min(kept_numel, unsplit) * element.weights
 
 
 def _gradient_bytes(

@@ -416,6 +416,7 @@ class TrainingEstimate:
 # --- topology ---------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1 << 12)
 def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
     """Link of a group of ``size`` ranks ``stride`` apart: network if it leaves a node.
 
@@ -827,29 +828,13 @@ def _stage_comm(
             send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
         )  # fmt: skip
     groups = _DpGroups(cluster, tp=tp, dp=dp, ep=ep)
-    time_of, experts_of = groups.time_of, groups.expert_time_of
-    z = zero_stage
-    # collectives take full-size byte counts (autoplan.cost_models.comm's ring convention); the
-    # experts' shards (1/ep on a rank) are gathered and reduced over their replicas where ep < dp
-    gather_bytes = [(s.param_numel - s.dp_split_numel) * bpe.weights if z >= 3 else 0.0 for s in part]
-    expert_gather = experts_of("all_gather")
-    gather_e = [s.dp_split_numel / ep * bpe.weights if z >= 3 and expert_gather else 0.0 for s in part]
-    gather_f = [
-        (time_of("all_gather")(b) if b > 0 else 0.0) + (expert_gather(e) if expert_gather and e > 0 else 0.0)
-        for b, e in zip(gather_bytes, gather_e, strict=True)
-    ]
+    time_of, z = groups.time_of, zero_stage
+    (gather_bytes, gather_e, gather_f), (reductions, bucket_bytes, expert_buckets) = _dp_collectives(
+        part, groups, zero_stage=z, bpe=bpe, policy=policy, apart=apart
+    )
     regather = recompute == "full"  # the re-run forward gathers its block's weights again
     gather_b = [g * (policy.reshard_after_forward + regather) for g in gather_f[::-1]]
     red_kind = "all_reduce" if z == 0 else "reduce_scatter"
-    grad_bytes = [
-        (s.trainable_numel - s.dp_split_trainable_numel - a) * bpe.grads for s, a in zip(part, apart, strict=True)
-    ][::-1]
-    reductions, bucket_bytes = _reductions(grad_bytes, policy, time_of(red_kind))
-    expert_reduce, expert_buckets = experts_of(red_kind), list[float]()
-    if expert_reduce is not None:  # their own buckets (another mesh axis), in the order they fill
-        grads_e = [s.dp_split_trainable_numel / ep * bpe.grads for s in part][::-1]
-        more, expert_buckets = _reductions(grads_e, policy, expert_reduce)
-        reductions = sorted(reductions + more, key=lambda r: r[:2])
     apart_bytes = (sum(apart) + copies_numel) * bpe.grads
     apart_s = time_of(red_kind)(apart_bytes) if apart_bytes > 0 else 0.0
     pre = policy.prefetch_blocks
@@ -890,6 +875,37 @@ def _stage_comm(
         send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
         drain_wait_s=last.send_wait_s if reduced_in_backward else 0.0, rows=tuple(rows),
     )  # fmt: skip
+
+
+def _dp_collectives(
+    part: Sequence[SegmentCost], groups: _DpGroups, *, zero_stage: int, bpe: ElementBytes, policy: OverlapPolicy,
+    apart: Sequence[int],
+) -> tuple[tuple[list[float], list[float], list[float]], tuple[list[tuple[int, float, float]], list[float], list[float]]]:
+    """A stage's data-parallel collectives per micro-batch (:func:`_stage_comm`): per segment the
+    ZeRO-3 gather bytes of the dense parameters and of the experts' shards and their time; the
+    gradient reductions ``(segment, fraction, seconds)`` in backward order with the dense and the
+    experts' bucket bytes. Full-size byte counts (:mod:`autoplan.cost_models.comm`'s ring
+    convention); the experts' shards (``1/ep`` on a rank) are gathered and reduced over their
+    replicas where ``ep < dp`` (their own buckets: another mesh axis, in the order they fill)."""
+    z, ep, experts_of = zero_stage, groups.ep, groups.expert_time_of
+    gather_bytes = [(s.param_numel - s.dp_split_numel) * bpe.weights if z >= 3 else 0.0 for s in part]
+    expert_gather = experts_of("all_gather")
+    gather_e = [s.dp_split_numel / ep * bpe.weights if z >= 3 and expert_gather else 0.0 for s in part]
+    gather_f = [
+        (groups.time_of("all_gather")(b) if b > 0 else 0.0) + (expert_gather(e) if expert_gather and e > 0 else 0.0)
+        for b, e in zip(gather_bytes, gather_e, strict=True)
+    ]
+    red_kind = "all_reduce" if z == 0 else "reduce_scatter"
+    grad_bytes = [
+        (s.trainable_numel - s.dp_split_trainable_numel - a) * bpe.grads for s, a in zip(part, apart, strict=True)
+    ][::-1]
+    reductions, bucket_bytes = _reductions(grad_bytes, policy, groups.time_of(red_kind))
+    expert_reduce, expert_buckets = experts_of(red_kind), list[float]()
+    if expert_reduce is not None:
+        grads_e = [s.dp_split_trainable_numel / ep * bpe.grads for s in part][::-1]
+        more, expert_buckets = _reductions(grads_e, policy, expert_reduce)
+        reductions = sorted(reductions + more, key=lambda r: r[:2])
+    return (gather_bytes, gather_e, gather_f), (reductions, bucket_bytes, expert_buckets)
 
 
 def _zero12_gathers(
@@ -933,7 +949,14 @@ def expert_parallel_costs(costs: SegmentCosts, config: ParallelConfig, cluster: 
     ``1/ep`` of them (ZeRO >= 1 already divides the whole step by dp)."""
     if config.ep == 1:
         return costs
-    link = group_link(cluster, stride=config.tp, size=config.ep)
+    return _expert_parallel_costs(costs, ep=config.ep, tp=config.tp, zero_stage=config.zero_stage, cluster=cluster)
+
+
+@functools.lru_cache(maxsize=256)
+def _expert_parallel_costs(costs: SegmentCosts, *, ep: int, tp: int, zero_stage: int, cluster: Cluster) -> SegmentCosts:
+    """:func:`expert_parallel_costs` of the fields it reads (memoised: the search prices the same
+    costs under many schedules and micro-batch counts)."""
+    link = group_link(cluster, stride=tp, size=ep)
     segments = []
     for s in costs.segments:
         if not s.moe_ops and not s.expert_numel:
@@ -941,14 +964,14 @@ def expert_parallel_costs(costs: SegmentCosts, config: ParallelConfig, cluster: 
             continue
         per_op = s.moe_routed_bytes / max(s.moe_ops, 1)
         a2a_f, a2a_b = (
-            s.moe_ops * expert_exchange_s(per_op, s.experts, config.ep, link, backward=b) for b in (False, True)
+            s.moe_ops * expert_exchange_s(per_op, s.experts, ep, link, backward=b) for b in (False, True)
         )
         exchanges = [expert_exchange_bytes(per_op, s.experts, backward=b) for b in (False, True)]
         bytes_f, bytes_b = (s.moe_ops * sum(e) for e in exchanges)
         slow_f, slow_b = (ROUTING_IMBALANCE - 1) * s.moe_fwd_s, (ROUTING_IMBALANCE - 1) * s.moe_bwd_s
-        held = s.trainable_numel - s.expert_trainable_numel * (1 - 1 / config.ep)
+        held = s.trainable_numel - s.expert_trainable_numel * (1 - 1 / ep)
         opt = (
-            s.optimizer_s * held / s.trainable_numel if config.zero_stage == 0 and s.trainable_numel else s.optimizer_s
+            s.optimizer_s * held / s.trainable_numel if zero_stage == 0 and s.trainable_numel else s.optimizer_s
         )
         segments.append(
             dataclasses.replace(
