@@ -340,3 +340,93 @@ def test_experts_split_over_the_data_parallel_group_train_like_single_device(dp:
         assert plan.parallelism() == {"dp": "data + expert + tensor/param-sharded (4/21 params)"} if zero_stage == 0 else True
     results = run_ranks(_train_planned, dp, json.dumps(plan.to_dict()), timeout_s=900)
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
+
+
+def _resume_planned(rank: int, world_size: int, plan_json: str, root: str) -> dict[str, Any]:  # noqa: ARG001
+    """Three steps uninterrupted, saving after the second; then a model of other weights loads that
+    checkpoint and runs the third step: its loss and parameters must be the same bits."""
+    import json
+
+    from autoplan.runtime import checkpoint
+
+    plan = autoplan.Plan.from_dict(json.loads(plan_json))
+    batches = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})
+
+    def parallel(seed: int) -> tuple[Any, torch.optim.Optimizer]:
+        x, y = batches(0)
+        pm = autoplan.parallelize(zoo.mixtral_tiny(seed=seed, top_k=2), plan.cluster, example_inputs=(x,),
+                                  loss_fn=zoo.lm_loss, example_targets=(y,), plan=plan)  # fmt: skip
+        return pm, pm.make_optimizer(lr=0.1)
+
+    def step(pm: Any, opt: torch.optim.Optimizer, k: int) -> float:
+        x, y = batches(k)
+        loss = pm.forward_backward(x, targets=(y,)).item()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    pm, opt = parallel(5)
+    losses = [step(pm, opt, k) for k in range(2)]
+    checkpoint.save(root, 2, pm, opt, plan=plan)
+    losses.append(step(pm, opt, 2))
+    resumed, resumed_opt = parallel(6)
+    ckpt = checkpoint.find_latest(root)
+    assert ckpt is not None
+    assert checkpoint.load(ckpt, resumed, resumed_opt) == 2
+    return {
+        "losses": losses, "resumed_loss": step(resumed, resumed_opt, 2),
+        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
+        "resumed_params": {n: p.detach() for n, p in resumed.full_parameters().items()},
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_checkpoint_on_the_dp_x_ep_mesh_resumes_bit_identically(tmp_path):
+    """``dp = 4, ep = 2``, ZeRO-3 (parameters and optimizer state sharded over both axes, the
+    experts over the expert groups and their replicas): DCP saves and restores every shard; a model
+    that starts from other weights and loads the checkpoint runs the next step with the same loss
+    and parameters, bit for bit."""
+    import json
+
+    cfg = ParallelConfig(dp=4, microbatch_size=2, num_microbatches=1, zero_stage=3, ep=2)
+    x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
+    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), "1x4xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
+                         example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8, config=cfg)  # fmt: skip
+    results = run_ranks(_resume_planned, 4, json.dumps(plan.to_dict()), str(tmp_path / "ckpt"), timeout_s=900)
+
+    for r in results:
+        assert r["resumed_loss"] == r["losses"][2], (r["resumed_loss"], r["losses"])
+        assert r["params"].keys() == r["resumed_params"].keys()
+        for name, p in r["params"].items():
+            assert torch.equal(p, r["resumed_params"][name]), name
+
+
+def _two_models(rank: int, world_size: int, plan_json: str) -> list[float]:  # noqa: ARG001
+    import json
+
+    plan = autoplan.Plan.from_dict(json.loads(plan_json))
+    x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
+    losses = []
+    for _ in range(2):
+        pm = autoplan.parallelize(zoo.mixtral_tiny(seed=5, top_k=2), plan.cluster, example_inputs=(x,),
+                                  loss_fn=zoo.lm_loss, example_targets=(y,), plan=plan)  # fmt: skip
+        losses.append(pm.forward_backward(x, targets=(y,)).item())
+    return losses
+
+
+def test_a_second_expert_parallel_model_in_the_same_process_runs():
+    """Two models parallelized one after the other in one process (an evaluation copy, a restart
+    from a checkpoint): each mesh has its own process groups, and DTensor's sharding cache can hand
+    the second program specs on the first mesh. The MoE op finds its expert-parallel axis by the
+    group's ranks, not its name (it used to find none: "Sharding propagation failed" on the second
+    model's first step). Both give the same loss."""
+    import json
+
+    cfg = ParallelConfig(dp=2, microbatch_size=4, num_microbatches=1, ep=2)
+    x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
+    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), "1x2xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
+                         example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8, config=cfg)  # fmt: skip
+    results = run_ranks(_two_models, 2, json.dumps(plan.to_dict()), timeout_s=600)
+
+    for first, second in results:
+        assert first == second
