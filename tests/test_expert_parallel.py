@@ -416,17 +416,18 @@ def _two_models(rank: int, world_size: int, plan_json: str) -> list[float]:  # n
 
 def test_a_second_expert_parallel_model_in_the_same_process_runs():
     """Two models parallelized one after the other in one process (an evaluation copy, a restart
-    from a checkpoint): each mesh has its own process groups, and DTensor's sharding cache can hand
+    from a checkpoint) on a ``dp x ep`` mesh: each such mesh creates process groups of its own
+    (a 1-D mesh over every rank reuses the world's), and DTensor's sharding cache can hand
     the second program specs on the first mesh. The MoE op finds its expert-parallel axis by the
     group's ranks, not its name (it used to find none: "Sharding propagation failed" on the second
     model's first step). Both give the same loss."""
     import json
 
-    cfg = ParallelConfig(dp=2, microbatch_size=4, num_microbatches=1, ep=2)
+    cfg = ParallelConfig(dp=4, microbatch_size=2, num_microbatches=1, ep=2)  # a 2-D mesh: groups of its own
     x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
-    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), "1x2xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
+    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), "1x4xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
                          example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8, config=cfg)  # fmt: skip
-    results = run_ranks(_two_models, 2, json.dumps(plan.to_dict()), timeout_s=600)
+    results = run_ranks(_two_models, 4, json.dumps(plan.to_dict()), timeout_s=600)
 
     for first, second in results:
         assert first == second
