@@ -49,6 +49,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSch
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 from autoplan.cost_models.compute import register_flops
+from autoplan.passes.placement import mesh_axes_of_group
 from autoplan.passes.ring_attention import SEQ_DIM, UNDECIDED, cp_axes, ring_attention, ring_attention_backward
 
 _TORCH_SDPA = F.scaled_dot_product_attention
@@ -577,7 +578,7 @@ def _ring_valid(op_schema: OpSchema, *, first: int, cp_group: str) -> Callable[.
     assert isinstance(query, OpStrategy) and isinstance(key, OpStrategy)
     causal = bool(op_schema.args_schema[first + 5])
     named = cp_group not in ("", UNDECIDED)
-    allowed = [d for d in range(mesh.ndim) if not named or mesh.get_group(d).group_name == cp_group]
+    allowed = mesh_axes_of_group(mesh, cp_group) if named else frozenset(range(mesh.ndim))
 
     def valid(input_specs: list[Any], output_spec: object) -> bool:
         axes = cp_axes([spec.placements for spec in input_specs], backward=first == 1)

@@ -80,6 +80,7 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm import ROUTING_IMBALANCE, expert_exchange_bytes, expert_exchange_s
 from autoplan.cost_models.compute import Gemm, register_flops, register_matmul_shapes
 from autoplan.cost_models.memory import tensor_bytes
+from autoplan.passes.placement import mesh_axes_of_group
 
 UNDECIDED = "*"
 """``ep_group`` the strategy table asks the op's strategies with (:func:`planning_args`): every
@@ -445,19 +446,11 @@ def ep_axes(input_specs: Sequence[Sequence[Placement]], *, backward: bool) -> li
 
 
 def _allowed_ep_axes(mesh: DeviceMesh, ep_group: str) -> frozenset[int]:
-    """The axes of ``mesh`` a node whose op carries ``ep_group`` may run expert-parallel on: the
-    axes whose group holds the named group's ranks. Ranks, not names: DTensor's sharding cache
-    (keyed by specs whose meshes compare by shape and ranks) can hand a program traced on a new
-    mesh the specs of an earlier equal mesh, whose groups have other names (a second model
-    parallelized in the same process)."""
     if ep_group == UNDECIDED:
         return frozenset(range(mesh.ndim))
     if not ep_group:
         return frozenset()
-    group = _group(ep_group)
-    assert group is not None
-    ranks = dist.get_process_group_ranks(group)
-    return frozenset(d for d in range(mesh.ndim) if dist.get_process_group_ranks(mesh.get_group(d)) == ranks)
+    return mesh_axes_of_group(mesh, ep_group)
 
 
 def _strategy(op_schema: OpSchema, *, backward: bool) -> OpStrategy:

@@ -15,7 +15,9 @@ source of truth at run time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -144,3 +146,14 @@ def local_numel(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Seq
 
 def replicated(ndim_mesh: int) -> Spec:
     return tuple(Replicate() for _ in range(ndim_mesh))
+
+
+def mesh_axes_of_group(mesh: Any, group_name: str) -> frozenset[int]:
+    """The axes of ``mesh`` (a ``DeviceMesh``) whose process group holds the ranks of the group
+    named ``group_name``: the axis an op running its own collectives (expert-parallel MoE, ring
+    attention) was generated for. Ranks, not names: DTensor's sharding cache (keyed by specs whose
+    meshes compare by shape and ranks) can hand a program traced on a new mesh the specs of an
+    earlier equal mesh, whose groups have other names (a second model parallelized in the same
+    process on a mesh of several axes)."""
+    ranks = dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(group_name))  # type: ignore[arg-type]
+    return frozenset(d for d in range(mesh.ndim) if dist.get_process_group_ranks(mesh.get_group(d)) == ranks)
