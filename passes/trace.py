@@ -43,6 +43,7 @@ import logging
 import operator
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,7 +206,9 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
             log.debug("torch.export said:\n%s", captured.getvalue())
     if not any(writes_an_argument(n) for n in ep.graph.nodes):
         return ep.module()  # already functional: the graph is left exactly as exported
-    with _quiet_torch_logs(), attention_as_single_op(), experts_as_single_op():
+    with _quiet_torch_logs(), attention_as_single_op(), experts_as_single_op(), warnings.catch_warnings():
+        # torch's own deepcopy of the module call graph warns that its LeafSpec check is deprecated
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         ep = ep.run_decompositions({})  # functionalize only (an empty decomposition table)
     module = ep.module()
     _differentiable_copies(module)

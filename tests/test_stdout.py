@@ -97,3 +97,15 @@ def test_owned_stdout_sends_library_output_to_stderr_and_ours_to_stdout():
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["before", "ours 1", "ours from a child", "ours 2", "after"]
     assert r.stderr.splitlines() == ["c-banner", "library print", "child chatter"]
+
+
+def test_planning_a_mixture_of_experts_leaves_stderr_empty(tmp_path):
+    """torch.export's functionalization of the MoE op's in-place writes deep-copies the module
+    call graph, and torch 2.13 warns (FutureWarning, ``isinstance(treespec, LeafSpec)``) from
+    its own code: a user saw two warning lines per plan. Nothing but our own output reaches either
+    stream."""
+    out = tmp_path / "plan.json"
+    r = run_cli(tmp_path, "plan", f"{HF}:mixtral_zoo", "--cluster", "2xCPU", "--out", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["step_time_s"] > 0
+    assert r.stderr == ""
