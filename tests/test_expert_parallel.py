@@ -296,11 +296,19 @@ def _train_planned(rank: int, world_size: int, plan_json: str) -> dict[str, Any]
 
 
 @pytest.mark.parametrize(
-    ("dp", "ep", "zero_stage"),
-    [(2, 2, 0), pytest.param(2, 2, 3, marks=pytest.mark.slow), (4, 2, 0), pytest.param(4, 2, 3, marks=pytest.mark.slow)],
-    ids=["ep=dp=2", "ep=dp=2-zero3", "dp=4-ep=2", "dp=4-ep=2-zero3"],
+    ("dp", "ep", "zero_stage", "pp"),
+    [
+        (2, 2, 0, 1),
+        pytest.param(2, 2, 3, 1, marks=pytest.mark.slow),
+        (4, 2, 0, 1),
+        pytest.param(4, 2, 3, 1, marks=pytest.mark.slow),
+        pytest.param(4, 2, 0, 2, marks=pytest.mark.slow),
+    ],
+    ids=["ep=dp=2", "ep=dp=2-zero3", "dp=4-ep=2", "dp=4-ep=2-zero3", "pp=2-dp=4-ep=2"],
 )
-def test_experts_split_over_the_data_parallel_group_train_like_single_device(dp: int, ep: int, zero_stage: int):
+def test_experts_split_over_the_data_parallel_group_train_like_single_device(
+    dp: int, ep: int, zero_stage: int, pp: int
+):
     """A global-batch plan with the experts split over groups of ``ep`` ranks of ``dp``: every MoE
     op runs expert-parallel on the expert axis, each rank holding 4 / ep of the 4 experts of every
     layer (never gathered there), and it trains like one device.
@@ -309,14 +317,17 @@ def test_experts_split_over_the_data_parallel_group_train_like_single_device(dp:
     are complete on their rank. ``dp = 4, ep = 2``: the mesh's axes are ``dp`` (2 replicas of each
     expert shard) and ``ep`` (2 consecutive ranks); the batch is split over both, the dense
     gradients are reduced over both and the experts' over ``dp`` only (ZeRO-3 shards them there
-    and gathers them before the op)."""
+    and gathers them before the op). ``pp = 2``: each of the two 1F1B stages on its own ``dp x ep``
+    mesh of 4 ranks (8 in all)."""
     import json
 
-    m = 4 // dp
-    cfg = ParallelConfig(dp=dp, microbatch_size=2, num_microbatches=m, zero_stage=zero_stage, ep=ep)
+    m = max(pp, 4 // dp)
+    cfg = ParallelConfig(dp=dp, pp=pp, microbatch_size=8 // (dp * m), num_microbatches=m, zero_stage=zero_stage,
+                         ep=ep, schedule="1f1b")  # fmt: skip
     x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
-    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), f"1x{dp}xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
-                         example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8, config=cfg)  # fmt: skip
+    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), f"1x{dp * pp}xCPU", example_inputs=(x,),
+                         loss_fn=zoo.lm_loss, example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8,
+                         config=cfg)  # fmt: skip
     assert plan.config == cfg
     split = ep < dp
     assert plan.pipeline is not None
@@ -338,7 +349,7 @@ def test_experts_split_over_the_data_parallel_group_train_like_single_device(dp:
         assert plan.parallelism()["ep"].startswith("data + expert"), plan.parallelism()
     else:
         assert plan.parallelism() == {"dp": "data + expert + tensor/param-sharded (4/21 params)"} if zero_stage == 0 else True
-    results = run_ranks(_train_planned, dp, json.dumps(plan.to_dict()), timeout_s=900)
+    results = run_ranks(_train_planned, dp * pp, json.dumps(plan.to_dict()), timeout_s=900)
     assert_trains_like_reference(results, rel_tol=1e-5, atol=1e-6)
 
 
