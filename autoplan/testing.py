@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 AXIS_KINDS = ("data", "tensor", "data+tensor", "replicated")
 """What a mesh axis can be asked to do in ``parallelism=`` (see :meth:`Plan.parallelism`)."""
-CONFIG_DEGREES = ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages", "zero_stage")
-"""Configuration fields ``parallelism=`` can pin for plans made with a global batch."""
+CONFIG_DEGREES = ("dp", "tp", "pp", "ep", "microbatch_size", "num_microbatches", "virtual_stages", "zero_stage")
+"""Configuration fields ``parallelism=`` can pin for plans made with a global batch (an integer;
+a mesh axis of the same name, such as a stage mesh's ``dp``, is asked with a kind, a string)."""
 
 
 def _axis_kind(description: str) -> str:
@@ -73,7 +74,8 @@ def assert_plan(
       the device's capacity / in bytes;
     * ``parallelism``: per mesh axis name, what the axis does (``data``, ``tensor``,
       ``data+tensor``, ``replicated``), e.g. ``{"intra": "tensor"}``; or, for plans with a
-      global batch, configuration degrees, e.g. ``{"dp": 4, "pp": 2}``;
+      global batch, configuration degrees, e.g. ``{"dp": 4, "pp": 2, "ep": 2}`` (an integer
+      names a degree, a string an axis's kind: ``{"dp": "data"}`` asks the stage mesh's axis);
     * ``no_fallback_ops``: every operator has a sharding strategy (none is run replicated);
     * ``max_collectives``: collectives per step, in all (an int) or per kind
       (``{"all_reduce": 1, "all_gather": 0}``).
@@ -116,7 +118,7 @@ def assert_plan(
 
 def _check_parallelism(plan: Plan, key: str, expected: str | int) -> list[str]:
     axes = plan.parallelism()
-    if key in axes:
+    if key in axes and not (key in CONFIG_DEGREES and isinstance(expected, int)):
         if expected not in AXIS_KINDS:
             raise ValueError(f"parallelism[{key!r}] = {expected!r}: expected one of {', '.join(AXIS_KINDS)}")
         actual = _axis_kind(axes[key])

@@ -442,3 +442,22 @@ def test_a_second_expert_parallel_model_in_the_same_process_runs():
 
     for first, second in results:
         assert first == second
+
+
+def test_assert_plan_tells_degrees_from_the_stage_axes_of_the_same_name():
+    """A plan with ``dp = 4, ep = 2`` has stage axes named ``dp`` and ``ep``, and configuration
+    degrees of the same names: an integer asks the degree, a string the axis's kind (an integer
+    used to be taken as an axis kind and raise ``ValueError``)."""
+    from autoplan.testing import assert_plan
+
+    cfg = ParallelConfig(dp=4, microbatch_size=2, num_microbatches=1, ep=2)
+    x, y = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})(0)
+    plan = autoplan.plan(zoo.mixtral_tiny(seed=5, top_k=2), "1x4xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
+                         example_targets=(y,), optimizer="sgd_momentum", global_batch_size=8, config=cfg)  # fmt: skip
+
+    assert_plan(plan, parallelism={"dp": 4, "ep": 2, "pp": 1})
+    assert_plan(plan, parallelism={"dp": "data"})
+    with pytest.raises(AssertionError) as info:
+        assert_plan(plan, parallelism={"ep": 4, "dp": "tensor"})
+    assert "ep=2 in dp=4 tp=1 pp=1 mbs=2x1 recompute=none zero=0 ep=2, expected ep=4" in str(info.value)
+    assert "mesh axis 'dp' is data, expected tensor" in str(info.value)
