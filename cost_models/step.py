@@ -709,8 +709,8 @@ def _reductions(
 class _DpGroups:
     """The data-parallel collectives of a stage whose ``dp`` ranks are ``tp`` apart: over one
     group, or, with the routed experts split over groups of ``1 < ep < dp`` consecutive ranks
-    (``ParallelConfig.ep``; :func:`autoplan.planner.mesh.stage_axes`: axes ``dp`` of ``r = dp /
-    ep`` replicas, ``ep * tp`` apart, and ``ep``), over both axes one after the other, as DTensor
+    (``ParallelConfig.ep``; :meth:`ParallelConfig.stage_mesh`: axes ``dp`` of ``r = dp / ep``
+    replicas, ``ep * tp`` apart, and ``ep``), over both axes one after the other, as DTensor
     converts a placement on both (full-size bytes ``B``, ring convention)::
 
         all_reduce      t_r(B) + t_ep(B)

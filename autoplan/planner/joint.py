@@ -43,7 +43,7 @@ from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
 from autoplan.planner import plan_cache, progress
 from autoplan.planner.ilp import plan_traced
-from autoplan.planner.mesh import as_cluster, data_parallel_axes, planning_mesh, stage_axes, stage_cluster
+from autoplan.planner.mesh import as_cluster, data_parallel_axes, planning_mesh, stage_cluster
 from autoplan.planner.plan import ConfigOption, Estimate, PipelineLayout, Plan
 from autoplan.planner.search import SearchSpace, estimate_order, search
 from autoplan.planner.segment_model import SegmentCostModel, memory_tie_break
@@ -200,7 +200,7 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     if config.dp == 1:
         return
     dp_axes = data_parallel_axes(config)
-    ep_axis = dp_axes[-1]  # stage_axes: the ep axis last (one axis when ep is 1 or dp)
+    ep_axis = dp_axes[-1]  # ParallelConfig.stage_mesh: the ep axis last (one axis when ep is 1 or dp)
     fx_nodes = {n.name: n for n in traced.graph_module.graph.nodes}
     experts = _expert_parallel_on(table, fx_nodes, ep_axis) if config.ep > 1 else set()
     params = {name for name, ns in table.nodes.items() if ns.kind == "param"} - experts
@@ -369,8 +369,8 @@ def plan_for_batch(
         stage_starts=best.stage_starts,
         stage_recompute=best.stage_recompute,
         segment_names=("prologue", *(f"{layering.block_prefix}.{i}" for i in range(num_blocks)), "epilogue"),
-        stage_mesh_shape=stage_axes(cfg)[0],
-        stage_axis_names=stage_axes(cfg)[1],
+        stage_mesh_shape=cfg.stage_mesh()[0],
+        stage_axis_names=cfg.stage_mesh()[1],
         global_batch_size=global_batch_size,
         precision=precision,
         block_list=layering.block_prefix,

@@ -81,13 +81,8 @@ def planning_mesh(cluster: Cluster, *, device_type: str = "cpu") -> Iterator[Dev
         dist.destroy_process_group()
 
 
-def stage_axes(config: ParallelConfig) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Shape and names of one stage's mesh (:meth:`ParallelConfig.stage_mesh`)."""
-    return config.stage_mesh()
-
-
 def data_parallel_axes(config: ParallelConfig) -> tuple[int, ...]:
-    """The axes of :func:`stage_axes`'s mesh that split the batch (``dp``, and ``ep`` when
+    """The axes of :meth:`ParallelConfig.stage_mesh` that split the batch (``dp``, and ``ep`` when
     smaller than dp; none when ``dp`` is 1)."""
     if config.dp == 1:
         return ()
@@ -95,9 +90,10 @@ def data_parallel_axes(config: ParallelConfig) -> tuple[int, ...]:
 
 
 def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
-    """The devices of one pipeline stage as a cluster with the mesh of :func:`stage_axes`: whole
-    nodes when the stage spans nodes, else a part of one node."""
-    shape, names = stage_axes(config)
+    """The devices of one pipeline stage as a cluster with the mesh of
+    :meth:`ParallelConfig.stage_mesh`: whole nodes when the stage spans nodes, else a part of
+    one node."""
+    shape, names = config.stage_mesh()
     n = config.dp * config.tp
     dpn = cluster.devices_per_node
     nodes, per_node = (n // dpn, dpn) if n > dpn and n % dpn == 0 else (1, n)
