@@ -54,18 +54,18 @@ FALCON_BLOOM_PINS = {
     "*dense_h_to_4h.weight": "S(0)", "*dense_4h_to_h.weight": "S(1)",
 }  # fmt: skip
 """Megatron pins for Falcon's and BLOOM's module names (the same in both)."""
+PHI3_PINS = {
+    "*qkv_proj.weight": "S(0)", "*o_proj.weight": "S(1)", "*gate_up_proj.weight": "S(0)", "*down_proj.weight": "S(1)",
+}  # fmt: skip
+"""Megatron pins for Phi-3's fused projections (both of its layouts)."""
 
 # torch Linear weight is (out, in): column-parallel S(0), row-parallel S(1); HF Conv1D is (in, out).
 FAMILIES = {
     "gpt2 (c_attn, Conv1D)": (hf_models.gpt2_zoo, {
         "*attn.c_attn.weight": "S(1)", "*attn.c_proj.weight": "S(0)",
         "*mlp.c_fc.weight": "S(1)", "*mlp.c_proj.weight": "S(0)"}),
-    "phi3 (qkv_proj, gate_up_proj)": (hf_models.phi3_zoo, {
-        "*qkv_proj.weight": "S(0)", "*o_proj.weight": "S(1)",
-        "*gate_up_proj.weight": "S(0)", "*down_proj.weight": "S(1)"}),
-    "phi3-mha (Phi-3-mini layout)": (hf_models.phi3_mha_zoo, {
-        "*qkv_proj.weight": "S(0)", "*o_proj.weight": "S(1)",
-        "*gate_up_proj.weight": "S(0)", "*down_proj.weight": "S(1)"}),
+    "phi3 (qkv_proj, gate_up_proj)": (hf_models.phi3_zoo, PHI3_PINS),
+    "phi3-mha (Phi-3-mini layout)": (hf_models.phi3_mha_zoo, PHI3_PINS),
     "falcon (query_key_value, MQA)": (hf_models.falcon_zoo, FALCON_BLOOM_PINS),
     "falcon-wide (MQA, hidden 512)": (falcon_wide, FALCON_BLOOM_PINS),
     "bloom (query_key_value)": (hf_models.bloom_zoo, FALCON_BLOOM_PINS),

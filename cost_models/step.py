@@ -729,26 +729,29 @@ class _DpGroups:
     def split(self) -> bool:
         return 1 < self.ep < self.dp
 
+    def _steps(self, kind: str) -> tuple[tuple[str, int, int, float], ...]:
+        """``(axis, ranks, stride, share of the bytes)`` of each step of a dense ``kind``
+        collective (the class docstring's table); the first is the replicas' axis."""
+        if not self.split:
+            return (("dp", self.dp, self.tp, 1.0),)
+        r = self.dp // self.ep
+        return ("dp", r, self.tp * self.ep, 1.0), ("ep", self.ep, self.tp, 1.0 if kind == "all_reduce" else 1.0 / r)
+
     def _time(self, kind: str, nbytes: float, ranks: int, stride: int) -> float:
         link = group_link(self.cluster, stride=stride, size=ranks)
         return link_time_s(kind, nbytes, ranks, link, backend=self.cluster.backend)
 
     def time_of(self, kind: str) -> Callable[[float], float]:
         """Seconds of a ``kind`` collective of the dense parameters over the whole dp group."""
-        if not self.split:
-            return lambda nbytes: self._time(kind, nbytes, self.dp, self.tp)
-        r = self.dp // self.ep
-        inner = 1.0 if kind == "all_reduce" else 1.0 / r
-        return lambda nbytes: (
-            self._time(kind, nbytes, r, self.tp * self.ep) + self._time(kind, nbytes * inner, self.ep, self.tp)
-        )
+        steps = self._steps(kind)
+        return lambda nbytes: sum(self._time(kind, nbytes * share, n, stride) for _, n, stride, share in steps)
 
     def expert_time_of(self, kind: str) -> Callable[[float], float] | None:
         """Seconds of a ``kind`` collective of the experts' shards over their replicas."""
         if not self.split:
             return None
-        r = self.dp // self.ep
-        return lambda nbytes: self._time(kind, nbytes, r, self.tp * self.ep)
+        _, n, stride, _ = self._steps(kind)[0]
+        return lambda nbytes: self._time(kind, nbytes, n, stride)
 
     def rows(
         self, kind: str, dense: Sequence[float], experts: Sequence[float], *, times: int, total_s: float,
@@ -762,21 +765,15 @@ class _DpGroups:
             sizes = [b for b in (*dense, *experts) if b > 0]
             return [CommRow(kind=kind, axis="dp", count=times * len(sizes), bytes=times * sum(sizes), total_s=total_s,
                             exposed_s=exposed_s)]  # fmt: skip
-        r = self.dp // self.ep
-        inner = 1.0 if kind == "all_reduce" else 1.0 / r
-        on_axis = {
-            "dp": [b for b in (*dense, *experts) if b > 0],
-            "ep": [b * inner for b in dense if b > 0],
-        }
-        link_s = {
-            "dp": sum(self._time(kind, b, r, self.tp * self.ep) for b in on_axis["dp"]),
-            "ep": sum(self._time(kind, b, self.ep, self.tp) for b in on_axis["ep"]),
-        }
-        whole = sum(link_s.values())
+        per_axis = []  # (axis, sizes, link seconds); the experts' shards on the replicas' axis only
+        for j, (axis, n, stride, share) in enumerate(self._steps(kind)):
+            sizes = [b * share for b in dense if b > 0] + ([b for b in experts if b > 0] if j == 0 else [])
+            per_axis.append((axis, sizes, sum(self._time(kind, b, n, stride) for b in sizes)))
+        whole = sum(t for _, _, t in per_axis)
         return [
             CommRow(kind=kind, axis=axis, count=times * len(sizes), bytes=times * sum(sizes),
-                    total_s=total_s * link_s[axis] / whole, exposed_s=exposed_s * link_s[axis] / whole)  # fmt: skip
-            for axis, sizes in on_axis.items()
+                    total_s=total_s * t / whole, exposed_s=exposed_s * t / whole)  # fmt: skip
+            for axis, sizes, t in per_axis
             if sizes and whole > 0
         ]
 

@@ -365,12 +365,13 @@ def plan_for_batch(
             adjust=functools.partial(_full_depth, traced=traced, layering=layering, num_blocks=num_blocks,
                                      reduction=reduction),
         )  # fmt: skip
+    stage_shape, stage_names = cfg.stage_mesh()
     layout = PipelineLayout(
         stage_starts=best.stage_starts,
         stage_recompute=best.stage_recompute,
         segment_names=("prologue", *(f"{layering.block_prefix}.{i}" for i in range(num_blocks)), "epilogue"),
-        stage_mesh_shape=cfg.stage_mesh()[0],
-        stage_axis_names=cfg.stage_mesh()[1],
+        stage_mesh_shape=stage_shape,
+        stage_axis_names=stage_names,
         global_batch_size=global_batch_size,
         precision=precision,
         block_list=layering.block_prefix,

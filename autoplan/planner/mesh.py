@@ -86,7 +86,7 @@ def data_parallel_axes(config: ParallelConfig) -> tuple[int, ...]:
     smaller than dp; none when ``dp`` is 1)."""
     if config.dp == 1:
         return ()
-    return (0, 1) if 1 < config.ep < config.dp else (0,)
+    return tuple(i for i, name in enumerate(config.stage_mesh()[1]) if name in ("dp", "ep"))
 
 
 def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
