@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 AXIS_KINDS = ("data", "tensor", "data+tensor", "replicated")
 """What a mesh axis can be asked to do in ``parallelism=`` (see :meth:`Plan.parallelism`)."""
-CONFIG_DEGREES = ("dp", "tp", "pp", "ep", "microbatch_size", "num_microbatches", "virtual_stages", "zero_stage")
+CONFIG_DEGREES = ("dp", "cp", "tp", "pp", "ep", "microbatch_size", "num_microbatches", "virtual_stages", "zero_stage")
 """Configuration fields ``parallelism=`` can pin for plans made with a global batch (an integer;
 a mesh axis of the same name, such as a stage mesh's ``dp``, is asked with a kind, a string)."""
 

@@ -2,8 +2,8 @@
 
 ``ParallelConfig`` is both what the planner reports as its choice (``plan.config``) and what a
 user passes to :func:`autoplan.estimate` to price their own configuration with the planner's
-cost model. Degrees multiply to the world size: ``dp * tp * pp == cluster.world_size``; tensor
-parallelism stays inside a node. The global batch is split as::
+cost model. Degrees multiply to the world size: ``dp * cp * tp * pp == cluster.world_size``;
+tensor parallelism stays inside a node. The global batch is split as::
 
     global_batch_size = dp * microbatch_size * num_microbatches
 
@@ -41,6 +41,7 @@ _COUNT_HINTS = {
     "microbatch_size": "give the samples per micro-batch per data-parallel replica (>= 1)",
     "num_microbatches": "use 1 for no gradient accumulation",
     "virtual_stages": "use 1 unless schedule='interleaved-1f1b'",
+    "cp": "use 1 for no context parallelism",
 }
 """Fields that count something, with the fix a message suggests for a value below 1."""
 
@@ -161,6 +162,18 @@ class ParallelConfig:
     experts split over one mesh axis), one data-parallel degree on every stage and no optimizer
     offload. Written in a config's dict and text only when above 1."""
 
+    cp: int = 1
+    """Context parallelism beside tensor parallelism: each data-parallel replica of a stage is
+    ``cp * tp`` ranks, a mesh axis ``cp`` (``tp`` ranks apart) that splits every sample's
+    sequence (the inputs' and targets' dim 1) and holds the parameters whole, and the ``tp``
+    axis (Megatron-Core's and the Llama 3 paper's CP x TP). The stage ILP places every op on
+    both axes, so attention on ``cp`` runs as a ring over the sequence shards or head-parallel
+    behind all-to-alls (:mod:`autoplan.passes.ring_attention`), and the parameters' gradients
+    are reduced over ``cp`` as partial sums; ZeRO shards over ``dp`` only. ``cp == 1``: the
+    ``tp`` axis may still split the sequence on its own (one axis, either CP or TP per op).
+    Needs ``tp > 1`` (with ``tp == 1`` the ``tp`` axis is that context-parallel axis), ``ep == 1``
+    and no ``stage_dp``. Written in a config's dict and text only when above 1."""
+
     def __post_init__(self) -> None:
         for name, hint in _COUNT_HINTS.items():
             v = getattr(self, name)
@@ -183,6 +196,11 @@ class ParallelConfig:
                 "True keeps the optimizer state in host memory"
             )
         self._check_ep()
+        if self.cp > 1 and (self.tp == 1 or self.ep > 1 or self.stage_dp is not None):
+            raise ConfigError(
+                f"cp={self.cp} (context parallelism beside tensor parallelism) needs tp > 1, ep=1 and no stage_dp: "
+                "with tp=1 plan tp=cp instead (the tp axis then splits the sequence), or set cp=1"
+            )
         if self.stage_dp is not None:
             object.__setattr__(self, "stage_dp", tuple(self.stage_dp))
             if len(self.stage_dp) != self.pp or any(
@@ -224,11 +242,13 @@ class ParallelConfig:
         split nothing). Experts split over groups smaller than dp (``1 < ep < dp``) split the
         data-parallel ranks into two axes, ``dp`` of ``dp / ep`` (the replicas of an expert
         shard) and ``ep`` (an expert group: consecutive ranks, so that its all-to-alls stay
-        within a node where they can); the batch is split over both."""
+        within a node where they can); the batch is split over both. Context parallelism adds
+        the ``cp`` axis before ``tp`` (:attr:`cp`)."""
         sizes = [(self.dp, "dp")]
         if 1 < self.ep < self.dp:
             sizes = [(self.dp // self.ep, "dp"), (self.ep, "ep")]
-        axes = [(size, name) for size, name in (*sizes, (self.tp, "tp")) if size > 1] or [(1, "dp")]
+        sizes += [(self.cp, "cp"), (self.tp, "tp")]
+        axes = [(size, name) for size, name in sizes if size > 1] or [(1, "dp")]
         return tuple(a[0] for a in axes), tuple(a[1] for a in axes)
 
     def dp_of(self, stage: int) -> int:
@@ -253,10 +273,16 @@ class ParallelConfig:
         return self if self.pp > 1 or self.schedule == "1f1b" else dataclasses.replace(self, schedule="1f1b")
 
     @property
+    def ranks_per_replica(self) -> int:
+        """Ranks of one data-parallel replica of a stage: ``cp * tp`` (the group the stage ILP
+        places ops on; the data-parallel ranks of a stage are this far apart)."""
+        return self.cp * self.tp
+
+    @property
     def world_size(self) -> int:
         if self.stage_dp is not None:
             return self.tp * sum(self.stage_dp)
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
     @property
     def num_stages(self) -> int:
@@ -274,9 +300,10 @@ class ParallelConfig:
                 f"{world_size} devices: choose per-stage degrees that add up to {world_size // self.tp}"
             )
         if self.world_size != world_size:
+            names, values = ("dp*cp", f"{self.dp}*{self.cp}") if self.cp > 1 else ("dp", f"{self.dp}")
             raise ConfigError(
-                f"dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} but the cluster has {world_size} "
-                "devices: choose degrees whose product is the device count"
+                f"{names}*tp*pp = {values}*{self.tp}*{self.pp} = {self.world_size} but the cluster has "
+                f"{world_size} devices: choose degrees whose product is the device count"
             )
         if self.tp > devices_per_node or devices_per_node % self.tp:
             raise ConfigError(
@@ -296,13 +323,15 @@ class ParallelConfig:
             raise ConfigError(f"schedule {self.schedule!r} needs pp > 1")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values; ``offload_optimizer`` only when set and ``ep`` only above 1
-        (plans and estimates without them are written as before they existed)."""
+        """The fields as plain values; ``offload_optimizer`` only when set and ``ep`` and ``cp``
+        only above 1 (plans and estimates without them are written as before they existed)."""
         out = asdict(self)
         if not self.offload_optimizer:
             del out["offload_optimizer"]
         if self.ep == 1:
             del out["ep"]
+        if self.cp == 1:
+            del out["cp"]
         return out
 
     @classmethod
@@ -316,6 +345,7 @@ class ParallelConfig:
     def __str__(self) -> str:
         parts = [
             f"dp={self.dp}",
+            *([f"cp={self.cp}"] if self.cp > 1 else []),
             f"tp={self.tp}",
             f"pp={self.pp}",
             f"mbs={self.microbatch_size}x{self.num_microbatches}",

@@ -437,12 +437,25 @@ def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
     return link
 
 
-def tp_cluster(cluster: Cluster, tp: int) -> Cluster:
-    """The tensor-parallel group as a one-node cluster (keeps a calibrated intra-node link)."""
-    links = {"intra": cluster.links["intra"]} if "intra" in cluster.links and tp > 1 else {}
+def tp_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
+    """The group one data-parallel replica of a stage places its ops on, as a cluster: the
+    tensor-parallel group as one node (keeps a calibrated intra-node link); with context
+    parallelism (``ParallelConfig.cp``) the ``cp x tp`` mesh (axes ``cp``, ``tp``), on as many
+    whole nodes as it fills (its ``cp`` axis then crosses them) or a part of one node."""
+    if cp == 1:
+        links = {"intra": cluster.links["intra"]} if "intra" in cluster.links and tp > 1 else {}
+        return Cluster(
+            num_nodes=1, devices_per_node=tp, device=cluster.device, links=links, calibration=cluster.calibration
+        )
+    n, dpn = cp * tp, cluster.devices_per_node
+    nodes, per_node = (n // dpn, dpn) if n > dpn else (1, n)
+    if nodes * per_node != n:
+        raise ConfigError(f"cp*tp = {cp}*{tp} = {n} ranks must fit in a node or fill whole nodes of {dpn} devices")
+    links = {k: v for k, v in cluster.links.items() if k == "intra" or nodes > 1}
     return Cluster(
-        num_nodes=1, devices_per_node=tp, device=cluster.device, links=links, calibration=cluster.calibration
-    )
+        num_nodes=nodes, devices_per_node=per_node, device=cluster.device, links=links,
+        calibration=cluster.calibration, mesh_shape=(cp, tp), mesh_axis_names=("cp", "tp"),
+    )  # fmt: skip
 
 
 # --- precision --------------------------------------------------------------------------------
@@ -795,6 +808,7 @@ def _stage_comm(
     apart_numel: tuple[int, ...] = (),
     copies_numel: int = 0,
     ep: int = 1,
+    group: str = "tp",
 ) -> _StageComm:
     """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
     micro-batch's backward with the gradient reductions (``send_s``: the pipeline sends at the
@@ -804,7 +818,9 @@ def _stage_comm(
     tensor-parallel gradient conversion is exposed, one after the other. ``apart_numel`` (per
     segment, of its ``trainable_numel``) and ``copies_numel`` (the stage's copies of parameters
     tied to another stage): elements whose gradients are reduced after the schedule in any case,
-    one collective, exposed. ``ep``: the experts' split (:class:`_DpGroups`). Memoised: the search
+    one collective, exposed. ``ep``: the experts' split (:class:`_DpGroups`). ``tp``: the ranks
+    of one data-parallel replica (``cp * tp``), whose collectives' rows name ``group``
+    (:func:`_tp_rows`). Memoised: the search
     prices the same stage under many schedules."""
     m = num_microbatches
     apart = apart_numel or (0,) * len(part)
@@ -812,7 +828,7 @@ def _stage_comm(
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
     overlap = overlaps_compute(cluster.device)
     slow = concurrent_compute_factor(cluster.device) - 1.0 if overlap else 0.0  # compute's slowdown beside comm
-    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if 1 < ep < dp else "dp")
+    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if 1 < ep < dp else "dp", group=group)
     tp_sync = [s.grad_sync_s for s in part][::-1]
     if dp == 1:
         fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
@@ -1004,14 +1020,16 @@ def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: boo
 
 
 def _tp_rows(
-    part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool, expert_axis: str = "dp"
+    part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool, expert_axis: str = "dp", group: str = "tp"
 ) -> list[CommRow]:
     """Tensor-parallel conversions of the step: the segments' forward and backward collectives in
     every micro-batch (the forward's again under full recomputation), all in the compute stream,
     and the gradient conversions once (hidden as :func:`_tp_sync_tail` says). The all-to-alls of
     expert-parallel MoE ops (inside the op, blocking) get their own row, on ``expert_axis``
     (``dp``, or ``ep`` for groups smaller than dp) where the experts are split over the
-    data-parallel group (:func:`expert_parallel_costs`)."""
+    data-parallel group (:func:`expert_parallel_costs`). ``group``: the axis the rows of the
+    segments' own collectives name, ``tp``, or ``cp+tp`` when a context-parallel axis shares the
+    replica's ILP with it (the segment costs sum both axes' collectives: one row each kind)."""
     passes = 3 if recompute == "full" else 2
 
     def per_step(fwd: Callable[[SegmentCost], float], bwd: Callable[[SegmentCost], float]) -> float:
@@ -1027,18 +1045,18 @@ def _tp_rows(
     )
     rows = []
     if total > 0:
-        rows.append(CommRow(kind="redistribute", axis="tp", count=count, bytes=0.0, total_s=total, exposed_s=total))
+        rows.append(CommRow(kind="redistribute", axis=group, count=count, bytes=0.0, total_s=total, exposed_s=total))
     ring_total = per_step(lambda s: s.fwd_ring_total_s, lambda s: s.bwd_ring_total_s)
     if ring_total > 0:  # ring attention: its exposed part is in the compute stream, the rest beside its blocks
         rows.append(
-            CommRow(kind="send_recv", axis="tp", count=int(per_step(lambda s: s.fwd_ring_messages, lambda s: s.bwd_ring_messages)),
+            CommRow(kind="send_recv", axis=group, count=int(per_step(lambda s: s.fwd_ring_messages, lambda s: s.bwd_ring_messages)),
                     bytes=per_step(lambda s: s.fwd_ring_bytes, lambda s: s.bwd_ring_bytes), total_s=ring_total,
                     exposed_s=min(ring_exposed, ring_total))  # fmt: skip
         )
     if a2a_total > 0:
         n = m * sum(s.all_to_alls * passes for s in part)
         nbytes = m * sum(s.fwd_all_to_all_bytes * (passes - 1) + s.bwd_all_to_all_bytes for s in part)
-        axis = expert_axis if any(s.dp_split_numel for s in part) else "tp"  # expert_parallel_costs: over dp
+        axis = expert_axis if any(s.dp_split_numel for s in part) else group  # expert_parallel_costs: over dp
         rows.append(
             CommRow(kind="all_to_all", axis=axis, count=n, bytes=nbytes, total_s=a2a_total, exposed_s=a2a_total)
         )
@@ -1046,7 +1064,7 @@ def _tp_rows(
     if sum(sync) > 0:
         bwd = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]
         exposed = min(sum(sync), _tp_sync_tail(sync, bwd, overlap))
-        rows.append(CommRow(kind="redistribute", axis="tp", count=sum(1 for g in sync if g > 0), bytes=0.0,
+        rows.append(CommRow(kind="redistribute", axis=group, count=sum(1 for g in sync if g > 0), bytes=0.0,
                             total_s=sum(sync), exposed_s=exposed))  # fmt: skip
     return rows
 
@@ -1113,9 +1131,10 @@ def _price_stage(
     )  # fmt: skip
     if not memory_only:
         comm = _stage_comm(
-            tuple(part), cluster, tp=config.tp, dp=dp, num_microbatches=config.num_microbatches,
+            tuple(part), cluster, tp=config.ranks_per_replica, dp=dp, num_microbatches=config.num_microbatches,
             zero_stage=config.zero_stage, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s,
             reduced_in_backward=in_backward, apart_numel=tied[0], copies_numel=tied[1], ep=config.ep,
+            group="cp+tp" if config.cp > 1 else "tp",
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
@@ -1249,7 +1268,7 @@ def _shared_sends(
     dp = config.dp_of(stage % config.pp)
     if dp == 1 or not overlaps_compute(cluster.device):
         return 0.0, 0.0
-    spans = group_link(cluster, stride=config.tp, size=dp).spans_nodes
+    spans = group_link(cluster, stride=config.ranks_per_replica, size=dp).spans_nodes
     out = p2p[stage].time_s if stage < len(p2p) and p2p[stage].spans_nodes == spans else 0.0
     back = p2p[stage - 1].time_s if stage > 0 and p2p[stage - 1].spans_nodes == spans else 0.0
     return out, back
@@ -1333,7 +1352,9 @@ def evaluate(
     pol = DEFAULT_POLICY if policy is None else policy
     tied = _tied_apart(segs, bounds)
     # first device of each stage's sub-mesh (Megatron order; stage sub-meshes are contiguous)
-    offsets = list(itertools.accumulate((config.dp_of(k % config.pp) * config.tp for k in range(config.pp)), initial=0))
+    offsets = list(
+        itertools.accumulate((config.dp_of(k % config.pp) * config.ranks_per_replica for k in range(config.pp)), initial=0)
+    )
     p2p = (
         [] if memory_only else [_p2p(config, costs, cluster, bounds[k + 1] - 1, k, offsets) for k in range(nstages - 1)]
     )

@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "stage_dp": {"stage_dp": (1, 3), "microbatch_size": 3},
     "offload_optimizer": {"offload_optimizer": True},
     "ep": {"ep": 4, "dp": 4, "tp": 1},  # a mixture of experts (MOE_MODEL), experts split over dp
+    "cp": {"cp": 2},  # 16 devices, each replica's 8 tokens split over a cp x tp = 2 x 2 mesh
 }
 """Where a field needs another to be valid (``virtual_stages`` needs the interleaved schedule,
 ``stage_dp=(1, 3)`` needs a micro-batch of 3 samples per replica, ``ep`` equals ``dp`` without

@@ -16,13 +16,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import copy
+import json
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+import autoplan
+from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.errors import ConfigError
 from tests import zoo
-from tests.harness import Case, SeededBatches, assert_trains_like_reference, run_case
+from tests.harness import (
+    Case,
+    SeededBatches,
+    assert_trains_like_reference,
+    reference_optimizer,
+    run_case,
+    run_ranks,
+    train_both,
+)
 from tests.test_equivalence import forward_matmuls
 
 _WEIGHTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,3 +137,77 @@ def test_ring_attention_x_tensor_parallel_on_2x2_mesh_trains_like_single_device(
     attention = [d for d in results[0]["plan"].nodes.values() if d["op"].startswith("autoplan.sdpa")]
     assert all(d["in"][0] == ["S(2)", "S(1)"] for d in attention), attention
     assert_trains_like_reference(results)
+
+
+# --- a context-parallel axis beside tensor parallelism (ParallelConfig.cp) -------------------------
+
+
+def _cp_batches(batch: int) -> SeededBatches:
+    return SeededBatches(zoo.token_batch, {"batch": batch, "seq": zoo.LONG_CONTEXT})
+
+
+def _cp_plan(cfg: ParallelConfig, *, heads: int = 4) -> autoplan.Plan:
+    x, y = _cp_batches(cfg.global_batch_size)(0)
+    return autoplan.plan(
+        zoo.llama_long_context(heads=heads), f"1x{cfg.world_size}xCPU", example_inputs=(x,), loss_fn=zoo.lm_loss,
+        example_targets=(y,), optimizer="sgd_momentum", global_batch_size=cfg.global_batch_size, config=cfg,
+    )  # fmt: skip
+
+
+def _train_cp_planned(rank: int, world_size: int, plan_json: str, heads: int) -> dict[str, Any]:  # noqa: ARG001
+    plan = autoplan.Plan.from_dict(json.loads(plan_json))
+    model = zoo.llama_long_context(heads=heads)
+    reference = copy.deepcopy(model)
+    batches = _cp_batches(plan.config.global_batch_size)
+    x, y = batches(0)
+    pm = autoplan.parallelize(
+        model, plan.cluster, example_inputs=(x,), loss_fn=zoo.lm_loss, example_targets=(y,), plan=plan
+    )
+    return train_both(
+        pm, reference, batches=lambda step: ((batches(step)[0],), (batches(step)[1],)), loss_fn=zoo.lm_loss,
+        opt=pm.make_optimizer(lr=0.1), ref_opt=reference_optimizer("sgd_momentum", list(reference.parameters()), 0.1),
+        check=False,
+    )  # fmt: skip
+
+
+def _assert_sequence_axis(plan: autoplan.Plan) -> None:
+    """The ``cp`` axis splits every sample's tokens and holds every parameter whole; each
+    attention op splits the sequence (ring, ``S(2)`` of ``(B, H, T, D)``) or the heads there."""
+    assert plan.pipeline is not None
+    names = plan.pipeline.stage_axis_names
+    cp = names.index("cp")
+    assert plan.input_specs[0][cp] == "S(1)", plan.input_specs
+    assert all(spec[cp] == "R" for spec in plan.param_specs.values()), plan.param_specs
+    attention = [d for d in plan.nodes.values() if d["op"].startswith("autoplan.sdpa")]
+    assert attention and all(d["in"][0][cp] in ("S(1)", "S(2)") for d in attention), attention
+    assert "context" in plan.parallelism()["cp"], plan.parallelism()
+
+
+@pytest.mark.parametrize(
+    ("dp", "zero_stage", "heads"),
+    [(1, 0, 4), pytest.param(2, 3, 2, marks=pytest.mark.slow)],
+    ids=["cp=2-tp=2", "dp=2-cp=2-tp=2-zero3-ring"],
+)
+def test_a_context_parallel_axis_beside_tensor_parallelism_trains_like_single_device(
+    dp: int, zero_stage: int, heads: int
+):
+    """A global-batch plan with ``cp=2, tp=2``: the stage mesh is ``cp x tp`` (``dp x cp x tp``),
+    the sequence split on ``cp`` with the weights whole there and the ILP free on ``tp``; it
+    trains like one device. With 2 heads split over ``tp`` none are left for ``cp``, whose
+    attention then runs as a ring; ZeRO-3 shards the weights over ``dp`` only."""
+    cfg = ParallelConfig(dp=dp, cp=2, tp=2, microbatch_size=1, zero_stage=zero_stage)
+    plan = _cp_plan(cfg, heads=heads)
+    assert plan.config == cfg
+    assert plan.pipeline is not None
+    assert plan.pipeline.stage_axis_names == ("dp", "cp", "tp")[-(2 + (dp > 1)) :]
+    _assert_sequence_axis(plan)
+    assert "cp+tp" in {r.axis for r in plan.estimate.comm.rows}, plan.estimate.comm.rows
+    results = run_ranks(_train_cp_planned, cfg.world_size, json.dumps(plan.to_dict()), heads, timeout_s=900)
+    assert_trains_like_reference(results)
+
+
+def test_context_parallelism_beside_tensor_parallelism_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="needs tp > 1"):
+        ParallelConfig(cp=2)
+    with pytest.raises(ConfigError, match="2[*]cp divides 1024"):
+        _cp_plan(ParallelConfig(cp=3, tp=2))

@@ -43,7 +43,14 @@ from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable
 from autoplan.passes.trace import LossFn, TracedProgram
 from autoplan.planner import plan_cache, progress
 from autoplan.planner.ilp import plan_traced
-from autoplan.planner.mesh import as_cluster, data_parallel_axes, planning_mesh, stage_cluster
+from autoplan.planner.mesh import (
+    as_cluster,
+    context_parallel_axis,
+    data_parallel_axes,
+    planning_mesh,
+    restrict_context_parallel,
+    stage_cluster,
+)
 from autoplan.planner.plan import ConfigOption, Estimate, PipelineLayout, Plan
 from autoplan.planner.search import SearchSpace, estimate_order, search
 from autoplan.planner.segment_model import SegmentCostModel, memory_tie_break
@@ -58,7 +65,7 @@ def _tokens_per_sample(example_inputs: Sequence[torch.Tensor]) -> int:
 
 
 def _check_config(
-    config: ParallelConfig, cluster: Cluster, num_blocks: int, global_batch_size: int, *, experts: int
+    config: ParallelConfig, cluster: Cluster, num_blocks: int, global_batch_size: int, *, experts: int, tokens: int
 ) -> None:
     config.check_against(
         world_size=cluster.world_size,
@@ -66,6 +73,12 @@ def _check_config(
         num_blocks=num_blocks,
         global_batch_size=global_batch_size,
     )
+    if config.cp > 1 and (tokens < 2 or tokens % (2 * config.cp)):
+        raise ConfigError(
+            f"cp={config.cp} splits each sample's sequence into 2*cp = {2 * config.cp} chunks (the causal ring's "
+            f"zigzag halves) but the inputs have {tokens} tokens per sample: use a cp whose 2*cp divides {tokens}, "
+            "or cp=1"
+        )
     if config.ep > 1 and (experts == 0 or experts % config.ep):
         have = f"{experts} routed experts per layer" if experts else "no routed experts (no MoE layer)"
         raise ConfigError(
@@ -91,8 +104,11 @@ def estimate(
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
     costs._traced(config.microbatch_size)  # noqa: SLF001 - learn the number of blocks before any ILP
-    _check_config(config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts())
-    seg = costs(config.tp, config.microbatch_size)
+    _check_config(
+        config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts(),
+        tokens=_tokens_per_sample(inputs),
+    )  # fmt: skip
+    seg = costs(config.tp, config.microbatch_size, config.cp)
     samples = config.dp * config.microbatch_size
     stage_costs = [costs(config.tp, samples // d) for d in config.stage_dp] if config.stage_dp else None
     return evaluate(
@@ -152,7 +168,10 @@ def _search(
     )  # fmt: skip
     costs._traced(MIN_BASE_BATCH)  # noqa: SLF001 - learn the number of blocks (and a base, autoplan.passes.rebatch)
     if config is not None:
-        _check_config(config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts())
+        _check_config(
+            config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts(),
+            tokens=_tokens_per_sample(inputs),
+        )  # fmt: skip
         if config.stage_dp is not None:
             raise ConfigError("a config with stage_dp fixes the stages: price it with autoplan.estimate")
         space = _space_for(config)
@@ -196,7 +215,11 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     tensor-parallel shard over the ``dp`` axis and gather the activations instead (measured on 2
     CPU ranks, GPT-2-shaped: 36 activation all-gathers and 8 all-reduces over the whole batch on
     every rank), a program the search priced as data parallelism; tensor parallelism is the ``tp``
-    axis's job, which the search prices separately."""
+    axis's job, which the search prices separately. A ``cp`` axis splits the sequence
+    (:func:`~autoplan.planner.mesh.restrict_context_parallel`, the rule the search's ILPs follow)."""
+    cp_axis = context_parallel_axis(config)
+    if cp_axis is not None:
+        restrict_context_parallel(table, axis=cp_axis)
     if config.dp == 1:
         return
     dp_axes = data_parallel_axes(config)
@@ -307,6 +330,8 @@ def _space_for(config: ParallelConfig) -> SearchSpace:
         zero_stages=(config.zero_stage,),
         offload_optimizer=(config.offload_optimizer,),
         expert_parallel=(config.ep > 1,),
+        context_parallel=(config.cp > 1,),
+        context_parallel_min_tokens=0,
         microbatch_sizes=(config.microbatch_size,),
         per_stage_recompute=False,
         hetero_stages=False,

@@ -12,12 +12,14 @@ from contextvars import ContextVar
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoplan.cost_models.calibration import local_cluster
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ClusterSpecError, PlanMismatchError
+from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable
 
 
 def as_cluster(cluster: Cluster | str) -> Cluster:
@@ -89,12 +91,52 @@ def data_parallel_axes(config: ParallelConfig) -> tuple[int, ...]:
     return tuple(i for i, name in enumerate(config.stage_mesh()[1]) if name in ("dp", "ep"))
 
 
+def context_parallel_axis(config: ParallelConfig) -> int | None:
+    """The axis of :meth:`ParallelConfig.stage_mesh` that splits the sequence (``cp``), if any."""
+    names = config.stage_mesh()[1]
+    return names.index("cp") if "cp" in names else None
+
+
+SEQUENCE_DIM = 1
+"""The dim of a ``(batch, sequence, ...)`` input or target that context parallelism splits."""
+
+
+def restrict_context_parallel(table: StrategyTable, *, axis: int) -> None:
+    """Context parallelism on mesh axis ``axis`` (``ParallelConfig.cp``), as the search prices it:
+    inputs and targets of two or more dims split along the sequence (``S(1)``), parameters and
+    buffers whole, and every op reads them whole there (a weight is never used as a shard of
+    the sequence axis: tensor parallelism is the ``tp`` axis's job). The activations are the
+    ILP's to place (split along the sequence, or along the heads behind all-to-alls; attention
+    then runs as a ring over the shards or head-parallel). A node with no such strategy keeps
+    all of its own."""
+    params = {name for name, ns in table.nodes.items() if ns.kind == "param"}
+
+    def reads_params_whole(s: Strategy, ns: NodeStrategies) -> bool:
+        return all(
+            isinstance(spec[axis], Replicate)
+            for spec, ref in zip(s.input_specs, ns.inputs, strict=True)
+            if ref.node in params
+        )  # fmt: skip
+
+    for name, ns in list(table.nodes.items()):
+        if ns.kind == "param":
+            keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][axis], Replicate))
+        elif ns.kind in ("input", "target"):
+            keep = tuple(s for s in ns.strategies if s.output_specs[0][axis] == Shard(SEQUENCE_DIM))
+        elif ns.kind in ("op", "fallback"):
+            keep = tuple(s for s in ns.strategies if reads_params_whole(s, ns))
+        else:
+            continue
+        if keep and len(keep) < len(ns.strategies):
+            table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+
+
 def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
     """The devices of one pipeline stage as a cluster with the mesh of
     :meth:`ParallelConfig.stage_mesh`: whole nodes when the stage spans nodes, else a part of
     one node."""
     shape, names = config.stage_mesh()
-    n = config.dp * config.tp
+    n = config.dp * config.ranks_per_replica
     dpn = cluster.devices_per_node
     nodes, per_node = (n // dpn, dpn) if n > dpn and n % dpn == 0 else (1, n)
     try:

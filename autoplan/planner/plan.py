@@ -926,7 +926,7 @@ def _unplanned_operator(traced: TracedProgram, planned: Mapping[str, Any]) -> to
 def _check_pipeline_layout(plan: Plan) -> None:
     """A plan made for a global batch has both ``config`` and ``pipeline``, and they agree: one
     start and one recompute mode per stage, starts rising from segment 0 inside the model's
-    segments, a stage mesh of ``dp * tp`` devices and ``config`` filling the cluster."""
+    segments, a stage mesh of ``dp * cp * tp`` devices and ``config`` filling the cluster."""
     cfg, layout = plan.config, plan.pipeline
     if cfg is None and layout is None:
         return
@@ -948,12 +948,12 @@ def _check_pipeline_layout(plan: Plan) -> None:
             f"{', '.join(RECOMPUTE)} for each of the {len(starts)} stage(s)"
         )
     if len(layout.stage_axis_names) != len(layout.stage_mesh_shape) or math.prod(layout.stage_mesh_shape) != (
-        cfg.dp * cfg.tp
+        cfg.dp * cfg.ranks_per_replica
     ):
         raise ValueError(
             f"pipeline.stage_mesh_shape {clip(list(layout.stage_mesh_shape))} with axes "
-            f"{clip(list(layout.stage_axis_names))} must be one named axis per size, {cfg.dp * cfg.tp} devices "
-            f"(config dp*tp = {cfg.dp}*{cfg.tp})"
+            f"{clip(list(layout.stage_axis_names))} must be one named axis per size, {cfg.dp * cfg.ranks_per_replica} "
+            f"devices (config dp*cp*tp = {cfg.dp}*{cfg.cp}*{cfg.tp})"
         )
     if (layout.stage_mesh_shape, layout.stage_axis_names) != cfg.stage_mesh():
         shape, names = cfg.stage_mesh()

@@ -40,8 +40,14 @@ from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.cost_models.step import SegmentCosts, TrainingEstimate, evaluate, uniform_starts
 from autoplan.planner.segment_costs import SegmentCostOracle
 
-SegmentCostFn = Callable[[int, int], SegmentCosts]
-"""``(tp, microbatch_size) -> SegmentCosts`` of one micro-batch on a tensor-parallel group."""
+SegmentCostFn = Callable[..., SegmentCosts]
+"""``(tp, microbatch_size[, cp]) -> SegmentCosts`` of one micro-batch on a tensor-parallel group
+(``cp x tp`` with context parallelism; ``cp`` is passed only when above 1)."""
+
+
+def cost_key(c: ParallelConfig) -> tuple[int, ...]:
+    """The arguments of :data:`SegmentCostFn` that price ``c``'s micro-batches."""
+    return (c.tp, c.microbatch_size) if c.cp == 1 else (c.tp, c.microbatch_size, c.cp)
 
 
 @dataclass(slots=True)
@@ -60,6 +66,16 @@ class SearchSpace:
     where it does not fit without it (:func:`search`), and never on a device that is its own host
     (``DeviceSpec.host_link_GBps`` is ``None``: nothing leaves its memory)."""
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    context_parallel: tuple[bool, ...] = (False, True)
+    """No context-parallel axis (False) or one beside tensor parallelism (True: every
+    ``ParallelConfig.cp > 1`` with ``tp > 1`` whose ``cp * tp`` ranks fit in a node or fill whole
+    nodes and whose ``2 * cp`` divides the tokens of a sample), the latter for samples of at
+    least :attr:`context_parallel_min_tokens` tokens (:func:`candidates`)."""
+    context_parallel_min_tokens: int = 8192
+    """Shortest sample the search tries a ``cp`` axis for. A pruning rule, not a cost: below it
+    attention's activations are small beside the projections' (Megatron-Core's and NeMo's
+    long-context recipes start context parallelism at 8k-16k tokens), and the ``tp`` axis can
+    still split the sequence on its own; each ``cp`` adds an ILP per micro-batch size."""
     expert_parallel: tuple[bool, ...] = (False, True)
     """Routed experts replicated over the data-parallel group (False) or split over groups of
     ``ep`` of its ranks (True: every ``ParallelConfig.ep > 1`` dividing both ``dp`` and the
@@ -171,64 +187,93 @@ def virtual_stage_counts(*, pp: int, num_microbatches: int, num_blocks: int) -> 
     return tuple(out)
 
 
+def _context_degrees(cluster: Cluster, *, replicas: int, tp: int, space: SearchSpace, tokens: int) -> list[int]:
+    """The ``cp`` degrees :func:`candidates` tries beside ``tp`` (``replicas``: the stage's
+    ranks over ``tp``; see :attr:`SearchSpace.context_parallel`)."""
+    out = [1] if False in space.context_parallel else []
+    if True not in space.context_parallel or tp == 1 or tokens < space.context_parallel_min_tokens:
+        return out
+    dpn = cluster.devices_per_node
+    return out + [
+        cp for cp in _divisors(replicas)
+        if cp > 1 and tokens % (2 * cp) == 0 and (cp * tp <= dpn or cp * tp % dpn == 0)
+    ]  # fmt: skip
+
+
 def candidates(
-    cluster: Cluster, *, num_blocks: int, global_batch_size: int, space: SearchSpace, experts: int = 0
+    cluster: Cluster,
+    *,
+    num_blocks: int,
+    global_batch_size: int,
+    space: SearchSpace,
+    experts: int = 0,
+    tokens_per_sample: int = 1,
 ) -> list[ParallelConfig]:
     """Every configuration of the search space that divides the cluster and the batch (and, for a
     model with ``experts`` routed experts per MoE layer, the expert-parallel degrees ``ep``
-    dividing both ``dp`` and the experts)."""
+    dividing both ``dp`` and the experts; for samples of ``tokens_per_sample`` tokens, the
+    context-parallel degrees of :func:`_context_degrees`)."""
     world = cluster.world_size
     out = []
-    for pp in _divisors(world):
-        if pp > max(num_blocks, 1):
+    for pp, tp in itertools.product(_divisors(world), _divisors(world)):
+        if pp > max(num_blocks, 1) or world % (pp * tp) or cluster.devices_per_node % tp:
+            continue  # (tp divides a node: tensor parallelism stays inside one)
+        for cp in _context_degrees(cluster, replicas=world // (pp * tp), tp=tp, space=space, tokens=tokens_per_sample):
+            out += _configs(space, pp=pp, tp=tp, cp=cp, dp=world // (pp * tp * cp), num_blocks=num_blocks,
+                            global_batch_size=global_batch_size, experts=experts)  # fmt: skip
+    return out
+
+
+def _configs(
+    space: SearchSpace, *, pp: int, tp: int, cp: int, dp: int, num_blocks: int, global_batch_size: int, experts: int
+) -> list[ParallelConfig]:
+    """:func:`candidates` for one ``(pp, tp, cp)``: micro-batches, schedules, recomputation,
+    ZeRO and expert parallelism."""
+    out = []
+    for b in space.microbatch_sizes:
+        if global_batch_size % (dp * b):
             continue
-        for tp in _divisors(world // pp):
-            if tp > cluster.devices_per_node or cluster.devices_per_node % tp:
-                continue
-            dp = world // (pp * tp)
-            for b in space.microbatch_sizes:
-                if global_batch_size % (dp * b):
-                    continue
-                m = global_batch_size // (dp * b)
-                if pp > 1 and m < pp:
-                    continue  # fewer micro-batches than stages: the pipeline never fills
-                scheds: list[tuple[Schedule, int]] = []
-                if pp == 1:
-                    scheds = [("1f1b", 1)]  # no pipeline: ParallelConfig.canonical's spelling
+        m = global_batch_size // (dp * b)
+        if pp > 1 and m < pp:
+            continue  # fewer micro-batches than stages: the pipeline never fills
+        scheds: list[tuple[Schedule, int]] = []
+        if pp == 1:
+            scheds = [("1f1b", 1)]  # no pipeline: ParallelConfig.canonical's spelling
+        else:
+            for sch in space.schedules:
+                if sch == "interleaved-1f1b":
+                    counts = space.virtual_stages
+                    if counts is None:
+                        counts = virtual_stage_counts(pp=pp, num_microbatches=m, num_blocks=num_blocks)
+                    scheds += [
+                        (sch, v)
+                        for v in counts
+                        if pp * v <= num_blocks
+                        and schedule_problem(sch, pp=pp, num_microbatches=m, virtual_stages=v) is None
+                    ]
                 else:
-                    for sch in space.schedules:
-                        if sch == "interleaved-1f1b":
-                            counts = space.virtual_stages
-                            if counts is None:
-                                counts = virtual_stage_counts(pp=pp, num_microbatches=m, num_blocks=num_blocks)
-                            scheds += [
-                                (sch, v)
-                                for v in counts
-                                if pp * v <= num_blocks
-                                and schedule_problem(sch, pp=pp, num_microbatches=m, virtual_stages=v) is None
-                            ]
-                        else:
-                            scheds.append((sch, 1))
-                eps = [1] if False in space.expert_parallel else []
-                if True in space.expert_parallel and tp == 1 and experts:
-                    eps += [ep for ep in _divisors(dp) if ep > 1 and experts % ep == 0]
-                for (sch, v), rec, z, ep in itertools.product(scheds, space.recompute, space.zero_stages, eps):
-                    if dp == 1 and z > 0:
-                        continue  # nothing to shard over
-                    out.append(
-                        ParallelConfig(
-                            dp=dp,
-                            tp=tp,
-                            pp=pp,
-                            microbatch_size=b,
-                            num_microbatches=m,
-                            schedule=sch,
-                            virtual_stages=v,
-                            recompute=rec,
-                            zero_stage=z,
-                            ep=ep,
-                        )  # fmt: skip
-                    )
+                    scheds.append((sch, 1))
+        eps = [1] if False in space.expert_parallel or cp > 1 else []
+        if True in space.expert_parallel and tp == 1 and cp == 1 and experts:
+            eps += [ep for ep in _divisors(dp) if ep > 1 and experts % ep == 0]
+        for (sch, v), rec, z, ep in itertools.product(scheds, space.recompute, space.zero_stages, eps):
+            if dp == 1 and z > 0:
+                continue  # nothing to shard over
+            out.append(
+                ParallelConfig(
+                    dp=dp,
+                    tp=tp,
+                    pp=pp,
+                    microbatch_size=b,
+                    num_microbatches=m,
+                    schedule=sch,
+                    virtual_stages=v,
+                    recompute=rec,
+                    zero_stage=z,
+                    ep=ep,
+                    cp=cp,
+                )  # fmt: skip
+            )
     return out
 
 
@@ -456,13 +501,13 @@ def search(
     model's routed experts per MoE layer (0: none), for expert-parallel candidates."""
     space = space or SearchSpace()
     blocks = expand_to_blocks or num_blocks
-    cache: dict[tuple[int, int], SegmentCosts] = {}
+    cache: dict[tuple[int, ...], SegmentCosts] = {}
 
-    def costs(tp: int, b: int) -> SegmentCosts:
-        if (tp, b) not in cache:
-            c = cost_fn(tp, b)
-            cache[(tp, b)] = expand_blocks(c, blocks) if expand_to_blocks else c
-        return cache[(tp, b)]
+    def costs(*key: int) -> SegmentCosts:
+        if key not in cache:
+            c = cost_fn(*key)
+            cache[key] = expand_blocks(c, blocks) if expand_to_blocks else c
+        return cache[key]
 
     splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
 
@@ -475,13 +520,13 @@ def search(
         """The best layout of ``cand``: :func:`best_layout`, or :func:`hetero_layout` if faster."""
         est = best_layout(
             cand,
-            cost_at(cand.tp, cand.microbatch_size),
+            cost_at(*cost_key(cand)),
             cluster,
             space=space,
             precision=precision,
             tokens_per_sample=tokens_per_sample,
         )
-        if space.hetero_stages and cand.ep == 1:  # (ParallelConfig: one dp degree under ep)
+        if space.hetero_stages and cand.ep == 1 and cand.cp == 1:  # (ParallelConfig: one dp degree under ep, cp)
             alt = hetero_layout(
                 cand,
                 functools.partial(cost_at, cand.tp),
@@ -498,17 +543,18 @@ def search(
     todo = [
         c
         for c in candidates(
-            cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space, experts=experts
-        )
+            cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space, experts=experts,
+            tokens_per_sample=tokens_per_sample,
+        )  # fmt: skip
         if space.fixed is None or c == dataclasses.replace(space.fixed, offload_optimizer=False)
     ]
     early: dict[int, TrainingEstimate] = {}
     if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once (in parallel)
-        keys = {(c.tp, c.microbatch_size) for c in todo}
+        keys = {cost_key(c) for c in todo}
         # lay out the candidates whose costs are in while the others are being solved
         cost_fn.prefetch(keys, while_waiting=_EarlyLayouts(todo, cost_fn.ready, costs, layout, early))
     # best-first: a candidate whose compute alone exceeds the best step found cannot win
-    bounds = [lower_bound_s(c, costs(c.tp, c.microbatch_size)) for c in todo]
+    bounds = [lower_bound_s(c, costs(*cost_key(c))) for c in todo]
     results = []
     best_s = float("inf")
     for bound, i in sorted(zip(bounds, range(len(todo)), strict=True), key=lambda bi: bi[0]):
@@ -553,22 +599,22 @@ class _EarlyLayouts:
     def __init__(
         self,
         todo: Sequence[ParallelConfig],
-        ready: Callable[[int, int], bool],
+        ready: Callable[..., bool],
         costs: SegmentCostFn,
         layout: Callable[[ParallelConfig, SegmentCostFn], TrainingEstimate],
         early: dict[int, TrainingEstimate],
     ) -> None:
         self.todo, self.ready, self.costs, self.layout, self.early = todo, ready, costs, layout, early
-        self.waiting: dict[tuple[int, int], list[int]] = {}
+        self.waiting: dict[tuple[int, ...], list[int]] = {}
         for i, c in enumerate(todo):
-            self.waiting.setdefault((c.tp, c.microbatch_size), []).append(i)
+            self.waiting.setdefault(cost_key(c), []).append(i)
         self.heap: list[tuple[float, int]] = []
         self.best_s = float("inf")
 
-    def _cost_if_ready(self, tp: int, b: int) -> SegmentCosts:
-        if not self.ready(tp, b):
+    def _cost_if_ready(self, *key: int) -> SegmentCosts:
+        if not self.ready(*key):
             raise _NotReady
-        return self.costs(tp, b)
+        return self.costs(*key)
 
     def __call__(self) -> bool:
         for key in [k for k in self.waiting if self.ready(*k)]:

@@ -86,17 +86,18 @@ class SegmentCostOracle(Protocol):
 
     __slots__ = ()
 
-    def __call__(self, tp: int, microbatch_size: int) -> SegmentCosts:
+    def __call__(self, tp: int, microbatch_size: int, cp: int = 1) -> SegmentCosts:
         """The costs of one micro-batch of ``microbatch_size`` samples on a tensor-parallel group
-        of ``tp`` devices, computed now unless :meth:`ready`."""
+        of ``tp`` devices (the ``cp x tp`` mesh of ``ParallelConfig.cp``), computed now unless
+        :meth:`ready`."""
         ...
 
-    def ready(self, tp: int, microbatch_size: int) -> bool:
-        """Whether ``self(tp, microbatch_size)`` answers without computing anything more."""
+    def ready(self, tp: int, microbatch_size: int, cp: int = 1) -> bool:
+        """Whether ``self(tp, microbatch_size, cp)`` answers without computing anything more."""
         ...
 
-    def prefetch(self, keys: Iterable[tuple[int, int]], *, while_waiting: Callable[[], bool] | None = None) -> None:
-        """Compute the costs of every key in ``keys`` now (in any order, in parallel where it can),
+    def prefetch(self, keys: Iterable[tuple[int, ...]], *, while_waiting: Callable[[], bool] | None = None) -> None:
+        """Compute the costs of every key in ``keys`` (``(tp, microbatch_size[, cp])``) now (in any order, in parallel where it can),
         so that later calls are :meth:`ready`. While it waits for results it calls
         ``while_waiting()`` (the search lays out the candidates whose costs are ready), between
         results, until that returns False. The costs are those ``self(tp, microbatch_size)``
