@@ -16,7 +16,9 @@ run, where its predicted step goes (:func:`breakdown`).
 Sources: the eight Llama rows, ``shared/published_runs.md`` (torchtitan, FSDP2 on 64 A100 80GB,
 pytorch/torchtitan docs/performance.md, 2024); the mixture-of-experts row, NeMo AutoModel's
 performance summary (Qwen3-30B-A3B, BF16, one DGX-H100, EP 8 priced as ``ep=8``; the row's comment in ``RUNS`` says
-what is exact and what is approximated). Add runs as rows of ``RUNS`` with their source. The
+what is exact and what is approximated); the long-context row, the Llama 3 paper's 405B at
+131,072 tokens on 16,384 H100 (TP 8, CP 16, PP 16, DP 8, priced as ``cp=16`` beside ``tp=8``; its
+comment in ``RUNS`` likewise). Add runs as rows of ``RUNS`` with their source. The
 corrections below (recomputation policies, FSDP2 copies, torchtitan's MFU) apply to the torchtitan
 rows only (``PublishedRun.framework``).
 
@@ -41,11 +43,8 @@ that autoplan cannot express faithfully, issue #20 item 5):
   H100 and Llama 3 8B on B200, 4k-1M tokens, TP/PP/DP/CP tables) is FP8; torchtitan
   ``benchmarks/llama3_h100_202412_torchtitan.md`` (Llama 3.1 8B FSDP+CP 32k-262k on 8 H100, 405B
   4D with CP 1-8) runs Float8 and torch.compile on 96 GB 500 W H100s (not the catalog's H100);
-  the Llama 3 paper (Dubey et al. 2024, Table 4: 405B, 16,384 H100, TP 8 CP 16 PP 16 DP 4,
-  131,072 tokens, 380 TFLOP/s per GPU, BF16) needs context parallelism of 16 beside tensor
-  parallelism of 8, and autoplan's sequence sharding is a choice on one stage axis (here the
-  tensor-parallel one), so CP 16 x TP 8 inside a stage cannot be written; the Megatron-Core context-parallel
-  docs give figures only.
+  the Megatron-Core context-parallel docs give figures only. (The Llama 3 paper's CP 16 x TP 8
+  row is priced: ``LLAMA3_405B_128K``.)
 
 Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.recompute``):
 
@@ -120,6 +119,10 @@ AUTOMODEL_H100 = (
     "NeMo AutoModel docs/performance-summary.md (2025-10-02), DGX-H100 BF16 pre-training; "
     "https://github.com/NVIDIA-NeMo/Automodel/blob/main/docs/performance-summary.md"
 )
+LLAMA3_PAPER = (
+    "Llama 3 paper (Dubey et al. 2024, arXiv 2407.21783), Table 4: 405B pre-training, 16,384 H100, "
+    "TP 8 CP 16 PP 16 DP 8, 131,072 tokens, 380 TFLOP/s per GPU"
+)
 GiB = 2**30
 
 
@@ -146,6 +149,7 @@ class Shape:
 
 
 LLAMA3_8B = Shape(name="Llama 3 8B", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+LLAMA3_405B = Shape(name="Llama 3 405B", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256)
 LLAMA3_70B = Shape(name="Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 LLAMA2_13B = Shape(name="Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
 LLAMA2_70B = Shape(name="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
@@ -165,13 +169,23 @@ class PublishedRun:
     """autoplan cluster preset of the machines it ran on."""
     seq_len: int
     local_batch: int
-    """Samples per GPU per step (global batch = local batch x data-parallel degree)."""
+    """Samples per GPU per micro-batch as the source counts them (torchtitan: per GPU; the Llama 3
+    row: per data-parallel replica)."""
     activation_checkpointing: str
     """As published: ``none``, ``full``, ``selective, per op``, ``selective, per layer``."""
     zero_stage: int
     dp: int
     tp: int = 1
     """autoplan's in-stage model-parallel axis (``ParallelConfig.tp``)."""
+    cp: int = 1
+    """Context-parallel degree (``ParallelConfig.cp``: the sequence split over a ``cp`` axis
+    beside ``tp``)."""
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatch_size: int | None = None
+    """Samples per micro-batch per data-parallel replica (``ParallelConfig.microbatch_size``);
+    ``None``: ``local_batch * tp``."""
     ep: int = 1
     """Expert-parallel degree (``ParallelConfig.ep``: the experts split over groups of that many
     dp ranks)."""
@@ -187,11 +201,16 @@ class PublishedRun:
 
     @property
     def num_gpus(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replica_batch(self) -> int:
+        """Samples per micro-batch per data-parallel replica."""
+        return self.microbatch_size if self.microbatch_size is not None else self.local_batch * self.tp
 
     @property
     def global_batch(self) -> int:
-        return self.local_batch * self.num_microbatches * self.num_gpus
+        return self.dp * self.replica_batch * self.num_microbatches
 
 
 def _tt(shape: Shape, seq: int, batch: int, ac: str, wps: float, mfu: float) -> PublishedRun:
@@ -227,6 +246,48 @@ AUTOMODEL_QWEN3_30B = PublishedRun(
     mfu=277 / 989, source=AUTOMODEL_H100,
 )  # fmt: skip
 
+LEAST_THAT_FITS = "not published"
+"""``activation_checkpointing`` of a run whose source does not give it: priced with the least
+recomputation that fits (:func:`_estimates`)."""
+
+
+def llama_num_params(s: Shape) -> int:
+    """Parameters of a Llama of shape ``s`` (untied output layer; HF ``LlamaForCausalLM``)."""
+    d = s.hidden // s.heads
+    block = 2 * s.hidden * s.heads * d + 2 * s.hidden * s.kv_heads * d + 3 * s.hidden * s.ffn + 2 * s.hidden
+    return s.layers * block + 2 * s.vocab * s.hidden + s.hidden
+
+
+def tokens_per_s_from_tflops(s: Shape, seq: int, tflops_per_gpu: float) -> float:
+    """Tokens per second per GPU of a run that publishes model TFLOP/s per GPU, at
+    ``6 * N + 12 * L * H * Q * T`` FLOPs per token (:func:`torchtitan_mfu`'s count: all parameters,
+    attention non-causal); a source that counts causal attention as half would give more tokens."""
+    flops_per_token = 6 * llama_num_params(s) + 12 * s.layers * s.hidden * seq
+    return tflops_per_gpu * 1e12 / flops_per_token
+
+
+# Llama 3 paper (Dubey et al., "The Llama 3 Herd of Models", arXiv 2407.21783, 2024), section 3.3.2,
+# Table 4, the long-context row of the 405B pre-training: 16,384 H100 80GB (700 W, HBM3; 8 per
+# server, NVLink inside, 400 Gb/s RoCE per GPU between servers), TP 8, CP 16, PP 16, DP 8, sequence
+# 131,072, batch size per DP 16 (16M tokens per step), 380 TFLOP/s per GPU, BF16 MFU 38 %. The
+# same table is on Pavan Balaji's SC'24 slide (glennklockwood.com/garden/llama-3.1). Exact: shape,
+# GPUs, degrees, sequence, batch, bf16, AdamW. autoplan: dp=8 cp=16 tp=8 pp=16 (cp x tp = 128 ranks
+# of one replica, the cp axis across 16 servers; ZeRO over dp only, as the paper's FSDP), 16
+# micro-batches of one sequence. Approximated: the pipeline schedule (the paper's interleaved 1F1B
+# with first and last stages one layer short; the virtual-stage count is not published: priced with
+# v=4, the largest autoplan's search tries for 16 stages and 16 micro-batches), the recomputation
+# (not published: the least that fits), the paper's FSDP (shards weights, gradients and optimizer,
+# no reshard after the forward: priced as ZeRO-3, which gathers again in the backward), its CP (an
+# all-gather of the keys and values; autoplan: the ILP's ring or head-parallel attention on the cp
+# axis), and the published tokens/s (from the TFLOP/s at torchtitan's FLOP count,
+# :func:`tokens_per_s_from_tflops`).
+LLAMA3_405B_128K = PublishedRun(
+    shape=LLAMA3_405B, cluster="2048x8xH100", seq_len=131072, local_batch=1, activation_checkpointing=LEAST_THAT_FITS,
+    zero_stage=3, dp=8, cp=16, tp=8, pp=16, schedule="interleaved-1f1b", virtual_stages=4, microbatch_size=1,
+    num_microbatches=16, framework="llama3", tokens_per_s_per_gpu=tokens_per_s_from_tflops(LLAMA3_405B, 131072, 380),
+    mfu=0.38, source=LLAMA3_PAPER,
+)  # fmt: skip
+
 RUNS = [
     _tt(LLAMA3_8B, 8192, 1, "selective, per layer", 2904, 0.568),
     _tt(LLAMA3_8B, 8192, 1, "selective, per op", 2973, 0.582),
@@ -237,6 +298,7 @@ RUNS = [
     _tt(LLAMA2_70B, 4096, 1, "selective, per op", 355, 0.508),
     _tt(LLAMA2_70B, 4096, 2, "full", 353, 0.505),
     AUTOMODEL_QWEN3_30B,
+    LLAMA3_405B_128K,
 ]
 
 RECOMPUTE_MIX: dict[str, dict[str, float]] = {
@@ -285,9 +347,36 @@ def parallel_config(run: PublishedRun, recompute: str) -> autoplan.ParallelConfi
     """The run's configuration: a micro-batch is the ``local_batch`` of each of the ``tp`` ranks
     of the model-parallel axis (split over them when the ILP runs an op batch-parallel there)."""
     return autoplan.ParallelConfig(
-        dp=run.dp, tp=run.tp, pp=1, microbatch_size=run.local_batch * run.tp,
-        num_microbatches=run.num_microbatches, recompute=recompute, zero_stage=run.zero_stage, ep=run.ep,
+        dp=run.dp, cp=run.cp, tp=run.tp, pp=run.pp, microbatch_size=run.replica_batch,
+        num_microbatches=run.num_microbatches, schedule=run.schedule, virtual_stages=run.virtual_stages,
+        recompute=recompute, zero_stage=run.zero_stage, ep=run.ep,
     )  # fmt: skip
+
+
+def _estimates(
+    run: PublishedRun, model: torch.nn.Module, ids: torch.Tensor
+) -> list[tuple[float, autoplan.ParallelConfig, autoplan.TrainingEstimate]]:
+    """``(weight, config, autoplan.estimate)`` of each recomputation the run's policy mixes
+    (``RECOMPUTE_MIX``); for a run that does not publish its policy (:data:`LEAST_THAT_FITS`),
+    the least of ``none``, ``selective``, ``full`` that fits."""
+
+    def estimate(recompute: str) -> tuple[float, autoplan.ParallelConfig, autoplan.TrainingEstimate]:
+        config = parallel_config(run, recompute)
+        est = autoplan.estimate(
+            model, run.cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
+            global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
+        )  # fmt: skip
+        return 1.0, config, est
+
+    if run.activation_checkpointing == LEAST_THAT_FITS:
+        for recompute in ("none", "selective"):
+            priced = estimate(recompute)
+            if priced[2].feasible:
+                return [priced]
+        return [estimate("full")]
+    return [
+        (weight, *estimate(recompute)[1:]) for recompute, weight in RECOMPUTE_MIX[run.activation_checkpointing].items()
+    ]
 
 
 def price(run: PublishedRun) -> Priced:
@@ -296,12 +385,8 @@ def price(run: PublishedRun) -> Priced:
     torchtitan = run.framework == "torchtitan"
     step_s = mfu_step = peak = comm_s = exposed_s = 0.0
     capacity, configs = 0.0, []
-    for recompute, weight in RECOMPUTE_MIX[run.activation_checkpointing].items():
-        config = parallel_config(run, recompute)
-        est = autoplan.estimate(
-            model, run.cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
-            global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
-        )  # fmt: skip
+    for weight, config, est in _estimates(run, model, ids):
+        recompute = config.recompute
         step_s += weight * est.step_time_s
         mfu_step += weight * est.mfu * est.step_time_s  # MFU x step time = FLOPs / peak: the same for both
         peak += weight * est.peak_memory_bytes

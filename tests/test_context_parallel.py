@@ -14,9 +14,9 @@ steps, fp32, 1e-5).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
-import copy
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -184,18 +184,23 @@ def _assert_sequence_axis(plan: autoplan.Plan) -> None:
 
 
 @pytest.mark.parametrize(
-    ("dp", "zero_stage", "heads"),
-    [(1, 0, 4), pytest.param(2, 3, 2, marks=pytest.mark.slow)],
-    ids=["cp=2-tp=2", "dp=2-cp=2-tp=2-zero3-ring"],
+    ("dp", "zero_stage", "heads", "offload"),
+    [
+        (1, 0, 4, False),
+        pytest.param(2, 3, 2, False, marks=pytest.mark.slow),
+        pytest.param(2, 3, 4, True, marks=pytest.mark.slow),
+    ],
+    ids=["cp=2-tp=2", "dp=2-cp=2-tp=2-zero3-ring", "dp=2-cp=2-tp=2-zero3-offload"],
 )
 def test_a_context_parallel_axis_beside_tensor_parallelism_trains_like_single_device(
-    dp: int, zero_stage: int, heads: int
+    dp: int, zero_stage: int, heads: int, offload: bool
 ):
     """A global-batch plan with ``cp=2, tp=2``: the stage mesh is ``cp x tp`` (``dp x cp x tp``),
     the sequence split on ``cp`` with the weights whole there and the ILP free on ``tp``; it
     trains like one device. With 2 heads split over ``tp`` none are left for ``cp``, whose
-    attention then runs as a ring; ZeRO-3 shards the weights over ``dp`` only."""
-    cfg = ParallelConfig(dp=dp, cp=2, tp=2, microbatch_size=1, zero_stage=zero_stage)
+    attention then runs as a ring; ZeRO-3 shards the weights over ``dp`` only, and the optimizer
+    may run on the host (a layout the search offers where memory binds)."""
+    cfg = ParallelConfig(dp=dp, cp=2, tp=2, microbatch_size=1, zero_stage=zero_stage, offload_optimizer=offload)
     plan = _cp_plan(cfg, heads=heads)
     assert plan.config == cfg
     assert plan.pipeline is not None

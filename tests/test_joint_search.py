@@ -4,6 +4,8 @@ never worse than the uniform Megatron grid, and memory-driven choices."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import autoplan
@@ -238,3 +240,23 @@ def test_search_tries_six_chunks_per_rank_and_prices_a_smaller_bubble_than_two(c
         for v in (2, 3, 6)
     ]
     assert all(later < earlier for earlier, later in zip(bubble_s, bubble_s[1:], strict=False))
+
+
+def test_the_search_tries_a_context_parallel_axis_beside_tensor_parallelism_for_long_samples():
+    """``cp > 1`` candidates (``ParallelConfig.cp``) come with ``tp > 1`` only, for samples of at
+    least ``context_parallel_min_tokens`` tokens that ``2 * cp`` divides, and fill the cluster."""
+    cluster = Cluster.preset("2x8xH100")
+    space = SearchSpace(schedules=("1f1b",), recompute=("full",), zero_stages=(0, 3), microbatch_sizes=(1,))
+
+    def of(tokens: int) -> list[ParallelConfig]:
+        return candidates(cluster, num_blocks=8, global_batch_size=16, space=space, tokens_per_sample=tokens)
+
+    short, long = of(4096), of(8200)  # 8,200 tokens: 2*cp divides it for cp in 2, 4 (not 8: 16 does not)
+    assert {c.cp for c in short} == {1}
+    with_cp = [c for c in long if c.cp > 1]
+    assert {c.cp for c in with_cp} == {2, 4}
+    assert all(c.tp > 1 and c.world_size == 16 for c in with_cp)
+    assert [c for c in long if c.cp == 1] == short  # the rest of the space as before, in its order
+    assert {(c.cp, c.tp) for c in with_cp if c.pp == 1} == {(2, 2), (2, 4), (2, 8), (4, 2), (4, 4)}
+    only = dataclasses.replace(space, context_parallel=(False,))
+    assert candidates(cluster, num_blocks=8, global_batch_size=16, space=only, tokens_per_sample=8200) == short

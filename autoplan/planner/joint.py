@@ -484,12 +484,12 @@ MAX_CONFIGURATIONS = 12
 
 
 def weighed_configurations(best: TrainingEstimate, every: Sequence[TrainingEstimate]) -> tuple[ConfigOption, ...]:
-    """``best`` and, per other combination of degrees (``dp, tp, pp, ep``) among ``every``
+    """``best`` and, per other combination of degrees (``dp, cp, tp, pp, ep``) among ``every``
     configuration the search priced, its fastest that fits (else its least memory-hungry): those
     that fit by step time, then the others by memory, at most :data:`MAX_CONFIGURATIONS` in all."""
 
     def degrees(e: TrainingEstimate) -> tuple[int, ...]:
-        return (e.config.dp, e.config.tp, e.config.pp, e.config.ep)
+        return (e.config.dp, e.config.cp, e.config.tp, e.config.pp, e.config.ep)
 
     best_of: dict[tuple[int, ...], TrainingEstimate] = {}
     for e in every:
