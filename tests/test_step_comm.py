@@ -450,3 +450,24 @@ def test_experts_split_over_groups_smaller_than_dp_reduce_their_shards_over_the_
     # more ranks per expert group: fewer expert bytes held, more all-to-all ranks
     wider = evaluate(dataclasses.replace(cfg, ep=4), costs, ONE_NODE)
     assert wider.stages[0].memory_parts["weights"] <= weights
+
+
+def test_a_context_parallel_axis_puts_the_data_parallel_ranks_cp_times_tp_apart():
+    """``ParallelConfig.cp``: a replica is ``cp x tp`` ranks, so the ``dp`` group's ranks are
+    ``cp * tp`` apart. On 2 nodes of 4, ``dp=2, cp=2, tp=2`` fills a node per replica and reduces
+    its gradients over the network, where ``dp=4, tp=2`` (ranks 2 apart) has two on each node; the
+    rows of the replica's own collectives are named ``cp+tp`` and keep the segments' times."""
+    fast_intra = dataclasses.replace(GPU, intra_node_bw_GBps=100.0)
+    cluster = Cluster(num_nodes=2, devices_per_node=4, device=fast_intra)
+    costs = _costs(tp_comm_s=1e-4)
+    with_cp = evaluate(_config(dp=2, cp=2, tp=2, num_microbatches=1), costs, cluster)
+    grads = sum(s.trainable_numel for s in costs.segments) * 4
+    reduction = _row(with_cp, "all_reduce")
+    assert reduction.bytes == pytest.approx(grads)
+    assert group_link(cluster, stride=4, size=2).spans_nodes and not group_link(cluster, stride=1, size=4).spans_nodes
+    alone = link_time_s("all_reduce", grads, 2, group_link(cluster, stride=4, size=2), backend=cluster.backend)
+    assert reduction.total_s >= alone * (1 - 1e-9)  # one bucketed all-reduce over the network at least
+    assert {r.axis for r in with_cp.comm.rows if r.kind == "redistribute"} == {"cp+tp"}
+    blocks = len(costs.segments)
+    assert _row(with_cp, "redistribute", "cp+tp").total_s == pytest.approx(blocks * 2 * 1e-4)
+    assert with_cp.config.world_size == 8 and with_cp.tokens_per_s > 0
