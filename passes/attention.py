@@ -37,6 +37,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -263,14 +264,31 @@ def _routed_sdpa(
     return torch.ops.autoplan.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
+"""Hugging Face's switch (``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``) that passes
+grouped-query attention's key/value heads to SDPA as they are, with ``enable_gqa=True``, instead of
+repeating each ``H / G`` times first (``repeat_kv``), which it does by default under a mask (a
+traced model has one until :func:`causal_masks_as_flag`) and on devices whose fused kernels lack
+GQA. The single op takes them either way (``_sdpa_grads``, the ring's ``_expand_heads``), so the
+traced step keeps ``G`` heads: its saved keys and values, their conversions and a ring's messages
+are ``H / G`` times smaller."""
+
+
 @contextlib.contextmanager
 def attention_as_single_op() -> Iterator[None]:
-    """Route ``F.scaled_dot_product_attention`` to ``autoplan::sdpa`` (restored on exit)."""
+    """Route ``F.scaled_dot_product_attention`` to ``autoplan::sdpa`` (restored on exit), with
+    grouped-query key/value heads unrepeated (:data:`GQA_SWITCH`)."""
     F.scaled_dot_product_attention = _routed_sdpa
+    before = os.environ.get(GQA_SWITCH)
+    os.environ[GQA_SWITCH] = "1"
     try:
         yield
     finally:
         F.scaled_dot_product_attention = _TORCH_SDPA
+        if before is None:
+            del os.environ[GQA_SWITCH]
+        else:
+            os.environ[GQA_SWITCH] = before
 
 
 # --------------------------------------------------------------------------------------------
@@ -594,29 +612,67 @@ def _ring_valid(op_schema: OpSchema, *, first: int, cp_group: str) -> Callable[.
     return valid
 
 
+def _heads_valid(op_schema: OpSchema, *, first: int) -> Callable[..., bool]:
+    """Strategies that split grouped-query heads evenly: where the key/value heads ``G`` are fewer
+    than the query heads ``H`` (``enable_gqa``: query head ``h`` reads key/value head ``h // (H /
+    G)``), the heads dim split ``n`` ways holds whole groups on every rank only if ``n`` divides
+    both (DTensor also offers uneven shards, which would pair a rank's queries with another's
+    keys)."""
+    mesh = op_schema.get_mesh_from_args()
+    query, key = op_schema.args_schema[first], op_schema.args_schema[first + 1]
+    assert isinstance(query, OpStrategy) and isinstance(key, OpStrategy)
+    heads = (query.shape[1], key.shape[1])
+
+    def valid(input_specs: list[Any], output_spec: object) -> bool:
+        for spec, n_heads in zip(input_specs[first : first + 2], heads, strict=True):
+            ways = 1
+            for axis, p in enumerate(spec.placements):
+                if isinstance(p, Shard) and p.dim == 1:
+                    ways *= mesh.size(axis)
+            if n_heads % ways:
+                return False
+        return True
+
+    return valid
+
+
+def _both(*checks: Callable[..., bool] | None) -> Callable[..., bool] | None:
+    """A strategy check that passes where every given one does (``None``: no check)."""
+    given = [c for c in checks if c is not None]
+    if not given:
+        return None
+    return lambda input_specs, output_spec: all(c(input_specs, output_spec) for c in given)
+
+
 def _sdpa_strategy(op_schema: OpSchema) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args()
-    query, mask = op_schema.args_schema[0], op_schema.args_schema[3]
+    query, key, mask = op_schema.args_schema[0], op_schema.args_schema[1], op_schema.args_schema[3]
     # output O; inputs q, k, v (+ mask)
     strategies = _single_dim_strategies(num_outputs=1, num_inputs=3, query=query, mask=mask, mask_grad=False)
+    assert isinstance(query, OpStrategy) and isinstance(key, OpStrategy)
+    heads = _heads_valid(op_schema, first=0) if key.shape[1] != query.shape[1] else None
     cp_group = _cp_group(op_schema, 8)
     if not cp_group or mask is not None:
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1)
+        return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1, is_valid_strategy_cb=heads)
     strategies.append(_sequence_row(1, 3))
-    valid = _ring_valid(op_schema, first=0, cp_group=cp_group)
+    valid = _both(heads, _ring_valid(op_schema, first=0, cp_group=cp_group))
     return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=1, is_valid_strategy_cb=valid)
 
 
 def _sdpa_backward_strategy(op_schema: OpSchema, *, mask_grad: bool) -> OpStrategy:
     mesh = op_schema.get_mesh_from_args()
-    query, mask = op_schema.args_schema[1], op_schema.args_schema[4]
+    query, key, mask = op_schema.args_schema[1], op_schema.args_schema[2], op_schema.args_schema[4]
     # outputs dq, dk, dv (+ dmask); inputs grad_out, q, k, v (+ mask)
     strategies = _single_dim_strategies(num_outputs=3, num_inputs=4, query=query, mask=mask, mask_grad=mask_grad)
+    assert isinstance(query, OpStrategy) and isinstance(key, OpStrategy)
+    heads = _heads_valid(op_schema, first=1) if key.shape[1] != query.shape[1] else None
     cp_group = "" if mask_grad else _cp_group(op_schema, 9)
     if not cp_group or mask is not None:
-        return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3 + mask_grad)
+        return expand_to_full_mesh_op_strategy(
+            mesh, op_schema, strategies, input_index=3 + mask_grad, is_valid_strategy_cb=heads
+        )
     strategies.append(_sequence_row(3, 4))
-    valid = _ring_valid(op_schema, first=1, cp_group=cp_group)
+    valid = _both(heads, _ring_valid(op_schema, first=1, cp_group=cp_group))
     return expand_to_full_mesh_op_strategy(mesh, op_schema, strategies, input_index=3, is_valid_strategy_cb=valid)
 
 
