@@ -167,6 +167,25 @@ def _plan_key(plan: autoplan.Plan) -> str:
     return json.dumps({k: d[k] for k in ("placements", "nodes", "collectives")}, sort_keys=True)
 
 
+def train_planned_lm(plan_json: str, model: torch.nn.Module, batches: SeededBatches, *, lr: float = 0.1) -> dict[str, Any]:
+    """On a rank: the language model ``model`` parallelized by the plan saved as ``plan_json``
+    (``Plan.to_dict``), trained :data:`NUM_STEPS` SGD-momentum steps on ``batches`` beside a
+    single-device copy of it (``zoo.lm_loss``; :func:`train_both`)."""
+    from tests import zoo
+
+    plan = autoplan.Plan.from_dict(json.loads(plan_json))
+    reference = copy.deepcopy(model)
+    x, y = batches(0)
+    pm = autoplan.parallelize(
+        model, plan.cluster, example_inputs=(x,), loss_fn=zoo.lm_loss, example_targets=(y,), plan=plan
+    )
+    return train_both(
+        pm, reference, batches=lambda step: ((batches(step)[0],), (batches(step)[1],)), loss_fn=zoo.lm_loss,
+        opt=pm.make_optimizer(lr=lr), ref_opt=reference_optimizer("sgd_momentum", list(reference.parameters()), lr),
+        check=False,
+    )  # fmt: skip
+
+
 def train_both(
     pm: Any,
     reference: torch.nn.Module,

@@ -14,7 +14,6 @@ steps, fp32, 1e-5).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
@@ -31,10 +30,9 @@ from tests.harness import (
     Case,
     SeededBatches,
     assert_trains_like_reference,
-    reference_optimizer,
     run_case,
     run_ranks,
-    train_both,
+    train_planned_lm,
 )
 from tests.test_equivalence import forward_matmuls
 
@@ -154,20 +152,8 @@ def _cp_plan(cfg: ParallelConfig, *, heads: int = 4) -> autoplan.Plan:
     )  # fmt: skip
 
 
-def _train_cp_planned(rank: int, world_size: int, plan_json: str, heads: int) -> dict[str, Any]:  # noqa: ARG001
-    plan = autoplan.Plan.from_dict(json.loads(plan_json))
-    model = zoo.llama_long_context(heads=heads)
-    reference = copy.deepcopy(model)
-    batches = _cp_batches(plan.config.global_batch_size)
-    x, y = batches(0)
-    pm = autoplan.parallelize(
-        model, plan.cluster, example_inputs=(x,), loss_fn=zoo.lm_loss, example_targets=(y,), plan=plan
-    )
-    return train_both(
-        pm, reference, batches=lambda step: ((batches(step)[0],), (batches(step)[1],)), loss_fn=zoo.lm_loss,
-        opt=pm.make_optimizer(lr=0.1), ref_opt=reference_optimizer("sgd_momentum", list(reference.parameters()), 0.1),
-        check=False,
-    )  # fmt: skip
+def _train_cp_planned(rank: int, world_size: int, plan_json: str, heads: int, batch: int) -> dict[str, Any]:  # noqa: ARG001
+    return train_planned_lm(plan_json, zoo.llama_long_context(heads=heads), _cp_batches(batch))
 
 
 def _assert_sequence_axis(plan: autoplan.Plan) -> None:
@@ -207,7 +193,9 @@ def test_a_context_parallel_axis_beside_tensor_parallelism_trains_like_single_de
     assert plan.pipeline.stage_axis_names == ("dp", "cp", "tp")[-(2 + (dp > 1)) :]
     _assert_sequence_axis(plan)
     assert "cp+tp" in {r.axis for r in plan.estimate.comm.rows}, plan.estimate.comm.rows
-    results = run_ranks(_train_cp_planned, cfg.world_size, json.dumps(plan.to_dict()), heads, timeout_s=900)
+    results = run_ranks(
+        _train_cp_planned, cfg.world_size, json.dumps(plan.to_dict()), heads, cfg.global_batch_size, timeout_s=900
+    )
     assert_trains_like_reference(results)
 
 

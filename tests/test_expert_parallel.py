@@ -8,7 +8,6 @@ single-device model (``tests.harness``: 1e-5).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -33,10 +32,9 @@ from tests.harness import (
     SeededBatches,
     assert_trains_like_reference,
     cpu_cluster,
-    reference_optimizer,
     run_case,
     run_ranks,
-    train_both,
+    train_planned_lm,
 )
 
 _EXPERTS = {"*.experts.gate_up_proj": "S(0)", "*.experts.down_proj": "S(0)"}
@@ -278,21 +276,7 @@ def test_a_fixed_mesh_plan_lists_the_in_op_all_to_alls_as_exposed_communication(
 
 
 def _train_planned(rank: int, world_size: int, plan_json: str) -> dict[str, Any]:  # noqa: ARG001
-    import json
-
-    plan = autoplan.Plan.from_dict(json.loads(plan_json))
-    model = zoo.mixtral_tiny(seed=5, top_k=2)
-    reference = copy.deepcopy(model)
-    batches = SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16})
-    x, y = batches(0)
-    pm = autoplan.parallelize(
-        model, plan.cluster, example_inputs=(x,), loss_fn=zoo.lm_loss, example_targets=(y,), plan=plan
-    )
-    return train_both(
-        pm, reference, batches=lambda step: ((batches(step)[0],), (batches(step)[1],)), loss_fn=zoo.lm_loss,
-        opt=pm.make_optimizer(lr=0.1), ref_opt=reference_optimizer("sgd_momentum", list(reference.parameters()), 0.1),
-        check=False,
-    )  # fmt: skip
+    return train_planned_lm(plan_json, zoo.mixtral_tiny(seed=5, top_k=2), SeededBatches(zoo.token_batch, {"batch": 8, "seq": 16}))
 
 
 @pytest.mark.parametrize(

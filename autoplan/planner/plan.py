@@ -433,7 +433,8 @@ class Plan:
         (the batch is split, so gradients are reduced over the axis), ``context`` (attention runs
         head-parallel and all-to-alls convert its inputs or output between heads and sequence:
         the sequence is split around it, DeepSpeed-Ulysses' layout; or attention splits the
-        sequence itself, ring attention), ``tensor/param-sharded``
+        sequence itself, ring attention; always on the ``cp`` axis of ``ParallelConfig.cp``, whose
+        gradient reductions are partial sums over the sequence, not a split batch), ``tensor/param-sharded``
         (parameters are split), ``expert`` (MoE layers split their tokens and experts over it and
         exchange the routed tokens with all-to-all inside the op), a combination, or ``replicated``."""
         out = {}
@@ -453,10 +454,11 @@ class Plan:
                 d["op"] == "autoplan.sdpa.default" and d["in"] and d["in"][0] and d["in"][0][axis] == "S(2)"
                 for d in self.nodes.values()
             )
+            sequence_axis = name == "cp"  # ParallelConfig.cp's axis: the sequence split, however attention runs
             kinds = []
-            if grads_reduced:
+            if grads_reduced and not sequence_axis:
                 kinds.append("data")
-            if (head_parallel and all_to_all) or ring:
+            if (head_parallel and all_to_all) or ring or sequence_axis:
                 kinds.append("context")
             if any(_expert_parallel_on(d, axis) for d in self.nodes.values()):
                 kinds.append("expert")
