@@ -11,7 +11,8 @@ and H100 clusters of 8 to 1024 GPUs, it prices
 * **grid**: every Megatron-style configuration — dp x tp x pp (tp inside a node), micro-batch
   size, schedule (GPipe, 1F1B, interleaved 1F1B with 2 or 4 virtual stages, zero-bubble),
   recomputation (none / selective / full, the same on every stage), ZeRO 0-3, the experts split
-  over groups of the data-parallel group (``ep`` dividing ``dp``, MoE shapes) — with Megatron's
+  over groups of the data-parallel group (``ep`` dividing ``dp``, MoE shapes), a context-parallel
+  axis beside tensor parallelism (``cp``, samples of 8,192 tokens or more) — with Megatron's
   uniform stage split (blocks divided evenly, embedding on the first stage, head on the last);
 * **planner**: ``autoplan.planner.search.search`` — the same configurations plus balanced stage
   boundaries (min-max over measured stage times) and per-stage recomputation,
@@ -153,11 +154,11 @@ def main() -> int:
                 print(
                     f"{shape.name:<11} {device:<9} {gpus:>5}  planner {planner.step_time_s:8.3f}s "
                     f"MFU {planner.mfu:5.1%} mem {planner.peak_memory_bytes / 2**30:5.1f}GiB "
-                    f"[dp{c.dp} tp{c.tp} pp{c.pp} mbs{c.microbatch_size}x{c.num_microbatches} "
+                    f"[dp{c.dp}{f' cp{c.cp}' if c.cp > 1 else ''} tp{c.tp} pp{c.pp} mbs{c.microbatch_size}x{c.num_microbatches} "
                     f"{c.schedule if c.pp > 1 else 'none'}"
                     f"{'/v' + str(c.virtual_stages) if c.virtual_stages > 1 else ''} rc={c.recompute} z{c.zero_stage}"
                     f"{f' ep{c.ep}' if c.ep > 1 else ''}]"
-                    f"  grid {grid.step_time_s:8.3f}s [dp{g.dp} tp{g.tp} pp{g.pp} mbs{g.microbatch_size} "
+                    f"  grid {grid.step_time_s:8.3f}s [dp{g.dp}{f' cp{g.cp}' if g.cp > 1 else ''} tp{g.tp} pp{g.pp} mbs{g.microbatch_size} "
                     f"{g.schedule if g.pp > 1 else 'none'} "
                     f"rc={g.recompute} z{g.zero_stage}{f' ep{g.ep}' if g.ep > 1 else ''}]  ratio {ratio:.3f}  search {t_plan:.1f}s",
                     flush=True,
