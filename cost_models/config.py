@@ -309,6 +309,13 @@ class ParallelConfig:
             raise ConfigError(
                 f"tp={self.tp} must divide the {devices_per_node} devices of a node (tensor parallelism stays in a node)"
             )
+        if self.cp > 1 and self.ranks_per_replica > devices_per_node and self.tp != devices_per_node:
+            raise ConfigError(
+                f"cp*tp = {self.cp}*{self.tp} = {self.ranks_per_replica} ranks span nodes of {devices_per_node} with "
+                f"{devices_per_node // self.tp} of the cp axis's ranks on each: its collectives would run partly "
+                f"inside nodes and partly across them, which one mesh axis cannot price; use tp={devices_per_node} "
+                f"(the cp axis then crosses nodes) or cp*tp <= {devices_per_node}"
+            )
         if self.num_stages > max(num_blocks, 1):
             raise ConfigError(
                 f"pp*virtual_stages = {self.num_stages} stages but the model has {num_blocks} blocks: "

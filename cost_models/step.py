@@ -440,8 +440,8 @@ def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
 def tp_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
     """The group one data-parallel replica of a stage places its ops on, as a cluster: the
     tensor-parallel group as one node (keeps a calibrated intra-node link); with context
-    parallelism (``ParallelConfig.cp``) the ``cp x tp`` mesh (axes ``cp``, ``tp``), on as many
-    whole nodes as it fills (its ``cp`` axis then crosses them) or a part of one node."""
+    parallelism (``ParallelConfig.cp``) the ``cp x tp`` mesh (axes ``cp``, ``tp``): a part of one
+    node, or ``cp`` whole nodes when ``tp`` is a node (the ``cp`` axis then crosses them)."""
     if cp == 1:
         links = {"intra": cluster.links["intra"]} if "intra" in cluster.links and tp > 1 else {}
         return Cluster(
@@ -449,8 +449,8 @@ def tp_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
         )
     n, dpn = cp * tp, cluster.devices_per_node
     nodes, per_node = (n // dpn, dpn) if n > dpn else (1, n)
-    if nodes * per_node != n:
-        raise ConfigError(f"cp*tp = {cp}*{tp} = {n} ranks must fit in a node or fill whole nodes of {dpn} devices")
+    if nodes > 1 and tp != dpn:  # (ParallelConfig.check_against says why)
+        raise ConfigError(f"cp*tp = {cp}*{tp} = {n} ranks must fit in a node, or tp must be a whole node of {dpn}")
     links = {k: v for k, v in cluster.links.items() if k == "intra" or nodes > 1}
     return Cluster(
         num_nodes=nodes, devices_per_node=per_node, device=cluster.device, links=links,

@@ -204,3 +204,7 @@ def test_context_parallelism_beside_tensor_parallelism_is_refused_where_it_canno
         ParallelConfig(cp=2)
     with pytest.raises(ConfigError, match="2[*]cp divides 1024"):
         _cp_plan(ParallelConfig(cp=3, tp=2))
+    # 4 x 4 ranks on nodes of 8: the cp axis would hold 2 ranks in each node, one axis two links
+    with pytest.raises(ConfigError, match="use tp=8 .the cp axis then crosses nodes. or cp[*]tp <= 8"):
+        ParallelConfig(cp=4, tp=4).check_against(world_size=16, devices_per_node=8, num_blocks=2, global_batch_size=1)
+    ParallelConfig(cp=2, tp=8).check_against(world_size=16, devices_per_node=8, num_blocks=2, global_batch_size=1)

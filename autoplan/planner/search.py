@@ -68,8 +68,8 @@ class SearchSpace:
     microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     context_parallel: tuple[bool, ...] = (False, True)
     """No context-parallel axis (False) or one beside tensor parallelism (True: every
-    ``ParallelConfig.cp > 1`` with ``tp > 1`` whose ``cp * tp`` ranks fit in a node or fill whole
-    nodes and whose ``2 * cp`` divides the tokens of a sample), the latter for samples of at
+    ``ParallelConfig.cp > 1`` with ``tp > 1`` whose ``cp * tp`` ranks fit in a node, or whose ``tp``
+    is a whole node, and whose ``2 * cp`` divides the tokens of a sample), the latter for samples of at
     least :attr:`context_parallel_min_tokens` tokens (:func:`candidates`)."""
     context_parallel_min_tokens: int = 8192
     """Shortest sample the search tries a ``cp`` axis for. A pruning rule, not a cost: each ``cp``
@@ -197,7 +197,7 @@ def _context_degrees(cluster: Cluster, *, replicas: int, tp: int, space: SearchS
     dpn = cluster.devices_per_node
     return out + [
         cp for cp in _divisors(replicas)
-        if cp > 1 and tokens % (2 * cp) == 0 and (cp * tp <= dpn or cp * tp % dpn == 0)
+        if cp > 1 and tokens % (2 * cp) == 0 and (cp * tp <= dpn or tp == dpn)
     ]  # fmt: skip
 
 
