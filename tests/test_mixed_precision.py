@@ -19,8 +19,11 @@ bottom of a binade, twice its unit roundoff):
   apart as below);
 * the clipping norms: within ``2^-9`` relative (measured 2.7e-4: the norm averages the
   elements' rounding);
-* parameters after ``STEPS`` AdamW steps: ``||p - p_ref|| / ||p_ref|| <= PARAM_TOL`` = 1.5e-2
-  (measured 1.09e-2, 1.15e-2 with 2 micro-batches; Adam turns rounding-level differences of
+* parameters after ``STEPS`` AdamW steps: ``||p - p_ref|| / ||p_ref|| <= PARAM_TOL`` = 2.0e-2
+  (measured 1.09e-2, 1.15e-2 with 2 micro-batches; 1.61e-2 on ``v_proj`` in the micro-batch /
+  pipeline / sharded-weights test since grouped-query attention runs with its key/value heads
+  unrepeated, ``enable_gqa``, where the reference repeats them: the key/value gradients are
+  summed over each group in another order; Adam turns rounding-level differences of
   near-zero gradients into lr-sized updates, as ``tests/test_equivalence.py`` notes for fp32),
   and fp32 training ends further away (2.8e-2), so the bound still tells bf16 from fp32.
 
@@ -56,7 +59,7 @@ from tests.test_bad_inputs import fake_job
 
 STEPS, LR, WD, MAX_NORM = 4, 3e-3, 0.1, 1.0
 BF16_SPACING = 2.0**-7
-PARAM_TOL = 1.5e-2
+PARAM_TOL = 2.0e-2
 """Parameters after STEPS AdamW steps (measured: see the module docstring)."""
 CLUSTER = cpu_cluster("2xCPU", compute_slowdown=1e5)
 
