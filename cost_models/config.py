@@ -105,6 +105,31 @@ def check_schedule(
         raise ConfigError(problem)
 
 
+def context_parallel_problem(cp: int, tp: int, *, devices_per_node: int, tokens: int | None = None) -> str | None:
+    """What is wrong with a context-parallel axis of ``cp`` ranks beside ``tp`` (``None``:
+    nothing). The one statement of where ``ParallelConfig.cp`` can run: :meth:`ParallelConfig.check_against`,
+    the planner's config check (with the samples' ``tokens``), the cost model's replica cluster
+    and the search all ask here. A ``cp x tp`` replica lies inside a node, or ``tp`` is a whole
+    node so that the ``cp`` axis crosses nodes (with ``tp`` smaller than a node the axis would
+    hold several ranks on each node: collectives partly inside nodes and partly across them,
+    which one mesh axis cannot price); ``2 * cp`` divides the tokens (the causal ring's zigzag
+    halves)."""
+    n = cp * tp
+    if cp > 1 and n > devices_per_node and tp != devices_per_node:
+        return (
+            f"cp*tp = {cp}*{tp} = {n} ranks span nodes of {devices_per_node} with {devices_per_node // tp} of the "
+            "cp axis's ranks on each: its collectives would run partly inside nodes and partly across them, which "
+            f"one mesh axis cannot price; use tp={devices_per_node} (the cp axis then crosses nodes) or "
+            f"cp*tp <= {devices_per_node}"
+        )
+    if cp > 1 and tokens is not None and (tokens < 2 or tokens % (2 * cp)):
+        return (
+            f"cp={cp} splits each sample's sequence into 2*cp = {2 * cp} chunks (the causal ring's zigzag halves) "
+            f"but the inputs have {tokens} tokens per sample: use a cp whose 2*cp divides {tokens}, or cp=1"
+        )
+    return None
+
+
 def field_name_problem(names: Iterable[str]) -> str | None:
     """What is wrong with ``names`` as ``ParallelConfig`` field names (``None``: nothing)."""
     fields = [f.name for f in dataclasses.fields(ParallelConfig)]
@@ -309,13 +334,9 @@ class ParallelConfig:
             raise ConfigError(
                 f"tp={self.tp} must divide the {devices_per_node} devices of a node (tensor parallelism stays in a node)"
             )
-        if self.cp > 1 and self.ranks_per_replica > devices_per_node and self.tp != devices_per_node:
-            raise ConfigError(
-                f"cp*tp = {self.cp}*{self.tp} = {self.ranks_per_replica} ranks span nodes of {devices_per_node} with "
-                f"{devices_per_node // self.tp} of the cp axis's ranks on each: its collectives would run partly "
-                f"inside nodes and partly across them, which one mesh axis cannot price; use tp={devices_per_node} "
-                f"(the cp axis then crosses nodes) or cp*tp <= {devices_per_node}"
-            )
+        problem = context_parallel_problem(self.cp, self.tp, devices_per_node=devices_per_node)
+        if problem:
+            raise ConfigError(problem)
         if self.num_stages > max(num_blocks, 1):
             raise ConfigError(
                 f"pp*virtual_stages = {self.num_stages} stages but the model has {num_blocks} blocks: "

@@ -158,7 +158,7 @@ from autoplan.cost_models.comm_schedule import (
     gradients_reduced_in_backward,
 )
 from autoplan.cost_models.compute import concurrent_compute_factor
-from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.config import ParallelConfig, context_parallel_problem
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.hardware import DeviceSpec
 from autoplan.cost_models.memory import (
@@ -448,9 +448,10 @@ def tp_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
             num_nodes=1, devices_per_node=tp, device=cluster.device, links=links, calibration=cluster.calibration
         )
     n, dpn = cp * tp, cluster.devices_per_node
+    problem = context_parallel_problem(cp, tp, devices_per_node=dpn)
+    if problem:
+        raise ConfigError(problem)
     nodes, per_node = (n // dpn, dpn) if n > dpn else (1, n)
-    if nodes > 1 and tp != dpn:  # (ParallelConfig.check_against says why)
-        raise ConfigError(f"cp*tp = {cp}*{tp} = {n} ranks must fit in a node, or tp must be a whole node of {dpn}")
     links = {k: v for k, v in cluster.links.items() if k == "intra" or nodes > 1}
     return Cluster(
         num_nodes=nodes, devices_per_node=per_node, device=cluster.device, links=links,

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan.cost_models.cluster import Cluster
-from autoplan.cost_models.config import SCHEDULES, ParallelConfig
+from autoplan.cost_models.config import SCHEDULES, ParallelConfig, context_parallel_problem
 from autoplan.cost_models.errors import ConfigError, PlanError
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.cost_models.step import TrainingEstimate, evaluate
@@ -73,12 +73,9 @@ def _check_config(
         num_blocks=num_blocks,
         global_batch_size=global_batch_size,
     )
-    if config.cp > 1 and (tokens < 2 or tokens % (2 * config.cp)):
-        raise ConfigError(
-            f"cp={config.cp} splits each sample's sequence into 2*cp = {2 * config.cp} chunks (the causal ring's "
-            f"zigzag halves) but the inputs have {tokens} tokens per sample: use a cp whose 2*cp divides {tokens}, "
-            "or cp=1"
-        )
+    problem = context_parallel_problem(config.cp, config.tp, devices_per_node=cluster.devices_per_node, tokens=tokens)
+    if problem:
+        raise ConfigError(problem)
     if config.ep > 1 and (experts == 0 or experts % config.ep):
         have = f"{experts} routed experts per layer" if experts else "no routed experts (no MoE layer)"
         raise ConfigError(

@@ -35,7 +35,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoplan.cost_models.cluster import Cluster
-from autoplan.cost_models.config import RECOMPUTE, SCHEDULES, ParallelConfig, Recompute, Schedule, schedule_problem
+from autoplan.cost_models.config import (
+    RECOMPUTE,
+    SCHEDULES,
+    ParallelConfig,
+    Recompute,
+    Schedule,
+    context_parallel_problem,
+    schedule_problem,
+)
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.cost_models.step import SegmentCosts, TrainingEstimate, evaluate, uniform_starts
 from autoplan.planner.segment_costs import SegmentCostOracle
@@ -194,10 +202,9 @@ def _context_degrees(cluster: Cluster, *, replicas: int, tp: int, space: SearchS
     out = [1] if False in space.context_parallel else []
     if True not in space.context_parallel or tp == 1 or tokens < space.context_parallel_min_tokens:
         return out
-    dpn = cluster.devices_per_node
     return out + [
         cp for cp in _divisors(replicas)
-        if cp > 1 and tokens % (2 * cp) == 0 and (cp * tp <= dpn or tp == dpn)
+        if cp > 1 and context_parallel_problem(cp, tp, devices_per_node=cluster.devices_per_node, tokens=tokens) is None
     ]  # fmt: skip
 
 
