@@ -301,11 +301,13 @@ def mismatches(
     rel_tol: float = REL_TOL,
     atol: float | None = None,
     loss_atol: float | None = None,
+    param_rel_tol: Mapping[str, float] | None = None,
 ) -> list[str]:
     """What differs from the single-device run, on any rank (empty: it trains alike). Losses and
     parameters are compared as the module docstring says: relative to the reference's norm, or,
-    with ``atol``, elementwise; a loss may differ by ``loss_atol`` more (default: ``atol``, or 0).
-    A failing rank's line names its worst parameter and the error."""
+    with ``atol``, elementwise; a loss may differ by ``loss_atol`` more (default: ``atol``, or 0);
+    ``param_rel_tol[name]`` replaces ``rel_tol`` for the relative check of that parameter
+    (:func:`rounding_tolerances`). A failing rank's line names its worst parameter and the error."""
     loss_atol = (atol or 0.0) if loss_atol is None else loss_atol
     problems = []
     for rank, r in enumerate(results):
@@ -324,7 +326,8 @@ def mismatches(
                 problems.append(f"rank {rank} step {step}: loss {loss!r} != single device {ref!r}")
         if atol is None:
             errors = param_errors(r)
-            bad = {n: e for n, e in errors.items() if not e <= rel_tol}
+            tols = param_rel_tol or {}
+            bad = {n: e for n, e in errors.items() if not e <= tols.get(n, rel_tol)}
             what = "relative error ||p - p_ref|| / ||p_ref||"
         else:
             errors = {
@@ -340,6 +343,66 @@ def mismatches(
                 f"({what}: {bad[worst]:.3e}); all: {', '.join(f'{n} {e:.2e}' for n, e in sorted(bad.items()))}"
             )
     return problems
+
+
+ROUNDING_FACTOR = 4.0
+"""How many times its own rounding sensitivity a difference may be (:func:`rounding_tolerances`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RoundingTolerances:
+    """Tolerances of :func:`mismatches` widened to a model's own sensitivity to fp32 rounding."""
+
+    param_rel_tol: dict[str, float]
+    loss_atol: float
+
+
+def rounding_tolerances(case: Case, *, num_starts: int = 4) -> RoundingTolerances:
+    """How far the single-device result moves when the starting point is rounded differently.
+
+    An ill-conditioned model amplifies rounding: a LayerNorm over 2 features (its output is +-1
+    up to eps) passes back gradients that are differences of nearly equal numbers, and after three
+    steps a parameter before it can move 2e-5 (relative) from one fp32 rounding of the start, more
+    than :data:`REL_TOL`. Any program that sums in another order (a sharded one does) then differs
+    from the single-device fp32 run by as much, while both are equally far from exact arithmetic.
+
+    This trains ``case``'s single-device model in fp64 (no rounding of its own to speak of) from
+    the seeded start and from ``num_starts`` starts perturbed elementwise by one fp32 rounding
+    (relative 2**-24, random signs), and returns, per parameter, ``max(REL_TOL, ROUNDING_FACTOR *
+    the largest relative move)``, and for the losses ``ROUNDING_FACTOR * the largest absolute move``.
+    Well-conditioned parameters keep :data:`REL_TOL`: the widening is only where the model itself
+    cannot say more (a bug moves parameters by far more than rounding does)."""
+
+    def train(perturbation_seed: int | None) -> tuple[dict[str, torch.Tensor], list[float]]:
+        model = case.build_model().double()
+        if perturbation_seed is not None:
+            g = torch.Generator().manual_seed(perturbation_seed)
+            with torch.no_grad():
+                for p in model.parameters():
+                    signs = 2.0 * torch.randint(0, 2, p.shape, generator=g, dtype=torch.float64) - 1.0
+                    p.mul_(1.0 + 2.0**-24 * signs)
+        opt = reference_optimizer(case.optimizer, list(model.parameters()), case.lr)
+        losses = []
+        for step in range(case.num_steps):
+            x, y = (t.double() if t.is_floating_point() else t for t in case.batches(step))
+            loss = case.loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+    params, losses = train(None)
+    moves = {n: 0.0 for n in params}
+    loss_move = 0.0
+    for seed in range(num_starts):
+        other, other_losses = train(seed)
+        moves = {n: max(m, rel_err(other[n], params[n])) for n, m in moves.items()}
+        loss_move = max([loss_move, *(abs(a - b) for a, b in zip(other_losses, losses, strict=True))])
+    return RoundingTolerances(
+        param_rel_tol={n: max(REL_TOL, ROUNDING_FACTOR * m) for n, m in moves.items()},
+        loss_atol=ROUNDING_FACTOR * loss_move,
+    )
 
 
 def assert_trains_like_reference(

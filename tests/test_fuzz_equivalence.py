@@ -20,6 +20,14 @@ and the test requires on every rank, as ``tests/test_equivalence.py`` does,
     |loss - ref_loss| <= REL_TOL * |ref_loss|                     at every step
     ||full(p) - p_ref|| / ||p_ref|| <= REL_TOL                    for every parameter after the last step
 
+An example that fails this fp32 comparison passes only if its differences lie within the model's
+own sensitivity to rounding, per parameter (:func:`tests.harness.rounding_tolerances`: the fp64
+single-device result moved by one fp32 rounding of the start, times 4). Rounding-size gradients are
+amplified by ill-conditioned layers: the nightly fuzz met a LayerNorm over 2 features whose
+upstream RMSNorm weight moves 2.5e-5 from one rounding of the start, and the single-device fp32
+run itself is 2.2e-5 from exact arithmetic (reproducer at the end of the file).
+Well-conditioned parameters keep ``REL_TOL``; ``-s`` prints how many examples needed this.
+
 A job the planner refuses with a typed :class:`autoplan.PlanError` passes only if the refusal is
 true: ``InfeasiblePlanError`` only for a job with a memory limit, "pin ... is not a valid layout"
 only for a dim shorter than the mesh. Any other exception fails the example. Run with ``-s`` to
@@ -64,7 +72,16 @@ from hypothesis import strategies as st
 import autoplan
 from autoplan.cost_models.memory import param_training_bytes
 from tests import zoo
-from tests.harness import Case, RankFailure, RankPool, assert_trains_like_reference, train_case
+from tests.harness import (
+    REL_TOL,
+    Case,
+    RankFailure,
+    RankPool,
+    assert_trains_like_reference,
+    mismatches,
+    rounding_tolerances,
+    train_case,
+)
 
 WORLD_SIZE = 2
 CI_EXAMPLES = 50
@@ -306,6 +323,9 @@ class FuzzStats:
     """Trained plans that run some attention op (sdpa, bmm, softmax) on a split tensor."""
     sharded_params: int = 0
     total_params: int = 0
+    ill_conditioned: int = 0
+    """Trained plans that differ from the fp32 reference by more than ``REL_TOL`` and within the
+    model's own rounding sensitivity (:func:`tests.harness.rounding_tolerances`)."""
 
     @property
     def num_examples(self) -> int:
@@ -338,7 +358,8 @@ class FuzzStats:
             f"{self.num_examples} examples, {trained} trained like the single-device model: "
             f"layouts {dict(self.layouts.most_common())}; {self.uneven} split a dim not divisible by "
             f"{WORLD_SIZE}, {self.attention_split} split attention; {self.sharded_params}/{self.total_params} "
-            f"parameters sharded; typed rejections {dict(self.rejections.most_common())}"
+            f"parameters sharded; {self.ill_conditioned} within their rounding sensitivity only; "
+            f"typed rejections {dict(self.rejections.most_common())}"
         )
 
 
@@ -356,8 +377,20 @@ def check_job(pool: RankPool, job: Job, stats: FuzzStats) -> None:
         return
     plan = outcome.per_rank[0]["plan"]
     note(f"plan: {plan.parallelism()}, params {dict(plan.param_specs)}, inputs {plan.input_specs}")
-    assert_trains_like_reference(outcome.per_rank)
+    if mismatches(outcome.per_rank):
+        assert_trains_within_rounding_sensitivity(job, outcome)
+        stats.ill_conditioned += 1
     stats.add_plan(plan, job, {n: tuple(p.shape) for n, p in outcome.per_rank[0]["ref_params"].items()})
+
+
+def assert_trains_within_rounding_sensitivity(job: Job, outcome: Outcome) -> None:
+    """The check of an example that failed the fp32 comparison: a difference no larger than
+    the model's own sensitivity to rounding (:func:`tests.harness.rounding_tolerances`) is
+    rounding, not a wrong answer; anything larger fails with the widened bounds named."""
+    tol = rounding_tolerances(job.case())
+    widened = {n: f"{t:.1e}" for n, t in tol.param_rel_tol.items() if t > REL_TOL}
+    problems = mismatches(outcome.per_rank, param_rel_tol=tol.param_rel_tol, loss_atol=tol.loss_atol)
+    assert not problems, "\n".join([*problems, f"rounding tolerances: {widened}, losses +{tol.loss_atol:.1e}"])
 
 
 def fuzz(pool: RankPool, *, max_examples: int, derandomize: bool) -> FuzzStats:
@@ -479,3 +512,55 @@ def test_small_attention_model_is_not_reported_infeasible_on_24_GiB() -> None:
         profile=None,
     )
     assert plan.solver["status"] == "Optimal"
+
+
+ILL_CONDITIONED = Job(
+    spec=zoo.ModelSpec(
+        stem="tokens",
+        batch=3,
+        seq=5,
+        width=2,
+        vocab=8,
+        positions=False,
+        blocks=(
+            zoo.NormSpec(kind="rmsnorm"),
+            zoo.MLPSpec(inner=4, bias=False, activation="none", residual=True, norm="layernorm"),
+        ),
+        out_features=1,
+        tie_head=True,
+        head_bias=False,
+        reduction="mean",
+        seed=0,
+    ),
+    preset="2x1xCPU",
+    compute_slowdown=1e3,
+    capacity_bytes=None,
+    pins={},
+    optimizer="sgd_momentum",
+    lr=0.1,
+)
+"""A LayerNorm over 2 features behind an RMSNorm over 2 features, trained data-parallel on two
+nodes (batch 3 split 2 + 1)."""
+
+
+def test_an_ill_conditioned_model_is_judged_by_its_own_rounding_sensitivity(pool: RankPool) -> None:
+    """Found by the nightly fuzz: the RMSNorm's weight (``layers.0.weight``) differed 3.17e-5
+    from one device after 3 steps. Not a bug: trained in fp64, the sharded fp32 result is 9.5e-6
+    from exact arithmetic and the single-device fp32 result 2.2e-5. The LayerNorm over 2
+    features passes back differences of nearly equal numbers; one fp32 rounding of the start
+    moves that weight up to 2.5e-5 after 3 steps (``tests.harness.rounding_tolerances``). The
+    fuzz judges such examples against the model's own sensitivity, per parameter."""
+    outcome = run_on(pool, ILL_CONDITIONED)
+    assert outcome.status == "ok", "\n".join(map(str, outcome.per_rank))
+    tol = rounding_tolerances(ILL_CONDITIONED.case())
+    # Widened where the model amplifies rounding, and only there.
+    assert tol.param_rel_tol["layers.0.weight"] > 1e-4, tol
+    assert tol.param_rel_tol["layers.1.up.weight"] == REL_TOL, tol
+    assert_trains_within_rounding_sensitivity(ILL_CONDITIONED, outcome)
+    # The widened check still fails a wrong answer: the same weight off by 1e-3.
+    wrong = [
+        r | {"params": r["params"] | {"layers.0.weight": r["params"]["layers.0.weight"] * (1 + 1e-3)}}
+        for r in outcome.per_rank
+    ]
+    with pytest.raises(AssertionError, match="layers.0.weight"):
+        assert_trains_within_rounding_sensitivity(ILL_CONDITIONED, dataclasses.replace(outcome, per_rank=tuple(wrong)))
