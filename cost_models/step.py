@@ -437,7 +437,7 @@ def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
     return link
 
 
-def tp_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
+def replica_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
     """The group one data-parallel replica of a stage places its ops on, as a cluster: the
     tensor-parallel group as one node (keeps a calibrated intra-node link); with context
     parallelism (``ParallelConfig.cp``) the ``cp x tp`` mesh (axes ``cp``, ``tp``): a part of one
@@ -829,7 +829,8 @@ def _stage_comm(
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
     overlap = overlaps_compute(cluster.device)
     slow = concurrent_compute_factor(cluster.device) - 1.0 if overlap else 0.0  # compute's slowdown beside comm
-    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if 1 < ep < dp else "dp", group=group)
+    groups = _DpGroups(cluster, tp=tp, dp=dp, ep=ep)
+    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if groups.split else "dp", group=group)
     tp_sync = [s.grad_sync_s for s in part][::-1]
     if dp == 1:
         fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
@@ -841,7 +842,6 @@ def _stage_comm(
             in_backward_s=tail if reduced_in_backward else 0.0, last_pass=passed,
             send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
         )  # fmt: skip
-    groups = _DpGroups(cluster, tp=tp, dp=dp, ep=ep)
     time_of, z = groups.time_of, zero_stage
     (gather_bytes, gather_e, gather_f), (reductions, bucket_bytes, expert_buckets) = _dp_collectives(
         part, groups, zero_stage=z, bpe=bpe, policy=policy, apart=apart
@@ -1438,6 +1438,6 @@ __all__ = [
     "group_link",
     "offload_time_s",
     "recompute_parts",
-    "tp_cluster",
+    "replica_cluster",
     "uniform_starts",
 ]

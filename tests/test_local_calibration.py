@@ -26,7 +26,7 @@ from autoplan.cost_models.calibration import (
 from autoplan.cost_models.cluster import COMM_KINDS, Cluster, current_device_model
 from autoplan.cost_models.comm import collective_time_s, effective_collective
 from autoplan.cost_models.errors import ConfigError
-from autoplan.cost_models.step import tp_cluster
+from autoplan.cost_models.step import replica_cluster
 from autoplan.planner.mesh import as_cluster, stage_cluster
 
 
@@ -93,9 +93,9 @@ def test_a_cached_profile_of_this_machine_prices_every_axis_of_the_local_mesh(ca
     assert cluster.device.intra_node_latency_us == link.latency_us  # derived clusters keep the measurement
     assert cluster.device.comm_compute_slowdown == 0.25  # the cost model reads the measured slowdown here
     assert stage_cluster(cluster, _config(dp=2, tp=2)).catalog_link(spans_nodes=False).latency_us == link.latency_us
-    group = tp_cluster(cluster, 2).axis_link(0)  # the joint search's tensor-parallel group: the device's numbers
+    group = replica_cluster(cluster, 2).axis_link(0)  # the joint search's tensor-parallel group: the device's numbers
     assert (group.bw_GBps, group.latency_us) == (link.bw_GBps, link.latency_us)
-    assert tp_cluster(as_cluster("4xCPU"), 2).axis_link(0) == link  # a group of the calibrated ranks keeps the record
+    assert replica_cluster(as_cluster("4xCPU"), 2).axis_link(0) == link  # a group of the calibrated ranks keeps the record
     assert as_cluster("2xCPU").calibration.origin == "default"  # another rank count: not this profile
 
 

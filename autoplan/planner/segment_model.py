@@ -25,7 +25,7 @@ import torch
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.profile_db import ProfileDB
-from autoplan.cost_models.step import SegmentCosts, tp_cluster
+from autoplan.cost_models.step import SegmentCosts, replica_cluster
 from autoplan.passes import pass_order
 from autoplan.passes.costing import CostProblem
 from autoplan.passes.expand import block_multiplicity, twins
@@ -257,7 +257,7 @@ class SegmentCostModel(SegmentCostOracle):
         traced, layering = self._traced(microbatch_size)
         group = f"cp={cp} x tp={tp}" if cp > 1 else f"tp={tp}"
         progress.step(f"segment costs: ILP for {group}, micro-batch {microbatch_size} ({len(self._costs) + 1} solved)")
-        sub = tp_cluster(self.cluster, tp, cp=cp)
+        sub = replica_cluster(self.cluster, tp, cp=cp)
         with planning_mesh(sub) as mesh:
             table = pass_order.STRATEGIES(traced, mesh)
             if cp > 1:
