@@ -193,8 +193,10 @@ class ParallelConfig:
     sequence (the inputs' and targets' dim 1) and holds the parameters whole, and the ``tp``
     axis (Megatron-Core's and the Llama 3 paper's CP x TP). The stage ILP places every op on
     both axes, so attention on ``cp`` runs as a ring over the sequence shards or head-parallel
-    behind all-to-alls (:mod:`autoplan.passes.ring_attention`), and the parameters' gradients
-    are reduced over ``cp`` as partial sums; ZeRO shards over ``dp`` only. ``cp == 1``: the
+    behind all-to-alls (:mod:`autoplan.passes.ring_attention`). Every parameter's gradient is
+    a partial sum over ``cp``, reduced with the data-parallel ones, and ZeRO shards over the
+    ``dp x cp`` ranks (torchtitan's FSDP over ``dp_shard x cp``, Megatron-Core's distributed
+    optimizer; the step model's ``_DpGroups``). ``cp == 1``: the
     ``tp`` axis may still split the sequence on its own (one axis, either CP or TP per op).
     Needs ``tp > 1`` (with ``tp == 1`` the ``tp`` axis is that context-parallel axis), ``ep == 1``
     and no ``stage_dp``. Written in a config's dict and text only when above 1."""

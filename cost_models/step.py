@@ -28,7 +28,7 @@ evenly and adds only the gradient synchronisation, priced here), and summed per 
                                              frozen); w, g, o bytes per element of weights, grads
                                              and optimizer state (autoplan.cost_models.memory, by precision
                                              and optimizer)
-          / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w)
+          / dp on the parts ZeRO shards       (1: o, 2: o + g, 3: o + g + w; dp * cp with a cp axis)
     ZeRO-3: F_k, B_k = the passes of the communication schedule below (gathers exposed)
     M_k = S_k + inflight_k(schedule, m, v) * A_k + T_k  <=  capacity          (memory)
 
@@ -111,7 +111,8 @@ collective is exposed: ``F_k = sum c + sum g``, reductions after the backward.
 
 The estimate's :class:`~autoplan.cost_models.comm_schedule.CommTotals` lists, for the pipeline rank
 with the most exposed communication, every collective of the step per kind and axis: ZeRO-3
-gathers, gradient reductions and ZeRO 1-2 gathers (``dp``), tensor-parallel conversions
+gathers, gradient reductions and ZeRO 1-2 gathers (``dp``, and ``ep`` or ``cp`` where the group
+has two axes: :class:`_DpGroups`), tensor-parallel conversions
 (``redistribute`` on ``tp``: the per-segment sums keep their time, not their kind or bytes, so
 its count is the segment passes that have any and its bytes 0; all exposed, they run in the
 compute stream, again in the backward under full recomputation) and
@@ -452,7 +453,9 @@ def replica_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
     if problem:
         raise ConfigError(problem)
     nodes, per_node = (n // dpn, dpn) if n > dpn else (1, n)
-    links = {k: v for k, v in cluster.links.items() if k == "intra" or nodes > 1}
+    # the cluster's links are named by its own axes (intra, inter); these are cp and tp
+    named = {"cp": cluster.links.get("inter" if nodes > 1 else "intra"), "tp": cluster.links.get("intra")}
+    links = {k: v for k, v in named.items() if v is not None}
     return Cluster(
         num_nodes=nodes, devices_per_node=per_node, device=cluster.device, links=links,
         calibration=cluster.calibration, mesh_shape=(cp, tp), mesh_axis_names=("cp", "tp"),
@@ -722,34 +725,54 @@ def _reductions(
 @dataclass(frozen=True, slots=True)
 class _DpGroups:
     """The data-parallel collectives of a stage whose ``dp`` ranks are ``tp`` apart: over one
-    group, or, with the routed experts split over groups of ``1 < ep < dp`` consecutive ranks
-    (``ParallelConfig.ep``; :meth:`ParallelConfig.stage_mesh`: axes ``dp`` of ``r = dp / ep``
-    replicas, ``ep * tp`` apart, and ``ep``), over both axes one after the other, as DTensor
-    converts a placement on both (full-size bytes ``B``, ring convention)::
+    group, or over two axes one after the other, as DTensor converts a placement on both
+    (full-size bytes ``B``, ring convention; ``r`` ranks on the outer axis, ``k`` on the inner)::
 
-        all_reduce      t_r(B) + t_ep(B)
-        reduce_scatter  t_r(B) + t_ep(B / r)        all_gather  t_ep(B / r) + t_r(B)
+        all_reduce      t_r(B) + t_k(B)
+        reduce_scatter  t_r(B) + t_k(B / r)        all_gather  t_k(B / r) + t_r(B)
 
-    The experts' weights and gradients (``1 / ep`` of them on a rank) are gathered and reduced
-    over the ``r`` replicas only (:meth:`expert_time_of`; ``None`` with ``ep`` 1 or ``dp``: they
-    never leave their rank)."""
+    The two axes are those of :meth:`ParallelConfig.stage_mesh`:
+
+    * routed experts split over groups of ``1 < ep < dp`` consecutive ranks
+      (``ParallelConfig.ep``): axes ``dp`` of ``r = dp / ep`` replicas, ``ep * tp`` apart, and
+      ``ep``. The experts' weights and gradients (``1 / ep`` of them on a rank) are gathered and
+      reduced over the ``r`` replicas only (:meth:`expert_time_of`; ``None`` with ``ep`` 1 or
+      ``dp``: they never leave their rank);
+    * context parallelism (``ParallelConfig.cp > 1``): axes ``dp`` of ``r = dp`` replicas,
+      ``cp * tp`` apart, and ``cp``, ``tp`` apart. Every parameter is whole on ``cp`` and its
+      gradient a partial sum there (each rank saw a part of the sequence), so ZeRO shards and
+      the gradients are reduced over the ``dp x cp`` ranks (torchtitan's FSDP over ``dp_shard x
+      cp``, Megatron-Core's distributed optimizer over ``dp x cp``)."""
 
     cluster: Cluster
     tp: int
     dp: int
     ep: int
+    cp: int = 1
 
     @property
     def split(self) -> bool:
+        """Whether the routed experts are split over groups smaller than dp (``1 < ep < dp``)."""
         return 1 < self.ep < self.dp
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the whole group: ``dp``, times ``cp`` with context parallelism."""
+        return self.dp * self.cp
 
     def _steps(self, kind: str) -> tuple[tuple[str, int, int, float], ...]:
         """``(axis, ranks, stride, share of the bytes)`` of each step of a dense ``kind``
-        collective (the class docstring's table); the first is the replicas' axis."""
-        if not self.split:
+        collective (the class docstring's table); the first is the outer axis (the experts'
+        replicas where they are split)."""
+        if self.split:
+            r, k, inner = self.dp // self.ep, self.ep, "ep"
+        elif self.cp > 1:
+            r, k, inner = self.dp, self.cp, "cp"
+        else:
             return (("dp", self.dp, self.tp, 1.0),)
-        r = self.dp // self.ep
-        return ("dp", r, self.tp * self.ep, 1.0), ("ep", self.ep, self.tp, 1.0 if kind == "all_reduce" else 1.0 / r)
+        if r == 1:
+            return ((inner, k, self.tp, 1.0),)
+        return ("dp", r, self.tp * k, 1.0), (inner, k, self.tp, 1.0 if kind == "all_reduce" else 1.0 / r)
 
     def _time(self, kind: str, nbytes: float, ranks: int, stride: int) -> float:
         link = group_link(self.cluster, stride=stride, size=ranks)
@@ -773,14 +796,15 @@ class _DpGroups:
     ) -> list[CommRow]:
         """The rows of ``times`` runs of ``kind`` collectives of ``dense`` and ``experts`` bytes
         (one per bucket or block; 0: none) that take ``total_s``, ``exposed_s`` of it waited for:
-        one row, ``dp``, or with the group split, one per axis (each collective of the dense
+        one row on a group of one axis, else one per axis (each collective of the dense
         parameters runs on both), the times in proportion to each axis's link time."""
-        if not self.split:
+        steps = self._steps(kind)
+        if len(steps) == 1:
             sizes = [b for b in (*dense, *experts) if b > 0]
-            return [CommRow(kind=kind, axis="dp", count=times * len(sizes), bytes=times * sum(sizes), total_s=total_s,
-                            exposed_s=exposed_s)]  # fmt: skip
+            return [CommRow(kind=kind, axis=steps[0][0], count=times * len(sizes), bytes=times * sum(sizes),
+                            total_s=total_s, exposed_s=exposed_s)]  # fmt: skip
         per_axis = []  # (axis, sizes, link seconds); the experts' shards on the replicas' axis only
-        for j, (axis, n, stride, share) in enumerate(self._steps(kind)):
+        for j, (axis, n, stride, share) in enumerate(steps):
             sizes = [b * share for b in dense if b > 0] + ([b for b in experts if b > 0] if j == 0 else [])
             per_axis.append((axis, sizes, sum(self._time(kind, b, n, stride) for b in sizes)))
         whole = sum(t for _, _, t in per_axis)
@@ -809,6 +833,7 @@ def _stage_comm(
     apart_numel: tuple[int, ...] = (),
     copies_numel: int = 0,
     ep: int = 1,
+    cp: int = 1,
     group: str = "tp",
 ) -> _StageComm:
     """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
@@ -819,9 +844,10 @@ def _stage_comm(
     tensor-parallel gradient conversion is exposed, one after the other. ``apart_numel`` (per
     segment, of its ``trainable_numel``) and ``copies_numel`` (the stage's copies of parameters
     tied to another stage): elements whose gradients are reduced after the schedule in any case,
-    one collective, exposed. ``ep``: the experts' split (:class:`_DpGroups`). ``tp``: the ranks
-    of one data-parallel replica (``cp * tp``), whose collectives' rows name ``group``
-    (:func:`_tp_rows`). Memoised: the search
+    one collective, exposed. ``ep``: the experts' split, ``cp``: the context-parallel ranks
+    that the parameters are reduced and ZeRO-sharded over beside ``dp`` (:class:`_DpGroups`).
+    ``tp``: the tensor-parallel degree; the replica's own collectives (on ``cp x tp``) have rows
+    named ``group`` (:func:`_tp_rows`). Memoised: the search
     prices the same stage under many schedules."""
     m = num_microbatches
     apart = apart_numel or (0,) * len(part)
@@ -829,10 +855,10 @@ def _stage_comm(
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
     overlap = overlaps_compute(cluster.device)
     slow = concurrent_compute_factor(cluster.device) - 1.0 if overlap else 0.0  # compute's slowdown beside comm
-    groups = _DpGroups(cluster, tp=tp, dp=dp, ep=ep)
+    groups = _DpGroups(cluster, tp=tp, dp=dp, ep=ep, cp=cp)
     rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if groups.split else "dp", group=group)
     tp_sync = [s.grad_sync_s for s in part][::-1]
-    if dp == 1:
+    if groups.ranks == 1:
         fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
         bwd = _run_pass(bwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
         tail = _tp_sync_tail(tp_sync, bwd_c, overlap and reduced_in_backward)
@@ -1132,9 +1158,9 @@ def _price_stage(
     )  # fmt: skip
     if not memory_only:
         comm = _stage_comm(
-            tuple(part), cluster, tp=config.ranks_per_replica, dp=dp, num_microbatches=config.num_microbatches,
+            tuple(part), cluster, tp=config.tp, dp=dp, num_microbatches=config.num_microbatches,
             zero_stage=config.zero_stage, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s,
-            reduced_in_backward=in_backward, apart_numel=tied[0], copies_numel=tied[1], ep=config.ep,
+            reduced_in_backward=in_backward, apart_numel=tied[0], copies_numel=tied[1], ep=config.ep, cp=config.cp,
             group="cp+tp" if config.cp > 1 else "tp",
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
@@ -1144,7 +1170,7 @@ def _price_stage(
         recompute=recompute,
         element=bpe,
         zero_stage=z,
-        dp=dp,
+        dp=dp * config.cp,  # ZeRO shards and the gradients are reduced over dp x cp (_DpGroups)
         ep=config.ep,
         inflight=_inflight(config, rank),
         num_microbatches=config.num_microbatches,
@@ -1155,7 +1181,7 @@ def _price_stage(
         offload_optimizer=config.offload_optimizer,
         host_is_device=cluster.device.host_link_GBps is None,
     )
-    shards = dp if z >= 1 else 1
+    shards = dp * config.cp if z >= 1 else 1
     if config.offload_optimizer:
         optimizer_s = offload_time_s(cluster.device, bpe, stage_numels(part, segments[0])[1] / shards)
     else:

@@ -209,9 +209,14 @@ def build_cost_problem(
     *,
     optimizer: str,
     profile: ProfileDB | None = None,
+    gradients_reduced_on: tuple[int, ...] = (),
 ) -> CostProblem:
     """Cost every strategy and edge. Op and optimizer times come from ``profile`` where it has
-    the (op, local shape) measured, else from the analytic model (:func:`analytic_time_s`)."""
+    the (op, local shape) measured, else from the analytic model (:func:`analytic_time_s`).
+    ``gradients_reduced_on``: mesh axes whose gradient reduction the caller prices itself (the
+    step model's data-parallel group: :class:`autoplan.cost_models.step._DpGroups` with a
+    ``cp`` axis); a gradient's conversion to its parameter's layout is priced on the other axes
+    only."""
     gm = traced.graph_module
     mesh_shape = cluster.mesh_shape
     device = cluster.device
@@ -251,6 +256,7 @@ def build_cost_problem(
         problem.node_time_profiled[name] = profiled
     _add_memory(problem, traced, table, optimizer)
     transition = _TransitionCosts(cluster)
+    grad_transition = _OnAxes(transition, skipped=gradients_reduced_on) if gradients_reduced_on else transition
 
     for name, ns in table.nodes.items():
         node = nodes_by_name[name]
@@ -282,7 +288,7 @@ def build_cost_problem(
         for si, s in enumerate(ps.strategies):
             groups.setdefault(s.output_specs[0], []).append(si)
         problem.edges.append(
-            _edge(table, resolve_value(g), pnode, -1, groups, tensor_bytes(g.meta["val"]), transition, gradient=True)
+            _edge(table, resolve_value(g), pnode, -1, groups, tensor_bytes(g.meta["val"]), grad_transition, gradient=True)
         )
     return problem
 
@@ -315,6 +321,18 @@ class _TransitionCosts:
         return cost
 
 
+@dataclass(frozen=True, slots=True)
+class _OnAxes:
+    """A conversion's time with the ``skipped`` mesh axes left as the destination has them."""
+
+    transition: _TransitionCosts
+    skipped: tuple[int, ...]
+
+    def __call__(self, p: Spec, q: Spec, full_bytes: int, gradient: bool) -> float:
+        p = tuple(q[i] if i in self.skipped else x for i, x in enumerate(p))
+        return self.transition(p, q, full_bytes, gradient)
+
+
 def _edge(
     table: StrategyTable,
     ref: ValueRef,
@@ -322,7 +340,7 @@ def _edge(
     arg_index: int,
     dst_groups: dict[Spec, list[int]],
     full_bytes: int,
-    transition: _TransitionCosts,
+    transition: _TransitionCosts | _OnAxes,
     *,
     gradient: bool = False,
 ) -> Edge:

@@ -157,13 +157,20 @@ def _train_cp_planned(rank: int, world_size: int, plan_json: str, heads: int, ba
 
 
 def _assert_sequence_axis(plan: autoplan.Plan) -> None:
-    """The ``cp`` axis splits every sample's tokens and holds every parameter whole; each
-    attention op splits the sequence (ring, ``S(2)`` of ``(B, H, T, D)``) or the heads there."""
+    """The ``cp`` axis splits every sample's tokens and holds every parameter whole (ZeRO-3:
+    stored sharded over ``dp x cp``, gathered for use); each attention op splits the sequence
+    (ring, ``S(2)`` of ``(B, H, T, D)``) or the heads there. The estimate reduces the gradients
+    over ``cp`` with ``dp``'s (ZeRO-3: reduce-scatters, and gathers on ``cp`` too)."""
     assert plan.pipeline is not None
     names = plan.pipeline.stage_axis_names
     cp = names.index("cp")
+    zero3 = plan.config.zero_stage >= 3
     assert plan.input_specs[0][cp] == "S(1)", plan.input_specs
-    assert all(spec[cp] == "R" for spec in plan.param_specs.values()), plan.param_specs
+    assert all(spec[cp].startswith("S(") if zero3 else spec[cp] == "R" for spec in plan.param_specs.values()), (
+        plan.param_specs
+    )
+    kinds = {r.kind for r in plan.estimate.comm.rows if r.axis == "cp"}
+    assert kinds == ({"reduce_scatter", "all_gather"} if zero3 else {"all_reduce"}), plan.estimate.comm.rows
     attention = [d for d in plan.nodes.values() if d["op"].startswith("autoplan.sdpa")]
     assert attention and all(d["in"][0][cp] in ("S(1)", "S(2)") for d in attention), attention
     assert "context" in plan.parallelism()["cp"], plan.parallelism()
@@ -173,10 +180,11 @@ def _assert_sequence_axis(plan: autoplan.Plan) -> None:
     ("dp", "zero_stage", "heads", "offload"),
     [
         (1, 0, 4, False),
+        (1, 3, 4, False),
         pytest.param(2, 3, 2, False, marks=pytest.mark.slow),
         pytest.param(2, 3, 4, True, marks=pytest.mark.slow),
     ],
-    ids=["cp=2-tp=2", "dp=2-cp=2-tp=2-zero3-ring", "dp=2-cp=2-tp=2-zero3-offload"],
+    ids=["cp=2-tp=2", "cp=2-tp=2-zero3", "dp=2-cp=2-tp=2-zero3-ring", "dp=2-cp=2-tp=2-zero3-offload"],
 )
 def test_a_context_parallel_axis_beside_tensor_parallelism_trains_like_single_device(
     dp: int, zero_stage: int, heads: int, offload: bool
@@ -184,8 +192,9 @@ def test_a_context_parallel_axis_beside_tensor_parallelism_trains_like_single_de
     """A global-batch plan with ``cp=2, tp=2``: the stage mesh is ``cp x tp`` (``dp x cp x tp``),
     the sequence split on ``cp`` with the weights whole there and the ILP free on ``tp``; it
     trains like one device. With 2 heads split over ``tp`` none are left for ``cp``, whose
-    attention then runs as a ring; ZeRO-3 shards the weights over ``dp`` only, and the optimizer
-    may run on the host (a layout the search offers where memory binds)."""
+    attention then runs as a ring; ZeRO-3 shards the weights over ``dp x cp`` (over ``cp`` alone
+    with ``dp=1``), and the optimizer may run on the host (a layout the search offers where
+    memory binds)."""
     cfg = ParallelConfig(dp=dp, cp=2, tp=2, microbatch_size=1, zero_stage=zero_stage, offload_optimizer=offload)
     plan = _cp_plan(cfg, heads=heads)
     assert plan.config == cfg

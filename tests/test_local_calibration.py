@@ -96,6 +96,10 @@ def test_a_cached_profile_of_this_machine_prices_every_axis_of_the_local_mesh(ca
     group = replica_cluster(cluster, 2).axis_link(0)  # the joint search's tensor-parallel group: the device's numbers
     assert (group.bw_GBps, group.latency_us) == (link.bw_GBps, link.latency_us)
     assert replica_cluster(as_cluster("4xCPU"), 2).axis_link(0) == link  # a group of the calibrated ranks keeps the record
+    # a cp x tp replica (ParallelConfig.cp) names its axes cp and tp: both keep the measured link
+    # (the cluster's links are named by its own axes; a cp replica of a calibrated machine was rejected)
+    replica = replica_cluster(as_cluster("4xCPU"), 2, cp=2)
+    assert replica.mesh_axis_names == ("cp", "tp") and replica.axis_link(0) == replica.axis_link(1) == link
     assert as_cluster("2xCPU").calibration.origin == "default"  # another rank count: not this profile
 
 

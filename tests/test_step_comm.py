@@ -471,3 +471,30 @@ def test_a_context_parallel_axis_puts_the_data_parallel_ranks_cp_times_tp_apart(
     blocks = len(costs.segments)
     assert _row(with_cp, "redistribute", "cp+tp").total_s == pytest.approx(blocks * 2 * 1e-4)
     assert with_cp.config.world_size == 8 and with_cp.tokens_per_s > 0
+
+
+def test_a_context_parallel_axis_is_reduced_and_zero_sharded_with_the_data_parallel_ranks():
+    """Every parameter is whole on ``cp`` and its gradient a partial sum there, so ZeRO shards
+    over ``dp x cp`` (torchtitan's FSDP over ``dp_shard x cp``, Megatron-Core's distributed
+    optimizer): ``dp=2, cp=2`` holds the weights and optimizer state of ``dp=4`` (ZeRO-3),
+    reduce-scatters the full gradients over ``dp`` and half of them over ``cp`` (DTensor's two
+    steps), gathers on both axes, and with ``dp=1`` shards over ``cp`` alone."""
+    cluster = Cluster(num_nodes=2, devices_per_node=4, device=GPU)
+    costs = _costs()
+    grads = sum(s.trainable_numel for s in costs.segments) * 4
+    with_cp = evaluate(_config(dp=2, cp=2, tp=2, num_microbatches=1, zero_stage=3), costs, cluster)
+    dp_only = evaluate(_config(dp=4, tp=2, num_microbatches=1, zero_stage=3), costs, cluster)
+    for part in ("weights", "optimizer"):
+        assert with_cp.stages[0].memory_parts[part] == pytest.approx(dp_only.stages[0].memory_parts[part]), part
+    assert _row(with_cp, "reduce_scatter", "dp").bytes == pytest.approx(grads)
+    assert _row(with_cp, "reduce_scatter", "cp").bytes == pytest.approx(grads / 2)
+    assert {r.axis for r in with_cp.comm.rows if r.kind == "all_gather"} == {"dp", "cp"}
+    # zero 0: an all-reduce of the whole gradients on each axis
+    plain = evaluate(_config(dp=2, cp=2, tp=2, num_microbatches=1), costs, cluster)
+    assert _row(plain, "all_reduce", "dp").bytes == _row(plain, "all_reduce", "cp").bytes == pytest.approx(grads)
+    # dp=1: the cp axis alone; ZeRO-3 halves the weights of the unsharded plan
+    alone = evaluate(_config(dp=1, cp=2, tp=2, num_microbatches=1, zero_stage=3), costs, ONE_NODE)
+    unsharded = evaluate(_config(dp=1, cp=2, tp=2, num_microbatches=1), costs, ONE_NODE)
+    assert {r.axis for r in alone.comm.rows if r.kind in ("all_gather", "reduce_scatter")} == {"cp"}
+    weights = alone.stages[0].memory_parts["weights"], unsharded.stages[0].memory_parts["weights"]
+    assert weights[0] == pytest.approx(weights[1] / 2)

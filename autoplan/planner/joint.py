@@ -47,9 +47,11 @@ from autoplan.planner.mesh import (
     as_cluster,
     context_parallel_axis,
     data_parallel_axes,
+    gradient_values,
     planning_mesh,
     restrict_context_parallel,
     stage_cluster,
+    value_rank,
 )
 from autoplan.planner.plan import ConfigOption, Estimate, PipelineLayout, Plan
 from autoplan.planner.search import SearchSpace, estimate_order, search
@@ -192,14 +194,6 @@ __all__ = ["SegmentCostModel", "estimate", "plan_for_batch", "search_config"]
 # --- plans made with a global batch -------------------------------------------------------------
 
 
-def _rank(node: torch.fx.Node | None) -> int:
-    """Dimensions of a node's (first) tensor value; 0 when it has none (a scalar or unknown)."""
-    val = node.meta.get("val") if node is not None else None
-    if isinstance(val, (tuple, list)):
-        val = val[0] if val else None
-    return val.dim() if isinstance(val, torch.Tensor) else 0
-
-
 def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: ParallelConfig) -> None:
     """Data parallelism as the search priced it: inputs and targets split along the batch on the
     ``dp`` axis; parameters replicated on ``dp`` (ZeRO 0-2) or sharded on it (ZeRO 3, where the
@@ -216,7 +210,9 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     (:func:`~autoplan.planner.mesh.restrict_context_parallel`, the rule the search's ILPs follow)."""
     cp_axis = context_parallel_axis(config)
     if cp_axis is not None:
-        restrict_context_parallel(table, axis=cp_axis)
+        restrict_context_parallel(
+            table, gradient_values(traced.graph_module.graph), axis=cp_axis, zero3=config.zero_stage >= 3
+        )
     if config.dp == 1:
         return
     dp_axes = data_parallel_axes(config)
@@ -239,7 +235,7 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
                     whole = ref.node in params or (ref.node in experts and axis != ep_axis)
                     if whole and not isinstance(placement, Replicate):
                         return False  # a weight used as a shard of a dp axis (an expert: of its replicas' axis)
-                    if ref.node in data and isinstance(placement, Replicate) and _rank(fx_nodes.get(ref.node)) > 0:
+                    if ref.node in data and isinstance(placement, Replicate) and value_rank(fx_nodes.get(ref.node)) > 0:
                         return False  # a batch-split value gathered whole on every dp rank
             return True
 

@@ -6,20 +6,20 @@ and one pipeline stage's devices (:func:`stage_cluster`)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from autoplan.cost_models.calibration import local_cluster
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ClusterSpecError, PlanMismatchError
-from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable
+from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, ValueRef, resolve_value
 
 
 def as_cluster(cluster: Cluster | str) -> Cluster:
@@ -101,17 +101,41 @@ SEQUENCE_DIM = 1
 """The dim of a ``(batch, sequence, ...)`` input or target that context parallelism splits."""
 
 
-def restrict_context_parallel(table: StrategyTable, *, axis: int) -> None:
-    """Context parallelism on mesh axis ``axis`` (``ParallelConfig.cp``), as the search prices it:
-    inputs and targets of two or more dims split along the sequence (``S(1)``), parameters and
-    buffers whole, and every op reads them whole there (a weight is never used as a shard of
-    the sequence axis: tensor parallelism is the ``tp`` axis's job). The activations are the
-    ILP's to place (split along the sequence, or along the heads behind all-to-alls; attention
-    then runs as a ring over the shards or head-parallel). A node with no such strategy keeps
-    all of its own."""
-    params = {name for name, ns in table.nodes.items() if ns.kind == "param"}
+def value_rank(node: torch.fx.Node | None) -> int:
+    """Dimensions of a node's (first) tensor value; 0 when it has none (a scalar or unknown)."""
+    val = node.meta.get("val") if node is not None else None
+    if isinstance(val, (tuple, list)):
+        val = val[0] if val else None
+    return val.dim() if isinstance(val, torch.Tensor) else 0
 
-    def reads_params_whole(s: Strategy, ns: NodeStrategies) -> bool:
+
+def gradient_values(graph: torch.fx.Graph) -> list[ValueRef]:
+    """The values a traced joint step returns as its parameters' gradients (after the loss)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    _, *grads = out.args[0]
+    return [resolve_value(g) for g in grads if isinstance(g, torch.fx.Node)]
+
+
+def restrict_context_parallel(
+    table: StrategyTable, gradients: Sequence[ValueRef], *, axis: int, zero3: bool = False
+) -> None:
+    """Context parallelism on mesh axis ``axis`` (``ParallelConfig.cp``), as the search prices it:
+    inputs and targets of two or more dims split along the sequence (``S(1)``), parameters
+    whole there (``zero3``: stored sharded, ZeRO-3 over ``dp x cp``, and gathered for use) and
+    every op reads them whole (a weight is never used as a shard of the sequence axis: tensor
+    parallelism is the ``tp`` axis's job). Every parameter's gradient (``gradients``) leaves the
+    backward as a partial sum there (each rank's part of the sequence), reduced with the
+    data-parallel ones as the step model prices it (:class:`autoplan.cost_models.step._DpGroups`).
+    The activations are the ILP's to place (split along the sequence, or along the heads behind
+    all-to-alls, or gathered; attention then runs as a ring over the shards or head-parallel).
+    A node with no such strategy keeps all of its own."""
+    params = {name for name, ns in table.nodes.items() if ns.kind == "param"}
+    partial_out = {g.node: g.index for g in gradients}
+    stored = Shard if zero3 else Replicate
+
+    def allowed(s: Strategy, ns: NodeStrategies, name: str) -> bool:
+        if name in partial_out and not isinstance(s.output_specs[partial_out[name]][axis], Partial):
+            return False
         return all(
             isinstance(spec[axis], Replicate)
             for spec, ref in zip(s.input_specs, ns.inputs, strict=True)
@@ -120,11 +144,11 @@ def restrict_context_parallel(table: StrategyTable, *, axis: int) -> None:
 
     for name, ns in list(table.nodes.items()):
         if ns.kind == "param":
-            keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][axis], Replicate))
+            keep = tuple(s for s in ns.strategies if isinstance(s.output_specs[0][axis], stored))
         elif ns.kind in ("input", "target"):
             keep = tuple(s for s in ns.strategies if s.output_specs[0][axis] == Shard(SEQUENCE_DIM))
         elif ns.kind in ("op", "fallback"):
-            keep = tuple(s for s in ns.strategies if reads_params_whole(s, ns))
+            keep = tuple(s for s in ns.strategies if allowed(s, ns, name))
         else:
             continue
         if keep and len(keep) < len(ns.strategies):

@@ -265,8 +265,8 @@ def _configs(
         if True in space.expert_parallel and tp == 1 and cp == 1 and experts:
             eps += [ep for ep in _divisors(dp) if ep > 1 and experts % ep == 0]
         for (sch, v), rec, z, ep in itertools.product(scheds, space.recompute, space.zero_stages, eps):
-            if dp == 1 and z > 0:
-                continue  # nothing to shard over
+            if dp * cp == 1 and z > 0:
+                continue  # nothing to shard over (ZeRO shards over dp x cp: cost_models.step._DpGroups)
             out.append(
                 ParallelConfig(
                     dp=dp,

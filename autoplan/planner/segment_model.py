@@ -34,7 +34,7 @@ from autoplan.passes.moe import MOE_OPS, routed_experts
 from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
 from autoplan.planner import progress
-from autoplan.planner.mesh import planning_mesh, restrict_context_parallel
+from autoplan.planner.mesh import gradient_values, planning_mesh, restrict_context_parallel
 from autoplan.planner.search import expand_blocks
 from autoplan.planner.segment_costs import SegmentCostOracle, segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions
@@ -261,8 +261,12 @@ class SegmentCostModel(SegmentCostOracle):
         with planning_mesh(sub) as mesh:
             table = pass_order.STRATEGIES(traced, mesh)
             if cp > 1:
-                restrict_context_parallel(table, axis=0)
-            problem = pass_order.COSTING(traced, table, sub, optimizer=self.optimizer, profile=self.profile)
+                restrict_context_parallel(table, gradient_values(traced.graph_module.graph), axis=0)
+            # the parameters' gradients are reduced over cp with dp's (cost_models.step._DpGroups)
+            problem = pass_order.COSTING(
+                traced, table, sub, optimizer=self.optimizer, profile=self.profile,
+                gradients_reduced_on=(0,) if cp > 1 else (),
+            )  # fmt: skip
             # memory is the outer search's constraint (it depends on stages and schedule)
             problem.capacity_bytes = float("inf")
             problem.memory_points = []
