@@ -272,7 +272,8 @@ def tokens_per_s_from_tflops(s: Shape, seq: int, tflops_per_gpu: float) -> float
 # 131,072, batch size per DP 16 (16M tokens per step), 380 TFLOP/s per GPU, BF16 MFU 38 %. The
 # same table is on Pavan Balaji's SC'24 slide (glennklockwood.com/garden/llama-3.1). Exact: shape,
 # GPUs, degrees, sequence, batch, bf16, AdamW. autoplan: dp=8 cp=16 tp=8 pp=16 (cp x tp = 128 ranks
-# of one replica, the cp axis across 16 servers; ZeRO over dp only, as the paper's FSDP), 16
+# of one replica, the cp axis across 16 servers; ZeRO over dp x cp, autoplan's layout: the paper's FSDP
+# shards over dp only), 16
 # micro-batches of one sequence. Approximated: the pipeline schedule (the paper's interleaved 1F1B
 # with first and last stages one layer short; the virtual-stage count is not published: priced with
 # v=4, the largest autoplan's search tries for 16 stages and 16 micro-batches), the recomputation
@@ -280,14 +281,15 @@ def tokens_per_s_from_tflops(s: Shape, seq: int, tflops_per_gpu: float) -> float
 # no reshard after the forward: priced as ZeRO-3, which gathers again in the backward), its CP (an
 # all-gather of the keys and values; autoplan: the ILP's ring or head-parallel attention on the cp
 # axis), and the published tokens/s (from the TFLOP/s at torchtitan's FLOP count,
-# :func:`tokens_per_s_from_tflops`). Error -14.1 % (57 vs 67 tokens/s/GPU; MFU 26.6 % vs 38 %):
-# of the 17.8 s step, 5.2 s is exposed communication (2.9 s ZeRO-3's per-micro-batch gathers of
-# the stage's weights over the 8 data-parallel servers, 1.4 s the cp x tp conversions, 0.7 s the
-# ring), 3.0 s the bubble, and full recomputation re-runs each forward. The paper's FSDP gathers
-# less often than ZeRO-3 (no reshard after the forward) and more than ZeRO-2 (never): priced as
-# ZeRO-2 the step is 13.9 s, +10.4 %, so the published figure lies between the two. Before the
-# key/value heads were traced unrepeated (README, grouped-query attention) this row was -34.2 %
-# (9.5 s exposed).
+# :func:`tokens_per_s_from_tflops`). Error -16.1 % (56 vs 67 tokens/s/GPU; MFU 26.0 % vs 38 %,
+# 16.2 GiB per device): of the 18.2 s step, 5.3 s is exposed communication (3.4 s ZeRO-3's
+# per-micro-batch gathers of the stage's weights, 2.9 s of it over the 8 data-parallel servers and
+# 0.4 s over cp, 1.1 s the cp x tp conversions, 0.7 s the ring), 3.1 s the bubble, and full
+# recomputation re-runs each forward. The paper's FSDP gathers less often than ZeRO-3 (no reshard
+# after the forward) and more than ZeRO-2 (never): priced as ZeRO-2 the step is 13.7 s, +11.4 %,
+# so the published figure lies between the two. With ZeRO over dp only (before ZeRO covered cp)
+# this row was -14.1 % at 22.0 GiB; before the key/value heads were traced unrepeated (README,
+# grouped-query attention) -34.2 % (9.5 s exposed).
 LLAMA3_405B_128K = PublishedRun(
     shape=LLAMA3_405B, cluster="2048x8xH100", seq_len=131072, local_batch=1, activation_checkpointing=LEAST_THAT_FITS,
     zero_stage=3, dp=8, cp=16, tp=8, pp=16, schedule="interleaved-1f1b", virtual_stages=4, microbatch_size=1,
