@@ -261,3 +261,18 @@ def test_the_search_tries_a_context_parallel_axis_beside_tensor_parallelism_for_
     assert {(c.cp, c.tp) for c in with_cp if c.pp == 1} == {(2, 2), (2, 4), (2, 8), (4, 2)}
     only = dataclasses.replace(space, context_parallel=(False,))
     assert candidates(cluster, num_blocks=8, global_batch_size=16, space=only, tokens_per_sample=8200) == short
+
+
+def test_a_one_device_stage_runs_every_op_replicated_with_no_collectives():
+    """``dp = tp = 1`` under a pipeline: each stage is one device, where every placement holds the
+    whole tensor. The stage ILP used to break that tie with layouts that convert (76 all-gathers,
+    40 reduce-scatters, 31 all-to-alls, 23 all-reduces on one-rank groups for this GPT-2, priced at
+    0 s, each a copy in the program; the measured memory peak moved by megabytes from step to step
+    and made ``test_selective_peak_lies_between_full_and_none_as_priced`` flaky)."""
+    ids, labels = token_batch()
+    cfg = ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=1, num_microbatches=4, schedule="gpipe")
+    plan = autoplan.plan(gpt2_tiny(), "2xCPU", example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,),
+                         global_batch_size=4, config=cfg)  # fmt: skip
+    assert plan.config == cfg
+    assert all(spec == ("R",) for spec in plan.param_specs.values()), plan.param_specs
+    assert plan.collectives == (), plan.collective_counts()
