@@ -409,11 +409,13 @@ def plan_on_meta(build, cluster: object = "2xCPU", **kwargs: object) -> autoplan
 
 def ilp_and_pipeline_plans() -> dict[str, autoplan.Plan]:
     """Two small plans of every kind a plan file holds: ``"ilp"`` (the MLP on 2 CPU ranks) and
-    ``"pipeline"`` (GPT-2, 4 layers, 2 stages, 4 micro-batches of 2)."""
+    ``"pipeline"`` (GPT-2, 4 layers, 2 stages of 2 data-parallel ranks, 4 micro-batches of 1 per
+    rank: a stage of one device has nothing to choose, so its ops would list no alternatives)."""
     pipeline = plan_on_meta(
         gpt2_4_layers,
+        "4xCPU",
         global_batch_size=8,
-        config=autoplan.ParallelConfig(dp=1, pp=2, microbatch_size=2, num_microbatches=4),
+        config=autoplan.ParallelConfig(dp=2, pp=2, microbatch_size=1, num_microbatches=4),
     )
     return {"ilp": plan_on_meta(cli_mlp), "pipeline": pipeline}
 
