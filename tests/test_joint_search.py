@@ -276,3 +276,13 @@ def test_a_one_device_stage_runs_every_op_replicated_with_no_collectives():
     assert plan.config == cfg
     assert all(spec == ("R",) for spec in plan.param_specs.values()), plan.param_specs
     assert plan.collectives == (), plan.collective_counts()
+
+
+def test_a_plan_for_one_device_runs_no_collectives():
+    """The same rule where the whole cluster is one device (``1xCPU``, a fixed mesh): every
+    parameter whole and no collective (it ran 76 all-gathers, 39 reduce-scatters, 34 all-reduces
+    and 14 all-to-alls on a one-rank group for this GPT-2)."""
+    ids, labels = token_batch()
+    plan = autoplan.plan(gpt2_tiny(), "1xCPU", example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,))
+    assert all(spec == ("R",) for spec in plan.param_specs.values()), plan.param_specs
+    assert plan.collectives == (), plan.collective_counts()

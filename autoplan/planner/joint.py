@@ -208,11 +208,8 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     every rank), a program the search priced as data parallelism; tensor parallelism is the ``tp``
     axis's job, which the search prices separately. A ``cp`` axis splits the sequence
     (:func:`~autoplan.planner.mesh.restrict_context_parallel`, the rule the search's ILPs follow).
-    A stage of one device (``dp = cp = tp = 1``) runs every op replicated
-    (:func:`_one_device`)."""
-    if config.dp * config.ranks_per_replica == 1:
-        _one_device(table)
-        return
+    A stage of one device runs every op replicated (the strategy table keeps only ``R`` on an
+    axis of one device)."""
     cp_axis = context_parallel_axis(config)
     if cp_axis is not None:
         restrict_context_parallel(
@@ -264,23 +261,6 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
         else:
             continue
         if keep:
-            table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
-
-
-def _one_device(table: StrategyTable) -> None:
-    """A stage mesh of one device: every value whole (``R``), every op on whole operands. On one
-    device every placement holds the whole tensor, so the ILP's choice among them is a tie it used
-    to break with layouts that convert: measured on a ``pp=2`` GPipe plan of GPT-2 (4 layers) with
-    ``dp = tp = 1``, 76 all-gathers, 40 reduce-scatters, 31 all-to-alls and 23 all-reduces on
-    one-rank groups per stage program, priced at 0 s by the search, each a copy the program made
-    (and a collective call on a GPU), and a step's memory peak that moved by megabytes from step
-    to step. A node with no such strategy keeps all of its own."""
-    for name, ns in list(table.nodes.items()):
-        keep = tuple(
-            s for s in ns.strategies
-            if all(isinstance(p, Replicate) for spec in (*s.input_specs, *s.output_specs) if spec is not None for p in spec)
-        )  # fmt: skip
-        if keep and len(keep) < len(ns.strategies):
             table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
 
 
