@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, cast, get_args
 
+from autoplan.cost_models.comm_schedule import gradients_reduced_in_backward
 from autoplan.cost_models.errors import ConfigError
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
@@ -45,10 +46,10 @@ _COUNT_HINTS = {
 }
 """Fields that count something, with the fix a message suggests for a value below 1."""
 
-REMOVED_FIELDS = {
-    "sequence_parallel": "it was accepted but never applied; no plan shards activations along the sequence",
-}
-"""Fields older versions accepted, with why they are gone: naming one is an error, not ignored."""
+REMOVED_FIELDS: dict[str, str] = {}
+"""Fields older versions accepted, with why they are gone: naming one is an error, not ignored.
+(``sequence_parallel`` was such a field, accepted and never applied, until plan version 2 made it
+a real one: plans of version 1 that name it are refused by their version.)"""
 
 
 def schedule_problem(
@@ -201,6 +202,33 @@ class ParallelConfig:
     Needs ``tp > 1`` (with ``tp == 1`` the ``tp`` axis is that context-parallel axis), ``ep == 1``
     and no ``stage_dp``. Written in a config's dict and text only when above 1."""
 
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism on the ``tp`` axis (Korthikanti et al. 2022, section 4.2.2):
+    every activation the block's non-matmul ops make (norms, dropout, residual adds, activation
+    functions, the loss) is held split on the ``tp`` axis, along the tokens (batch or sequence)
+    where the op has no split of its own, instead of whole on every rank of the group; the
+    column-parallel matmuls' inputs are all-gathered on ``tp`` and the row-parallel outputs
+    reduce-scattered, where tensor parallelism alone all-reduces them and holds the region whole.
+    The stage ILP places the ops under that rule (:func:`autoplan.planner.mesh.restrict_sequence_parallel`),
+    so the saved activations, the conversions and the ops' times of the segment costs are the
+    rule's. Needs ``tp > 1``. The joint search prices tensor-parallel candidates with it
+    (``SearchSpace.sequence_parallel``). Written in a config's dict and text only when set."""
+
+    sharded_grad_accumulation: bool = False
+    """ZeRO >= 2 with several micro-batches: every micro-batch's backward reduce-scatters its own
+    gradients in its buckets as they exist (as the last micro-batch's does by default) and adds
+    the shards into sharded accumulators, ``1 / dp`` of the gradients (the ZeRO >= 2 layout;
+    FSDP2's default), instead of summing the micro-batches' full-size raw gradients and
+    converting the sums in the last micro-batch's backward (Megatron's gradient buffer, torch
+    pipelining's FSDP2 with gradient sync on the last backward only). Memory against
+    communication: the raw sum (``T' g`` bytes per stage) is never held, and the step runs
+    ``num_microbatches`` times the gradient reduce-scatters
+    (:func:`~autoplan.cost_models.comm_schedule.converting_backwards`, the rule the runtime, the
+    step model and the memory model read). Needs ``zero_stage >= 2`` and a schedule that reduces
+    in the backward (not ``zero-bubble``); with one micro-batch it is the default program. The
+    joint search tries it where a configuration does not fit without it
+    (``SearchSpace.sharded_grad_accumulation``). Written in a config's dict and text only when set."""
+
     def __post_init__(self) -> None:
         for name, hint in _COUNT_HINTS.items():
             v = getattr(self, name)
@@ -223,6 +251,17 @@ class ParallelConfig:
                 "True keeps the optimizer state in host memory"
             )
         self._check_ep()
+        self._check_sharded_grad_accumulation()
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(
+                f"sequence_parallel must be True or False, got {self.sequence_parallel!r}: "
+                "True splits the tensor-parallel group's norm/dropout/residual activations along the tokens"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError(
+                "sequence_parallel=True needs tp > 1 (it splits the tensor-parallel group's activations): "
+                "set tp > 1 or sequence_parallel=False"
+            )
         if self.cp > 1 and (self.tp == 1 or self.ep > 1 or self.stage_dp is not None):
             raise ConfigError(
                 f"cp={self.cp} (context parallelism beside tensor parallelism) needs tp > 1, ep=1 and no stage_dp: "
@@ -261,6 +300,29 @@ class ParallelConfig:
             raise ConfigError(
                 "expert parallelism (ep > 1) needs tp=1, no stage_dp and offload_optimizer=False: "
                 "set ep=1 or drop the other option"
+            )
+
+    def _check_sharded_grad_accumulation(self) -> None:
+        if not isinstance(self.sharded_grad_accumulation, bool):
+            raise ConfigError(
+                f"sharded_grad_accumulation must be True or False, got {self.sharded_grad_accumulation!r}: "
+                "True reduce-scatters every micro-batch's gradients into sharded accumulators"
+            )
+        if not self.sharded_grad_accumulation:
+            return
+        if self.zero_stage < 2:
+            raise ConfigError(
+                "sharded_grad_accumulation=True keeps the accumulated gradients sharded over dp, the ZeRO >= 2 "
+                f"gradient layout, but zero_stage={self.zero_stage}: set zero_stage=2 or 3, or "
+                "sharded_grad_accumulation=False"
+            )
+        if self.pp > 1 and not gradients_reduced_in_backward(
+            num_stages=self.pp * self.virtual_stages, num_microbatches=self.num_microbatches, schedule=self.schedule
+        ):
+            raise ConfigError(
+                "sharded_grad_accumulation=True reduce-scatters in every micro-batch's backward, but schedule "
+                f"{self.schedule!r} converts the gradients after the schedule: use another schedule or "
+                "sharded_grad_accumulation=False"
             )
 
     def stage_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -353,8 +415,8 @@ class ParallelConfig:
             raise ConfigError(f"schedule {self.schedule!r} needs pp > 1")
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields as plain values; ``offload_optimizer`` only when set and ``ep`` and ``cp``
-        only above 1 (plans and estimates without them are written as before they existed)."""
+        """The fields as plain values; ``offload_optimizer``, ``sequence_parallel`` and
+        ``sharded_grad_accumulation`` only when set and ``ep`` and ``cp`` only above 1 (plans and estimates without them are written as before they existed)."""
         out = asdict(self)
         if not self.offload_optimizer:
             del out["offload_optimizer"]
@@ -362,6 +424,10 @@ class ParallelConfig:
             del out["ep"]
         if self.cp == 1:
             del out["cp"]
+        if not self.sequence_parallel:
+            del out["sequence_parallel"]
+        if not self.sharded_grad_accumulation:
+            del out["sharded_grad_accumulation"]
         return out
 
     @classmethod
@@ -376,7 +442,7 @@ class ParallelConfig:
         parts = [
             f"dp={self.dp}",
             *([f"cp={self.cp}"] if self.cp > 1 else []),
-            f"tp={self.tp}",
+            f"tp={self.tp}" + ("+sp" if self.sequence_parallel else ""),
             f"pp={self.pp}",
             f"mbs={self.microbatch_size}x{self.num_microbatches}",
         ]
@@ -389,4 +455,6 @@ class ParallelConfig:
             parts.append("offload=optimizer")
         if self.ep > 1:
             parts.append(f"ep={self.ep}")
+        if self.sharded_grad_accumulation:
+            parts.append("grads=sharded")
         return " ".join(parts)

@@ -50,11 +50,13 @@ from autoplan.planner.mesh import (
     gradient_values,
     planning_mesh,
     restrict_context_parallel,
+    restrict_sequence_parallel,
     stage_cluster,
+    tensor_parallel_axis,
     value_rank,
 )
 from autoplan.planner.plan import ConfigOption, Estimate, PipelineLayout, Plan
-from autoplan.planner.search import SearchSpace, estimate_order, search
+from autoplan.planner.search import SearchSpace, cost_key, estimate_order, search
 from autoplan.planner.segment_model import SegmentCostModel, memory_tie_break
 from autoplan.planner.tracing import plan_forward_fingerprint, prepare_for_precision, trace_repeated
 
@@ -107,7 +109,7 @@ def estimate(
         config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts(),
         tokens=_tokens_per_sample(inputs),
     )  # fmt: skip
-    seg = costs(config.tp, config.microbatch_size, config.cp)
+    seg = costs(*cost_key(config))
     samples = config.dp * config.microbatch_size
     stage_costs = [costs(config.tp, samples // d) for d in config.stage_dp] if config.stage_dp else None
     return evaluate(
@@ -208,6 +210,8 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
     every rank), a program the search priced as data parallelism; tensor parallelism is the ``tp``
     axis's job, which the search prices separately. A ``cp`` axis splits the sequence
     (:func:`~autoplan.planner.mesh.restrict_context_parallel`, the rule the search's ILPs follow).
+    ``sequence_parallel``: the ``tp`` axis holds the non-matmul activations split
+    (:func:`~autoplan.planner.mesh.restrict_sequence_parallel`, as the search's ILPs priced it).
     A stage of one device runs every op replicated (the strategy table keeps only ``R`` on an
     axis of one device)."""
     cp_axis = context_parallel_axis(config)
@@ -215,6 +219,9 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
         restrict_context_parallel(
             table, gradient_values(traced.graph_module.graph), axis=cp_axis, zero3=config.zero_stage >= 3
         )
+    tp_axis = tensor_parallel_axis(config)
+    if config.sequence_parallel and tp_axis is not None:
+        restrict_sequence_parallel(table, traced.graph_module.graph, axis=tp_axis)
     if config.dp == 1:
         return
     dp_axes = data_parallel_axes(config)
@@ -324,8 +331,10 @@ def _space_for(config: ParallelConfig) -> SearchSpace:
         recompute=(config.recompute,),
         zero_stages=(config.zero_stage,),
         offload_optimizer=(config.offload_optimizer,),
+        sharded_grad_accumulation=(config.sharded_grad_accumulation,),
         expert_parallel=(config.ep > 1,),
         context_parallel=(config.cp > 1,),
+        sequence_parallel=(config.sequence_parallel,),
         context_parallel_min_tokens=0,
         microbatch_sizes=(config.microbatch_size,),
         per_stage_recompute=False,

@@ -19,6 +19,7 @@ from autoplan.cost_models.calibration import local_cluster
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ClusterSpecError, PlanMismatchError
+from autoplan.passes.liveness import is_view_op
 from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, ValueRef, resolve_value
 
 
@@ -151,6 +152,75 @@ def restrict_context_parallel(
             keep = tuple(s for s in ns.strategies if allowed(s, ns, name))
         else:
             continue
+        if keep and len(keep) < len(ns.strategies):
+            table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+
+
+def tensor_parallel_axis(config: ParallelConfig) -> int | None:
+    """The axis of :meth:`ParallelConfig.stage_mesh` of the tensor-parallel group (``tp``), if any."""
+    names = config.stage_mesh()[1]
+    return names.index("tp") if "tp" in names else None
+
+
+def restrict_sequence_parallel(table: StrategyTable, graph: torch.fx.Graph, *, axis: int) -> None:
+    """Megatron sequence parallelism on mesh axis ``axis`` (``ParallelConfig.sequence_parallel``):
+    no activation a forward op makes outside the weight matmuls is held whole there. Every
+    forward op computed from the batch (the inputs or targets, transitively) whose first output
+    is a floating-point tensor of two or more dims keeps only the strategies that split that
+    output on ``axis`` (``S(d)``, any dim: the tokens for norms, dropout and residual adds, the
+    heads inside attention, the vocabulary or the tokens of the loss), except
+
+    * the ops that contract or look up a weight (an input of two or more dims computed from
+      parameters only: the matmuls, whose row-parallel outputs are partial sums, and the
+      embedding), which stay the ILP's to place;
+    * an op whose every reader is such a weight op, through views (a norm's last multiply read
+      by the q, k and v projections): Megatron's all-gathered input of the column-parallel
+      matmuls, gathered once there rather than once per projection (one conversion per edge).
+
+    So the residual stream between the tensor-parallel regions is split and the ILP converts into
+    and out of them (all-gather before the column-parallel matmuls, reduce-scatter after a
+    row-parallel one: Korthikanti et al. 2022, section 4.2.2). A node with no such strategy keeps
+    all of its own (one whose op cannot split its output there)."""
+    nodes = {n.name: n for n in graph.nodes}
+    weights = {name for name, ns in table.nodes.items() if ns.kind == "param"}
+    data = {name for name, ns in table.nodes.items() if ns.kind in ("input", "target")}
+    for name, ns in table.nodes.items():
+        if ns.kind not in ("op", "fallback"):
+            continue
+        refs = [ref.node for ref in ns.inputs]
+        if refs and all(r in weights for r in refs):
+            weights.add(name)  # a weight's cast, view or transpose
+        elif any(r in data for r in refs):
+            data.add(name)
+
+    def reads_weight(node: torch.fx.Node) -> bool:
+        return any(a.name in weights and value_rank(a) >= 2 for a in node.all_input_nodes)
+
+    def feeds_weight_ops(node: torch.fx.Node) -> bool:
+        users = [u for u in node.users if u.meta.get("autoplan.phase") == "fwd"]
+        return bool(users) and all(
+            reads_weight(u) or (is_view_op(u.target) and feeds_weight_ops(u)) for u in users
+        )  # fmt: skip
+
+    for name, ns in list(table.nodes.items()):
+        node = nodes.get(name)
+        if name not in data or node is None or node.meta.get("autoplan.phase") != "fwd":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            val = val[0] if val else None
+        if (
+            not isinstance(val, torch.Tensor)
+            or not val.is_floating_point()
+            or val.dim() < 2
+            or reads_weight(node)
+            or feeds_weight_ops(node)
+        ):
+            continue
+        keep = tuple(
+            s for s in ns.strategies if s.output_specs and s.output_specs[0] is not None
+            and isinstance(s.output_specs[0][axis], Shard)
+        )  # fmt: skip
         if keep and len(keep) < len(ns.strategies):
             table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
 

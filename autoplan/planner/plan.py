@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # loading, checking and printing a plan needs no torch (`auto
     from autoplan.passes.trace import TracedProgram
 
 PLAN_FORMAT = "autoplan.plan"
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 GiB = 1024**3
 _ESTIMATE_OPTIONAL = ("bubble_s", "mfu", "tokens_per_s")
 """Estimate fields written only when set (plans made with a global batch)."""

@@ -17,8 +17,10 @@ The outer search enumerates every ``c`` (pp | world, tp | devices per node, b wi
 ``B % (dp b) == 0``, schedules, v (:func:`virtual_stage_counts`), recompute, ZeRO) and, per ``c``, the stage boundaries that
 minimise the slowest stage (min-max contiguous partition by dynamic programming) next to the
 uniform split; the recomputation may differ per stage (the least that fits); a ``c`` that does
-not fit is priced again with its optimizer state in host memory (``offload_optimizer``), which
-never makes a step faster and so is tried only there. It returns the
+not fit is priced again with sharded gradient accumulation (ZeRO >= 2, several micro-batches:
+``sharded_grad_accumulation``, ``1 / dp`` of the summed gradients held for ``m`` times the
+reductions), then with its optimizer state in host memory (``offload_optimizer``); neither
+ever makes a step faster, so each is tried only there. It returns the
 feasible ``c`` with the smallest ``T(c)``, visiting candidates by increasing lower bound
 ``m * sum_j (fwd_s[j] + bwd_s[j]) / pp`` and stopping once the bound exceeds the best step
 found. ILP solves are memoised per (tp, b): the search calls :func:`SegmentCostFn` once per
@@ -55,6 +57,8 @@ SegmentCostFn = Callable[..., SegmentCosts]
 
 def cost_key(c: ParallelConfig) -> tuple[int, ...]:
     """The arguments of :data:`SegmentCostFn` that price ``c``'s micro-batches."""
+    if c.sequence_parallel:
+        return (c.tp, c.microbatch_size, c.cp, True)
     return (c.tp, c.microbatch_size) if c.cp == 1 else (c.tp, c.microbatch_size, c.cp)
 
 
@@ -85,10 +89,23 @@ class SearchSpace:
     sequence (one axis, inside a node) already reaches the degrees that pay at such lengths
     (measured: at 131,072 tokens on 8 H100, Llama 3 8B's best ``cp x tp`` is priced 2.2 % slower
     than ``tp=4`` alone)."""
+    sharded_grad_accumulation: tuple[bool, ...] = (False, True)
+    """ZeRO >= 2 candidates with several micro-batches: the gradients summed raw over the
+    micro-batches and reduced in the last one's backward (False), or reduce-scattered in every
+    micro-batch's backward into sharded accumulators (True, ``ParallelConfig.sharded_grad_accumulation``).
+    The latter holds ``1 / dp`` of the summed gradients and runs ``m`` times the reductions, so it
+    never makes a step faster: it is priced only where a configuration does not fit without it,
+    before offloading the optimizer state (:func:`first_fitting`)."""
     expert_parallel: tuple[bool, ...] = (False, True)
     """Routed experts replicated over the data-parallel group (False) or split over groups of
     ``ep`` of its ranks (True: every ``ParallelConfig.ep > 1`` dividing both ``dp`` and the
     model's experts), the latter where ``tp == 1`` (:func:`candidates`)."""
+    sequence_parallel: tuple[bool, ...] = (True,)
+    """Tensor-parallel candidates (``tp > 1``) priced with Megatron sequence parallelism (True,
+    ``ParallelConfig.sequence_parallel``) and/or without it (False). Only True by default: every
+    Megatron-LM/NeMo recipe with tensor parallelism runs it (it moves the bytes of the
+    all-reduces it replaces, as an all-gather and a reduce-scatter, and holds the activations
+    outside the matmuls split), and each value adds an ILP per ``tp`` and micro-batch size."""
     balanced_stages: bool = True
     per_stage_recompute: bool = True
     hetero_stages: bool = True
@@ -264,7 +281,8 @@ def _configs(
         eps = [1] if False in space.expert_parallel or cp > 1 else []
         if True in space.expert_parallel and tp == 1 and cp == 1 and experts:
             eps += [ep for ep in _divisors(dp) if ep > 1 and experts % ep == 0]
-        for (sch, v), rec, z, ep in itertools.product(scheds, space.recompute, space.zero_stages, eps):
+        sps = [sp for sp in space.sequence_parallel if tp > 1 or not sp] or [False]
+        for (sch, v), rec, z, ep, sp in itertools.product(scheds, space.recompute, space.zero_stages, eps, sps):
             if dp * cp == 1 and z > 0:
                 continue  # nothing to shard over (ZeRO shards over dp x cp: cost_models.step._DpGroups)
             out.append(
@@ -280,6 +298,7 @@ def _configs(
                     zero_stage=z,
                     ep=ep,
                     cp=cp,
+                    sequence_parallel=sp,
                 )  # fmt: skip
             )
     return out
@@ -465,20 +484,40 @@ def offload_choices(space: SearchSpace, cluster: Cluster) -> list[bool]:
     return offloads or [False]
 
 
+def accumulation_choices(space: SearchSpace, cand: ParallelConfig) -> list[bool]:
+    """The ``sharded_grad_accumulation`` values to try for ``cand``, in order: the space's where
+    ``cand`` accumulates micro-batches under ZeRO >= 2 with its reductions in the backward (False
+    first: sharded accumulation only adds communication), else False; ``space.fixed``'s alone."""
+    if space.fixed is not None:
+        return [space.fixed.sharded_grad_accumulation]
+    if not space.sharded_grad_accumulation:
+        raise ConfigError("SearchSpace.sharded_grad_accumulation is empty: give (False,), (True,) or (False, True)")
+    if cand.zero_stage < 2 or cand.num_microbatches == 1 or (cand.pp > 1 and cand.schedule == "zero-bubble"):
+        return [False]
+    return sorted(space.sharded_grad_accumulation)
+
+
 def first_fitting(
-    cand: ParallelConfig, offloads: Sequence[bool], place: Callable[[ParallelConfig], TrainingEstimate]
+    cand: ParallelConfig,
+    offloads: Sequence[bool],
+    place: Callable[[ParallelConfig], TrainingEstimate],
+    accumulations: Sequence[bool] = (False,),
 ) -> TrainingEstimate:
-    """``place(cand)`` with the first of ``offloads`` that fits (offloading the optimizer state only
-    adds time, :func:`autoplan.cost_models.step.offload_time_s`, so it is tried only where the
-    configuration does not fit without it), else the least memory-hungry of them."""
+    """``place(cand)`` with the first of ``offloads`` x ``accumulations`` (sharded gradient
+    accumulation, :func:`accumulation_choices`) that fits, else the least memory-hungry of them.
+    Both only add time (offloading the optimizer state: :func:`autoplan.cost_models.step.offload_time_s`;
+    sharded accumulation: ``m`` times the gradient reductions), so each is tried only where the
+    configuration does not fit without it, sharded accumulation first (its reductions overlap the
+    backward; the offloaded step does not)."""
     best: TrainingEstimate | None = None
     for offload in offloads if cand.ep == 1 else [False]:  # (ParallelConfig: ep > 1 keeps it on the device)
-        est = place(dataclasses.replace(cand, offload_optimizer=offload))
-        if best is None or estimate_order(est) < estimate_order(best):
-            best = est
-        if best.feasible:
-            break
-    assert best is not None, "offload_choices returns at least one value"
+        for sharded in accumulations:
+            est = place(dataclasses.replace(cand, offload_optimizer=offload, sharded_grad_accumulation=sharded))
+            if best is None or estimate_order(est) < estimate_order(best):
+                best = est
+            if best.feasible:
+                return best
+    assert best is not None, "offload_choices and accumulation_choices return at least one value"
     return best
 
 
@@ -522,7 +561,7 @@ def search(
     offloads = offload_choices(space, cluster)
 
     def layout(cand: ParallelConfig, cost_at: SegmentCostFn) -> TrainingEstimate:
-        return first_fitting(cand, offloads, lambda c: placed(c, cost_at))
+        return first_fitting(cand, offloads, lambda c: placed(c, cost_at), accumulation_choices(space, cand))
 
     def placed(cand: ParallelConfig, cost_at: SegmentCostFn) -> TrainingEstimate:
         """The best layout of ``cand``: :func:`best_layout`, or :func:`hetero_layout` if faster."""
@@ -554,7 +593,8 @@ def search(
             cluster, num_blocks=blocks, global_batch_size=global_batch_size, space=space, experts=experts,
             tokens_per_sample=tokens_per_sample,
         )  # fmt: skip
-        if space.fixed is None or c == dataclasses.replace(space.fixed, offload_optimizer=False)
+        if space.fixed is None
+        or c == dataclasses.replace(space.fixed, offload_optimizer=False, sharded_grad_accumulation=False)
     ]
     early: dict[int, TrainingEstimate] = {}
     if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once (in parallel)
@@ -659,11 +699,13 @@ def _describe(c: ParallelConfig) -> str:
         f"{c.schedule if c.pp > 1 else 'none'}"
         f"{f'(v={c.virtual_stages})' if c.virtual_stages > 1 else ''} recompute={c.recompute} zero={c.zero_stage}"
         f"{' offload=optimizer' if c.offload_optimizer else ''}{f' ep={c.ep}' if c.ep > 1 else ''}"
+        f"{' grads=sharded' if c.sharded_grad_accumulation else ''}"
     )
 
 
 __all__ = [
     "SearchSpace",
+    "accumulation_choices",
     "best_layout",
     "candidates",
     "estimate_order",

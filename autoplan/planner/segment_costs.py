@@ -86,18 +86,18 @@ class SegmentCostOracle(Protocol):
 
     __slots__ = ()
 
-    def __call__(self, tp: int, microbatch_size: int, cp: int = 1) -> SegmentCosts:
+    def __call__(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> SegmentCosts:
         """The costs of one micro-batch of ``microbatch_size`` samples on a tensor-parallel group
         of ``tp`` devices (the ``cp x tp`` mesh of ``ParallelConfig.cp``), computed now unless
         :meth:`ready`."""
         ...
 
-    def ready(self, tp: int, microbatch_size: int, cp: int = 1) -> bool:
-        """Whether ``self(tp, microbatch_size, cp)`` answers without computing anything more."""
+    def ready(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> bool:
+        """Whether ``self(tp, microbatch_size, cp, sequence_parallel)`` answers without computing anything more."""
         ...
 
     def prefetch(self, keys: Iterable[tuple[int, ...]], *, while_waiting: Callable[[], bool] | None = None) -> None:
-        """Compute the costs of every key in ``keys`` (``(tp, microbatch_size[, cp])``) now (in any order, in parallel where it can),
+        """Compute the costs of every key in ``keys`` (``(tp, microbatch_size[, cp[, sequence_parallel]])``) now (in any order, in parallel where it can),
         so that later calls are :meth:`ready`. While it waits for results it calls
         ``while_waiting()`` (the search lays out the candidates whose costs are ready), between
         results, until that returns False. The costs are those ``self(tp, microbatch_size)``

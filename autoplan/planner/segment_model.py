@@ -34,7 +34,7 @@ from autoplan.passes.moe import MOE_OPS, routed_experts
 from autoplan.passes.rebatch import MIN_BASE_BATCH
 from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
 from autoplan.planner import progress
-from autoplan.planner.mesh import gradient_values, planning_mesh, restrict_context_parallel
+from autoplan.planner.mesh import gradient_values, planning_mesh, restrict_context_parallel, restrict_sequence_parallel
 from autoplan.planner.search import expand_blocks
 from autoplan.planner.segment_costs import SegmentCostOracle, segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions
@@ -66,9 +66,9 @@ class SegmentCostModel(SegmentCostOracle):
     _traces: dict[int, tuple[TracedProgram, Layering]] = field(default_factory=dict)
     _exported: set[int] = field(default_factory=set)
     """Micro-batch sizes in ``_traces`` that were traced (the others were derived from them)."""
-    _costs: dict[tuple[int, int, int], SegmentCosts] = field(default_factory=dict)
-    """Solved and scaled costs by ``(tp, microbatch_size, cp)``."""
-    _linear: dict[tuple[int, int, int], bool] = field(default_factory=dict)
+    _costs: dict[tuple[int, int, int, bool], SegmentCosts] = field(default_factory=dict)
+    """Solved and scaled costs by ``(tp, microbatch_size, cp, sequence_parallel)``."""
+    _linear: dict[tuple[int, int, int, bool], bool] = field(default_factory=dict)
 
     def _traced(self, batch: int) -> tuple[TracedProgram, Layering]:
         """The step of one micro-batch of ``batch`` samples, traced with the first
@@ -120,14 +120,14 @@ class SegmentCostModel(SegmentCostOracle):
         traced, _ = self._traced(min(self._traces, default=MIN_BASE_BATCH))
         return max((routed_experts(n) for n in traced.graph_module.graph.nodes if n.target in MOE_OPS), default=0)
 
-    def ready(self, tp: int, microbatch_size: int, cp: int = 1) -> bool:
-        """Whether ``(tp, microbatch_size, cp)`` is answered without solving another ILP."""
-        return not self._missing(tp, microbatch_size, cp)
+    def ready(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> bool:
+        """Whether ``(tp, microbatch_size, cp, sequence_parallel)`` is answered without solving another ILP."""
+        return not self._missing(tp, microbatch_size, cp, sequence_parallel)
 
     def prefetch(
         self, keys: Iterable[tuple[int, ...]], *, while_waiting: Callable[[], bool] | None = None
     ) -> None:
-        """Solve the costs of every ``(tp, microbatch_size[, cp])`` in ``keys`` now, in forked worker
+        """Solve the costs of every ``(tp, microbatch_size[, cp[, sequence_parallel]])`` in ``keys`` now, in forked worker
         processes, so the search's later calls are cache hits.
 
         The ILPs are independent; only *which* sizes need one depends on earlier results
@@ -155,20 +155,20 @@ class SegmentCostModel(SegmentCostOracle):
             or "fork" not in multiprocessing.get_all_start_methods()
             or torch.distributed.is_initialized()
         ):
-            for tp, b, cp in todo:
-                self(tp, b, cp)
+            for key in todo:
+                self(*key)
             return
-        sizes = {b for _, b, _ in todo}
+        sizes = {key[1] for key in todo}
         if self.extrapolate_batch and max(sizes) > MIN_BASE_BATCH:
             sizes |= {1, MIN_BASE_BATCH}  # the first linearity check (SegmentCostModel._missing)
         done: queue.SimpleQueue[object] = queue.SimpleQueue()
-        running: set[tuple[int, int, int]] = set()
-        early: set[tuple[int, int, int]] = set()  # running in the first, one-process pool
+        running: set[tuple[int, int, int, bool]] = set()
+        early: set[tuple[int, int, int, bool]] = set()  # running in the first, one-process pool
 
-        def needed() -> set[tuple[int, int, int]]:
-            return {(tp, size, cp) for tp, b, cp in todo for size in self._missing(tp, b, cp)} - running
+        def needed() -> set[tuple[int, int, int, bool]]:
+            return {(tp, size, cp, sp) for tp, b, cp, sp in todo for size in self._missing(tp, b, cp, sp)} - running
 
-        def start(pool: multiprocessing.pool.Pool, key: tuple[int, int, int]) -> None:
+        def start(pool: multiprocessing.pool.Pool, key: tuple[int, int, int, bool]) -> None:
             pool.apply_async(_solve_pair, (key,), callback=done.put, error_callback=done.put)
             running.add(key)
 
@@ -202,39 +202,41 @@ class SegmentCostModel(SegmentCostOracle):
                         result = done.get()  # nothing to do meanwhile until the next result
                     if isinstance(result, BaseException):
                         raise result
-                    solved: tuple[tuple[int, int, int], SegmentCosts] = result  # type: ignore[assignment]
+                    solved: tuple[tuple[int, int, int, bool], SegmentCosts] = result  # type: ignore[assignment]
                     running.discard(solved[0])
                     early.discard(solved[0])
                     self._costs[solved[0]] = solved[1]
         finally:
             gc.unfreeze()
-        for tp, b, cp in todo:  # every ILP is solved: the scaled sizes and linearity decisions
-            self(tp, b, cp)
+        for key in todo:  # every ILP is solved: the scaled sizes and linearity decisions
+            self(*key)
 
-    def _missing(self, tp: int, microbatch_size: int, cp: int = 1) -> set[int]:
+    def _missing(self, tp: int, microbatch_size: int, cp: int = 1, sp: bool = False) -> set[int]:
         """The micro-batch sizes whose ILPs :meth:`__call__` still needs to answer
-        ``(tp, microbatch_size, cp)``, as far as the sizes solved so far decide; empty once it is
+        ``(tp, microbatch_size, cp, sp)``, as far as the sizes solved so far decide; empty once it is
         answered (a size that scales linearly is scaled and stored here, see :meth:`__call__`)."""
-        key = (tp, microbatch_size, cp)
+        key = (tp, microbatch_size, cp, bool(sp))
         if key in self._costs:
             return set()
         if self.extrapolate_batch:
             base = 2
             while base < microbatch_size:
-                if (tp, base, cp) not in self._linear:  # both sides solved exactly (bases below failed)
-                    need = self._missing(tp, base // 2, cp) | self._missing(tp, base, cp)
+                lin = (tp, base, cp, bool(sp))
+                if lin not in self._linear:  # both sides solved exactly (bases below failed)
+                    need = self._missing(tp, base // 2, cp, sp) | self._missing(tp, base, cp, sp)
                     if need:
                         return need
-                    self._linear[(tp, base, cp)] = _scales_linearly(self(tp, base // 2, cp), self(tp, base, cp), 2)
-                if self._linear[(tp, base, cp)]:
-                    self._costs[key] = scale_costs(self(tp, base, cp), microbatch_size / base)
+                    self._linear[lin] = _scales_linearly(self(tp, base // 2, cp, sp), self(tp, base, cp, sp), 2)
+                if self._linear[lin]:
+                    self._costs[key] = scale_costs(self(tp, base, cp, sp), microbatch_size / base)
                     return set()
                 base *= 2
         return {microbatch_size}
 
-    def __call__(self, tp: int, microbatch_size: int, cp: int = 1) -> SegmentCosts:
+    def __call__(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> SegmentCosts:
         """Costs of a micro-batch of ``microbatch_size`` samples on ``tp`` devices (``cp x tp``
-        with context parallelism, :attr:`ParallelConfig.cp`).
+        with context parallelism, :attr:`ParallelConfig.cp`; with ``sequence_parallel`` the ILP
+        placed under :func:`~autoplan.planner.mesh.restrict_sequence_parallel`).
 
         Large models run at their roofline already with one sample (thousands of tokens): the
         costs of ``b`` samples are then ``b`` times those of one (times, activations, cuts and
@@ -244,24 +246,27 @@ class SegmentCostModel(SegmentCostOracle):
         2, 4, 8, ... whose solved costs are those of ``b0 / 2`` samples doubled within
         :data:`LINEAR_TOLERANCE` (checked per ``tp``); otherwise ``b`` is traced and solved.
         The ILPs :meth:`_missing` names are solved here, smallest first, until it has none left."""
-        key = (tp, microbatch_size, cp)
+        sp = bool(sequence_parallel)
+        key = (tp, microbatch_size, cp, sp)
         while key not in self._costs:
-            for size in sorted(self._missing(tp, microbatch_size, cp)):
-                self._costs[(tp, size, cp)] = self._solve(tp, size, cp)
+            for size in sorted(self._missing(tp, microbatch_size, cp, sp)):
+                self._costs[(tp, size, cp, sp)] = self._solve(tp, size, cp, sp)
         return self._costs[key]
 
-    def _solve(self, tp: int, microbatch_size: int, cp: int = 1) -> SegmentCosts:
+    def _solve(self, tp: int, microbatch_size: int, cp: int = 1, sp: bool = False) -> SegmentCosts:
         """The intra-operator ILP of ``microbatch_size`` samples on ``tp`` devices (on the ``cp x
         tp`` mesh, its ``cp`` axis splitting the sequence: :func:`restrict_context_parallel`),
         summed per segment and expanded to the model's depth."""
         traced, layering = self._traced(microbatch_size)
-        group = f"cp={cp} x tp={tp}" if cp > 1 else f"tp={tp}"
+        group = (f"cp={cp} x tp={tp}" if cp > 1 else f"tp={tp}") + (" with sequence parallelism" if sp else "")
         progress.step(f"segment costs: ILP for {group}, micro-batch {microbatch_size} ({len(self._costs) + 1} solved)")
         sub = replica_cluster(self.cluster, tp, cp=cp)
         with planning_mesh(sub) as mesh:
             table = pass_order.STRATEGIES(traced, mesh)
             if cp > 1:
                 restrict_context_parallel(table, gradient_values(traced.graph_module.graph), axis=0)
+            if sp and tp > 1:
+                restrict_sequence_parallel(table, traced.graph_module.graph, axis=sub.mesh_ndim - 1)
             # the parameters' gradients are reduced over cp with dp's (cost_models.step._DpGroups)
             problem = pass_order.COSTING(
                 traced, table, sub, optimizer=self.optimizer, profile=self.profile,
@@ -332,14 +337,14 @@ def _quiet_on_signals() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def _full_key(key: tuple[int, ...]) -> tuple[int, int, int]:
-    """``(tp, microbatch_size)`` or ``(tp, microbatch_size, cp)`` as ``(tp, microbatch_size, cp)``."""
+def _full_key(key: tuple[int, ...]) -> tuple[int, int, int, bool]:
+    """``(tp, microbatch_size[, cp[, sequence_parallel]])`` as ``(tp, microbatch_size, cp, sequence_parallel)``."""
     tp, b, *rest = key
-    return tp, b, rest[0] if rest else 1
+    return tp, b, rest[0] if rest else 1, bool(rest[1]) if len(rest) > 1 else False
 
 
-def _solve_pair(key: tuple[int, int, int]) -> tuple[tuple[int, int, int], SegmentCosts]:
-    """In a forked worker: the ILP of one ``(tp, microbatch_size, cp)``."""
+def _solve_pair(key: tuple[int, int, int, bool]) -> tuple[tuple[int, int, int, bool], SegmentCosts]:
+    """In a forked worker: the ILP of one ``(tp, microbatch_size, cp, sequence_parallel)``."""
     model = _WORKER_MODEL
     assert model is not None, "prefetch workers are started by SegmentCostModel.prefetch"
     # the parent's OpenMP threads are not in this process: an op that forks work to them would
