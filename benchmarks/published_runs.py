@@ -1,6 +1,7 @@
-"""Published large-scale training runs, priced with the planner's cost model (issue #19, item 6).
+"""Published large-scale training runs, priced with the planner's cost model (issue #19, item 6;
+issue #41, item 4; the table of runs and of sources found but not encoded: ``docs/published-runs.md``).
 
-    python benchmarks/published_runs.py [--breakdown]
+    python benchmarks/published_runs.py [--only SUBSTR] [--breakdown]
 
 Each run is a configuration someone ran and published, with its measured throughput: build the
 model on ``meta`` (``tests.zoo.llama_lm`` / ``qwen3_moe_lm``, no weights) and price exactly that configuration with
@@ -8,17 +9,36 @@ model on ``meta`` (``tests.zoo.llama_lm`` / ``qwen3_moe_lm``, no weights) and pr
 tokens/s per GPU and their error (predicted / published - 1), predicted and published MFU, the
 predicted communication per step (all of it, and the part the compute stream waits for: ZeRO-3's
 per-block gathers and per-bucket reduce-scatters as the program issues them), the predicted peak
-memory per device and whether the cost model calls it feasible; then
-``published: runs=N err_median=X% err_max=Y% mem_err_max=Z%`` (median and max of |error| over the
-runs; ``mem_err_max`` over the runs with a published peak memory, ``n/a`` when none has one). ``--breakdown`` adds, under each
-run, where its predicted step goes (:func:`breakdown`).
+memory per device beside the published one (and what that counts, ``PublishedRun.peak_memory_kind``)
+and their error, the capacity the cost model lets a device use, and whether it calls the
+configuration feasible; then, last,
+``published: runs=N err_median=X% err_max=Y% mem_err_median=Z% mem_err_max=W% feasible=K/N``
+(median and max of |error| over the runs that publish tokens/s; ``mem_err_*`` over the runs with a
+published peak memory, ``n/a`` when none has one; ``feasible``: the runs priced as fitting, of all:
+every run here ran, so all should). ``--only SUBSTR`` prices only the runs whose model name or
+source contains SUBSTR (case-insensitive); ``--breakdown`` adds, under each run, where its
+predicted step goes (:func:`breakdown`).
 
 Sources: the eight Llama rows, ``shared/published_runs.md`` (torchtitan, FSDP2 on 64 A100 80GB,
 pytorch/torchtitan docs/performance.md, 2024); the mixture-of-experts row, NeMo AutoModel's
 performance summary (Qwen3-30B-A3B, BF16, one DGX-H100, EP 8 priced as ``ep=8``; the row's comment in ``RUNS`` says
 what is exact and what is approximated); the long-context row, the Llama 3 paper's 405B at
 131,072 tokens on 16,384 H100 (TP 8, CP 16, PP 16, DP 8, priced as ``cp=16`` beside ``tp=8``; its
-comment in ``RUNS`` likewise). Add runs as rows of ``RUNS`` with their source. The
+comment in ``RUNS`` likewise); issue #41 item 4, runs whose conditions matter for memory, each
+with its comment in ``RUNS`` (exact / approximated) and its source constant:
+
+- FlagPerf (FlagOpen/FlagPerf @ 1b5a0303, BAAI's vendor benchmark suite; per case the results
+  README, the config and the launched script; published tokens/s, MFU and nvidia-smi memory):
+  Llama 3 8B on Megatron-Core 0.6 with sequence parallelism, ten TP/PP/DP layouts on 8 A800
+  (priced as A100-80GB), 8, 16 and 440 H100 (``FLAGPERF_LLAMA3_8B_RUNS``); Llama 3 70B, PP4 DP2
+  TP8 + SP on 64 H100 (``FLAGPERF_LLAMA3_70B_RUN``); Llama 2 7B with Megatron-DeepSpeed ZeRO-1
+  and with DeepSpeed ZeRO-3 (HF model) on 8 A800 (``FLAGPERF_LLAMA2_7B_MDS_RUNS``,
+  ``FLAGPERF_LLAMA2_7B_DS_RUNS``); Aquila2-7B (a Llama) with FlagScale in four TP/PP/DP layouts
+  (``FLAGPERF_AQUILA2_7B_RUNS``).
+- fms-fsdp (foundation-model-stack/fms-fsdp README, commit 3d28d72): 34b and 70b, FSDP1 over 128
+  A100 with full recomputation, throughput only (``FMS_FSDP_RUNS``, ``peak_memory_kind="ran"``).
+
+Add runs as rows of ``RUNS`` with their source. The
 corrections below (recomputation policies, FSDP2 copies, torchtitan's MFU) apply to the torchtitan
 rows only (``PublishedRun.framework``).
 
@@ -153,6 +173,20 @@ LLAMA3_405B = Shape(name="Llama 3 405B", layers=126, hidden=16384, heads=128, kv
 LLAMA3_70B = Shape(name="Llama 3 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256)
 LLAMA2_13B = Shape(name="Llama 2 13B", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
 LLAMA2_70B = Shape(name="Llama 2 70B", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)
+LLAMA2_7B = Shape(name="Llama 2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=32000)
+"""FlagPerf ``training/benchmarks/llama2_7b/deepspeed/llama2_7b_hf/config.json`` (HF ``LlamaForCausalLM``,
+untied) and its Megatron-DeepSpeed script (``megatron-deepspeed_main.sh``: the same numbers)."""
+AQUILA2_7B = Shape(name="Aquila2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=100096)
+"""FlagPerf ``training/benchmarks/aquila2_7b/flagscale/flagscale_main.sh``: 32 layers, hidden 4096, 32 heads
+(no grouped-query flag), SwiGLU with ``--multiple-of 256`` (11,008), ``--vocab-size 100008`` padded by
+Megatron to a multiple of 128 x tp (100,096 at tp 1 and 2)."""
+AQUILA2_7B_TP8 = Shape(name="Aquila2 7B", layers=32, hidden=4096, heads=32, kv_heads=32, ffn=11008, vocab=100352)
+""":data:`AQUILA2_7B` at tp 8: the vocabulary padded to a multiple of 1,024 (100,352)."""
+FMS_34B_MHA = Shape(name="fms llama2 34b (MHA)", layers=48, hidden=8192, heads=64, kv_heads=64, ffn=22016, vocab=32000)
+"""fms-fsdp ``fms_fsdp/utils/config_utils.py`` ``"34b"`` at the README table's commit 3d28d72: no ``kvheads``
+(FMS ``LLaMAConfig`` default 0: as many key/value heads as query heads), ``multiple_of=1``."""
+FMS_70B_MHA = Shape(name="fms llama2 70b (MHA)", layers=80, hidden=8192, heads=64, kv_heads=64, ffn=28672, vocab=32000)
+"""fms-fsdp ``"70b"`` at commit 3d28d72, as :data:`FMS_34B_MHA` (``kvheads=8`` came in 247f22c, after the table)."""
 QWEN3_30B_A3B = Shape(
     name="Qwen3-30B-A3B", layers=48, hidden=2048, heads=32, kv_heads=4, ffn=0, vocab=151936, head_dim=128,
     experts=128, top_k=8, moe_ffn=768,
@@ -191,12 +225,22 @@ class PublishedRun:
     dp ranks)."""
     num_microbatches: int = 1
     """Gradient-accumulation steps per optimizer step."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism on the ``tp`` axis (``ParallelConfig.sequence_parallel``: the
+    norms, dropouts and residual adds between the tensor-parallel matmuls run on ``S / tp``
+    tokens, all-gather / reduce-scatter in place of the all-reduces)."""
     framework: str = "torchtitan"
     """``torchtitan`` rows get the torchtitan/FSDP2 corrections of the module docstring; others none."""
-    tokens_per_s_per_gpu: float
-    mfu: float
+    tokens_per_s_per_gpu: float | None
+    """Published tokens per second per GPU; ``None`` for a memory-only row (left out of
+    ``err_median`` / ``err_max``, still checked for feasibility)."""
+    mfu: float | None
     peak_memory_gib: float | None = None
-    """Published peak memory per GPU; ``None`` where the source gives none."""
+    """Published peak memory per GPU in GiB; ``None`` where the source gives none."""
+    peak_memory_kind: str = ""
+    """What the published peak counts: ``reserved`` (``torch.cuda.max_memory_reserved``),
+    ``allocated`` (``max_memory_allocated``), ``nvidia-smi`` (the device's used memory, CUDA context
+    and NCCL buffers included); ``ran`` for a run that publishes no figure (it ran, so it fits)."""
     source: str
 
     @property
@@ -297,6 +341,199 @@ LLAMA3_405B_128K = PublishedRun(
     mfu=0.38, source=LLAMA3_PAPER,
 )  # fmt: skip
 
+FLAGPERF = "FlagOpen/FlagPerf @ 1b5a030398ab719e406f77877eb34c9599b17fd2"
+FLAGPERF_LLAMA3_8B = (
+    f"{FLAGPERF}: training/nvidia/llama3_8B-megatron/README.md (results, last changed 93730d18, 2024-05-15), "
+    "config/config_{A100,H100}x1x8.py, training/benchmarks/llama3_8B/megatron/pretrain_llama3.sh; "
+    "https://github.com/FlagOpen/FlagPerf/blob/1b5a030398ab719e406f77877eb34c9599b17fd2/training/nvidia/llama3_8B-megatron/README.md"
+)
+FLAGPERF_LLAMA3_70B = (
+    f"{FLAGPERF}: training/nvidia/llama3_70B-megatron/README.md (results, last changed ddd8f62a, 2024-06-14), "
+    "config/config_H100x8x8.py, training/benchmarks/llama3_70B/megatron/pretrain_llama3.sh"
+)
+FLAGPERF_LLAMA2_7B_MDS = (
+    f"{FLAGPERF}: training/nvidia/llama2_7b-megatron-deepspeed/README.md (results, last changed d1a078e0, "
+    "2024-02-07), config/config_A100x1x8.py, config/ds_config.json, "
+    "training/benchmarks/llama2_7b/megatron-deepspeed/megatron-deepspeed_main.sh"
+)
+FLAGPERF_LLAMA2_7B_DS = (
+    f"{FLAGPERF}: training/nvidia/llama2_7b-deepspeed/README.md (results, last changed 6035339a, 2023-12-25), "
+    "config/config_A100x1x8.py, training/benchmarks/llama2_7b/deepspeed/{ds_config.json,run_pretraining.py}"
+)
+FLAGPERF_AQUILA2_7B = (
+    f"{FLAGPERF}: training/nvidia/aquila2_7b-flagscale/README.md (results, last changed cd568e3c, 2023-11-21), "
+    "config/config_A100x1x8.py, training/benchmarks/aquila2_7b/flagscale/{flagscale_main.sh,run_pretraining.py}"
+)
+FMS_FSDP = (
+    "foundation-model-stack/fms-fsdp README.md throughput table (commit 3d28d72 'update perf table', "
+    "2024-02-21; unchanged at 5a296afe), scripts/{34b,70b}.sh and fms_fsdp/utils/config_utils.py at 3d28d72; "
+    "https://github.com/foundation-model-stack/fms-fsdp/blob/3d28d72/README.md"
+)
+
+
+def _flagperf_megatron(
+    shape: Shape, cluster: str, pp: int, dp: int, tp: int, gbs: int, wps: float, mfu: float, mem: float, source: str
+) -> PublishedRun:
+    """A FlagPerf Megatron-Core row (comment above): micro-batch 1 per replica, sequence 8192,
+    ``--sequence-parallel`` (a no-op at ``tp`` 1), distributed optimizer, no recomputation."""
+    return PublishedRun(
+        shape=shape, cluster=cluster, seq_len=8192, local_batch=1, activation_checkpointing="none", zero_stage=1,
+        dp=dp, tp=tp, pp=pp, microbatch_size=1, num_microbatches=gbs // dp, sequence_parallel=tp > 1,
+        framework="megatron", tokens_per_s_per_gpu=wps, mfu=mfu, peak_memory_gib=mem, peak_memory_kind="nvidia-smi",
+        source=source,
+    )  # fmt: skip
+
+
+# FlagPerf (FlagOpen/FlagPerf, BAAI's vendor benchmark suite), Llama 3 8B pre-training with
+# Megatron-Core (tag core_v0.6.0, NGC PyTorch container; FLAGPERF_LLAMA3_8B). The launched command
+# (pretrain_llama3.sh, unchanged since the results): --num-layers 32 --hidden-size 4096
+# --ffn-hidden-size 14336 --num-attention-heads 32 --group-query-attention --num-query-groups 8
+# --seq-length 8192 --swiglu --normalization RMSNorm --global-batch-size 512 --micro-batch-size 1
+# (config localbs) --tensor/pipeline-model-parallel-size from the config (the README's column)
+# --sequence-parallel --bf16 --transformer-impl transformer_engine --use-distributed-optimizer
+# --use-mcore-models --use-flash-attn, Llama3Tokenizer (vocab 128,256, a multiple of 128 x tp: no
+# padding), Megatron's Adam (decoupled weight decay 0.1). Published per row: tokens/s per GPU,
+# MFU (PaLM's definition over 312 or 989 TFLOP/s) and "mem" in GiB of 80: FlagPerf's monitor
+# samples nvidia-smi's Memory-Usage during the run (training/nvidia/nvidia_monitor.py), so the
+# figure includes the CUDA context, NCCL buffers and the allocator's cache (kind "nvidia-smi").
+# Exact: the block's sizes, GPUs, TP/PP/DP, SP, micro-batch 1, global batch 512 (512 / dp
+# micro-batches per replica), sequence 8192, bf16, non-interleaved 1F1B (no virtual stages), the
+# distributed optimizer (fp32 master weights and Adam moments sharded over dp: autoplan's ZeRO-1).
+# Recomputation: the script passes no --recompute-* flag (the README's optimisation list names
+# "recompute-activations", the command does not; the table's PP1DP8TP1 OOM agrees with none):
+# priced as none. Approximated (the model is Megatron's GPT under those flags and Megatron's
+# defaults, not exactly the zoo's HF Llama): learned absolute position embeddings (no
+# --position-embedding-type rope: 8192 x 4096 more weights on the first stage, no RoPE), biases
+# in the linears (no --disable-bias-linear), the output layer tied to the input embedding (no
+# --untie-embeddings-and-output-weights: with PP > 1 Megatron keeps a copy of the embedding on the
+# last stage, so the memory is the untied model's; with PP 1 the zoo's untied output is 525M / tp
+# weights more than ran), hidden and attention dropout 0.1 (Megatron's defaults; masks not in the
+# zoo model), Megatron's fp32 gradient buffer (bf16 implies --accumulate-allreduce-grads-in-fp32).
+# Hardware: the "A100" rows ran on a DGX A800 80GB (README hardware section; the A100's compute and
+# HBM, NVLink 400 GB/s against the A100's 600 GB/s), priced on the catalog's A100-80GB; the H100
+# rows on H100 SXM 80GB (config_H100x1x8.py), the 2- and 55-node rows over InfiniBand (not
+# described for this case).
+FLAGPERF_LLAMA3_8B_RUNS = [
+    _flagperf_megatron(LLAMA3_8B, "1x8xA100-80GB", 2, 4, 1, 512, 3698.7, 0.569, 76, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "1x8xA100-80GB", 4, 2, 1, 512, 3306.5, 0.500, 59, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "1x8xA100-80GB", 2, 2, 2, 512, 3409.2, 0.524, 51, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "1x8xA100-80GB", 2, 1, 4, 512, 3006.1, 0.462, 35, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "1x8xA100-80GB", 8, 1, 1, 512, 2690.3, 0.414, 55, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "1x8xA100-80GB", 1, 1, 8, 512, 2451.2, 0.377, 30, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "1x8xA100-80GB", 4, 1, 2, 512, 3042.7, 0.468, 45, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "1x8xH100", 1, 4, 2, 512, 8103, 0.393, 71, FLAGPERF_LLAMA3_8B),
+    _flagperf_megatron(LLAMA3_8B, "2x8xH100", 1, 8, 2, 512, 7914, 0.384, 62, FLAGPERF_LLAMA3_8B),
+    # "H100-55机440卡", fix_hp gbs=1760 (8 micro-batches per replica), marked "for performance reference only"
+    _flagperf_megatron(LLAMA3_8B, "55x8xH100", 1, 220, 2, 1760, 7047, 0.342, 55, FLAGPERF_LLAMA3_8B),
+]  # fmt: skip
+
+# FlagPerf, Llama 3 70B pre-training with Megatron-Core core_v0.6.0 on 8 x 8 H100 SXM 80GB
+# (InfiniBand 400 Gb/s; FLAGPERF_LLAMA3_70B): PP4 DP2 TP8, the same command as the 8B rows with
+# --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 --num-attention-heads 64
+# --num-query-groups 8, sequence 8192, micro-batch 1, global batch 512 (256 micro-batches per
+# replica), --sequence-parallel, distributed optimizer, bf16, no --recompute-* flag (the README
+# again lists recompute-activations): 851 tokens/s per GPU, MFU 36.1 %, mem 55/80 GiB (nvidia-smi).
+# Exact and approximated as the 8B rows (learned absolute positions: 8192 x 8192 weights on the
+# first stage; biases; tied embedding, a copy on the last stage; dropout 0.1).
+FLAGPERF_LLAMA3_70B_RUN = _flagperf_megatron(
+    LLAMA3_70B, "8x8xH100", 4, 2, 8, 512, 851, 0.361, 55, FLAGPERF_LLAMA3_70B
+)  # fmt: skip
+
+# FlagPerf, Llama 2 7B pre-training with Megatron-DeepSpeed (DeepSpeed 0.11.1) on one DGX A800
+# 80GB (priced on A100-80GB, as above; FLAGPERF_LLAMA2_7B_MDS): TP1 PP1 DP8 (--no-pipeline-parallel),
+# ds_config.json ZeRO stage 1 (grad_accum_dtype bf16), micro-batch 1, sequence 4096, gradient
+# accumulation 32 (global batch 256; the second row: GAS 128, global batch 1024, labelled "A100"),
+# bf16, Adam (0.9, 0.95, weight decay 0.1), --use-flash-attn-v2, no recomputation (the
+# --recompute-activations line is commented out). 4047 / 3974 tokens/s per GPU, MFU 54.6 % / 53.5 %,
+# mem 63/80 GiB both (nvidia-smi). Exact: GPUs, DP8, ZeRO-1, micro-batch, accumulation, sequence,
+# bf16, no recomputation, and the flags before the comment: --num-layers 32 --hidden-size 4096
+# --ffn-hidden-size 11008 --num-attention-heads 32 --swiglu --use-rotary-position-embeddings
+# --untie-embeddings-and-output-weights, dropout 0. Approximated: the command is a double-quoted
+# string run by ``eval``, and the commented-out ``#--recompute-activations`` sits mid-string (after
+# the backslash-newlines are joined), so the shell drops every flag after it: --normalization
+# rmsnorm, --disable-bias-linear, --num-key-value-heads 32 and ds_args. As written the model has
+# Megatron-DeepSpeed's defaults there: LayerNorm and biased linears (32 key/value heads either way);
+# priced as the zoo Llama (RMSNorm, no biases).
+FLAGPERF_LLAMA2_7B_MDS_RUNS = [
+    PublishedRun(
+        shape=LLAMA2_7B, cluster="1x8xA100-80GB", seq_len=4096, local_batch=1, activation_checkpointing="none",
+        zero_stage=1, dp=8, num_microbatches=gas, framework="megatron-deepspeed", tokens_per_s_per_gpu=wps, mfu=mfu,
+        peak_memory_gib=63, peak_memory_kind="nvidia-smi", source=FLAGPERF_LLAMA2_7B_MDS,
+    )
+    for gas, wps, mfu in ((32, 4047, 0.546), (128, 3974, 0.535))
+]  # fmt: skip
+
+# FlagPerf, Llama 2 7B pre-training with DeepSpeed 0.11.1 ZeRO-3 over one DGX A800 80GB (priced on
+# A100-80GB; FLAGPERF_LLAMA2_7B_DS): HF ``LlamaForCausalLM`` from llama2_7b_hf/config.json (exactly
+# the zoo's Llama 2 7B, untied), built under ``deepspeed.zero.Init``, flash-attention 2
+# (transformers 4.34.1), ds_config.json: ZeRO stage 3 (overlap_comm, max live parameters 1e9,
+# prefetch bucket 1e7, reduce bucket 1e7), bf16, DeepSpeed AdamW (0.9, 0.95, weight decay 0.1),
+# micro-batch 1 per GPU, gradient accumulation 1, sequence 4096; no activation checkpointing (the
+# HF model never calls gradient_checkpointing_enable; ds_config's "activation_checkpointing"
+# section only configures DeepSpeed's checkpoint API, which the model does not use). Rows: the
+# default (3564 tokens/s per GPU, MFU 47.9 %, mem 57/80 GiB), fix_hp MPE=2048 LBS=3 (sequence 2048,
+# micro-batch 3: 3917, 52.7 %, 70/80) and with GAS=64 (4062, 54.7 %, 70/80); mem from nvidia-smi.
+# Exact: model, GPUs, ZeRO-3 over 8, batch, accumulation, sequence, bf16, AdamW, no recomputation.
+# Approximated: DeepSpeed's bucketing (max live parameters, prefetch) against autoplan's per-block
+# ZeRO-3 gathers.
+FLAGPERF_LLAMA2_7B_DS_RUNS = [
+    PublishedRun(
+        shape=LLAMA2_7B, cluster="1x8xA100-80GB", seq_len=seq, local_batch=lbs, activation_checkpointing="none",
+        zero_stage=3, dp=8, num_microbatches=gas, framework="deepspeed", tokens_per_s_per_gpu=wps, mfu=mfu,
+        peak_memory_gib=mem, peak_memory_kind="nvidia-smi", source=FLAGPERF_LLAMA2_7B_DS,
+    )
+    for seq, lbs, gas, wps, mfu, mem in ((4096, 1, 1, 3564, 0.479, 57), (2048, 3, 1, 3917, 0.527, 70),
+                                          (2048, 3, 64, 4062, 0.547, 70))
+]  # fmt: skip
+
+# FlagPerf, Aquila2-7B pre-training with FlagScale (BAAI's Megatron-LM fork, FlagScale.git@ed55532,
+# which the README says does not overlap communication with computation yet) on one DGX A800 80GB
+# (priced on A100-80GB, as above; FLAGPERF_AQUILA2_7B). flagscale_main.sh: a Llama in Megatron's
+# flags (--use-rotary-position-embeddings --no-position-embedding --swiglu --apply-layernorm-rms
+# --untie-embeddings-and-output-weights --disable-bias-linear, dropout 0; AQUILA2_7B), sequence 2048,
+# bf16, --use-distributed-optimizer (ZeRO-1), --use-flash-attn, Adam (0.9, 0.95, weight decay 0.1),
+# no --sequence-parallel, no recomputation flag; run_pretraining.py: global batch = micro-batch x
+# world x 9 / (tp x pp), so 9 micro-batches per replica in every row (accumulate_steps 9; the rows'
+# fix_hp changes only the micro-batch). Rows: TP1 PP1 DP8 micro-batch 1 (3936.8 tokens/s per GPU,
+# MFU 53.0 %, mem 74/80 GiB), TP8 PP1 DP1 micro-batch 8 (2866.3, 38.6 %, 55/80), TP1 PP8 DP1
+# micro-batch 4 (2093.5, 28.2 %, 57/80), TP2 PP2 DP2 micro-batch 4 (3468.3, 46.7 %, 52/80); mem
+# from nvidia-smi. Exact: shape (vocabulary as Megatron pads it), GPUs, degrees, no SP, batches,
+# sequence, bf16, ZeRO-1, no recomputation, 1F1B. Approximated: Megatron's fp32 gradient buffer;
+# the interleaved-rotary patch (numerics only); the missing overlap is the framework's, not priced.
+FLAGPERF_AQUILA2_7B_RUNS = [
+    PublishedRun(
+        shape=AQUILA2_7B_TP8 if tp == 8 else AQUILA2_7B, cluster="1x8xA100-80GB", seq_len=2048, local_batch=mbs,
+        activation_checkpointing="none", zero_stage=1, dp=dp, tp=tp, pp=pp, microbatch_size=mbs, num_microbatches=9,
+        framework="flagscale", tokens_per_s_per_gpu=wps, mfu=mfu, peak_memory_gib=mem, peak_memory_kind="nvidia-smi",
+        source=FLAGPERF_AQUILA2_7B,
+    )
+    for tp, pp, dp, mbs, wps, mfu, mem in ((1, 1, 8, 1, 3936.8, 0.530, 74), (8, 1, 1, 8, 2866.3, 0.386, 55),
+                                            (1, 8, 1, 4, 2093.5, 0.282, 57), (2, 2, 2, 4, 3468.3, 0.467, 52))
+]  # fmt: skip
+
+# fms-fsdp (IBM, FSDP1 pre-training of Llama 2 shapes; FMS_FSDP), README throughput table, 128 A100
+# (16 nodes x 8): 34b, FULL_SHARD over 128 (sharding_strategy=fsdp), activation checkpointing on
+# every block (fsdp_activation_checkpointing=True, selective_checkpointing=1: checkpoint_wrapper,
+# NO_REENTRANT), batch 8 per GPU, no accumulation, sequence 4096 (train_config.seq_length), bf16
+# (bfSixteen: bf16 parameters and reduce), AdamW, torch.compile off (scripts/34b.sh): 772 tokens/s
+# per GPU; 70b, the same with batch 6: 380 tokens/s per GPU. No memory published (kind "ran": it
+# ran, so it fits). Exact: the sharding, recomputation, batch, sequence, precision. Approximated
+# or assumed: the A100's memory (not stated: 80 GB assumed, IBM's Vela A100s; the 70b's checkpoints
+# alone, 80 x 6 x 4096 x 8192 bf16 = 30 GiB, rule out 40 GB); the shapes: at the table's commit
+# config_utils.py gives 34b and 70b no ``kvheads`` (multi-head attention, FMS_34B_MHA / FMS_70B_MHA),
+# the same day's later commit 247f22c "align with FMS config" sets kvheads=8: which one the table
+# measured is not recorded (priced as committed with the table, the larger model); FSDP1's flat
+# parameters and rate limiter against autoplan's ZeRO-3; full recomputation as in the module
+# docstring (checkpoint_wrapper re-runs the whole block; not corrected for these rows).
+FMS_FSDP_RUNS = [
+    PublishedRun(
+        shape=shape, cluster="16x8xA100-80GB", seq_len=4096, local_batch=batch, activation_checkpointing="full",
+        zero_stage=3, dp=128, framework="fsdp", tokens_per_s_per_gpu=wps, mfu=None, peak_memory_kind="ran",
+        source=FMS_FSDP,
+    )
+    for shape, batch, wps in ((FMS_34B_MHA, 8, 772), (FMS_70B_MHA, 6, 380))
+]  # fmt: skip
+
 RUNS = [
     _tt(LLAMA3_8B, 8192, 1, "selective, per layer", 2904, 0.568),
     _tt(LLAMA3_8B, 8192, 1, "selective, per op", 2973, 0.582),
@@ -308,6 +545,12 @@ RUNS = [
     _tt(LLAMA2_70B, 4096, 2, "full", 353, 0.505),
     AUTOMODEL_QWEN3_30B,
     LLAMA3_405B_128K,
+    *FLAGPERF_LLAMA3_8B_RUNS,
+    FLAGPERF_LLAMA3_70B_RUN,
+    *FLAGPERF_LLAMA2_7B_MDS_RUNS,
+    *FLAGPERF_LLAMA2_7B_DS_RUNS,
+    *FLAGPERF_AQUILA2_7B_RUNS,
+    *FMS_FSDP_RUNS,
 ]
 
 RECOMPUTE_MIX: dict[str, dict[str, float]] = {
@@ -332,9 +575,12 @@ class Priced:
     """Communication per step (every collective, :attr:`TrainingEstimate.comm`)."""
     exposed_comm_s: float
     """Of which the compute stream waits for."""
-    published_mfu_check: float
+    published_mfu_check: float | None
     """The published tokens/s through torchtitan's MFU formula: equals the published MFU when
-    the row's shape and numbers are encoded as torchtitan ran them."""
+    the row's shape and numbers are encoded as torchtitan ran them (torchtitan rows; others: the
+    published MFU)."""
+    capacity_gib: float
+    """What the cost model lets a device use (``TrainingEstimate.capacity_bytes``)."""
 
 
 def build(run: PublishedRun) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -358,7 +604,7 @@ def parallel_config(run: PublishedRun, recompute: str) -> autoplan.ParallelConfi
     return autoplan.ParallelConfig(
         dp=run.dp, cp=run.cp, tp=run.tp, pp=run.pp, microbatch_size=run.replica_batch,
         num_microbatches=run.num_microbatches, schedule=run.schedule, virtual_stages=run.virtual_stages,
-        recompute=recompute, zero_stage=run.zero_stage, ep=run.ep,
+        recompute=recompute, zero_stage=run.zero_stage, ep=run.ep, sequence_parallel=run.sequence_parallel,
     )  # fmt: skip
 
 
@@ -419,6 +665,7 @@ def price(run: PublishedRun) -> Priced:
         config=" + ".join(configs), tokens_per_s_per_gpu=tokens / step_s / run.num_gpus, mfu=mfu_step / step_s,
         peak_memory_gib=peak / GiB, feasible=peak <= capacity, comm_s=comm_s, exposed_comm_s=exposed_s,
         published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu) if torchtitan else run.mfu,
+        capacity_gib=capacity / GiB,
     )  # fmt: skip
 
 
@@ -533,7 +780,9 @@ def breakdown(run: PublishedRun) -> list[str]:
         ms[where] = ms.get(where, 0.0) + t * 1e3 * (blocks if k == kept else 1) * run.num_microbatches
     lines = []
     torchtitan = run.framework == "torchtitan"
-    for recompute in RECOMPUTE_MIX[run.activation_checkpointing]:
+    wps = run.tokens_per_s_per_gpu
+    published_ms = "n/a" if wps is None else f"{run.global_batch * run.seq_len / run.num_gpus / wps * 1e3:,.0f}"
+    for recompute in RECOMPUTE_MIX.get(run.activation_checkpointing, {"none": 1.0, "selective": 1.0, "full": 1.0}):
         config = parallel_config(run, recompute)
         est = autoplan.estimate(
             model, cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
@@ -555,45 +804,74 @@ def breakdown(run: PublishedRun) -> list[str]:
             f"  [{recompute}] ms per step: {passes} | recompute {redo * 1e3:,.0f} | FSDP2 copies "
             f"{copies_s * 1e3:,.0f} | optimizer "
             f"{est.optimizer_s * 1e3:,.0f} | compute stream {est.compute_s * 1e3:,.0f} | exposed comm "
-            f"{est.exposed_comm_s * 1e3:,.0f} | step {est.step_time_s * 1e3:,.0f} (published "
-            f"{run.global_batch * run.seq_len / run.num_gpus / run.tokens_per_s_per_gpu * 1e3:,.0f})"
+            f"{est.exposed_comm_s * 1e3:,.0f} | step {est.step_time_s * 1e3:,.0f} (published {published_ms})"
         )
     return lines
+
+
+def _option(name: str) -> str | None:
+    """The value after ``name`` on the command line (``--only SUBSTR``), ``None`` when absent."""
+    argv = sys.argv[1:]
+    if name not in argv:
+        return None
+    k = argv.index(name)
+    if k + 1 >= len(argv):
+        raise SystemExit(f"{name} needs a value")
+    return argv[k + 1]
+
+
+def _pct(values: list[float], f) -> str:  # noqa: ANN001 - statistics.median or max
+    return f"{f(values):.1%}" if values else "n/a"
 
 
 def main() -> int:
     t0 = time.perf_counter()
     show_breakdown = "--breakdown" in sys.argv[1:]
-    head = ("model", "seq", "local batch", "AC (published)", "autoplan config", "pred tok/s/GPU", "published",
-            "error", "pred MFU", "pub MFU", "pred comm ms (exposed)", "pred peak GiB", "feasible")  # fmt: skip
+    only = _option("--only")
+    runs = [r for r in RUNS if only is None or only.lower() in f"{r.shape.name} {r.source}".lower()]
+    if not runs:
+        raise SystemExit(f"--only {only!r}: no run's model name or source contains it")
+    head = ("model", "cluster", "seq", "local batch", "AC (published)", "autoplan config", "pred tok/s/GPU",
+            "published", "error", "pred MFU", "pub MFU", "pred comm ms (exposed)", "pred peak GiB",
+            "published peak GiB (kind)", "mem error", "capacity GiB", "feasible")  # fmt: skip
     print(" | ".join(head))
-    errors, mem_errors, encoding = [], [], []
-    for run in RUNS:
+    errors, mem_errors, encoding, feasible = [], [], [], 0
+    for run in runs:
         p = price(run)
-        err = p.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu - 1
-        errors.append(abs(err))
-        if run.framework == "torchtitan":
-            encoding.append(abs(p.published_mfu_check - run.mfu))
+        feasible += p.feasible
+        wps, pub_mfu = run.tokens_per_s_per_gpu, run.mfu
+        err_s = "n/a"
+        if wps is not None:
+            err = p.tokens_per_s_per_gpu / wps - 1
+            errors.append(abs(err))
+            err_s = f"{err:+.1%}"
+        if run.framework == "torchtitan" and p.published_mfu_check is not None and pub_mfu is not None:
+            encoding.append(abs(p.published_mfu_check - pub_mfu))
+        mem_s, pub_mem = "n/a", f"- ({run.peak_memory_kind or 'not published'})"
         if run.peak_memory_gib is not None:
-            mem_errors.append(abs(p.peak_memory_gib / run.peak_memory_gib - 1))
+            mem_err = p.peak_memory_gib / run.peak_memory_gib - 1
+            mem_errors.append(abs(mem_err))
+            mem_s, pub_mem = f"{mem_err:+.1%}", f"{run.peak_memory_gib:.1f} ({run.peak_memory_kind})"
         print(
-            f"{run.shape.name} | {run.seq_len} | {run.local_batch} | {run.activation_checkpointing} | {p.config} | "
-            f"{p.tokens_per_s_per_gpu:,.0f} | {run.tokens_per_s_per_gpu:,.0f} | {err:+.1%} | {p.mfu:.1%} | "
-            f"{run.mfu:.1%} | {p.comm_s * 1e3:,.0f} ({p.exposed_comm_s * 1e3:,.0f}) | {p.peak_memory_gib:.1f} | "
-            f"{'yes' if p.feasible else 'NO'}",
+            f"{run.shape.name} | {run.cluster} | {run.seq_len} | {run.local_batch} | {run.activation_checkpointing} | "
+            f"{p.config} | {p.tokens_per_s_per_gpu:,.0f} | "
+            f"{'n/a' if wps is None else f'{wps:,.0f}'} | {err_s} | {p.mfu:.1%} | "
+            f"{'n/a' if pub_mfu is None else f'{pub_mfu:.1%}'} | {p.comm_s * 1e3:,.0f} ({p.exposed_comm_s * 1e3:,.0f}) | "
+            f"{p.peak_memory_gib:.1f} | {pub_mem} | {mem_s} | {p.capacity_gib:.1f} | {'yes' if p.feasible else 'NO'}",
             flush=True,
-        )
+        )  # fmt: skip
         if show_breakdown:
             print("\n".join(breakdown(run)), flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"encoding check: published MFU vs torchtitan's formula on published tok/s, max |diff| "
-          f"{max(encoding) * 100:.2f} points")  # fmt: skip
-    print(f"sources: {'; '.join(sorted({r.source for r in RUNS}))}")
+    if encoding:
+        print(f"encoding check: published MFU vs torchtitan's formula on published tok/s, max |diff| "
+              f"{max(encoding) * 100:.2f} points")  # fmt: skip
+    print(f"sources: {'; '.join(sorted({r.source for r in runs}))}")
     print(f"time {time.perf_counter() - t0:.1f} s, peak RSS {rss:.0f} MiB")
-    mem = f"{max(mem_errors):.1%}" if mem_errors else "n/a"
     print(
-        f"published: runs={len(RUNS)} err_median={statistics.median(errors):.1%} "
-        f"err_max={max(errors):.1%} mem_err_max={mem}"
+        f"published: runs={len(runs)} err_median={_pct(errors, statistics.median)} err_max={_pct(errors, max)} "
+        f"mem_err_median={_pct(mem_errors, statistics.median)} mem_err_max={_pct(mem_errors, max)} "
+        f"feasible={feasible}/{len(runs)}"
     )
     return 0
 

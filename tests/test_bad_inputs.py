@@ -779,9 +779,10 @@ def test_cli_malformed_pin_is_one_line(pin, fragment, capfd, tmp_path):
         (["--global-batch-size", "8", "--config", "dp=0"], "ParallelConfig.dp must be a positive integer, got 0"),
         (["--global-batch-size", "8", "--config", "schedule=fast"], "unknown schedule 'fast'"),
         (["--config", "dp=2"], "--config needs --global-batch-size N"),
-        (["--global-batch-size", "8", "--config", "dp=2,sequence_parallel=1"], "'sequence_parallel' was removed"),
+        (["--global-batch-size", "8", "--config", "dp=2,sequence_parallel=1"], "sequence_parallel=True needs tp > 1"),
+        (["--global-batch-size", "8", "--config", "tp=2,sequence_parallel=yes"], "sequence_parallel='yes': expected"),
     ],
-    ids=["no_value", "unknown_key", "not_int", "zero", "unknown_schedule", "no_batch", "removed_key"],
+    ids=["no_value", "unknown_key", "not_int", "zero", "unknown_schedule", "no_batch", "sp_without_tp", "sp_not_bool"],
 )
 def test_cli_malformed_config_is_one_line(args, fragment, capfd, tmp_path):
     result = cli(capfd, "plan", target("mlp"), "--cluster", "2xCPU", "--out", tmp_path / "plan.json", *args)

@@ -1,8 +1,8 @@
 """No field of ``ParallelConfig`` is ignored: changing any one of them changes the estimate.
 
-``sequence_parallel`` was accepted, saved in every global-batch plan and never read; it is
-removed, and a plan file or ``--config`` that still names it is refused with the field named.
-The check below would have caught it: every field of the dataclass must be listed in
+``sequence_parallel`` was once accepted, saved in every global-batch plan and never read (it
+was removed, then came back applied with plan version 2: version-1 plans are refused). The check
+below would have caught it: every field of the dataclass must be listed in
 ``VARIANTS`` with a change of that field alone, and :func:`autoplan.estimate` of the changed
 configuration must differ from the base one (step time, memory per device or bubble).
 """
@@ -41,6 +41,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "offload_optimizer": {"offload_optimizer": True},
     "ep": {"ep": 4, "dp": 4, "tp": 1},  # a mixture of experts (MOE_MODEL), experts split over dp
     "cp": {"cp": 2},  # 16 devices, each replica's 8 tokens split over a cp x tp = 2 x 2 mesh
+    "sequence_parallel": {"sequence_parallel": True},  # the tp=2 group's norm/residual activations split
+    # ZeRO-3 with 4 micro-batches: the summed gradients held sharded, 4 x the reduce-scatters
+    "sharded_grad_accumulation": {"sharded_grad_accumulation": True, "zero_stage": 3},
 }
 """Where a field needs another to be valid (``virtual_stages`` needs the interleaved schedule,
 ``stage_dp=(1, 3)`` needs a micro-batch of 3 samples per replica, ``ep`` equals ``dp`` without
@@ -115,21 +118,22 @@ def test_changing_one_config_field_changes_the_estimate(field: str) -> None:
     assert _estimate(changed, moe=moe) != _estimate(base, moe=moe), f"ParallelConfig.{field} does not change the estimate"
 
 
-# --- the removed sequence_parallel field ---------------------------------------------------------
+# --- sequence_parallel: a field again, applied (plan version 2) ----------------------------------
 
 
-def test_sequence_parallel_is_not_a_config_field() -> None:
-    with pytest.raises(TypeError):
-        ParallelConfig(sequence_parallel=True)  # type: ignore[call-arg]
-    with pytest.raises(ConfigError, match=r"sequence_parallel.*removed.*never applied"):
-        ParallelConfig.from_dict({**BASE.to_dict(), "sequence_parallel": True})
+def test_sequence_parallel_is_an_applied_config_field_and_misspelt_keys_are_refused() -> None:
+    """Removed once because it was accepted and never applied; now it is applied (the estimate
+    changes: ``VARIANTS``), and an unknown key is still refused, named."""
+    cfg = ParallelConfig.from_dict({**BASE.to_dict(), "sequence_parallel": True})
+    assert cfg.sequence_parallel and cfg.to_dict()["sequence_parallel"] is True
     with pytest.raises(ConfigError, match=r"unknown ParallelConfig field\(s\) 'pipeline_degree'"):
         ParallelConfig.from_dict({**BASE.to_dict(), "pipeline_degree": 2})
 
 
-def test_plan_file_naming_sequence_parallel_is_refused_with_the_field_named(tmp_path) -> None:  # noqa: ANN001
-    """A plan saved before the field was removed (every global-batch plan held
-    ``"sequence_parallel": true``) is a PlanFileError naming the field, not a silent ignore."""
+def test_a_plan_file_of_version_1_naming_sequence_parallel_is_refused_by_its_version(tmp_path) -> None:  # noqa: ANN001
+    """A plan saved while the field was accepted and ignored (every global-batch plan held
+    ``"sequence_parallel": true``) is a PlanFileError asking to re-plan, not a plan that now
+    claims a layout its placements do not have."""
     ids, labels = token_batch(batch=4, seq=8)
     plan = make_plan(
         gpt2_tiny(num_layers=2),
@@ -143,7 +147,8 @@ def test_plan_file_naming_sequence_parallel_is_refused_with_the_field_named(tmp_
     data = plan.to_dict()
     assert "sequence_parallel" not in data["config"]
     data["config"]["sequence_parallel"] = True
+    data["version"] = 1
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(PlanFileError, match=r"old\.json.*sequence_parallel.*removed.*re-plan"):
+    with pytest.raises(PlanFileError, match=r"old\.json.*plan version 1.*re-plan"):
         autoplan.Plan.load(path)

@@ -99,7 +99,8 @@ def pins_from_args(items: Sequence[str]) -> dict[str, str]:
 
 def config_from_text(text: str | None) -> ParallelConfig | None:
     """``--config dp=2,tp=2,pp=2,microbatch_size=1,num_microbatches=8,schedule=1f1b``
-    (per-stage degrees as ``stage_dp=1/1/2/4``; ``offload_optimizer=1`` or ``true``)."""
+    (per-stage degrees as ``stage_dp=1/1/2/4``; ``offload_optimizer``, ``sharded_grad_accumulation`` and
+    ``sequence_parallel`` as ``1`` or ``true``)."""
     if not text:
         return None
     fields = {f.name: f for f in dataclasses.fields(ParallelConfig)}
@@ -115,9 +116,9 @@ def config_from_text(text: str | None) -> ParallelConfig | None:
             )
         if key in ("schedule", "recompute"):
             values[key] = value
-        elif key == "offload_optimizer":
+        elif key in ("offload_optimizer", "sharded_grad_accumulation", "sequence_parallel"):
             if value.lower() not in ("0", "1", "true", "false"):
-                raise ConfigError(f"--config offload_optimizer={value!r}: expected true or false")
+                raise ConfigError(f"--config {key}={value!r}: expected true or false")
             values[key] = value.lower() in ("1", "true")
         elif key == "stage_dp":
             try:
