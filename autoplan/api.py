@@ -228,6 +228,7 @@ def _parallelize_pipeline(
         optimizer=plan.optimizer,
         stage_recompute=layout.stage_recompute,
         offload_optimizer=cfg.offload_optimizer,
+        sharded_grad_accumulation=cfg.sharded_grad_accumulation,
         plan=plan,
     )
 

@@ -28,6 +28,7 @@ shows the worse rank. Final line::
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -47,18 +48,40 @@ from tests.zoo import gpt2_lm, lm_loss, token_batch  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH = 4, 128, 4, 2048, 64, 8
 CLUSTER = "2xCPU"
+CLUSTER_4 = "4xCPU"
 OPTIMIZER = "adam"
 TARGET = 0.05
 DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
+_MB = BATCH // 2
 CONFIGS = {
-    "dp": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1),
-    "selective": ParallelConfig(
-        dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, recompute="selective"
+    "dp": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=_MB, num_microbatches=1),
+    "selective": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=_MB, num_microbatches=1, recompute="selective"),
+    "recompute": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=_MB, num_microbatches=1, recompute="full"),
+    "zero3": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=_MB, num_microbatches=1, zero_stage=3),
+    "pp2": ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=_MB, num_microbatches=2),
+    # issue #41 item 5: tensor parallelism with sequence parallelism, ZeRO-3 gradient accumulation
+    # in both layouts, an interleaved pipeline, and (4 ranks, below) dp x interleaved pp and cp x tp
+    "tp2_sp": ParallelConfig(dp=1, tp=2, pp=1, microbatch_size=BATCH, num_microbatches=1, sequence_parallel=True),
+    "zero3_ga": ParallelConfig(dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3),
+    "zero3_ga_sharded": ParallelConfig(
+        dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3, sharded_grad_accumulation=True
     ),
-    "recompute": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, recompute="full"),
-    "zero3": ParallelConfig(dp=2, tp=1, pp=1, microbatch_size=BATCH // 2, num_microbatches=1, zero_stage=3),
-    "pp2": ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=BATCH // 2, num_microbatches=2),
+    "zero3_mb2": ParallelConfig(dp=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
+    "pp2_v2": ParallelConfig(pp=2, microbatch_size=4, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=2),
 }
+"""Two-rank cases (``2xCPU``)."""
+CONFIGS_4 = {
+    "dp2_pp2_v2": ParallelConfig(
+        dp=2, pp=2, microbatch_size=2, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=2
+    ),
+    "cp2_tp2_sp": ParallelConfig(cp=2, tp=2, microbatch_size=BATCH, num_microbatches=1, sequence_parallel=True),
+}
+"""Four-rank cases (``4xCPU``), run by rank 0 of the two-rank job as a job of their own
+(``--four``; the summary covers both)."""
+ONLY = next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--cases=")), None)
+"""``--cases=a,b``: run only these cases (a check while developing; the summary then covers them only)."""
+ROW_PREFIX = "memory_peak_row\t"
+"""Lines the four-rank job prints for the two-rank job to merge: name, plan, measured, predicted."""
 
 
 def build_model() -> nn.Module:
@@ -67,14 +90,17 @@ def build_model() -> nn.Module:
     return gpt2_lm(layers=LAYERS, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, positions=SEQ).train()
 
 
-def plans(ids: torch.Tensor, labels: torch.Tensor) -> dict[str, dict | str]:
-    """Rank 0 plans every case; a plan that fails is its reason (a string)."""
+def plans(ids: torch.Tensor, labels: torch.Tensor, *, four: bool = False) -> dict[str, dict | str]:
+    """Rank 0 plans every case (``four``: the four-rank ones); a plan that fails is its reason (a string)."""
     kw = dict(example_inputs=(ids,), loss_fn=lm_loss, example_targets=(labels,), optimizer=OPTIMIZER)
-    makers: dict[str, Callable[[], autoplan.Plan]] = {
-        "plain": lambda: autoplan.plan(build_model(), CLUSTER, pins=DP_PINS, **kw)
-    }
-    for name, config in CONFIGS.items():
-        makers[name] = lambda c=config: autoplan.plan(build_model(), CLUSTER, global_batch_size=BATCH, config=c, **kw)
+    cluster = CLUSTER_4 if four else CLUSTER
+    makers: dict[str, Callable[[], autoplan.Plan]] = (
+        {} if four or (ONLY and "plain" not in ONLY) else {"plain": lambda: autoplan.plan(build_model(), CLUSTER, pins=DP_PINS, **kw)}
+    )
+    for name, config in (CONFIGS_4 if four else CONFIGS).items():
+        if ONLY and name not in ONLY:
+            continue
+        makers[name] = lambda c=config: autoplan.plan(build_model(), cluster, global_batch_size=BATCH, config=c, **kw)
     out: dict[str, dict | str] = {}
     for name, make in makers.items():
         try:
@@ -146,11 +172,31 @@ def predicted(plan: autoplan.Plan, rank: int) -> float:
     return e.memory_bytes["total"]
 
 
+def four_rank_rows() -> tuple[list[tuple[str, str, float, float, float]], list[str]]:
+    """On rank 0 of the two-rank job: the four-rank cases, run as a job of their own (this script
+    with ``--four`` under ``torch.distributed.run``), and the reasons of those that gave no row."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29533",
+           os.path.abspath(__file__), "--four", *(a for a in sys.argv[1:] if a.startswith("--cases="))]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "GROUP_", "ROLE_", "LOCAL_WORLD"))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1500, check=False)
+    rows, missing = [], []
+    for line in proc.stdout.splitlines():
+        if line.startswith(ROW_PREFIX):
+            name, what, meas, pred = line[len(ROW_PREFIX) :].split("\t")
+            rows.append((name, what, float(meas), float(pred), float(pred) / float(meas) - 1))
+        elif line.startswith("n/a "):
+            missing.append(line[4:])
+    if proc.returncode != 0:
+        missing.append(f"four-rank job: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+    return rows, missing
+
+
 def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
+    four = "--four" in sys.argv[1:]
     ids, labels = token_batch(batch=BATCH, seq=SEQ, seed=1, vocab=VOCAB)
-    planned_here = plans(ids, labels) if int(os.environ["RANK"]) == 0 else None
+    planned_here = plans(ids, labels, four=four) if int(os.environ["RANK"]) == 0 else None
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     box: list[object] = [planned_here]
@@ -170,7 +216,7 @@ def main() -> None:
                 traceback.print_exc()
             mine = [float("nan"), float("nan")]
             missing.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-        both: list[list[float]] = [[], []]
+        both: list[list[float]] = [[] for _ in range(dist.get_world_size())]
         dist.all_gather_object(both, mine)
         if any(m != m for m, _ in both):  # NaN: a rank failed
             continue
@@ -178,13 +224,28 @@ def main() -> None:
         worst = max(range(len(both)), key=lambda r: abs(errs[r]))
         what = str(plan.config) if plan.config is not None else "ILP plan, dp pins"
         rows.append((name, what, both[worst][0], both[worst][1], errs[worst]))
+    if four:
+        if rank == 0:
+            for name, what, meas, pred, _ in rows:
+                print(f"{ROW_PREFIX}{name}\t{what}\t{meas}\t{pred}")
+            for m in missing:
+                print(f"n/a {m}")
+        from autoplan.runtime.teardown import destroy_process_groups
+
+        destroy_process_groups()
+        return
+    if rank == 0 and (not ONLY or set(ONLY) & set(CONFIGS_4)):
+        more, more_missing = four_rank_rows()
+        rows += more
+        missing += more_missing
+    dist.barrier()
     if rank == 0:
         mib = 2**20
         print(f"model: GPT-2 {LAYERS} layers, hidden {HIDDEN}, vocab {VOCAB}; batch {BATCH}x{SEQ}; fp32, {OPTIMIZER}; "
-              f"2 gloo CPU ranks; peak of one step (torch.profiler memory events + bytes alive at the start)")  # fmt: skip
-        print(f"{'case':10} {'plan':58} {'measured MiB':>12} {'predicted MiB':>13} {'error':>7}")
+              f"2 (and 4) gloo CPU ranks; peak of one step (torch.profiler memory events + bytes alive at the start)")  # fmt: skip
+        print(f"{'case':16} {'plan':58} {'measured MiB':>12} {'predicted MiB':>13} {'error':>7}")
         for name, what, meas, pred, err in rows:
-            print(f"{name:10} {what:58} {meas / mib:12.2f} {pred / mib:13.2f} {err:+7.1%}")
+            print(f"{name:16} {what:58} {meas / mib:12.2f} {pred / mib:13.2f} {err:+7.1%}")
         for m in missing:
             print(f"n/a {m}")
         err_max = max((abs(r[4]) for r in rows), default=float("nan"))

@@ -132,6 +132,7 @@ import torch  # noqa: E402
 import autoplan  # noqa: E402
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
 from autoplan.cost_models.compute import memory_time_s, roofline_time_s  # noqa: E402
+from autoplan.cost_models.memory import NON_PYTORCH_BYTES  # noqa: E402
 from tests.zoo import llama_lm, lm_loss, qwen3_moe_lm  # noqa: E402
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
@@ -824,6 +825,17 @@ def _pct(values: list[float], f) -> str:  # noqa: ANN001 - statistics.median or 
     return f"{f(values):.1%}" if values else "n/a"
 
 
+def comparable_peak_gib(run: PublishedRun, p: Priced) -> float:
+    """The predicted figure that counts what the published peak counts: ``nvidia-smi`` (the
+    device's used memory) adds to the allocator's reserved peak the memory a training process
+    holds outside PyTorch (CUDA context, cuBLAS workspaces, NCCL's buffers:
+    :data:`autoplan.cost_models.memory.NON_PYTORCH_BYTES`, the same bytes the capacity leaves
+    out); ``reserved``/``allocated`` and the rest compare with the predicted peak itself."""
+    if run.peak_memory_kind == "nvidia-smi":
+        return p.peak_memory_gib + NON_PYTORCH_BYTES / GiB
+    return p.peak_memory_gib
+
+
 def main() -> int:
     t0 = time.perf_counter()
     show_breakdown = "--breakdown" in sys.argv[1:]
@@ -849,7 +861,7 @@ def main() -> int:
             encoding.append(abs(p.published_mfu_check - pub_mfu))
         mem_s, pub_mem = "n/a", f"- ({run.peak_memory_kind or 'not published'})"
         if run.peak_memory_gib is not None:
-            mem_err = p.peak_memory_gib / run.peak_memory_gib - 1
+            mem_err = comparable_peak_gib(run, p) / run.peak_memory_gib - 1
             mem_errors.append(abs(mem_err))
             mem_s, pub_mem = f"{mem_err:+.1%}", f"{run.peak_memory_gib:.1f} ({run.peak_memory_kind})"
         print(

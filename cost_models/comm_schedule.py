@@ -68,9 +68,31 @@ def gradients_reduced_in_backward(*, num_stages: int, num_microbatches: int, sch
     input gradient on; a parameter tied across stages is converted after the schedule. Zero-bubble
     converts the stages' raw gradients once per step, after the schedule. The runtime
     (:mod:`autoplan.runtime.pipeline`), the step model (:mod:`autoplan.cost_models.step`) and the
-    memory model (:func:`autoplan.cost_models.memory.stage_memory_parts`) all read this rule."""
+    memory model (:func:`autoplan.cost_models.memory.stage_memory_parts`) all read this rule;
+    which of a stage's backwards convert is :func:`converting_backwards`."""
     del num_stages, num_microbatches  # every stage converts in its (last) backward whatever the counts
     return schedule != "zero-bubble"
+
+
+def converting_backwards(*, num_microbatches: int, sharded_grad_accumulation: bool) -> int:
+    """How many of a stage's backward passes per step convert its parameter gradients in buckets
+    as they exist, where :func:`gradients_reduced_in_backward` holds::
+
+        n_c = 1    the last micro-batch's, on the raw gradients summed over the micro-batches (default)
+        n_c = m    every micro-batch's (``ParallelConfig.sharded_grad_accumulation``, FSDP2's default)
+
+    With ``n_c = m`` each backward reduce-scatters its own gradients bucket by bucket (at most
+    :attr:`OverlapPolicy.reduce_scatters_in_flight` unwaited) and the runtime adds the shards,
+    ``1 / dp`` of the gradients, into sharded accumulators: no full-size sum is ever held, and
+    the step carries ``m`` times the reductions. The buckets a backward leaves in flight are
+    waited for before the stage's next backward starts (the last micro-batch's: after the
+    schedule, before the optimizer), so at most one backward's buckets are in flight. A parameter
+    tied across stages is still summed raw and converted after the schedule. The runtime
+    (:func:`autoplan.runtime.pipeline.build_pipeline`), the step model
+    (:func:`autoplan.cost_models.step.evaluate`: ``n_c`` times each backward's contention and
+    exposed tail) and the memory model (:func:`autoplan.cost_models.memory.stage_memory_parts`:
+    the sharded accumulators ``G`` instead of the raw sum ``R`` across micro-batches) read it."""
+    return num_microbatches if sharded_grad_accumulation else 1
 
 
 def gradient_buckets(sizes_bytes: Sequence[float], policy: OverlapPolicy = DEFAULT_POLICY) -> tuple[tuple[int, ...], ...]:

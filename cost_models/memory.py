@@ -284,6 +284,7 @@ def stage_memory_parts(
     first_segment: int = 0,
     policy: OverlapPolicy = DEFAULT_POLICY,
     reduced_in_backward: bool = False,
+    converting_backwards: int = 1,
     offload_optimizer: bool = False,
     host_is_device: bool = False,
     ep: int | None = None,
@@ -309,6 +310,13 @@ def stage_memory_parts(
         m > 1 the last micro-batch's backward) with ZeRO >= 1: the backward reduce-scatters
         its buckets as they fill, at most ``reduce_scatters_in_flight`` unwaited, so
                  R_j -> G_j + min(R_j, (in_flight + 1) bucket)    and no reductions after it
+                 (G_j = sum_{i > j} g_i, the reduced shards of the later segments)
+        sharded accumulation (converting_backwards = m > 1: comm_schedule.converting_backwards,
+        ``ParallelConfig.sharded_grad_accumulation``): every micro-batch's backward reduces as
+        above and its shards are added to the sharded accumulators once it returns, so in a later
+        micro-batch's backward the sum alive is the accumulators', not the raw one:
+                 R -> G    (backward of j, a later one: A min(f, m - 1) / f + T_j + gathered + G
+                            + G_j + min(R_j, (in_flight + 1) bucket))
         optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)
         peak     = W + O + max( max_j backward of j, reductions, optimizer step ) + allocator margin
         gathered = ZeRO-3: (1 + prefetch + full) max_j P_j w if reshard_after_forward else sum_j P_j w
@@ -325,7 +333,9 @@ def stage_memory_parts(
     gathered weights (:class:`~autoplan.cost_models.comm_schedule.OverlapPolicy`), the block in
     use and the ``prefetch_blocks`` gathered ahead, or the whole stage kept from forward to
     backward. ``num_microbatches``: with several per step, the gradients of the first stay alive
-    (summed) through the next ones' backward. Parts, adding up to the peak: weights,
+    (summed) through the next ones' backward; ``converting_backwards``
+    (:func:`~autoplan.cost_models.comm_schedule.converting_backwards`): how many of them reduce
+    their own gradients (1: the last one's, on the raw sum). Parts, adding up to the peak: weights,
     optimizer, grads (``G_j`` of the peak, all at the optimizer step), activations ``A``,
     transient (the rest), allocator. A pipeline rank's stages combine with :func:`rank_memory_parts`.
     A segment reading a tied parameter held before ``first_segment`` (the stage's first segment)
@@ -360,8 +370,10 @@ def stage_memory_parts(
     reduced = bucket / dp if zero_stage >= 1 else 0.0  # ZeRO 0: all-reduced in place
     in_backward = reduced_in_backward and zero_stage >= 1 and dp > 1
     held, reduction = _gradients_held(raw, grads, bucket, reduced, in_backward=in_backward, policy=policy)
+    assert converting_backwards == 1 or reduced_in_backward, "several converting backwards reduce in the backward"
+    summed = sum(grads) if converting_backwards > 1 else sum(raw)  # across micro-batches: G (sharded) or R
     at_peak, grads_at_peak = _backward_peak(
-        activations, transients, held, sum(raw), gathered=gathered, reduction=reduction, inflight=inflight,
+        activations, transients, held, summed, gathered=gathered, reduction=reduction, inflight=inflight,
         num_microbatches=num_microbatches,
     )
     optimizer_step = sum(grads) + step_temp
@@ -480,7 +492,7 @@ def _backward_peak(
     activations: float,
     transients: Sequence[float],
     held: Sequence[float],
-    raw_total: float,
+    summed: float,
     *,
     gathered: float,
     reduction: float,
@@ -490,17 +502,16 @@ def _backward_peak(
     """(bytes, gradient bytes among them) at the stage's peak from its backward passes to its
     gradient reductions, on top of weights and optimizer state (:func:`stage_memory_parts`):
     ``held[j]`` the gradient bytes alive in segment ``j``'s backward (the first micro-batch),
-    ``raw_total`` the stage's raw gradients, summed over micro-batches until after the schedule;
+    ``summed`` the gradients summed over the earlier micro-batches, alive until after the schedule
+    (``R``, the raw sum; ``G``, the sharded accumulators, under sharded accumulation);
     ``reduction`` the bytes the reductions after the schedule add to them (0: none)."""
     # the first micro-batch's backward: every micro-batch in flight, no gradient sum yet
     backward = [(activations + t + gathered + h, h) for t, h in zip(transients, held, strict=True)]
     if num_microbatches > 1 and inflight > 0:  # a later one's: the sum of the earlier ones is alive
         alive = activations * min(inflight, num_microbatches - 1) / inflight
-        backward += [
-            (alive + t + gathered + raw_total + h, raw_total + h) for t, h in zip(transients, held, strict=True)
-        ]
+        backward += [(alive + t + gathered + summed + h, summed + h) for t, h in zip(transients, held, strict=True)]
     if reduction > 0:  # the reductions, after the schedule: gradients, one bucket's flat copy and its result
-        backward.append((raw_total + reduction, raw_total))
+        backward.append((summed + reduction, summed))
     return max(backward, default=(activations + gathered, 0.0))
 
 

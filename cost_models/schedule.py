@@ -604,6 +604,46 @@ def inflight_microbatches(
     return min(m, p)
 
 
+def inflight_at_rank_peak(
+    schedule: ScheduleName,
+    stage_rank: int,
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    kept_bytes: Sequence[float],
+) -> tuple[int, ...]:
+    """Micro-batches each of rank ``stage_rank``'s stages holds (stage ``stage_rank + j * p``,
+    ``j < v``) at the moment the rank's activations peak: with ``kept_bytes[j]`` the bytes one
+    micro-batch leaves in stage ``j`` of the rank, the peak is the largest
+
+        sum_j alive_j(t) * kept_bytes[j]      right after an F starts (alive: F started, not yet
+                                              freed by its B; by its W under zero-bubble)
+
+    over the rank's actions in the order torch runs them (:func:`schedule_actions`). One stage
+    per rank: ``(inflight_microbatches(...),)``. With several, the stages' own peaks do not
+    coincide: rank 1 of ``p = 2, v = 2, m = 2`` interleaved holds two micro-batches of its first
+    chunk and one of its last at its peak (three chunk-micro-batches), not two of each."""
+    p, v = num_ranks, virtual_stages
+    if v == 1:
+        return (inflight_microbatches(schedule, stage_rank, p, num_microbatches, v),)
+    if len(kept_bytes) != v:
+        raise ValueError(f"kept_bytes has {len(kept_bytes)} entries; rank {stage_rank} has {v} stages")
+    order = schedule_actions(schedule, num_ranks=p, num_microbatches=num_microbatches, virtual_stages=v)[stage_rank]
+    free_kind = "W" if schedule == "zero-bubble" else "B"
+    alive = [0] * v
+    best, best_bytes = tuple(alive), -1.0
+    for a in order:
+        j = a.stage // p
+        if a.kind == "F":
+            alive[j] += 1
+            held = sum(n * b for n, b in zip(alive, kept_bytes, strict=True))
+            if held > best_bytes:
+                best, best_bytes = tuple(alive), held
+        elif a.kind == free_kind:
+            alive[j] -= 1
+    return best
+
+
 def _closed_form_step_time(
     stages: Sequence[StageTimes], schedule: ScheduleName, num_microbatches: int, num_ranks: int, links_s: list[float]
 ) -> float:
@@ -655,8 +695,9 @@ def fast_step_time(
     order for (schedule, p, m, v) is cached), else the module docstring's estimate.
     """
     links_s = _check_inputs(stages, schedule, num_microbatches, num_ranks, virtual_stages, p2p_s)
-    if schedule == "gpipe":
-        return _closed_form_step_time(stages, schedule, num_microbatches, num_ranks, links_s)
+    if schedule == "gpipe" or (num_ranks == 1 and len(stages) == 1):
+        # one stage: every schedule runs m forwards and backwards back to back, GPipe's form exactly
+        return _closed_form_step_time(stages, "gpipe", num_microbatches, num_ranks, links_s)
     num_actions = len(stages) * num_microbatches * (3 if schedule == "zero-bubble" else 2)
     if num_actions > max_simulated_actions:
         return _closed_form_step_time(stages, schedule, num_microbatches, num_ranks, links_s)

@@ -84,6 +84,19 @@ the optimizer step (the stage hands its input gradient on without waiting for th
               + the gradients of parameters tied across stages (one reduction, exposed)
               + ZeRO 1-2's all-gather of the updated weights, per bucket    (after the step)
 
+Sharded gradient accumulation (``c.sharded_grad_accumulation``: ``n_c = m`` converting backwards,
+:func:`~autoplan.cost_models.comm_schedule.converting_backwards`; else ``n_c = 1``): every
+micro-batch's backward is the reducing pass above and its buckets are waited for before the
+stage's next backward, so each adds its contention and its exposed tail, ``n_c`` times the
+reductions (and the tensor-parallel gradient conversions) of one backward::
+
+    sync_k    = n_c * (contention + exposed tail) + tied + ZeRO 1-2's gathers
+    reductions = n_c * sum over buckets (bytes, time)
+
+(exact for gradient accumulation without a pipeline, whose backwards run back to back; with
+``pp > 1`` the earlier micro-batches' tails may hide behind other micro-batches' forwards, which
+this over-estimates).
+
 where the tail is the larger of the dp link's and the tp link's: tensor-parallel gradient
 conversions (``grad_sync_s``) are issued on their own link when their segment's backward ends.
 With several stages on a rank (interleaving) their last backwards run one after the other and
@@ -155,6 +168,7 @@ from autoplan.cost_models.comm_schedule import (
     CommRow,
     CommTotals,
     OverlapPolicy,
+    converting_backwards,
     gradient_buckets,
     gradients_reduced_in_backward,
 )
@@ -169,11 +183,12 @@ from autoplan.cost_models.memory import (
     device_kind,
     precision_bytes,
     rank_memory_parts,
+    segment_activation_bytes,
     stage_memory_parts,
     stage_numels,
     usable_memory_bytes,
 )
-from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_microbatches
+from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_at_rank_peak, inflight_microbatches
 
 # --- input: costs per layer segment ------------------------------------------------------------
 
@@ -835,9 +850,12 @@ def _stage_comm(
     ep: int = 1,
     cp: int = 1,
     group: str = "tp",
+    converting: int = 1,
 ) -> _StageComm:
     """Simulate the stage's forward and backward passes with ZeRO-3's gathers, and the last
-    micro-batch's backward with the gradient reductions (``send_s``: the pipeline sends at the
+    micro-batch's backward with the gradient reductions (``converting`` of the backwards run
+    them, :func:`~autoplan.cost_models.comm_schedule.converting_backwards`: each adds its
+    contention and exposed tail, the earlier ones' waited for before the stage's next backward) (``send_s``: the pipeline sends at the
     end of the forward and of the backward when they share the dp link, else 0). Without
     ``reduced_in_backward`` (:func:`~autoplan.cost_models.comm_schedule.gradients_reduced_in_backward`)
     the runtime converts the accumulated gradients after the schedule: every reduction and
@@ -849,14 +867,16 @@ def _stage_comm(
     ``tp``: the tensor-parallel degree; the replica's own collectives (on ``cp x tp``) have rows
     named ``group`` (:func:`_tp_rows`). Memoised: the search
     prices the same stage under many schedules."""
-    m = num_microbatches
+    m, n_c = num_microbatches, converting
+    assert n_c == 1 or reduced_in_backward, "several converting backwards need the reductions in the backward"
     apart = apart_numel or (0,) * len(part)
     fwd_c = [s.fwd_s for s in part]
     bwd_c = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]  # backward order
     overlap = overlaps_compute(cluster.device)
     slow = concurrent_compute_factor(cluster.device) - 1.0 if overlap else 0.0  # compute's slowdown beside comm
     groups = _DpGroups(cluster, tp=tp, dp=dp, ep=ep, cp=cp)
-    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if groups.split else "dp", group=group)
+    rows = _tp_rows(part, m=m, recompute=recompute, overlap=overlap, expert_axis="ep" if groups.split else "dp",
+                    group=group, converting=n_c)  # fmt: skip
     tp_sync = [s.grad_sync_s for s in part][::-1]
     if groups.ranks == 1:
         fwd = _run_pass(fwd_c, [0.0] * len(part), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks)
@@ -864,7 +884,7 @@ def _stage_comm(
         tail = _tp_sync_tail(tp_sync, bwd_c, overlap and reduced_in_backward)
         passed = _LastPass(tuple(bwd_c), (0.0,) * len(part), (), tuple(tp_sync)) if reduced_in_backward else None
         return _StageComm(
-            fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s, sync_s=tail,
+            fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s, sync_s=n_c * tail,
             in_backward_s=tail if reduced_in_backward else 0.0, last_pass=passed,
             send_wait_s=(0.0, 0.0), drain_wait_s=0.0, rows=tuple(rows),
         )  # fmt: skip
@@ -892,24 +912,25 @@ def _stage_comm(
     after = sum(r.total_s for r in after_rows)
     # the rows: totals of every collective of the step; exposed = what the compute stream waits
     # for, the gathers' share first (a gather can wait behind a reduction on the link)
+    # (n_c of the m backwards are the reducing pass ``last``: its gathers' waits and its tail)
     gathers_total = m * (sum(gather_f) + sum(gather_b))
-    reduce_total = sum(r[2] for r in reductions)
-    waited = m * fwd.gather_wait_s + (m - 1) * bwd.gather_wait_s + last.gather_wait_s
+    reduce_total = n_c * sum(r[2] for r in reductions)
+    waited = m * fwd.gather_wait_s + (m - n_c) * bwd.gather_wait_s + n_c * last.gather_wait_s
     gathers_exposed = min(gathers_total, waited)
-    in_last = min(reduce_total, waited - gathers_exposed + max(0.0, last.done_s - last.end_s))
-    reduce_exposed = (in_last if reduced_in_backward else reduce_total) + apart_s
+    in_backward = min(reduce_total, waited - gathers_exposed + n_c * max(0.0, last.done_s - last.end_s))
+    reduce_exposed = (in_backward if reduced_in_backward else reduce_total) + apart_s
     reduce_total += apart_s
     if gathers_total > 0:
         passes = 1 + policy.reshard_after_forward + regather
         rows += groups.rows("all_gather", gather_bytes, gather_e, times=m * passes, total_s=gathers_total,
                             exposed_s=gathers_exposed)  # fmt: skip
     if reductions or apart_s > 0:
-        rows += groups.rows(red_kind, [*bucket_bytes, apart_bytes], expert_buckets, times=1, total_s=reduce_total,
-                            exposed_s=reduce_exposed)  # fmt: skip
+        rows += groups.rows(red_kind, [*bucket_bytes, apart_bytes], expert_buckets, times=n_c,
+                            total_s=reduce_total, exposed_s=reduce_exposed)  # fmt: skip
     rows += after_rows
     return _StageComm(
         fwd_s=fwd.end_s, bwd_s=bwd.end_s, compute_s=fwd.compute_s + bwd.compute_s,
-        sync_s=(last.end_s - bwd.end_s) + tail + apart_s + after,
+        sync_s=n_c * ((last.end_s - bwd.end_s) + tail) + apart_s + after,
         in_backward_s=(last.end_s - bwd.end_s) + tail if reduced_in_backward else 0.0,
         last_pass=_LastPass(tuple(bwd_c), tuple(gather_b), tuple(reductions), tuple(tp_sync)) if reduced_in_backward else None,
         send_wait_s=(fwd.send_wait_s, bwd.send_wait_s),
@@ -1047,11 +1068,14 @@ def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: boo
 
 
 def _tp_rows(
-    part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool, expert_axis: str = "dp", group: str = "tp"
+    part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool, expert_axis: str = "dp", group: str = "tp",
+    converting: int = 1,
 ) -> list[CommRow]:
     """Tensor-parallel conversions of the step: the segments' forward and backward collectives in
     every micro-batch (the forward's again under full recomputation), all in the compute stream,
-    and the gradient conversions once (hidden as :func:`_tp_sync_tail` says). The all-to-alls of
+    and the gradient conversions once per converting backward (``converting``:
+    :func:`~autoplan.cost_models.comm_schedule.converting_backwards`; hidden as
+    :func:`_tp_sync_tail` says). The all-to-alls of
     expert-parallel MoE ops (inside the op, blocking) get their own row, on ``expert_axis``
     (``dp``, or ``ep`` for groups smaller than dp) where the experts are split over the
     data-parallel group (:func:`expert_parallel_costs`). ``group``: the axis the rows of the
@@ -1091,8 +1115,8 @@ def _tp_rows(
     if sum(sync) > 0:
         bwd = [s.bwd_s + recompute_parts(s, recompute)[0] for s in part][::-1]
         exposed = min(sum(sync), _tp_sync_tail(sync, bwd, overlap))
-        rows.append(CommRow(kind="redistribute", axis=group, count=sum(1 for g in sync if g > 0), bytes=0.0,
-                            total_s=sum(sync), exposed_s=exposed))  # fmt: skip
+        rows.append(CommRow(kind="redistribute", axis=group, count=converting * sum(1 for g in sync if g > 0),
+                            bytes=0.0, total_s=converting * sum(sync), exposed_s=converting * exposed))  # fmt: skip
     return rows
 
 
@@ -1125,6 +1149,31 @@ def _inflight(config: ParallelConfig, rank: int) -> int:
     return inflight
 
 
+def _rank_inflight(
+    config: ParallelConfig, parts: Sequence[Sequence[SegmentCost]], recompute: Sequence[str]
+) -> list[int]:
+    """Per stage, the micro-batches it holds at its pipeline rank's activation peak: with
+    interleaving (``virtual_stages > 1``) the rank's ``v`` stages hold different counts at that
+    moment, weighted by each stage's kept bytes per micro-batch
+    (:func:`~autoplan.cost_models.schedule.inflight_at_rank_peak`; at least 1, the stage's own
+    backward peak needs one); otherwise :func:`_inflight` (one stage per rank)."""
+    nstages = len(parts)
+    if config.virtual_stages == 1 or config.pp == 1:
+        return [_inflight(config, k % config.pp) for k in range(nstages)]
+    out = [1] * nstages
+    for rank in range(config.pp):
+        mine = list(range(rank, nstages, config.pp))
+        kept = [
+            sum(segment_activation_bytes(s, recompute[k])[0] for s in parts[k]) for k in mine
+        ]  # fmt: skip
+        counts = inflight_at_rank_peak(
+            config.pipeline_schedule, rank, config.pp, config.num_microbatches, config.virtual_stages, kept
+        )
+        for k, n in zip(mine, counts, strict=True):
+            out[k] = max(1, n)
+    return out
+
+
 def _price_stage(
     config: ParallelConfig,
     part: Sequence[SegmentCost],
@@ -1139,10 +1188,12 @@ def _price_stage(
     send_s: tuple[float, float] = (0.0, 0.0),
     memory_only: bool = False,
     tied: tuple[tuple[int, ...], int] = ((), 0),
+    inflight: int | None = None,
 ) -> _StagePrice:
     """Times, memory and data-parallel communication of stage ``stage`` (segments ``part``;
     ``send_s``: its pipeline sends that share the dp link; ``tied``: its parameters tied to
-    another stage, :func:`_tied_apart`; :func:`_stage_comm`)."""
+    another stage, :func:`_tied_apart`; ``inflight``: its micro-batches in flight at its rank's
+    peak, :func:`_rank_inflight`, else :func:`_inflight`; :func:`_stage_comm`)."""
     rank = stage % config.pp
     dp = config.dp_of(rank)
     fwd = sum(s.fwd_s for s in part)
@@ -1156,12 +1207,15 @@ def _price_stage(
         num_stages=config.pp * config.virtual_stages, num_microbatches=config.num_microbatches,
         schedule=config.schedule,
     )  # fmt: skip
+    converting = converting_backwards(
+        num_microbatches=config.num_microbatches, sharded_grad_accumulation=config.sharded_grad_accumulation
+    )
     if not memory_only:
         comm = _stage_comm(
             tuple(part), cluster, tp=config.tp, dp=dp, num_microbatches=config.num_microbatches,
             zero_stage=config.zero_stage, bpe=bpe, recompute=recompute, policy=policy, send_s=send_s,
             reduced_in_backward=in_backward, apart_numel=tied[0], copies_numel=tied[1], ep=config.ep, cp=config.cp,
-            group="cp+tp" if config.cp > 1 else "tp",
+            group="cp+tp" if config.cp > 1 else "tp", converting=converting,
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
@@ -1172,12 +1226,13 @@ def _price_stage(
         zero_stage=z,
         dp=dp * config.cp,  # ZeRO shards and the gradients are reduced over dp x cp (_DpGroups)
         ep=config.ep,
-        inflight=_inflight(config, rank),
+        inflight=_inflight(config, rank) if inflight is None else inflight,
         num_microbatches=config.num_microbatches,
         first_segment=segments[0],
         device_kind=device_kind(cluster.device),
         policy=policy,
         reduced_in_backward=in_backward,
+        converting_backwards=converting,
         offload_optimizer=config.offload_optimizer,
         host_is_device=cluster.device.host_link_GBps is None,
     )
@@ -1385,6 +1440,8 @@ def evaluate(
     p2p = (
         [] if memory_only else [_p2p(config, costs, cluster, bounds[k + 1] - 1, k, offsets) for k in range(nstages - 1)]
     )
+    parts = [(stage_costs[k].segments if stage_costs is not None else segs)[bounds[k] : bounds[k + 1]] for k in range(nstages)]
+    inflight = _rank_inflight(config, parts, rec)
     priced = [
         _price_stage(
             config,
@@ -1399,6 +1456,7 @@ def evaluate(
             send_s=(0.0, 0.0) if memory_only else _shared_sends(config, cluster, p2p, k),
             memory_only=memory_only,
             tied=tied[k],
+            inflight=inflight[k],
         )
         for k in range(nstages)
     ]

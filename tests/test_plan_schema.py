@@ -34,14 +34,14 @@ def test_written_plans_validate(plans, kind):  # noqa: ANN001
     "mutate",
     [
         lambda d: d.pop("fingerprint"),
-        lambda d: d.__setitem__("version", 2),
+        lambda d: d.__setitem__("version", 1),
         lambda d: d["placements"]["inputs"].__setitem__(0, ["Q"]),
         lambda d: d["estimate"].pop("step_time_s"),
         lambda d: d["config"].__setitem__("schedule", "zigzag"),
         lambda d: d["pipeline"].__setitem__("precision", "fp8"),
         lambda d: d.__setitem__("unknown_key", 1),
     ],
-    ids=["no-fingerprint", "version-2", "bad-placement", "no-step-time", "bad-schedule", "bad-precision", "extra-key"],
+    ids=["no-fingerprint", "version-1", "bad-placement", "no-step-time", "bad-schedule", "bad-precision", "extra-key"],
 )
 def test_malformed_plans_are_rejected(plans, mutate):  # noqa: ANN001
     d = copy.deepcopy(plans["pipeline"])

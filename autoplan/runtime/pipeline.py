@@ -23,7 +23,11 @@ they exist (DDP/FSDP2; buckets hold one stage's gradients); with several micro-b
 earlier ones' raw gradients are summed and the last one's backward
 (:attr:`StageModule.last_microbatch`) adds that sum to each gradient before its bucket, as
 Megatron's gradient buffer does and as torch's pipelining runs FSDP2 (gradient sync in the last
-backward only). The last buckets are still in flight when that backward returns: the stage hands
+backward only). With ``sharded_grad_accumulation`` (ZeRO >= 2, FSDP2's default) every
+micro-batch's backward converts its own gradients in its buckets instead and the shards are added
+into sharded accumulators (:func:`~autoplan.cost_models.comm_schedule.converting_backwards`); the
+buckets one backward leaves in flight are waited for before the stage's next backward. The last
+buckets are still in flight when that backward returns: the stage hands
 its input gradient on without waiting for them, and they are waited for after the schedule,
 before the optimizer (:meth:`StageModule.finish_conversions`). A parameter tied across stages (and,
 under zero-bubble, every parameter) keeps its raw gradient summed over micro-batches, converted
@@ -70,6 +74,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from autoplan.cost_models.comm import bucket_kind, plan_transition
 from autoplan.cost_models.comm_schedule import (
     DEFAULT_POLICY,
+    converting_backwards,
     gradient_buckets,
     gradients_reduced_in_backward,
 )
@@ -183,8 +188,9 @@ class StageModule(torch.nn.Module):
         self.converted_in_program = frozenset(
             f for f, _ in program.param_grads if converts_grads and f not in deferred_grads
         )
-        """FQNs whose gradients the (last micro-batch's) backward program converts itself
-        (``converts_grads``: DDP/FSDP2-style buckets issued during the backward); the others come
+        """FQNs whose gradients the (last micro-batch's, or with sharded accumulation every
+        micro-batch's) backward program converts itself (``converts_grads``: DDP/FSDP2-style
+        buckets issued during the backward; the shards are summed in ``grad_acc``); the others come
         out raw and :meth:`PipelineModel._finish_grads` converts them after the schedule
         (``deferred_grads``: a parameter tied across stages; every parameter of a zero-bubble
         schedule)."""
@@ -248,7 +254,8 @@ class StageModule(torch.nn.Module):
         """The forward and backward programs lowered to local tensors (autoplan.runtime.lowering),
         traced at their first call."""
         self.grad_acc: dict[str, torch.Tensor] = {}
-        """FQN -> local raw gradient summed over this step's micro-batches."""
+        """FQN -> local gradient summed over this step's micro-batches: raw, or converted (the
+        shards of :attr:`converted_in_program` under sharded accumulation)."""
         self._owned: set[str] = set()
         """FQNs whose ``grad_acc`` tensor this module allocated (may be added to in place); the
         first micro-batch's gradient is the program's own output, kept without a copy."""
@@ -353,6 +360,8 @@ class StageModule(torch.nn.Module):
             if v is not None
         ]
         n_in = sum(1 for v in prog.input_grads if v is not None)
+        if self._in_flight:  # sharded accumulation: the previous backward's last buckets, added to the shards
+            self.finish_conversions()
         self.backwards_run += 1
         if self.last_microbatch is not None and self.backwards_run == self.num_microbatches:
             return self._run_last_backward(saved, grads, n_in)
@@ -416,11 +425,12 @@ class StageModule(torch.nn.Module):
 
     def finish_conversions(self) -> None:
         """Wait for the gradient buckets the converting backward left in flight
-        (:func:`~autoplan.runtime.lowering.defer_output_waits`) and put their gradients in
-        ``grad_acc``: before the optimizer step, after the schedule."""
+        (:func:`~autoplan.runtime.lowering.defer_output_waits`) and add their gradients to
+        ``grad_acc`` (where the earlier micro-batches' shards are, under sharded accumulation):
+        before the optimizer step, after the schedule, and before a stage's next converting backward."""
         for waits, pending, names in self._in_flight:
             for slot, g in waits.run_finish(pending).items():
-                self.grad_acc[names[slot]] = _unwrap(g)
+                self._add_raw(names[slot], g)
         self._in_flight.clear()
 
     def _as_dtensors(self, saved: Sequence[Any], grads: Sequence[torch.Tensor]) -> list[Any]:
@@ -887,13 +897,16 @@ def build_pipeline(
     optimizer: str = "adam",
     stage_recompute: Sequence[str] | None = None,
     offload_optimizer: bool = False,
+    sharded_grad_accumulation: bool = False,
     plan: Plan | None = None,
 ) -> PipelineModel:
     """Build this rank's stages and the schedule. ``mesh`` has shape ``(pp, *stage_mesh)`` and
     names ``("pp", *axis_names)``; ``stage_starts[k]`` is the first segment of stage ``k``
     (``len(stage_starts) == pp * virtual_stages``; stage ``k`` runs on pipeline rank ``k % pp``);
-    ``plan`` is kept as :attr:`PipelineModel.plan`. Where ``traced_mb`` reads a parameter in
-    another dtype than ``model``'s (a bf16 step of an fp32 model) the stages run in mixed precision."""
+    ``plan`` is kept as :attr:`PipelineModel.plan`; ``sharded_grad_accumulation``: every
+    micro-batch's backward converts its gradients (``ParallelConfig.sharded_grad_accumulation``).
+    Where ``traced_mb`` reads a parameter in another dtype than ``model``'s (a bf16 step of an
+    fp32 model) the stages run in mixed precision."""
     pp = mesh.size(0)
     num_stages = len(stage_starts)
     _check_stage_count(num_stages, layering=layering, pp=pp, virtual_stages=virtual_stages)
@@ -911,8 +924,14 @@ def build_pipeline(
         )  # fmt: skip
 
     # several micro-batches: the earlier ones keep their raw gradients, the last one's backward
-    # adds their sum and converts each bucket as it exists
-    accumulates = in_program and num_microbatches > 1
+    # adds their sum and converts each bucket as it exists; with sharded accumulation every
+    # backward runs the converting program and the shards are summed (StageModule.finish_conversions)
+    converting = converting_backwards(
+        num_microbatches=num_microbatches, sharded_grad_accumulation=sharded_grad_accumulation
+    )
+    if sharded_grad_accumulation and not in_program:
+        raise PlanError(f"sharded gradient accumulation needs gradients converted in the backward, not {schedule!r}")
+    accumulates = in_program and num_microbatches > 1 and converting == 1
     programs = split(defer=accumulates or not in_program)
     last_mb = split(defer=False, accumulated=True).stages if accumulates else None
     if not set(programs.tied_params) <= tied | set(traced_mb.frozen_names):
