@@ -58,7 +58,7 @@ SegmentCostFn = Callable[..., SegmentCosts]
 def cost_key(c: ParallelConfig) -> tuple[int, ...]:
     """The arguments of :data:`SegmentCostFn` that price ``c``'s micro-batches."""
     if c.sequence_parallel:
-        return (c.tp, c.microbatch_size, c.cp, True)
+        return (c.tp, c.microbatch_size, c.cp, 1)  # the 4th: sequence_parallel (SegmentCostModel keys)
     return (c.tp, c.microbatch_size) if c.cp == 1 else (c.tp, c.microbatch_size, c.cp)
 
 

@@ -86,13 +86,13 @@ class SegmentCostOracle(Protocol):
 
     __slots__ = ()
 
-    def __call__(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> SegmentCosts:
+    def __call__(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool | int = False) -> SegmentCosts:
         """The costs of one micro-batch of ``microbatch_size`` samples on a tensor-parallel group
         of ``tp`` devices (the ``cp x tp`` mesh of ``ParallelConfig.cp``), computed now unless
         :meth:`ready`."""
         ...
 
-    def ready(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> bool:
+    def ready(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool | int = False) -> bool:
         """Whether ``self(tp, microbatch_size, cp, sequence_parallel)`` answers without computing anything more."""
         ...
 

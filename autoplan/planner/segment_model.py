@@ -120,9 +120,9 @@ class SegmentCostModel(SegmentCostOracle):
         traced, _ = self._traced(min(self._traces, default=MIN_BASE_BATCH))
         return max((routed_experts(n) for n in traced.graph_module.graph.nodes if n.target in MOE_OPS), default=0)
 
-    def ready(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> bool:
+    def ready(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool | int = False) -> bool:
         """Whether ``(tp, microbatch_size, cp, sequence_parallel)`` is answered without solving another ILP."""
-        return not self._missing(tp, microbatch_size, cp, sequence_parallel)
+        return not self._missing(tp, microbatch_size, cp, bool(sequence_parallel))
 
     def prefetch(
         self, keys: Iterable[tuple[int, ...]], *, while_waiting: Callable[[], bool] | None = None
@@ -233,7 +233,7 @@ class SegmentCostModel(SegmentCostOracle):
                 base *= 2
         return {microbatch_size}
 
-    def __call__(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool = False) -> SegmentCosts:
+    def __call__(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool | int = False) -> SegmentCosts:
         """Costs of a micro-batch of ``microbatch_size`` samples on ``tp`` devices (``cp x tp``
         with context parallelism, :attr:`ParallelConfig.cp`; with ``sequence_parallel`` the ILP
         placed under :func:`~autoplan.planner.mesh.restrict_sequence_parallel`).
