@@ -710,13 +710,48 @@ def _layer_norm_backward_flops(inputs: Tensors, outputs: Tensors) -> float:
     return 13.0 * inputs[0].numel()
 
 
-@register_flops(aten._fused_rms_norm.default)
+@register_flops(aten._fused_rms_norm.default, "autoplan.rms_norm.default")
 def _rms_norm_flops(inputs: Tensors, outputs: Tensors) -> float:
-    """4 * numel: square, sum, mul by rstd, mul by weight."""
+    """4 * numel: square, sum, mul by rstd, mul by weight (``autoplan::rms_norm``, passes/fused_norm.py,
+    the same math; its bytes are its eager kernels', :func:`_eager_rms_norm_bytes`)."""
     return 4.0 * inputs[0].numel()
 
 
-@register_flops(aten._fused_rms_norm_backward.default)
+def _eager_rms_norm_bytes(x: torch.Tensor, *, backward: bool) -> float:
+    """Bytes ``autoplan::rms_norm`` (or its backward) moves as it runs: the op keeps only ``x`` and
+    ``rstd`` for the backward (its memory is a fused kernel's), but its body is Hugging Face's
+    eager math, one elementwise kernel per line of ``passes/fused_norm.py`` (``n`` elements of
+    item size ``s``; a cast between fp32 and ``s`` moves ``4 + s`` per element, none when
+    ``s = 4``; row-sized values left out)::
+
+        forward   c + 8 (pow) + 4 (mean) + 8 (z = h * rstd) + c + 2 s (weight * n)
+        backward  c + 8 (z) + c + 3 s (grad_y * n) + s (sum) + 2 s (grad_y * w) + c
+                  + 12 (grad_z * h) + 4 (sum) + 8 (grad_z * rstd) + 8 (h * 2) + 8 + 12 (add) + c
+        c = 4 + s if s < 4 else 0
+
+    so a bf16 norm moves 36 B per element forward and 96 backward, where a fused kernel moves 4
+    and 8: priced as the program runs it, not as Transformer Engine would (with one kernel's
+    launch overhead, not the eight or fourteen it launches)."""
+    s, n = x.element_size(), x.numel()
+    c = 4 + s if s < 4 else 0
+    if not backward:
+        return float(n * (2 * c + 20 + 2 * s))
+    return float(n * (4 * c + 60 + 6 * s))
+
+
+@register_bytes("autoplan.rms_norm.default")
+def _rms_norm_bytes(inputs: Tensors, outputs: Tensors) -> float:
+    """:func:`_eager_rms_norm_bytes` of the forward."""
+    return _eager_rms_norm_bytes(inputs[0], backward=False)
+
+
+@register_bytes("autoplan.rms_norm_backward.default")
+def _rms_norm_backward_bytes(inputs: Tensors, outputs: Tensors) -> float:
+    """:func:`_eager_rms_norm_bytes` of the backward (inputs: grad_y, x, rstd, weight)."""
+    return _eager_rms_norm_bytes(inputs[1], backward=True)
+
+
+@register_flops(aten._fused_rms_norm_backward.default, "autoplan.rms_norm_backward.default")
 def _rms_norm_backward_flops(inputs: Tensors, outputs: Tensors) -> float:
     """9 * numel: xhat = x * rstd (1), g*w (1), row sum of g*w*xhat (2),
     dx = rstd * (g*w - xhat * mean) (3), dw += g * xhat (2)."""

@@ -17,7 +17,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, cast, get_args
 
-from autoplan.cost_models.comm_schedule import gradients_reduced_in_backward
 from autoplan.cost_models.errors import ConfigError
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
@@ -83,6 +82,25 @@ def schedule_problem(
             f"got {num_microbatches}; use a multiple of {pp}"
         )
     return None
+
+
+def gradients_reduced_in_backward(*, num_stages: int, num_microbatches: int, schedule: str) -> bool:
+    """Whether a pipeline plan's backward programs convert the parameter gradients themselves, in
+    buckets issued as their gradients exist (DDP's all-reduces, FSDP2's reduce-scatters): every
+    schedule but zero-bubble (its split weight-gradient programs). With several micro-batches the
+    earlier ones' raw gradients are summed and each stage's last micro-batch's backward adds that
+    sum to each of its gradients right before the gradient's bucket, as Megatron's gradient buffer
+    does and as torch's pipelining runs FSDP2 (gradient sync on the last backward only), so
+    ``num_microbatches`` does not change the rule. With several stages each stage's buckets hold
+    its own gradients, issued in its last backward, and waited for before that backward hands its
+    input gradient on; a parameter tied across stages is converted after the schedule. Zero-bubble
+    converts the stages' raw gradients once per step, after the schedule. The runtime
+    (:mod:`autoplan.runtime.pipeline`), the step model (:mod:`autoplan.cost_models.step`) and the
+    memory model (:func:`autoplan.cost_models.memory.stage_memory_parts`) all read this rule (re-exported by
+    :mod:`autoplan.cost_models.comm_schedule`, beside the overlap it decides);
+    which of a stage's backwards convert is :func:`converting_backwards`."""
+    del num_stages, num_microbatches  # every stage converts in its (last) backward whatever the counts
+    return schedule != "zero-bubble"
 
 
 def check_schedule(

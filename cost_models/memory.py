@@ -344,7 +344,7 @@ def stage_memory_parts(
     enters only through ``kept_j`` and ``T_j``. ``offload_optimizer``: ``O`` and ``opt_step`` as
     :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks). ``ep``: ``dp_split_numel``
     (experts) is split over ``ep`` ranks (``None``: dp), ``1/ep`` of it in ``W`` below ZeRO 3 and in
-    ``O`` under ZeRO 0; with ``ep < dp`` ZeRO 3 gathers and the buckets reduce that shard too."""
+    ``O`` under ZeRO 0; with ``ep < dp`` ZeRO 3 gathers and the buckets reduce that shard too. (long: the docstring states the whole formula the body computes, term by term)"""
     tied = _tied_copies(segments, first_segment)
     param_numel, trainable = stage_numels(segments, first_segment)
     # split over ep ranks of dp (experts): 1/ep held below ZeRO 3, so only the unsharded parts

@@ -866,7 +866,7 @@ def _stage_comm(
     that the parameters are reduced and ZeRO-sharded over beside ``dp`` (:class:`_DpGroups`).
     ``tp``: the tensor-parallel degree; the replica's own collectives (on ``cp x tp``) have rows
     named ``group`` (:func:`_tp_rows`). Memoised: the search
-    prices the same stage under many schedules."""
+    prices the same stage under many schedules. (long: a signature of 20 keyword arguments; the body is one pass over the stage's collectives)"""
     m, n_c = num_microbatches, converting
     assert n_c == 1 or reduced_in_backward, "several converting backwards need the reductions in the backward"
     apart = apart_numel or (0,) * len(part)

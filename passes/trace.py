@@ -58,6 +58,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.cost_models.errors import UnsupportedModelError
 from autoplan.passes.attention import attention_as_single_op, causal_masks_as_flag
+from autoplan.passes.fused_norm import norms_as_single_op
 from autoplan.passes.kv_groups import group_fused_qkv
 from autoplan.passes.kv_rows import KVGroupRows
 from autoplan.passes.losses import mean_losses_as_sums
@@ -181,6 +182,7 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
             _quiet_torch_logs(),
             attention_as_single_op(),
             experts_as_single_op(),
+            norms_as_single_op(),
         ):
             ep = torch.export.export(wrapper, args, strict=False)
     except UnsupportedModelError:
@@ -206,7 +208,13 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
             log.debug("torch.export said:\n%s", captured.getvalue())
     if not any(writes_an_argument(n) for n in ep.graph.nodes):
         return ep.module()  # already functional: the graph is left exactly as exported
-    with _quiet_torch_logs(), attention_as_single_op(), experts_as_single_op(), warnings.catch_warnings():
+    with (
+        _quiet_torch_logs(),
+        attention_as_single_op(),
+        experts_as_single_op(),
+        norms_as_single_op(),
+        warnings.catch_warnings(),
+    ):
         # torch's own deepcopy of the module call graph warns that its LeafSpec check is deprecated
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         ep = ep.run_decompositions({})  # functionalize only (an empty decomposition table)
@@ -459,6 +467,7 @@ def _trace_joint(
             sdpa_kernel([SDPBackend.MATH]),
             attention_as_single_op(),
             experts_as_single_op(),
+            norms_as_single_op(),
             fx_traceback.preserve_node_meta(),
         ):
             return make_fx(step)(*flat_args)

@@ -6,6 +6,7 @@ and one pipeline stage's devices (:func:`stage_cluster`)."""
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 
@@ -19,6 +20,7 @@ from autoplan.cost_models.calibration import local_cluster
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ClusterSpecError, PlanMismatchError
+from autoplan.passes.fused_norm import NORM_OPS
 from autoplan.passes.liveness import is_view_op
 from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, ValueRef, resolve_value
 
@@ -196,10 +198,14 @@ def restrict_sequence_parallel(table: StrategyTable, graph: torch.fx.Graph, *, a
     def reads_weight(node: torch.fx.Node) -> bool:
         return any(a.name in weights and value_rank(a) >= 2 for a in node.all_input_nodes)
 
+    def _norm_output(node: torch.fx.Node, user: torch.fx.Node) -> bool:
+        """``user`` takes a fused norm's output (passes/fused_norm.py: the norm's last multiply)."""
+        return node.target in NORM_OPS and user.target is operator.getitem
+
     def feeds_weight_ops(node: torch.fx.Node) -> bool:
         users = [u for u in node.users if u.meta.get("autoplan.phase") == "fwd"]
         return bool(users) and all(
-            reads_weight(u) or (is_view_op(u.target) and feeds_weight_ops(u)) for u in users
+            reads_weight(u) or ((is_view_op(u.target) or _norm_output(node, u)) and feeds_weight_ops(u)) for u in users
         )  # fmt: skip
 
     for name, ns in list(table.nodes.items()):

@@ -181,6 +181,8 @@ class StageModule(torch.nn.Module):
         deferred_grads: frozenset[str] = frozenset(),
         param_layouts: Mapping[str, kv_rows.KVGroupRows] | None = None,
     ) -> None:
+        """The stage's programs and its parameter copies (long: each attribute is documented where
+        it is set)."""
         super().__init__()
         self.program = program
         self.param_layouts = dict(param_layouts or {})
@@ -906,7 +908,7 @@ def build_pipeline(
     ``plan`` is kept as :attr:`PipelineModel.plan`; ``sharded_grad_accumulation``: every
     micro-batch's backward converts its gradients (``ParallelConfig.sharded_grad_accumulation``).
     Where ``traced_mb`` reads a parameter in another dtype than ``model``'s (a bf16 step of an
-    fp32 model) the stages run in mixed precision."""
+    fp32 model) the stages run in mixed precision. (long: the build reads top to bottom, programs, stages, schedule, model; each part is a helper)"""
     pp = mesh.size(0)
     num_stages = len(stage_starts)
     _check_stage_count(num_stages, layering=layering, pp=pp, virtual_stages=virtual_stages)
