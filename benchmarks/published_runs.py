@@ -226,6 +226,11 @@ class PublishedRun:
     dp ranks)."""
     num_microbatches: int = 1
     """Gradient-accumulation steps per optimizer step."""
+    sharded_grad_accumulation: bool = False
+    """The gradients reduce-scattered in every micro-batch's backward into sharded accumulators
+    (``ParallelConfig.sharded_grad_accumulation``): FSDP2's default (``set_requires_gradient_sync``
+    left on) and DeepSpeed ZeRO-2/3's (partitioned gradients reduced as they are produced, every
+    micro-batch); Megatron's distributed optimizer reduces its buffer after the last one."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism on the ``tp`` axis (``ParallelConfig.sequence_parallel``: the
     norms, dropouts and residual adds between the tensor-parallel matmuls run on ``S / tp``
@@ -287,7 +292,8 @@ def _tt(shape: Shape, seq: int, batch: int, ac: str, wps: float, mfu: float) -> 
 # priced at 23.5 s.
 AUTOMODEL_QWEN3_30B = PublishedRun(
     shape=QWEN3_30B_A3B, cluster="1x8xH100", seq_len=4096, local_batch=4, activation_checkpointing="full",
-    zero_stage=3, dp=8, ep=8, num_microbatches=16, framework="automodel", tokens_per_s_per_gpu=12040,
+    zero_stage=3, dp=8, ep=8, num_microbatches=16, sharded_grad_accumulation=True, framework="automodel",
+    tokens_per_s_per_gpu=12040,
     mfu=277 / 989, source=AUTOMODEL_H100,
 )  # fmt: skip
 
@@ -480,7 +486,8 @@ FLAGPERF_LLAMA2_7B_MDS_RUNS = [
 FLAGPERF_LLAMA2_7B_DS_RUNS = [
     PublishedRun(
         shape=LLAMA2_7B, cluster="1x8xA100-80GB", seq_len=seq, local_batch=lbs, activation_checkpointing="none",
-        zero_stage=3, dp=8, num_microbatches=gas, framework="deepspeed", tokens_per_s_per_gpu=wps, mfu=mfu,
+        zero_stage=3, dp=8, num_microbatches=gas, sharded_grad_accumulation=True, framework="deepspeed",
+        tokens_per_s_per_gpu=wps, mfu=mfu,
         peak_memory_gib=mem, peak_memory_kind="nvidia-smi", source=FLAGPERF_LLAMA2_7B_DS,
     )
     for seq, lbs, gas, wps, mfu, mem in ((4096, 1, 1, 3564, 0.479, 57), (2048, 3, 1, 3917, 0.527, 70),
@@ -606,6 +613,7 @@ def parallel_config(run: PublishedRun, recompute: str) -> autoplan.ParallelConfi
         dp=run.dp, cp=run.cp, tp=run.tp, pp=run.pp, microbatch_size=run.replica_batch,
         num_microbatches=run.num_microbatches, schedule=run.schedule, virtual_stages=run.virtual_stages,
         recompute=recompute, zero_stage=run.zero_stage, ep=run.ep, sequence_parallel=run.sequence_parallel,
+        sharded_grad_accumulation=run.sharded_grad_accumulation and run.num_microbatches > 1,
     )  # fmt: skip
 
 
