@@ -67,12 +67,12 @@ CONFIGS = {
     "pp2": ParallelConfig(dp=1, tp=1, pp=2, microbatch_size=_MB, num_microbatches=2),
     # issue #41 item 5: tensor parallelism with sequence parallelism, ZeRO-3 gradient accumulation
     # in both layouts, an interleaved pipeline, and (4 ranks, below) dp x interleaved pp and cp x tp
-    "tp2_sp": ParallelConfig(dp=1, tp=2, pp=1, microbatch_size=BATCH, num_microbatches=1, sequence_parallel=True),
+    # one sample per micro-batch: the tp axis cannot split the batch, so the rule splits the sequence
+    "tp2_sp": ParallelConfig(dp=1, tp=2, pp=1, microbatch_size=1, num_microbatches=BATCH, sequence_parallel=True),
     "zero3_ga": ParallelConfig(dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3),
     "zero3_ga_sharded": ParallelConfig(
         dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3, sharded_grad_accumulation=True
     ),
-    "zero3_mb2": ParallelConfig(dp=2, microbatch_size=2, num_microbatches=1, zero_stage=3),
     "pp2_v2": ParallelConfig(pp=2, microbatch_size=4, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=2),
 }
 """Two-rank cases (``2xCPU``)."""
