@@ -109,14 +109,14 @@ def test_hetero_layout_beats_uniform_and_prices_each_stage_on_its_devices():
 
 def test_search_uses_hetero_stages_only_when_allowed():
     space = SearchSpace(schedules=("1f1b",), recompute=("none",), zero_stages=(0,), microbatch_sizes=(1, 2, 4))
-    best, _ = search(lambda tp, b: _costs(b), CLUSTER, num_blocks=6, global_batch_size=32, space=space)
+    best, _ = search(lambda tp, b, *key: _costs(b), CLUSTER, num_blocks=6, global_batch_size=32, space=space)
     off = dataclasses.replace(space, hetero_stages=False)
-    best_uniform, _ = search(lambda tp, b: _costs(b), CLUSTER, num_blocks=6, global_batch_size=32, space=off)
+    best_uniform, _ = search(lambda tp, b, *key: _costs(b), CLUSTER, num_blocks=6, global_batch_size=32, space=off)
     assert best_uniform.config.stage_dp is None
     assert best.step_time_s <= best_uniform.step_time_s
     # balanced model: no stage is heavier, so no sub-mesh differs from the uniform one
     flat = (1.0,) * 8
-    even, _ = search(lambda tp, b: _costs(b, flat), CLUSTER, num_blocks=6, global_batch_size=32, space=space)
+    even, _ = search(lambda tp, b, *key: _costs(b, flat), CLUSTER, num_blocks=6, global_batch_size=32, space=space)
     assert even.config.stage_dp is None or len(set(even.config.stage_dp)) == 1
 
 
@@ -129,15 +129,15 @@ class _ArrivingCosts:
         self.arrived: set[tuple[int, int]] = set()
         self.laid_out_early = 0
 
-    def __call__(self, tp: int, b: int) -> SegmentCosts:
+    def __call__(self, tp: int, b: int, *key: int) -> SegmentCosts:
         return _costs(b) if tp == 1 else _costs(b, (0.1, 2, 2, 2, 2, 2, 2, 8))
 
-    def ready(self, tp: int, b: int) -> bool:
+    def ready(self, tp: int, b: int, *key: int) -> bool:
         return (tp, b) in self.arrived
 
     def prefetch(self, keys, *, while_waiting=None) -> None:  # noqa: ANN001
         for key in sorted(keys, key=lambda k: (k[1], -k[0])):
-            self.arrived.add(key)
+            self.arrived.add(key[:2])  # (tp, b); a sequence-parallel key adds (cp, 1)
             while while_waiting is not None and while_waiting():
                 self.laid_out_early += 1
 

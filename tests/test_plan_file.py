@@ -121,10 +121,10 @@ def test_load_of_another_format_names_the_file(plan_dict, tmp_path):
 
 
 def test_load_of_another_version_names_the_file_and_the_version(plan_dict, tmp_path):
-    plan_dict["version"] = 2
-    path = _write(tmp_path, "v2_plan.json", plan_dict)
+    plan_dict["version"] = 3
+    path = _write(tmp_path, "v3_plan.json", plan_dict)
 
-    with pytest.raises(autoplan.PlanFileError, match="v2_plan.json.*version 2"):
+    with pytest.raises(autoplan.PlanFileError, match="v3_plan.json.*version 3"):
         autoplan.Plan.load(path)
 
 

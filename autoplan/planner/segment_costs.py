@@ -81,8 +81,9 @@ class SegmentCostOracle(Protocol):
     """The per-segment costs the joint search (:func:`autoplan.planner.search.search`) prices its
     candidates with, keyed by ``(tp, microbatch_size)``, from an oracle that can compute many keys
     at once and tell which are in. :class:`~autoplan.planner.segment_model.SegmentCostModel`
-    implements it; a plain ``Callable[[int, int], SegmentCosts]`` serves the search too (each key
-    then computed when first asked for, nothing ahead)."""
+    implements it; a plain callable serves the search too (each key then computed when first
+    asked for, nothing ahead), called as ``costs(tp, microbatch_size)`` and, for a ``cp`` axis or
+    sequence parallelism, ``costs(tp, microbatch_size, cp[, 1])`` (:func:`autoplan.planner.search.cost_key`)."""
 
     __slots__ = ()
 
