@@ -628,20 +628,36 @@ def inflight_at_rank_peak(
         return (inflight_microbatches(schedule, stage_rank, p, num_microbatches, v),)
     if len(kept_bytes) != v:
         raise ValueError(f"kept_bytes has {len(kept_bytes)} entries; rank {stage_rank} has {v} stages")
+    states = _alive_after_forwards(schedule, stage_rank, p, num_microbatches, v)
+    return max(states, key=lambda alive: sum(n * b for n, b in zip(alive, kept_bytes, strict=True)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _alive_after_forwards(
+    schedule: ScheduleName, stage_rank: int, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> tuple[tuple[int, ...], ...]:
+    """The per-stage alive counts of rank ``stage_rank`` right after each of its F actions
+    (:func:`inflight_at_rank_peak`) that no other such count covers stage by stage (with
+    non-negative bytes a covered one is never the peak), in first-seen order; cached, since the
+    search asks for the same schedule with every candidate's bytes."""
+    p, v = num_ranks, virtual_stages
     order = schedule_actions(schedule, num_ranks=p, num_microbatches=num_microbatches, virtual_stages=v)[stage_rank]
     free_kind = "W" if schedule == "zero-bubble" else "B"
     alive = [0] * v
-    best, best_bytes = tuple(alive), -1.0
+    seen: dict[tuple[int, ...], None] = {}
     for a in order:
         j = a.stage // p
         if a.kind == "F":
             alive[j] += 1
-            held = sum(n * b for n, b in zip(alive, kept_bytes, strict=True))
-            if held > best_bytes:
-                best, best_bytes = tuple(alive), held
+            seen.setdefault(tuple(alive), None)
         elif a.kind == free_kind:
             alive[j] -= 1
-    return best
+    states = list(seen)
+
+    def covered(x: tuple[int, ...]) -> bool:
+        return any(y != x and all(a >= b for a, b in zip(y, x, strict=True)) for y in states)
+
+    return tuple(x for x in states if not covered(x))
 
 
 def _closed_form_step_time(
