@@ -96,7 +96,7 @@ The simulation stays the reference: below ``max_simulated_actions`` fast_step_ti
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -448,26 +448,33 @@ def _end_times(
     return start_s, end_s
 
 
+def _alive_after_each_forward(order: Sequence[Action], *, free_kind: ActionKind) -> Iterator[dict[int, int]]:
+    """A rank's alive activations per stage right after each of its F actions, from the order
+    alone: a stage's F, B and W all run on one rank, one at a time, so the count only changes at
+    that rank's actions, +1 when F starts, -1 when ``free_kind`` ends (the same dict, updated)."""
+    alive: dict[int, int] = {}
+    for a in order:
+        if a.kind == "F":
+            alive[a.stage] = alive.get(a.stage, 0) + 1
+            yield alive
+        elif a.kind == free_kind:
+            alive[a.stage] -= 1
+
+
 def _peak_inflight(
     orders: tuple[tuple[Action, ...], ...], num_stages: int, *, free_kind: ActionKind
 ) -> tuple[list[int], list[int]]:
-    """Peak alive activations per stage and per rank, from the order alone.
-
-    A stage's F, B and W all run on one rank, one at a time, so the count only changes at that
-    rank's actions: +1 when F starts, -1 when ``free_kind`` ends. The peak is the largest count
-    right after an F starts, whatever the timing.
+    """Peak alive activations per stage and per rank, from the order alone
+    (:func:`_alive_after_each_forward`): the largest count right after an F starts, whatever the
+    timing.
     """
     per_stage = [0] * num_stages
     per_rank = [0] * len(orders)
     for rank, order in enumerate(orders):
-        alive: dict[int, int] = {}
-        for a in order:
-            if a.kind == "F":
-                alive[a.stage] = alive.get(a.stage, 0) + 1
-                per_stage[a.stage] = max(per_stage[a.stage], alive[a.stage])
-                per_rank[rank] = max(per_rank[rank], sum(alive.values()))
-            elif a.kind == free_kind:
-                alive[a.stage] -= 1
+        for alive in _alive_after_each_forward(order, free_kind=free_kind):
+            for stage, n in alive.items():
+                per_stage[stage] = max(per_stage[stage], n)
+            per_rank[rank] = max(per_rank[rank], sum(alive.values()))
     return per_stage, per_rank
 
 
@@ -642,16 +649,10 @@ def _alive_after_forwards(
     search asks for the same schedule with every candidate's bytes."""
     p, v = num_ranks, virtual_stages
     order = schedule_actions(schedule, num_ranks=p, num_microbatches=num_microbatches, virtual_stages=v)[stage_rank]
-    free_kind = "W" if schedule == "zero-bubble" else "B"
-    alive = [0] * v
+    free_kind: ActionKind = "W" if schedule == "zero-bubble" else "B"
     seen: dict[tuple[int, ...], None] = {}
-    for a in order:
-        j = a.stage // p
-        if a.kind == "F":
-            alive[j] += 1
-            seen.setdefault(tuple(alive), None)
-        elif a.kind == free_kind:
-            alive[j] -= 1
+    for alive in _alive_after_each_forward(order, free_kind=free_kind):
+        seen.setdefault(tuple(alive.get(stage_rank + j * p, 0) for j in range(v)), None)
     states = list(seen)
 
     def covered(x: tuple[int, ...]) -> bool:
