@@ -104,12 +104,18 @@ SEQUENCE_DIM = 1
 """The dim of a ``(batch, sequence, ...)`` input or target that context parallelism splits."""
 
 
-def value_rank(node: torch.fx.Node | None) -> int:
-    """Dimensions of a node's (first) tensor value; 0 when it has none (a scalar or unknown)."""
+def first_value(node: torch.fx.Node | None) -> torch.Tensor | None:
+    """A node's (first) tensor value; ``None`` when it has none (a scalar or unknown)."""
     val = node.meta.get("val") if node is not None else None
     if isinstance(val, (tuple, list)):
         val = val[0] if val else None
-    return val.dim() if isinstance(val, torch.Tensor) else 0
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def value_rank(node: torch.fx.Node | None) -> int:
+    """Dimensions of a node's (first) tensor value; 0 when it has none (a scalar or unknown)."""
+    val = first_value(node)
+    return val.dim() if val is not None else 0
 
 
 def gradient_values(graph: torch.fx.Graph) -> list[ValueRef]:
@@ -212,11 +218,9 @@ def restrict_sequence_parallel(table: StrategyTable, graph: torch.fx.Graph, *, a
         node = nodes.get(name)
         if name not in data or node is None or node.meta.get("autoplan.phase") != "fwd":
             continue
-        val = node.meta.get("val")
-        if isinstance(val, (tuple, list)):
-            val = val[0] if val else None
+        val = first_value(node)
         if (
-            not isinstance(val, torch.Tensor)
+            val is None
             or not val.is_floating_point()
             or val.dim() < 2
             or reads_weight(node)
