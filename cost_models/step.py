@@ -1445,7 +1445,7 @@ def evaluate(
     priced = [
         _price_stage(
             config,
-            (stage_costs[k].segments if stage_costs is not None else segs)[bounds[k] : bounds[k + 1]],
+            parts[k],
             cluster,
             stage=k,
             segments=(bounds[k], bounds[k + 1]),
