@@ -128,6 +128,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 import autoplan  # noqa: E402
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
@@ -591,6 +592,33 @@ class Priced:
     """What the cost model lets a device use (``TrainingEstimate.capacity_bytes``)."""
 
 
+FP32_LOSS = {
+    "torchtitan": "torchtitan torchtitan/components/loss.py cross_entropy_loss: pred.flatten(0, 1).float()",
+    "megatron": "Megatron-Core megatron/core/tensor_parallel/cross_entropy.py calculate_logits_max: "
+    "vocab_parallel_logits.float()",
+    "flagscale": "FlagScale is Megatron-LM's fork: Megatron's vocab-parallel cross entropy on .float() logits",
+    "megatron-deepspeed": "Megatron-DeepSpeed megatron/model/gpt_model.py post_language_model_processing: "
+    "vocab_parallel_cross_entropy(output.float(), labels) unless --fp16-lm-cross-entropy",
+    "deepspeed": "transformers 4.34.1 LlamaForCausalLM.forward: logits = logits.float() before the loss",
+}
+"""Frameworks whose loss upcasts the bf16 logits to fp32 before the cross entropy, each with
+where it does: their runs are priced with :func:`fp32_lm_loss`, the fp32 logits and
+log-softmax on the loss's stage as they ran. The others (fms-fsdp's
+``CrossEntropyLoss()(output.view(-1, V), ...)`` on FSDP's bf16 output at 3d28d72
+fms_fsdp/utils/train_utils.py; NeMo AutoModel and the Llama 3 paper, not published) keep
+:func:`tests.zoo.lm_loss` on the model's dtype."""
+
+
+def fp32_lm_loss(out: object, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of the logits upcast to fp32 (:data:`FP32_LOSS`)."""
+    return F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())  # type: ignore[attr-defined]
+
+
+def loss_of(run: PublishedRun):  # noqa: ANN201 - one of the two loss functions
+    """The loss the run's framework computes (:data:`FP32_LOSS`)."""
+    return fp32_lm_loss if run.framework in FP32_LOSS else lm_loss
+
+
 def build(run: PublishedRun) -> tuple[torch.nn.Module, torch.Tensor]:
     """The run's model on ``meta`` and one sequence of token ids."""
     s = run.shape
@@ -627,7 +655,7 @@ def _estimates(
     def estimate(recompute: str) -> tuple[float, autoplan.ParallelConfig, autoplan.TrainingEstimate]:
         config = parallel_config(run, recompute)
         est = autoplan.estimate(
-            model, run.cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
+            model, run.cluster, (ids,), loss_fn=loss_of(run), example_targets=(ids,), config=config,
             global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
         )  # fmt: skip
         return 1.0, config, est
@@ -769,7 +797,7 @@ def breakdown(run: PublishedRun) -> list[str]:
     model, ids = build(run)
     cluster = as_cluster(run.cluster)
     model, inputs, targets = prepare_for_precision(model, (ids,), (ids,), "bf16")
-    costs = SegmentCostModel(model, inputs, lm_loss, targets, cluster, optimizer="adamw")
+    costs = SegmentCostModel(model, inputs, loss_of(run), targets, cluster, optimizer="adamw")
     seg = costs(1, run.local_batch)
     traced, layering = costs._traced(run.local_batch)  # noqa: SLF001 - the traced step, two blocks
     kept, blocks = layering.num_blocks, costs.num_blocks
@@ -794,7 +822,7 @@ def breakdown(run: PublishedRun) -> list[str]:
     for recompute in RECOMPUTE_MIX.get(run.activation_checkpointing, {"none": 1.0, "selective": 1.0, "full": 1.0}):
         config = parallel_config(run, recompute)
         est = autoplan.estimate(
-            model, cluster, (ids,), loss_fn=lm_loss, example_targets=(ids,), config=config,
+            model, cluster, (ids,), loss_fn=loss_of(run), example_targets=(ids,), config=config,
             global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
         )  # fmt: skip
         redo = {"none": 0.0, "full": sum(x.full_recompute_s for x in seg.segments),

@@ -178,6 +178,10 @@ class SegmentMemory(Protocol):
     @property
     def tied_param_owner(self) -> int: ...
     @property
+    def grad_sync_bytes(self) -> float: ...
+    @property
+    def param_itemsize(self) -> int: ...
+    @property
     def dp_split_numel(self) -> int: ...
     @property
     def dp_split_trainable_numel(self) -> int: ...
@@ -271,6 +275,25 @@ def allocator_margin_bytes(allocated_peak_bytes: float, device_kind: str) -> flo
     return ALLOCATOR_MARGIN_FRACTION * allocated_peak_bytes if device_kind == "cuda" else 0.0
 
 
+GLOO_FLAT_COPY_COLLECTIVES = ("all_gather", "reduce_scatter")
+"""Collectives for which gloo (CPU ranks) allocates, while one runs, a buffer of the collective's
+full (unsharded) size beside its input and output: ProcessGroupGloo runs an all-gather into one
+flat buffer of the gathered size and copies it out, and a reduce-scatter as an all-reduce of a
+full-size copy of the input. Measured on 2 and 4 gloo ranks with torch 2.13 (profiler memory
+events, ``all_gather_into_tensor``/``reduce_scatter_tensor`` and their functional twins, 1 to 64
+MiB): all-gather peaks at twice the gathered size, reduce-scatter at the input plus the output;
+all-reduce and all-to-all allocate only their output. NCCL reduces and gathers in the caller's
+buffers (its channel buffers are :data:`NON_PYTORCH_BYTES`): nothing on CUDA."""
+
+
+def collective_scratch_bytes(collective: str, full_bytes: float, device_kind: str) -> float:
+    """Bytes ``collective`` (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``) of
+    ``full_bytes`` (the gathered output, the unreduced input) allocates beyond its input and output
+    while it runs: ``full_bytes`` for gloo's flat copies (:data:`GLOO_FLAT_COPY_COLLECTIVES`, CPU
+    ranks), 0 otherwise."""
+    return float(full_bytes) if device_kind == "cpu" and collective in GLOO_FLAT_COPY_COLLECTIVES else 0.0
+
+
 def stage_memory_parts(
     *,
     segments: Sequence[SegmentMemory],
@@ -319,14 +342,18 @@ def stage_memory_parts(
                             + G_j + min(R_j, (in_flight + 1) bucket))
         optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)
         peak     = W + O + max( max_j backward of j, reductions, optimizer step ) + allocator margin
-        gathered = ZeRO-3: (1 + prefetch + full) max_j P_j w if reshard_after_forward else sum_j P_j w
+        gathered = ZeRO-3: (1 + prefetch + full) max_j P_j w + S_g if reshard_after_forward else sum_j P_j w
+                   (S_g: the running gather's scratch, collective_scratch_bytes(max_j P_j w))
                    (full = 1 under full recomputation: the re-run forward's own gather of the
                    block, beside the backward's)
-        bucket   = dp > 1: min(sum_j T'_j g, bucket_cap)    (the flat copy of one gradient bucket:
+        bucket   = min(max(sum_j T'_j g if dp > 1, sum_j M_j g), bucket_cap)    (M_j: the
+                   elements of j's gradients converted on tp/cp, grad_sync_bytes; the flat copy of one gradient bucket:
                    :mod:`autoplan.runtime.pipeline` converts a stage's gradients once per step,
                    after the schedule, bucket by bucket)
         reduced  = 0 for ZeRO 0 (the bucket is all-reduced in place, as DDP's), bucket / dp for
-                   ZeRO >= 1 (the reduce-scatter's result beside the bucket)
+                   ZeRO >= 1 (the reduce-scatter's result beside the bucket), plus the running
+                   reduce-scatter's scratch S = collective_scratch_bytes(bucket) (gloo's full-size
+                   copy on CPU ranks, 0 on CUDA; in the backward too once a bucket is issued)
         opt_step = optimizer_temp_bytes(the trained weights' fp32 copies / (dp if zero_stage >= 1))
 
     Transients of different segments never coexist (a max, not a sum). ``gathered``: FSDP2's
@@ -363,13 +390,21 @@ def stage_memory_parts(
     raw, grads = _gradient_bytes(segments, tied.values(), dp=dp, ep=e, zero_stage=zero_stage, element=element)
     shard_gathered = 1 / e if e < dp else 0.0  # of the experts, gathered over their replicas
     gathered = _zero3_gathered_bytes(segments, param_numel, split_p * (1 - shard_gathered), shard_gathered,
-                                     zero_stage=zero_stage, recompute=recompute, policy=policy, element=element)  # fmt: skip
+                                     zero_stage=zero_stage, recompute=recompute, policy=policy, element=element,
+                                     device_kind=device_kind)  # fmt: skip
     activations, transients = _activations_and_transients(segments, recompute, inflight)
     reduced_numel = trainable - split_t * (1 - shard_gathered)
-    bucket = min(reduced_numel * element.grads, policy.bucket_cap_bytes) if dp > 1 else 0.0
-    reduced = bucket / dp if zero_stage >= 1 else 0.0  # ZeRO 0: all-reduced in place
+    # one flat bucket per mesh axis at a time: the data-parallel one (every trained gradient) and
+    # the stage mesh's (the gradients converted on tp/cp: grad_sync_bytes, in the gradient dtype)
+    mesh_synced = sum(s.grad_sync_bytes / max(s.param_itemsize, 1) for s in segments) * element.grads
+    bucket = min(max(reduced_numel * element.grads if dp > 1 else 0.0, mesh_synced), policy.bucket_cap_bytes)
+    scattered = zero_stage >= 1 and dp > 1  # reduce-scattered over dp; else all-reduced in place
+    reduced = bucket / dp if scattered else 0.0
+    # the reduce-scatter running (one at a time per group) and its backend's copy of the bucket
+    scratch = collective_scratch_bytes("reduce_scatter", bucket, device_kind) if scattered else 0.0
     in_backward = reduced_in_backward and zero_stage >= 1 and dp > 1
-    held, reduction = _gradients_held(raw, grads, bucket, reduced, in_backward=in_backward, policy=policy)
+    held, reduction = _gradients_held(raw, grads, bucket, reduced + scratch, in_backward=in_backward, policy=policy,
+                                      scratch=scratch)
     assert converting_backwards == 1 or reduced_in_backward, "several converting backwards reduce in the backward"
     summed = sum(grads) if converting_backwards > 1 else sum(raw)  # across micro-batches: G (sharded) or R
     at_peak, grads_at_peak = _backward_peak(
@@ -386,18 +421,21 @@ def stage_memory_parts(
 
 def _zero3_gathered_bytes(
     segments: Sequence[SegmentMemory], param_numel: int, never_gathered: float, shard_gathered: float, *,
-    zero_stage: int, recompute: str, policy: OverlapPolicy, element: ElementBytes,
+    zero_stage: int, recompute: str, policy: OverlapPolicy, element: ElementBytes, device_kind: str,
 ) -> float:
     """``gathered`` of :func:`stage_memory_parts`: ZeRO-3's gathered weights (0 below ZeRO 3), of
     the stage's parameters less the ``never_gathered`` elements (the experts' other shards; each
-    segment gathers ``shard_gathered`` of its experts)."""
+    segment gathers ``shard_gathered`` of its experts), with what the gather running allocates
+    beside them (:func:`collective_scratch_bytes` of the largest block, when blocks are gathered
+    one at a time)."""
     if zero_stage < 3:
         return 0.0
     largest = max((s.param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments), default=0)
     regather = recompute == "full"  # the re-run forward gathers its block's weights once more
     unsplit = param_numel - never_gathered
     kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else unsplit
-    return min(kept_numel, unsplit) * element.weights
+    running = collective_scratch_bytes("all_gather", largest * element.weights, device_kind)
+    return min(kept_numel, unsplit) * element.weights + (running if policy.reshard_after_forward else 0.0)
 
 
 def _gradient_bytes(
@@ -475,16 +513,22 @@ def _activations_and_transients(
 
 def _gradients_held(
     raw: Sequence[float], grads: Sequence[float], bucket: float, reduced: float, *, in_backward: bool,
-    policy: OverlapPolicy,
+    policy: OverlapPolicy, scratch: float = 0.0,
 ) -> tuple[list[float], float]:
     """Per segment ``j``, the gradient bytes of the later segments alive in its backward (the
     first micro-batch; ``j``'s own, made as its backward runs, are in its transient ``T_j``), and
-    the bytes the reductions after the schedule add (0: none; :func:`stage_memory_parts`)."""
+    the bytes the reductions after the schedule add (0: none; :func:`stage_memory_parts`).
+    ``scratch``: what the running reduce-scatter allocates (:func:`collective_scratch_bytes`),
+    alive in a backward once one of its buckets is issued."""
     if in_backward:
         # reduce-scattered as they exist: the reduced shards, plus the full-size buckets in flight
         # and the one filling (at most the raw gradients made so far)
         flight = (policy.reduce_scatters_in_flight + 1) * bucket
-        return [sum(grads[j + 1 :]) + min(sum(raw[j + 1 :]), flight) for j in range(len(raw))], 0.0
+        issued = [sum(raw[j + 1 :]) >= bucket > 0 for j in range(len(raw))]
+        return [
+            sum(grads[j + 1 :]) + min(sum(raw[j + 1 :]), flight) + (scratch if issued[j] else 0.0)
+            for j in range(len(raw))
+        ], 0.0
     return [sum(raw[j + 1 :]) for j in range(len(raw))], bucket + reduced
 
 

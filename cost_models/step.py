@@ -271,6 +271,10 @@ class SegmentCost:
     """The routed experts' stacked weights among ``param_numel`` (local on the tensor-parallel
     group): what expert parallelism over the data-parallel group (``ParallelConfig.ep``) splits."""
     expert_trainable_numel: int = 0
+    grad_sync_bytes: float = 0.0
+    """Bytes of the gradients ``grad_sync_s`` converts on the stage mesh (a parameter replicated on
+    the tensor/context-parallel axes gets a partial gradient there, all-reduced once per step in
+    the runtime's flat buckets, :mod:`autoplan.runtime.pipeline`), the full tensors' bytes."""
     dp_split_numel: int = 0
     """Elements of ``param_numel`` split over groups of ``ParallelConfig.ep`` ranks of the
     data-parallel group instead of replicated or ZeRO-sharded (the experts under ``ep``, set by

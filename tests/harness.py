@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import faulthandler
 import json
 import math
 import os
@@ -455,6 +456,7 @@ def _rank_main(
     test's environment at the start (a forked rank has the forkserver's, from the first start)."""
     os.environ.clear()
     os.environ.update(environ)
+    faulthandler.enable()  # a rank killed by a signal prints its Python stack (the test shows stderr)
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:

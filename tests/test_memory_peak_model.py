@@ -14,6 +14,7 @@ from torch import nn
 from autoplan.cost_models.comm_schedule import OverlapPolicy
 from autoplan.cost_models.memory import (
     GiB,
+    collective_scratch_bytes,
     precision_bytes,
     rank_memory_parts,
     stage_memory_parts,
@@ -148,13 +149,26 @@ def test_a_later_micro_batch_runs_beside_the_gradient_sum_with_fewer_activations
 
 def test_gradient_reductions_after_the_schedule_hold_one_bucket_and_its_result() -> None:
     """ZeRO 0 all-reduces the flat bucket in place (one copy); ZeRO >= 1 reduce-scatters it, the
-    result (1/dp of the bucket) beside it (autoplan.runtime.collectives)."""
+    result (1/dp of the bucket) beside it (autoplan.runtime.collectives), and on CPU ranks gloo's
+    full-size copy of the bucket while it runs (memory.GLOO_FLAT_COPY_COLLECTIVES); NCCL has none."""
     segs = [_seg(0, 0, 0, numel=1000)]
     g = 4.0
     ddp = _parts(segs, dp=2)
     assert ddp["grads"] == 1000 * g and ddp["transient"] == 1000 * g  # the bucket under its cap
     zero1 = _parts(segs, dp=2, zero_stage=1)
-    assert zero1["grads"] == 1000 * g and zero1["transient"] == 1000 * g * (1 + 1 / 2)
+    assert zero1["grads"] == 1000 * g and zero1["transient"] == 1000 * g * (1 + 1 / 2 + 1)
+    on_gpu = _parts(segs, dp=2, zero_stage=1, device_kind="cuda")
+    assert on_gpu["grads"] == 1000 * g and on_gpu["transient"] == 1000 * g * (1 + 1 / 2)
+
+
+def test_gloo_collectives_hold_a_full_size_copy_while_they_run() -> None:
+    """Measured on gloo ranks (memory.GLOO_FLAT_COPY_COLLECTIVES): all-gather and reduce-scatter
+    allocate their full size beside input and output; all-reduce and all-to-all nothing; NCCL nothing."""
+    assert collective_scratch_bytes("all_gather", 8.0, "cpu") == 8.0
+    assert collective_scratch_bytes("reduce_scatter", 8.0, "cpu") == 8.0
+    assert collective_scratch_bytes("all_reduce", 8.0, "cpu") == 0.0
+    assert collective_scratch_bytes("all_to_all", 8.0, "cpu") == 0.0
+    assert collective_scratch_bytes("all_gather", 8.0, "cuda") == 0.0
 
 
 def test_zero3_gathered_weights_follow_the_reshard_policy() -> None:
@@ -165,7 +179,10 @@ def test_zero3_gathered_weights_follow_the_reshard_policy() -> None:
     reshard = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=True, **small))
     keep = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=False, **small))
     assert reshard["weights"] == 1000 * w / 4
-    assert reshard["transient"] == 2 * 300 * w  # the block in use + the one prefetched
+    # the block in use + the one prefetched + (gloo, CPU ranks) the running gather's flat copy
+    assert reshard["transient"] == 3 * 300 * w
+    on_gpu = _parts(segs, zero_stage=3, dp=4, device_kind="cuda", policy=OverlapPolicy(reshard_after_forward=True, **small))
+    assert on_gpu["transient"] == 2 * 300 * w  # NCCL gathers into the caller's buffer
     assert keep["transient"] == 1000 * w  # every block kept from forward to backward
 
 

@@ -192,6 +192,8 @@ class _Sums:
     redo_s: dict[Policy, list[float]]
     """Per policy: the forward time its backward re-runs."""
     grad_sync: list[float]
+    grad_sync_bytes: list[float]
+    """Per segment: the bytes of its gradients the stage mesh converts (``grad_sync``'s tensors)."""
     opt: list[float]
     numel: list[int]
     trainable_numel: list[int]
@@ -219,7 +221,7 @@ class _Sums:
             a2a_count=[0] * nseg, ring={"fwd": [_Ring()] * nseg, "bwd": [_Ring()] * nseg},
             moe={"fwd": [0.0] * nseg, "bwd": [0.0] * nseg}, moe_ops=[0] * nseg,
             routed=[0.0] * nseg, experts=[0] * nseg, expert_numel=[0] * nseg, expert_trainable=[0] * nseg,
-            redo_s={p: [0.0] * nseg for p in POLICIES}, grad_sync=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
+            redo_s={p: [0.0] * nseg for p in POLICIES}, grad_sync=[0.0] * nseg, grad_sync_bytes=[0.0] * nseg, opt=[0.0] * nseg, numel=[0] * nseg,
             trainable_numel=[0] * nseg, itemsize=[4] * nseg, flops=[0.0] * nseg, saved=[0.0] * nseg,
             kept={p: [0.0] * nseg for p in POLICIES}, recreated={p: [0.0] * nseg for p in POLICIES},
             redo_transient={p: [0.0] * nseg for p in POLICIES}, inputs=[0.0] * nseg, shared_inputs=[0.0] * nseg, tied_numel=[0] * nseg,
@@ -239,6 +241,7 @@ class _Sums:
                     selective_recompute_s=self.redo_s["selective"][k],
                     full_recompute_s=self.redo_s["full"][k],
                     grad_sync_s=self.grad_sync[k],
+                    grad_sync_bytes=self.grad_sync_bytes[k],
                     optimizer_s=self.opt[k],
                     param_numel=self.numel[k],
                     trainable_numel=self.trainable_numel[k],
@@ -401,6 +404,7 @@ def _add_conversions(
             continue
         if e.arg_index == -1 and e.consumer in seg_of:  # gradient -> parameter layout
             sums.grad_sync[seg_of[e.consumer]] += c
+            sums.grad_sync_bytes[seg_of[e.consumer]] += e.full_bytes
         elif e.consumer in seg_of:
             k = seg_of[e.consumer]
             if phase.get(e.consumer) == "fwd":
