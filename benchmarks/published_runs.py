@@ -40,7 +40,10 @@ with its comment in ``RUNS`` (exact / approximated) and its source constant:
 
 Add runs as rows of ``RUNS`` with their source. The
 corrections below (recomputation policies, FSDP2 copies, torchtitan's MFU) apply to the torchtitan
-rows only (``PublishedRun.framework``).
+rows only (``PublishedRun.framework``). Two more price the program each framework ran where it
+differs from autoplan's in what the step holds: the loss in fp32 where the framework upcasts the
+logits (:data:`FP32_LOSS`), and Hugging Face's eager RMSNorm where the run used the HF model
+(:data:`EAGER_HF_NORM`: autoplan's own programs run the fused norm, ``passes/fused_norm.py``).
 
 Found, not priced (BF16 mixture-of-experts and long-context runs with a published configuration
 that autoplan cannot express faithfully, issue #20 item 5):
@@ -115,6 +118,7 @@ need not agree, so compare the tokens/s error first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import statistics
@@ -609,6 +613,31 @@ fms_fsdp/utils/train_utils.py; NeMo AutoModel and the Llama 3 paper, not publish
 :func:`tests.zoo.lm_loss` on the model's dtype."""
 
 
+EAGER_HF_NORM = {
+    "deepspeed": "FlagPerf llama2_7b deepspeed: transformers 4.34.1 LlamaForCausalLM, whose LlamaRMSNorm.forward "
+    "upcasts to fp32 and multiplies eagerly (its intermediates saved for the backward; no fused kernel)",
+}
+"""Frameworks whose runs used Hugging Face's eager ``LlamaRMSNorm``, with where: priced with the
+norm traced as those ops (:func:`eager_hf_norms`), not as autoplan's fused ``autoplan::rms_norm``."""
+
+
+@contextlib.contextmanager
+def eager_hf_norms(run: PublishedRun):  # noqa: ANN201 - a context manager
+    """While pricing ``run`` (:data:`EAGER_HF_NORM`), the tracer leaves RMSNorm modules as their
+    eager ops (autoplan's fusion, ``autoplan.passes.trace.norms_as_single_op``, off)."""
+    import autoplan.passes.trace as trace  # the tracer's fusion switch: only this benchmark turns it off
+
+    if run.framework not in EAGER_HF_NORM:
+        yield
+        return
+    fused = trace.norms_as_single_op
+    trace.norms_as_single_op = contextlib.nullcontext  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        trace.norms_as_single_op = fused
+
+
 def fp32_lm_loss(out: object, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of the logits upcast to fp32 (:data:`FP32_LOSS`)."""
     return F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())  # type: ignore[attr-defined]
@@ -654,10 +683,11 @@ def _estimates(
 
     def estimate(recompute: str) -> tuple[float, autoplan.ParallelConfig, autoplan.TrainingEstimate]:
         config = parallel_config(run, recompute)
-        est = autoplan.estimate(
-            model, run.cluster, (ids,), loss_fn=loss_of(run), example_targets=(ids,), config=config,
-            global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
-        )  # fmt: skip
+        with eager_hf_norms(run):
+            est = autoplan.estimate(
+                model, run.cluster, (ids,), loss_fn=loss_of(run), example_targets=(ids,), config=config,
+                global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
+            )  # fmt: skip
         return 1.0, config, est
 
     if run.activation_checkpointing == LEAST_THAT_FITS:
