@@ -266,3 +266,19 @@ def test_a_communication_row_exposing_more_than_its_total_is_a_malformed_plan_fi
 
     with pytest.raises(autoplan.PlanFileError, match="malformed.*exposed"):
         autoplan.Plan.from_dict(plan_dict, where="plan file 'hand_edited.json'")
+
+
+def test_summary_shows_the_memory_parts_the_estimate_has_and_they_add_up() -> None:
+    """The summary's memory line lists the estimate's own parts (a pipeline plan's stage parts,
+    the per-operator ILP's liveness parts), never a part it lacks as 0, and they sum to the peak."""
+    import re
+
+    golden = Path(__file__).resolve().parent / "golden" / "plans"
+    for name in ("gpt2_tiny.pipeline_4xcpu", "gpt2_tiny.2x2"):
+        plan = autoplan.Plan.load(golden / f"{name}.plan.json")
+        line = next(x for x in plan.summary().splitlines() if "peak memory per device" in x)
+        shown = dict(re.findall(r"(\w+) (\d+\.\d+)(?:,|\))", line.split("(", 1)[1]))
+        parts = {k for k in plan.estimate.memory_bytes if k != "total"}
+        assert set(shown) - {"other"} == parts, (name, line)
+        total = plan.estimate.memory_bytes["total"] / 2**30
+        assert abs(sum(map(float, shown.values())) - total) < 0.001 * len(shown) + 1e-9, (name, line)

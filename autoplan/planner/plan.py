@@ -331,6 +331,18 @@ class ConfigOption:
         )
 
 
+def _memory_parts_text(mem: Mapping[str, float]) -> str:
+    """``name GiB, ...`` of the estimate's memory parts as it records them (the per-operator
+    ILP's liveness parts; the joint search's stage parts,
+    :func:`autoplan.cost_models.memory.stage_memory_parts`): every part it has and only those,
+    with ``other`` for what they leave of the total (an interleaved rank's other stages), so
+    the parts shown add up to the peak."""
+    parts = {k: v for k, v in mem.items() if k != "total"}
+    rest = mem["total"] - sum(parts.values())
+    if rest > 1e-9 * max(mem["total"], 1.0):
+        parts["other"] = rest
+    return ", ".join(f"{k} {v / GiB:.3f}" for k, v in parts.items())
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     """A sharding plan for one model on one cluster (see the module docstring)."""
@@ -504,10 +516,7 @@ class Plan:
             )
             + f"; links: {c.links_source}",
             f"  peak memory per device: {mem['total'] / GiB:.3f} GiB of {e.capacity_bytes / GiB:.1f} GiB"
-            f"{f' at {e.memory_peak_at}' if e.memory_peak_at else ''} "
-            f"(params {mem.get('params', 0) / GiB:.3f}, grads {mem.get('grads', 0) / GiB:.3f}, "
-            f"optimizer {mem.get('optimizer', 0) / GiB:.3f}, activations {mem.get('activations', 0) / GiB:.3f}, "
-            f"inputs {mem.get('inputs', 0) / GiB:.3f})",
+            f"{f' at {e.memory_peak_at}' if e.memory_peak_at else ''} ({_memory_parts_text(mem)})",
             f"  solver: {self.solver['status']} "
             f"({self.solver['num_variables']} variables, {self.solver['num_constraints']} constraints)",
             (
