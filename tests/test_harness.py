@@ -64,15 +64,17 @@ def _abort_until(rank: int, world_size: int, marker: str, aborts: int) -> int:  
 
 
 @pytest.mark.slow
-def test_a_job_whose_rank_aborts_once_runs_again_and_twice_fails(tmp_path):
-    """run_ranks retries a job once when a rank dies by a signal (the known gloo heap abort), with
-    a warning; a second abort is a RankFailure, as is any exception (never retried)."""
-    from tests.harness import RankFailure, run_ranks
+def test_a_job_whose_rank_aborts_runs_again_and_fails_when_every_run_aborts(tmp_path):
+    """run_ranks runs a job again when a rank dies by a signal (the known gloo heap abort), with
+    a warning, up to ABORT_ATTEMPTS runs; an abort in every run is a RankFailure, as is any
+    exception (never retried)."""
+    from tests.harness import ABORT_ATTEMPTS, RankFailure, run_ranks
 
     with pytest.warns(RuntimeWarning, match="killed by a signal"):
-        assert run_ranks(_abort_until, 1, str(tmp_path / "once"), 1, timeout_s=60) == [1]
+        aborts = ABORT_ATTEMPTS - 1
+        assert run_ranks(_abort_until, 1, str(tmp_path / "some"), aborts, timeout_s=60) == [aborts]
     with pytest.raises(RankFailure, match="exited with code -6"):
-        run_ranks(_abort_until, 1, str(tmp_path / "twice"), 2, timeout_s=60)
+        run_ranks(_abort_until, 1, str(tmp_path / "every"), ABORT_ATTEMPTS, timeout_s=60)
     with pytest.raises(RankFailure, match="ZeroDivisionError"):
         run_ranks(_divide_by_zero, 1, timeout_s=60)
 
