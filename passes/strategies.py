@@ -22,6 +22,9 @@ Special nodes:
   run as plain replicated tensors; a consumer that needs one sharded slices it locally;
 * ops with no DTensor strategy fall back to "replicate everything" and are listed in the plan
   (``StrategyTable.fallback_ops``);
+* random ops keep only the strategies the runtime can draw exactly as one device does
+  (:mod:`autoplan.passes.random_ops`: ``R``/``S(d)`` for an op that draws by position, replicated
+  for the others);
 * ``getitem`` on multi-output ops is an alias of the producer's output ``i`` (no decision).
 """
 
@@ -33,7 +36,7 @@ import logging
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.fx as fx
@@ -46,10 +49,10 @@ from torch.distributed.tensor._sharding_prop import _expand_single_dim_strategy_
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils import _pytree as pytree
 
-from autoplan.passes import attention, moe
+from autoplan.passes import attention, moe, random_ops
 from autoplan.passes.placement import Spec, is_segment_shard, is_shardable, is_supported, replicated, spec_str
 from autoplan.passes.segments import merged_dim_counts, segment_counts, segment_variants
-from autoplan.passes.trace import TracedProgram
+from autoplan.passes.trace import TracedProgram, writes_an_argument
 
 log = logging.getLogger(__name__)
 
@@ -384,18 +387,23 @@ def build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTab
     """Enumerate the strategies of every node (see the module docstring)."""
     with _without_dtensor_redistribute_costs():
         table = _build_strategy_table(traced, mesh)
-    _replicated_on_size_one_axes(table)
+    writers = frozenset(n.name for n in traced.graph_module.graph.nodes if writes_an_argument(n))
+    _replicated_on_size_one_axes(table, writers)
     return table
 
 
-def _replicated_on_size_one_axes(table: StrategyTable) -> None:
+def _replicated_on_size_one_axes(table: StrategyTable, writers: frozenset[str] = frozenset()) -> None:
     """On a mesh axis of one device every placement holds the whole tensor, so the strategies
     that differ only there are one layout; keep the replicated one. Left in, the ILP broke that
     tie with layouts that convert: a one-device stage of a ``pp=2`` GPT-2 plan ran 76
     all-gathers, 40 reduce-scatters, 31 all-to-alls and 23 all-reduces on one-rank groups, priced
     at 0 s by the search, each a copy in the program (and a collective call on a GPU), with a
     memory peak that moved by megabytes from step to step; a plan for ``1xCPU`` the same. A node
-    with no such strategy keeps all of its own."""
+    with no such strategy keeps all of its own, except an op in ``writers`` (it writes into an
+    argument, which must arrive unconverted): DTensor's rule of an in-place op shows only the
+    argument's first shard (:class:`_Enumerator`), so its placements on those axes are read as
+    ``R``, the same layout there (dropout's ``bernoulli_`` and ``div_`` on a one-device pipeline
+    stage, whose producer ``empty_like`` keeps ``R``)."""
     ones = [i for i, n in enumerate(table.mesh_shape) if n == 1]
     if not ones:
         return
@@ -405,8 +413,19 @@ def _replicated_on_size_one_axes(table: StrategyTable) -> None:
             if all(isinstance(spec[i], Replicate) for spec in (*s.input_specs, *s.output_specs) if spec is not None
                    for i in ones)
         )  # fmt: skip
-        if keep and len(keep) < len(ns.strategies):
+        if not keep and name in writers:
+            keep = tuple(dict.fromkeys(_replicated_on(s, ones) for s in ns.strategies))
+        if keep and keep != ns.strategies:
             table.nodes[name] = NodeStrategies(node=ns.node, kind=ns.kind, strategies=keep, inputs=ns.inputs)
+
+
+def _replicated_on(s: Strategy, axes: Sequence[int]) -> Strategy:
+    """``s`` with every placement on mesh ``axes`` (of one device each) read as ``R``."""
+
+    def rep(spec: Spec | None) -> Spec | None:
+        return None if spec is None else tuple(Replicate() if i in axes else p for i, p in enumerate(spec))
+
+    return Strategy(tuple(rep(o) for o in s.output_specs), tuple(cast(Spec, rep(i)) for i in s.input_specs))
 
 
 REPLICABLE_FOLLOWERS: frozenset[object] = frozenset({torch.ops.aten.stack.default, torch.ops.aten.unbind.int})
@@ -415,6 +434,24 @@ all-replicated strategy too: on replicated inputs any op computes its replicated
 pass stacks a partial sum and its total weight and unbinds them (:mod:`autoplan.passes.losses`):
 with ``unbind``'s input replicated the two numbers are summed by one all-reduce, not one per
 reader of each."""
+
+
+def _random_op_strategies(
+    node: fx.Node, strategies: tuple[Strategy, ...], n_out: int, rep: Spec
+) -> tuple[Strategy, ...]:
+    """The rule of :mod:`autoplan.passes.random_ops`: an op that draws by position keeps DTensor's
+    strategies in ``R``/``S(d)`` placements (the runtime draws the global tensor and keeps its
+    shard; none left: the op falls back to replicated); any other random op runs replicated (its
+    draws read the values it would need gathered)."""
+    if random_ops.draws_by_position(node.target):
+        return tuple(
+            s for s in strategies
+            if all(type(p) in (Replicate, Shard) for spec in (*s.input_specs, *s.output_specs) if spec is not None
+                   for p in spec)
+        )  # fmt: skip
+    val = node.meta["val"]
+    outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in (val if n_out > 1 else [val]))
+    return (Strategy(outs, (rep,) * len(tensor_args(node))),)
 
 
 def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTable:
@@ -477,6 +514,8 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
             # canonical order: DTensor's strategy lists can come out in another order once its
             # caches are warm, and the ILP breaks ties by order (plans must not depend on that)
             strategies = tuple(sorted(strategies, key=_strategy_key)) if strategies else strategies
+        if strategies and random_ops.draws(node):
+            strategies = _random_op_strategies(node, strategies, n_out, rep)
         if strategies and node.target in REPLICABLE_FOLLOWERS:
             everywhere = Strategy((rep,) * n_out, (rep,) * len(refs))
             if all(s.input_specs != everywhere.input_specs for s in strategies):

@@ -18,6 +18,9 @@ per trainable parameter with a gradient (:data:`ACCUMULATED_GRAD_META` names its
 gradient summed over earlier micro-batches, in the producer's placement; ``g + acc`` is emitted
 right before the gradient's conversion (the last micro-batch of a step, as Megatron's gradient
 buffer feeds its buckets).
+A random op that draws by position (dropout's ``bernoulli_``, ``rand_like``, ...) runs through
+:func:`autoplan.runtime.random_ops.global_draw`: every rank draws the global tensor, as one device
+does, and keeps its shard (issue #46).
 
 :func:`autoplan.passes.redistribute.edge_redistributions` lists those same transitions as data;
 the planner prices exactly this list and the program contains exactly these calls, nothing else.
@@ -45,12 +48,14 @@ from autoplan.passes.comm_order import START, CommSchedule, schedule_collectives
 from autoplan.passes.layers import Layering, find_layers
 from autoplan.passes.moe import MOE_OPS, with_ep_group
 from autoplan.passes.placement import Spec
+from autoplan.passes.random_ops import draws_by_position
 from autoplan.passes.recompute import OP_META, TRANSITION_META
 from autoplan.passes.redistribute import OUTPUT, Redistribution, edge_redistributions
 from autoplan.passes.stages import ACCUMULATED_GRAD_META, stage_of_segment
 from autoplan.passes.strategies import Strategy, resolve_value, tensor_args
 from autoplan.passes.trace import TracedProgram, param_node_name
 from autoplan.runtime import collectives as runtime
+from autoplan.runtime.random_ops import global_draw
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,10 +385,13 @@ class _ProgramEmitter:
             new = graph.create_node(
                 "call_function", runtime.replicated_call, (op, *new_args), new_kwargs, name=node.name
             )
+        elif draws_by_position(node.target):  # the single-device draw, this rank's part kept
+            op = cast(Argument, node.target)
+            new = graph.create_node("call_function", global_draw, (op, *new_args), new_kwargs, name=node.name)
         else:
             new = graph.create_node("call_function", node.target, tuple(new_args), new_kwargs, name=node.name)
         new.meta = dict(node.meta)
-        new.meta[OP_META] = node.target  # the op a fallback node runs through runtime.replicated_call
+        new.meta[OP_META] = node.target  # the op runtime.replicated_call or global_draw runs
         strat = self.assignment[node.name]
         new.meta["autoplan.output_specs"] = strat.output_specs
         env[node] = new

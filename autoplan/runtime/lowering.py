@@ -47,6 +47,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY
+from autoplan.passes.random_ops import is_random
 from autoplan.runtime.collectives import segment_layout
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
@@ -210,8 +211,8 @@ def _wait_chain(wait: fx.Node, nodes: list[fx.Node], pos: dict[fx.Node, int], *,
     placed before position ``before``: what can move together with the wait."""
     chain, in_chain = [wait], {wait}
     for n in nodes[pos[wait] + 1 :]:
-        if n.op != "call_function" or _is_collective(n) or n.target is WAIT:
-            continue
+        if n.op != "call_function" or _is_collective(n) or n.target is WAIT or is_random(n.target):
+            continue  # (a random op stays where it is: moved, it would draw other numbers)
         ins = n.all_input_nodes
         if any(a in in_chain for a in ins) and all(a in in_chain or pos[a] < before for a in ins):
             chain.append(n)
@@ -222,7 +223,8 @@ def _wait_chain(wait: fx.Node, nodes: list[fx.Node], pos: dict[fx.Node, int], *,
 def sink_waits(gm: fx.GraphModule) -> int:
     """Move every ``wait_tensor``, with the ops that depend only on it and on values that existed
     before its collective was issued, to right before the first other op that reads them.
-    Returns how many waits moved. Only pure ops move (the traced program is functional)."""
+    Returns how many waits moved. Only pure ops move (the traced program is functional); a
+    random op never does (the order of the draws is the single-device model's)."""
     graph = gm.graph
     moved = 0
     for wait in [n for n in graph.nodes if n.op == "call_function" and n.target is WAIT]:
@@ -301,7 +303,7 @@ def defer_output_waits(gm: fx.GraphModule, slots: Sequence[int]) -> DeferredWait
             after_wait.add(n)
     tail: set[fx.Node] = set()
     for n in reversed(nodes[last_issue + 1 :]):
-        if n not in after_wait or _is_collective(n):
+        if n not in after_wait or _is_collective(n) or is_random(n.target):
             continue
         users = [u for u in n.users if u is not output]
         if all(u in tail for u in users) and (output not in n.users or slot_uses[n] <= wanted):

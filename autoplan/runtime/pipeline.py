@@ -48,10 +48,16 @@ Recomputation, per stage (``stage_recompute``): ``none`` keeps what the stage's 
 (``selective`` also matmul and collective outputs), the backward re-runs the ops between them,
 each right before its first reader (``full``: one block's forward at a time, as Megatron and
 torchtitan checkpoint per block; zero-bubble runs them in B).
+
+Random ops: with several stages each stage draws from a generator state of its own
+(:class:`~autoplan.runtime.random_ops.StageRandomStream`), the same on the ranks of the stage,
+seeded at each step from one draw of the default generator; one stage draws from the default
+generator, as the single-device model does.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
@@ -102,6 +108,7 @@ from autoplan.runtime.codegen import STEP_FN, generate_program
 from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
 from autoplan.runtime.lowering import DeferredWaits, LocalProgram, defer_output_waits, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_optimizer
+from autoplan.runtime.random_ops import StageRandomStream, step_seed
 
 
 def _local_shape(v: ValueInfo, mesh: DeviceMesh) -> tuple[int, ...]:
@@ -225,6 +232,9 @@ class StageModule(torch.nn.Module):
         """W work of backwards already run, newest last (handed to the schedule by ``dw_builder``)."""
         self.mesh = mesh
         self.is_last = program.index == num_stages - 1
+        self.random = StageRandomStream(device, program.index) if num_stages > 1 else None
+        """Several stages: the generator state this stage's random ops draw from (one stage: the
+        default generator, as the single-device model draws; autoplan.runtime.random_ops)."""
         named = dict(model.named_parameters())
         buffers = dict(model.named_buffers())
         self.param_specs = {n: assignment[param_node_name(n)].output_specs[0] for n in program.param_names}
@@ -469,9 +479,10 @@ class StageModule(torch.nn.Module):
         with torch.no_grad():
             args = self._local_args()
         waits = self._waits.get(which)
-        if waits is None:
-            return local.run_local(*args, *rest)
-        outs, pending = waits.run_issue(*args, *rest)
+        with self.random.drawing() if self.random is not None else contextlib.nullcontext():
+            if waits is None:
+                return local.run_local(*args, *rest)
+            outs, pending = waits.run_issue(*args, *rest)
         assert grad_names is not None
         self._in_flight.append((waits, pending, {grads_from + i: f for i, f in enumerate(grad_names)}))
         return outs
@@ -598,8 +609,12 @@ class PipelineModel(torch.nn.Module):
         whole batch, or this rank's rows of it; each only where that stage runs; floating fields
         cast to the dtypes the program reads), convert the gradients, and broadcast the loss (the
         micro-batch mean, fp32) from the last stage."""
+        streams = [st.random for st in self._stages if st.random is not None]
+        seed = step_seed(self.device) if streams else 0  # several stages: every rank draws it
         for st in self._stages:
             st.start_step()
+        for stream in streams:
+            stream.start_step(seed)
         losses: list[torch.Tensor] = []
         dtypes = [v.dtype for v in self.batch_values]
         inputs = precision.cast_batch(inputs, dtypes[: len(inputs)])
