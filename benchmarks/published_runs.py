@@ -683,11 +683,10 @@ def _estimates(
 
     def estimate(recompute: str) -> tuple[float, autoplan.ParallelConfig, autoplan.TrainingEstimate]:
         config = parallel_config(run, recompute)
-        with eager_hf_norms(run):
-            est = autoplan.estimate(
-                model, run.cluster, (ids,), loss_fn=loss_of(run), example_targets=(ids,), config=config,
-                global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
-            )  # fmt: skip
+        est = autoplan.estimate(
+            model, run.cluster, (ids,), loss_fn=loss_of(run), example_targets=(ids,), config=config,
+            global_batch_size=run.global_batch, precision="bf16", optimizer="adamw",
+        )  # fmt: skip
         return 1.0, config, est
 
     if run.activation_checkpointing == LEAST_THAT_FITS:
@@ -915,7 +914,8 @@ def main() -> int:
     print(" | ".join(head))
     errors, mem_errors, encoding, feasible = [], [], [], 0
     for run in runs:
-        p = price(run)
+        with eager_hf_norms(run):  # the run's program as it ran, in the table and the breakdown
+            p = price(run)
         feasible += p.feasible
         wps, pub_mfu = run.tokens_per_s_per_gpu, run.mfu
         err_s = "n/a"
@@ -939,7 +939,8 @@ def main() -> int:
             flush=True,
         )  # fmt: skip
         if show_breakdown:
-            print("\n".join(breakdown(run)), flush=True)
+            with eager_hf_norms(run):
+                print("\n".join(breakdown(run)), flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if encoding:
         print(f"encoding check: published MFU vs torchtitan's formula on published tok/s, max |diff| "

@@ -403,7 +403,7 @@ def stage_memory_parts(
     # the reduce-scatter running (one at a time per group) and its backend's copy of the bucket
     scratch = collective_scratch_bytes("reduce_scatter", bucket, device_kind) if scattered else 0.0
     in_backward = reduced_in_backward and zero_stage >= 1 and dp > 1
-    held, reduction = _gradients_held(raw, grads, bucket, reduced + scratch, in_backward=in_backward, policy=policy,
+    held, reduction = _gradients_held(raw, grads, bucket, reduced, in_backward=in_backward, policy=policy,
                                       scratch=scratch)
     assert converting_backwards == 1 or reduced_in_backward, "several converting backwards reduce in the backward"
     summed = sum(grads) if converting_backwards > 1 else sum(raw)  # across micro-batches: G (sharded) or R
@@ -519,17 +519,16 @@ def _gradients_held(
     first micro-batch; ``j``'s own, made as its backward runs, are in its transient ``T_j``), and
     the bytes the reductions after the schedule add (0: none; :func:`stage_memory_parts`).
     ``scratch``: what the running reduce-scatter allocates (:func:`collective_scratch_bytes`),
-    alive in a backward once one of its buckets is issued."""
+    alive in a backward once one of its buckets is issued, and after the schedule."""
+    later = [sum(raw[j + 1 :]) for j in range(len(raw))]  # R_j
     if in_backward:
         # reduce-scattered as they exist: the reduced shards, plus the full-size buckets in flight
         # and the one filling (at most the raw gradients made so far)
         flight = (policy.reduce_scatters_in_flight + 1) * bucket
-        issued = [sum(raw[j + 1 :]) >= bucket > 0 for j in range(len(raw))]
         return [
-            sum(grads[j + 1 :]) + min(sum(raw[j + 1 :]), flight) + (scratch if issued[j] else 0.0)
-            for j in range(len(raw))
+            sum(grads[j + 1 :]) + min(r, flight) + (scratch if r >= bucket > 0 else 0.0) for j, r in enumerate(later)
         ], 0.0
-    return [sum(raw[j + 1 :]) for j in range(len(raw))], bucket + reduced
+    return later, bucket + reduced + scratch
 
 
 def _backward_peak(
