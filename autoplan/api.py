@@ -40,6 +40,7 @@ from autoplan.planner.plan import Plan
 from autoplan.planner.tracing import prepare_for_precision, trace_for_plan, trace_microbatch
 from autoplan.runtime.codegen import generate_program
 from autoplan.runtime.data import LocalBatch
+from autoplan.runtime.optimizers import refuse_optimizers_of_the_module
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel, build_pipeline
 from autoplan.runtime.precision import check_model_precision
@@ -244,7 +245,9 @@ class DeferredModel:
     (the same parameter objects): a :class:`~autoplan.runtime.parallel.ParallelModel`, or a
     :class:`~autoplan.runtime.pipeline.PipelineModel` when planned with ``global_batch_size``.
     Before it, anything that needs the sharded model (``parameters()``, ``state_dict()``,
-    ``data_loader()``, ...) raises :class:`PlanError`: the optimizer is built after the first call.
+    ``data_loader()``, ...) raises :class:`PlanError`: the optimizer is built after the first call
+    (one built over the original module's parameters is refused at its first ``step()``: they are
+    not the ones trained).
 
     Type checks: ``pmodel.built`` is the built model itself (:class:`PlanError` before the first
     call): pass it where a ``ParallelModel`` or ``PipelineModel`` is expected. ``isinstance``
@@ -439,6 +442,11 @@ def parallelize(
     Before that call ``parameters()``, ``state_dict()``, ``data_loader()`` and the rest raise
     :class:`PlanError`; after it ``pmodel.built`` is the ``ParallelModel`` or ``PipelineModel``
     (:class:`DeferredModel` says how ``isinstance`` answers).
+
+    The parallelized model trains sharded copies of ``model``'s parameters: an optimizer built
+    over ``model.parameters()`` (before this call or before a deferred model's first call) would
+    step nothing, so its first ``step()`` raises :class:`PlanError` naming the fix
+    (:func:`~autoplan.runtime.optimizers.refuse_optimizers_of_the_module`).
     """
     _check_joint_options(plan=plan, pins=pins, global_batch_size=global_batch_size, config=config)
     if example_inputs is None:
@@ -469,12 +477,16 @@ def parallelize(
             ),
             device=device,
         )  # fmt: skip
+    built: BuiltModel
     if plan is not None and plan.config is not None:
-        return _parallelize_pipeline(model, plan, inputs, targets, loss_fn, device)
-    return _parallelize_operators(
-        model, cluster, plan, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, pins=pins, profile=profile,
-        device=device,
-    )  # fmt: skip
+        built = _parallelize_pipeline(model, plan, inputs, targets, loss_fn, device)
+    else:
+        built = _parallelize_operators(
+            model, cluster, plan, inputs, targets, loss_fn=loss_fn, optimizer=optimizer, pins=pins, profile=profile,
+            device=device,
+        )  # fmt: skip
+    refuse_optimizers_of_the_module(model, built)  # an optimizer over model's own parameters would step nothing
+    return built
 
 
 def _plan_alone(

@@ -32,7 +32,14 @@ from a profile measured once and cached (:func:`local_cluster`), like the op pro
     <cache> = $AUTOPLAN_CACHE_DIR | $XDG_CACHE_HOME/autoplan | ~/.cache/autoplan
 
 keyed by the machine (:class:`MachineKey`: host name, CPU model, core count, torch version) and
-``N``. ``autoplan plan`` measures a missing one first (:data:`QUICK_SWEEP`, a few seconds). Where
+``N``. ``autoplan plan`` measures a missing one first (:data:`QUICK_SWEEP`, a few seconds). Only
+what a calibration measures is read back from the cache: the link and the compute slowdown (the
+device is the preset's), each checked against the ranges a measurement can give
+(:data:`PLAUSIBLE_BW_GBPS`, :data:`PLAUSIBLE_LATENCY_US`, :data:`PLAUSIBLE_COMM_COMPUTE_SLOWDOWN`);
+an unreadable or implausible file is ignored with a warning and measured again. A fit outside
+those ranges is refused when it is made (:func:`fit_links`). The cache is an optimisation: a
+cache folder that cannot be written (``$AUTOPLAN_CACHE_DIR`` a regular file) is a warning, and
+the plan goes on without it. Where
 none is cached and none can be measured (a library call, a process inside a job) the links are
 :data:`DEFAULT_CPU_LINK`, measured once on a reference machine of this class, and the cluster's
 ``calibration.origin`` is ``"default"`` (a warning says so). ``AUTOPLAN_LOCAL_LINKS`` overrides:
@@ -71,10 +78,11 @@ from autoplan.cost_models.cluster import (
     current_device_model,
 )
 from autoplan.cost_models.comm import collective_terms, effective_collective, link_time_s
+from autoplan.cost_models.echo import clip_message
 from autoplan.cost_models.errors import ConfigError, PlanError
 from autoplan.cost_models.files import atomic_write
 from autoplan.cost_models.hardware import DeviceSpec
-from autoplan.cost_models.profile_db import default_cache_dir
+from autoplan.cost_models.profile_db import cache_subdir, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -235,10 +243,19 @@ def fit_links(cluster: Cluster, samples: Sequence[Sample]) -> dict[str, LinkSpec
             continue
         kinds = [kind for kind in COMM_KINDS if any(s.kind == kind for s in on_axis)]
         joint = fit_samples(on_axis, backend=cluster.backend)
+        problem = implausible_fit(joint.bw_GBps, joint.latency_us)
+        if problem is not None:
+            raise CalibrationError(
+                f"the joint fit of axis {axis!r} is implausible ({problem}): calibrate on an idle machine"
+            )
         collectives: dict[str, CollectiveFit] = {}
         for kind in kinds:
             try:
-                collectives[kind] = fit_samples([s for s in on_axis if s.kind == kind], backend=cluster.backend)
+                fit = fit_samples([s for s in on_axis if s.kind == kind], backend=cluster.backend)
+                problem = implausible_fit(fit.bw_GBps, fit.latency_us)
+                if problem is not None:
+                    raise CalibrationError(f"{kind} on axis {axis!r}: the fit is implausible ({problem})")
+                collectives[kind] = fit
             except CalibrationError as exc:  # the joint fit prices this kind instead
                 logger.warning("%s; %s is priced with the joint fit of axis %r", exc, kind, axis)
         links[axis] = LinkSpec(
@@ -298,6 +315,48 @@ def build_profile(
 MAX_DEVICE_SLOWDOWN = 0.99
 """Largest ``DeviceSpec.comm_compute_slowdown`` a measurement sets (the field takes [0, 1))."""
 
+PLAUSIBLE_BW_GBPS = (1e-3, 1e4)
+"""Range of a fitted link bandwidth, GB/s, that a calibration can have measured (inclusive).
+1 MB/s is far below the slowest link of a cluster autoplan plans for (the local loopback's gloo
+fits 0.38-1.8 GB/s on the reference 2-core VM, even at load average 11; 10GbE is 1.25 GB/s);
+10 TB/s is above the fastest (NVLink 5: 1.8 TB/s per GPU). A fit outside this range is noise
+(a kind whose time barely grows with size) or a damaged cache, and would price every collective
+as free or as taking days."""
+
+PLAUSIBLE_LATENCY_US = (0.0, 1e5)
+"""Range of a fitted per-step latency, microseconds (inclusive). 0 is a clamped fit
+(:func:`fit_samples`); 100 ms is 12x the slowest fit seen on the reference 2-core VM under load
+(7.9 ms at load average 11, :data:`DEFAULT_CPU_LINK`) and 5 orders of magnitude above NVLink. A
+cached ``latency_us: 1e12`` priced a CPU plan at 23 days per step."""
+
+PLAUSIBLE_COMM_COMPUTE_SLOWDOWN = (0.0, 10.0)
+"""Range of a measured ``comm_compute_slowdown`` (inclusive): compute beside a collective from
+as fast as alone (negative measurements are recorded as 0) to 11 times slower. Eight runs on the
+reference VM at load 6-7 gave -16% to +99% (:data:`DEFAULT_CPU_COMM_COMPUTE_SLOWDOWN`); the
+device is priced with at most :data:`MAX_DEVICE_SLOWDOWN`."""
+
+
+def implausible_fit(bw_GBps: float, latency_us: float) -> str | None:
+    """Why a fitted ``(bw_GBps, latency_us)`` cannot have been measured (outside
+    :data:`PLAUSIBLE_BW_GBPS` or :data:`PLAUSIBLE_LATENCY_US`), or ``None`` if it can."""
+    (bw_lo, bw_hi), (lat_lo, lat_hi) = PLAUSIBLE_BW_GBPS, PLAUSIBLE_LATENCY_US
+    if not bw_lo <= bw_GBps <= bw_hi:
+        return f"bandwidth {bw_GBps:g} GB/s is outside the plausible {bw_lo:g}..{bw_hi:g} GB/s"
+    if not lat_lo <= latency_us <= lat_hi:
+        return f"latency {latency_us:g} us is outside the plausible {lat_lo:g}..{lat_hi:g} us"
+    return None
+
+
+def implausible_link(link: LinkSpec) -> str | None:
+    """Why ``link`` (its joint fit or one kind's) cannot have been measured, or ``None``."""
+    fits = [("joint fit", link.bw_GBps, link.latency_us)]
+    fits += [(f"{kind} fit", fit.bw_GBps, fit.latency_us) for kind, fit in link.collectives.items()]
+    for what, bw_GBps, latency_us in fits:
+        problem = implausible_fit(bw_GBps, latency_us)
+        if problem is not None:
+            return f"{what}: {problem}"
+    return None
+
 
 def measured_device(
     cluster: Cluster, links: dict[str, LinkSpec], comm_compute_slowdown: float | None, *, origin: str
@@ -314,7 +373,7 @@ def measured_device(
             overrides[f"{prefix}_latency_us"] = links[widest].latency_us
     if comm_compute_slowdown is not None:
         slowdown = _sig(max(0.0, comm_compute_slowdown))
-        if slowdown >= MAX_DEVICE_SLOWDOWN:
+        if slowdown > MAX_DEVICE_SLOWDOWN:
             logger.warning(
                 "compute ran %.0f%% slower beside a collective (a busy machine?); the device is priced with %.0f%%, "
                 "the most DeviceSpec.comm_compute_slowdown takes: re-run `autoplan calibrate` on a quieter machine",
@@ -408,12 +467,30 @@ def cached_profile_path(
     return root / "clusters" / f"cpu{world_size}-v{PROFILE_CACHE_VERSION}-{key.digest()}.yaml"
 
 
-def cache_profile(profile: Cluster) -> Path:
+def profile_cache_dir() -> Path | None:
+    """``<cache>/clusters``, created if missing, or ``None`` (with one warning naming the cache
+    folder) when it cannot be: see :func:`autoplan.cost_models.profile_db.cache_subdir`."""
+    return cache_subdir("clusters")
+
+
+def cache_profile(profile: Cluster) -> Path | None:
     """Store ``profile`` (of the local machine's default 1-D mesh) where :func:`local_cluster`
-    finds it; returns the path."""
+    finds it (atomically: a failed write leaves the previous file); returns the path, or ``None``
+    with a warning when it is not stored: the cache folder cannot be used
+    (:func:`autoplan.cost_models.profile_db.cache_subdir`), the write fails, or the profile is one
+    :func:`load_cached_profile` would refuse (:func:`cached_profile_problem`)."""
+    problem = cached_profile_problem(profile, profile.world_size)
+    if problem is not None:
+        logger.warning("not caching the calibration of %s: %s", profile, problem)
+        return None
+    if profile_cache_dir() is None:  # warned there
+        return None
     path = cached_profile_path(profile.world_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_profile(profile, path)
+    try:
+        return write_profile(profile, path)
+    except OSError as exc:
+        logger.warning("could not write the cached calibration '%s' (%s): it is measured again next time", path, exc)
+        return None
 
 
 def is_local_cpu(cluster: Cluster) -> bool:
@@ -428,20 +505,73 @@ def is_local_cpu(cluster: Cluster) -> bool:
     )
 
 
+def cached_profile_problem(profile: Cluster, world_size: int) -> str | None:
+    """Why ``profile`` is not a calibration of ``world_size`` local CPU ranks that could have been
+    measured (its links outside :data:`PLAUSIBLE_BW_GBPS` / :data:`PLAUSIBLE_LATENCY_US`, its
+    slowdown outside :data:`PLAUSIBLE_COMM_COMPUTE_SLOWDOWN`, another rank count, mesh or
+    backend), or ``None``. Only what a calibration measures is checked: the rest of a cached
+    profile is never read (:func:`load_cached_profile`)."""
+    info = profile.calibration
+    if info is None or info.origin != "measured" or info.device != "CPU" or info.backend != "gloo":
+        return "it has no calibration record of measured gloo CPU ranks"
+    if info.world_size != world_size or profile.world_size != world_size or profile.num_nodes != 1:
+        return f"it is not a calibration of {world_size} CPU ranks on one node"
+    if set(profile.links) != {"intra"}:
+        return f"it has links {sorted(profile.links)}, not the one link 'intra' of a 1-D mesh"
+    problem = implausible_link(profile.links["intra"])
+    if problem is not None:
+        return f"its link's {problem}"
+    lo, hi = PLAUSIBLE_COMM_COMPUTE_SLOWDOWN
+    slowdown = info.comm_compute_slowdown
+    if slowdown is not None and not lo <= slowdown <= hi:
+        return f"its comm_compute_slowdown {slowdown:g} is outside the plausible {lo:g}..{hi:g}"
+    return None
+
+
+_WARNED_CACHED_PROFILES: set[tuple[str, int, int]] = set()
+"""(path, mtime, size) of the cached profiles :func:`load_cached_profile` has warned about in this
+process: ``autoplan plan`` reads the cache before measuring and again when it prices the cluster."""
+
+
 def load_cached_profile(world_size: int) -> Cluster | None:
-    """This machine's cached profile of ``world_size`` ranks, or ``None`` if there is none. A
-    file that cannot be read as a profile of this machine raises ``ClusterSpecError`` naming it
-    (it is never silently replaced)."""
+    """This machine's cached profile of ``world_size`` ranks, or ``None`` if there is none or it
+    cannot be used. Only what a calibration measures is taken from the file: the link and the
+    compute slowdown (with the calibration record); the device is the ``NxCPU`` preset's, so a
+    cache claiming another memory capacity or peak FLOP/s changes nothing. A file that cannot be
+    read, or whose measurements are implausible (:func:`cached_profile_problem`), is ignored with
+    a warning naming it; ``autoplan plan`` then measures again and replaces it
+    (``autoplan.tools.local_links``)."""
     path = cached_profile_path(world_size)
     if not path.is_file():
         return None
-    profile = Cluster.from_file(path)
-    if not is_local_cpu(dataclasses.replace(profile, links={}, calibration=None)) or profile.world_size != world_size:
-        raise CalibrationError(
-            f"cached profile '{path}' is not a profile of {world_size} local CPU ranks: delete it "
-            f"(the next `autoplan plan --cluster {world_size}xCPU` re-measures it)"
-        )
-    return profile
+    try:
+        cached = Cluster.from_file(path)
+        problem = cached_profile_problem(cached, world_size)
+    except (PlanError, OSError) as exc:  # ClusterSpecError: unreadable, malformed, another machine
+        cached, problem = None, " ".join(str(exc).split())
+    if cached is None or problem is not None:
+        try:
+            stat = path.stat()
+            seen = (str(path), stat.st_mtime_ns, stat.st_size)
+        except OSError:
+            seen = (str(path), 0, 0)
+        if seen not in _WARNED_CACHED_PROFILES:
+            _WARNED_CACHED_PROFILES.add(seen)
+            logger.warning(
+                "%s",
+                clip_message(
+                    f"ignoring the cached calibration '{path}' ({problem}): it can be deleted; "
+                    f"`autoplan plan --cluster {world_size}xCPU` measures the links again and replaces it"
+                ),
+            )
+        return None
+    info = cached.calibration
+    assert info is not None  # cached_profile_problem checked it
+    base = Cluster.preset(f"{world_size}xCPU")
+    links = {"intra": dataclasses.replace(cached.links["intra"], spans_nodes=False)}
+    slowdown = None if info.comm_compute_slowdown is None else min(info.comm_compute_slowdown, MAX_DEVICE_SLOWDOWN)
+    device = measured_device(base, links, slowdown, origin=f"autoplan calibrate on {info.device_model}, {info.date}")
+    return dataclasses.replace(base, device=device, links=links, calibration=info)
 
 
 DEFAULT_CPU_LINK = LinkSpec(bw_GBps=0.7239, latency_us=1970.0, spans_nodes=False, collectives={})

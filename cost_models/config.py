@@ -481,3 +481,27 @@ class ParallelConfig:
         if self.sharded_grad_accumulation:
             parts.append("grads=sharded")
         return " ".join(parts)
+
+
+EXECUTABLE_ZERO_STAGES: tuple[int, ...] = (0, 3)
+"""The ZeRO stages ``autoplan.parallelize`` runs (0: whole parameters on every data-parallel rank,
+3: sharded); 1 and 2 are priced by ``autoplan.estimate`` only. The joint search's space
+(``autoplan.planner.joint.EXECUTABLE_SPACE``) and loaded plans hold to these."""
+EXECUTABLE_RECOMPUTE: tuple[Recompute, ...] = RECOMPUTE
+"""The recomputation modes the runtime runs (every one)."""
+
+
+def unexecutable_fields(config: ParallelConfig) -> list[tuple[str, str, str]]:
+    """``(field, value, the values that run)`` of each of ``config``'s knobs the runtime cannot
+    run yet (empty: it runs): a ZeRO stage outside :data:`EXECUTABLE_ZERO_STAGES`, per-stage
+    sub-meshes (``stage_dp``), a schedule or recomputation mode it does not know."""
+    bad: list[tuple[str, str, str]] = []
+    if config.pp > 1 and config.schedule not in SCHEDULES:
+        bad.append(("schedule", repr(config.schedule), ", ".join(SCHEDULES)))
+    if config.recompute not in EXECUTABLE_RECOMPUTE:
+        bad.append(("recompute", repr(config.recompute), ", ".join(EXECUTABLE_RECOMPUTE)))
+    if config.zero_stage not in EXECUTABLE_ZERO_STAGES:
+        bad.append(("zero_stage", repr(config.zero_stage), " or ".join(map(str, EXECUTABLE_ZERO_STAGES))))
+    if config.stage_dp is not None:
+        bad.append(("stage_dp", repr(list(config.stage_dp)), "none (every stage on dp*cp*tp devices)"))
+    return bad

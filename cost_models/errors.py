@@ -66,3 +66,9 @@ class ProfileError(PlanError):
 class ConfigError(PlanError):
     """A parallel configuration (degrees, micro-batches, schedule, ...) is invalid or does not fit
     the model, cluster or global batch."""
+
+
+class NonFiniteLossError(PlanError):
+    """A training step's loss is NaN or infinite: training stops before that step's optimizer
+    step (``autoplan run`` exits 2 with one line naming the step) unless told to train on
+    (``--allow-nonfinite``, ``allow_nonfinite=True``)."""

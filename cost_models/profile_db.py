@@ -78,6 +78,35 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "autoplan"
 
 
+_UNUSABLE_CACHE_DIRS: set[Path] = set()
+"""Cache folders :func:`cache_subdir` has warned about in this process (one warning each)."""
+
+
+def cache_subdir(name: str) -> Path | None:
+    """``<cache>/<name>`` (:func:`default_cache_dir`), created if missing, or ``None`` when it cannot
+    be (``$AUTOPLAN_CACHE_DIR`` names a regular file, a folder without write permission, a full
+    disk), after one warning per cache folder and process naming it. The caches (calibrated
+    links, plans) are an optimisation: a command that cannot store one goes on without it."""
+    root = default_cache_dir()
+    folder = root / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission in '{folder}'")
+    except OSError as exc:
+        if root not in _UNUSABLE_CACHE_DIRS:
+            _UNUSABLE_CACHE_DIRS.add(root)
+            reason = exc.strerror if isinstance(exc.strerror, str) else str(exc)
+            log.warning(
+                "cannot use the cache folder %s (%s): going on without the cache (nothing is stored there); "
+                "point AUTOPLAN_CACHE_DIR at a writable folder",
+                clip(str(root)),
+                reason,
+            )
+        return None
+    return folder
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -17,8 +17,9 @@ if _ROOT not in sys.path:
 
 from tests.zoo import cli_mlp as mlp  # noqa: E402
 from tests.zoo import cli_mlp_dataset as mlp_dataset  # noqa: E402
+from tests.zoo import cli_mlp_nonfinite as mlp_nonfinite  # noqa: E402
 from tests.zoo import cli_mlp_stream as mlp_stream  # noqa: E402
 from tests.zoo import cli_mlp_wide as mlp_wide  # noqa: E402
 from tests.zoo import data_dependent, gpt2_4_layers, huge  # noqa: E402
 
-__all__ = ["data_dependent", "gpt2_4_layers", "huge", "mlp", "mlp_dataset", "mlp_stream", "mlp_wide"]
+__all__ = ["data_dependent", "gpt2_4_layers", "huge", "mlp", "mlp_dataset", "mlp_nonfinite", "mlp_stream", "mlp_wide"]

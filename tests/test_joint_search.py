@@ -198,10 +198,10 @@ def test_parallel_prefetch_gives_the_costs_of_solving_one_by_one():
 
 
 def test_workers_come_from_the_environment(monkeypatch):
-    from autoplan.planner.segment_model import default_workers
+    from autoplan.planner.segment_model import available_cores, default_workers
 
     monkeypatch.setenv("AUTOPLAN_WORKERS", "3")
-    assert default_workers() == 3
+    assert default_workers() == min(3, available_cores())  # capped at the cores (tests/test_cache_seams.py)
     monkeypatch.setenv("AUTOPLAN_WORKERS", "0")
     with pytest.raises(ConfigError, match="AUTOPLAN_WORKERS='0' must be a positive integer"):
         default_workers()

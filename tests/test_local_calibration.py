@@ -129,12 +129,14 @@ def test_the_environment_chooses_default_or_catalog_and_refuses_anything_else(ca
         as_cluster("2xCPU")
 
 
-def test_a_damaged_cached_profile_is_an_error_naming_it_not_silently_replaced(cache):
+def test_a_damaged_cached_profile_is_a_warning_naming_it_and_a_library_call_leaves_it(cache, caplog):
+    # issue #46: the cache is an optimisation; `autoplan plan` measures again (tests/test_cache_seams.py)
     path = _cache_file(2)
     path.parent.mkdir(parents=True)
     path.write_text("num_nodes: [\n")
-    with pytest.raises(Exception, match=path.name):
-        as_cluster("2xCPU")
+    with caplog.at_level(logging.WARNING, logger="autoplan.cost_models.calibration"):
+        assert as_cluster("2xCPU").calibration.origin == "default"
+    assert path.name in caplog.text and "can be deleted" in caplog.text
     assert path.read_text() == "num_nodes: [\n"
 
 

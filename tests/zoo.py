@@ -25,7 +25,7 @@ benchmarks import it from there.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -304,6 +304,17 @@ def cli_mlp() -> autoplan.Workload:
 def cli_mlp_wide() -> autoplan.Workload:
     """The structure of ``cli_mlp`` with other sizes (Linear(16, 64) -> GELU -> Linear(64, 8)): another fingerprint."""
     return mlp_workload(16, 64, 8, batch=CLI_BATCH, optimizer="sgd")
+
+
+def cli_mlp_nonfinite() -> autoplan.Workload:
+    """``cli_mlp`` whose second step's target holds a NaN (``batches``): that step's loss is NaN."""
+    wl = cli_mlp()
+    bad = (torch.full_like(wl.example_targets[0], float("nan")),)
+
+    def batches(step: int) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]:
+        return wl.example_inputs, bad if step == 1 else wl.example_targets
+
+    return replace(wl, batches=batches)
 
 
 def cli_mlp_dataset() -> autoplan.Workload:

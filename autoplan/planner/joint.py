@@ -29,7 +29,14 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autoplan.cost_models.cluster import Cluster
-from autoplan.cost_models.config import SCHEDULES, ParallelConfig, context_parallel_problem
+from autoplan.cost_models.config import (
+    EXECUTABLE_RECOMPUTE,
+    EXECUTABLE_ZERO_STAGES,
+    SCHEDULES,
+    ParallelConfig,
+    context_parallel_problem,
+    unexecutable_fields,
+)
 from autoplan.cost_models.errors import ConfigError, PlanError
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.cost_models.step import TrainingEstimate, evaluate
@@ -273,8 +280,8 @@ def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: Pa
 
 EXECUTABLE_SPACE = SearchSpace(
     schedules=SCHEDULES,
-    recompute=("none", "selective", "full"),
-    zero_stages=(0, 3),
+    recompute=EXECUTABLE_RECOMPUTE,
+    zero_stages=EXECUTABLE_ZERO_STAGES,
     hetero_stages=False,
 )
 """What ``autoplan.parallelize`` can run today: plans are searched in this space (the what-if
@@ -303,17 +310,7 @@ def _expert_parallel_on(table: StrategyTable, fx_nodes: Mapping[str, torch.fx.No
 
 
 def _check_executable(config: ParallelConfig) -> None:
-    bad = [
-        f"{name}={value!r}"
-        for name, value, allowed in (
-            ("schedule", config.schedule, (*EXECUTABLE_SPACE.schedules, "none")),
-            ("recompute", config.recompute, EXECUTABLE_SPACE.recompute),
-            ("zero_stage", config.zero_stage, EXECUTABLE_SPACE.zero_stages),
-        )
-        if value not in allowed and not (name == "schedule" and config.pp == 1)
-    ]
-    if config.stage_dp is not None:
-        bad.append(f"stage_dp={list(config.stage_dp)}")
+    bad = [f"{name}={value}" for name, value, _ in unexecutable_fields(config)]  # the one rule: cost_models/config.py
     if bad:
         raise ConfigError(
             f"{', '.join(bad)} can be estimated (autoplan.estimate) but not run yet: plan with schedule in "

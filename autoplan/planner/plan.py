@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from autoplan.cost_models.cluster import COLLECTIVE_KINDS, LOCAL_KINDS, Cluster
 from autoplan.cost_models.comm_schedule import CommRow, CommTotals
-from autoplan.cost_models.config import PRECISIONS, RECOMPUTE, ParallelConfig, field_name_problem
+from autoplan.cost_models.config import PRECISIONS, RECOMPUTE, ParallelConfig, field_name_problem, unexecutable_fields
 from autoplan.cost_models.echo import clip, clip_text, terminal_safe
 from autoplan.cost_models.errors import ClusterSpecError, PlanFileError, PlanMismatchError
 from autoplan.cost_models.files import (
@@ -688,6 +688,7 @@ class Plan:
                 f"{where} is malformed ({type(exc).__name__}: {clip_text(str(exc))}): fix that entry or re-create "
                 "it with `autoplan plan`"
             ) from exc
+        _check_executable(plan, where)
         return plan
 
     def digest(self) -> str:
@@ -735,6 +736,18 @@ class Plan:
                 f"plan file {clip(str(path))} {exc}: it is not a plan written by autoplan; re-create it with `autoplan plan`"
             ) from None
         return Plan.from_dict(data, where=f"plan file {str(path)!r}")
+
+
+def _check_executable(plan: Plan, where: str) -> None:
+    """A plan's configuration must be one the runtime runs (``unexecutable_fields``): a ZeRO stage
+    it does not run would train as another while the plan reports it."""
+    bad = unexecutable_fields(plan.config) if plan.config is not None else []
+    if bad:
+        fields = "; ".join(f"config.{name} is {value} (runs: {runs})" for name, value, runs in bad)
+        raise PlanFileError(
+            f"{where}: {fields}: autoplan prices this configuration (autoplan.estimate) but cannot run it; "
+            "set the field to a value that runs or re-plan with `autoplan plan`"
+        )
 
 
 def _comm_row(d: Mapping[str, Any]) -> CommRow:

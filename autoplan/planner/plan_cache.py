@@ -22,6 +22,10 @@ traced step, so a hit is a plan whose fingerprint is the model's. A stale entry 
 replaced.
 
 A corrupted or unreadable entry is a miss (and is replaced); entries are written atomically.
+Each entry also holds the key it was stored under, compared on a hit: a file copied or renamed
+over another key's (a 16-device plan where a 32-device request's entry belongs) is a miss, with a
+warning, and is replaced. A cache folder that cannot be written (``$AUTOPLAN_CACHE_DIR`` a regular
+file) stores nothing, with one warning (``autoplan.cost_models.profile_db.cache_subdir``).
 Set ``AUTOPLAN_NO_PLAN_CACHE=1`` to disable.
 """
 
@@ -42,9 +46,10 @@ import torch
 import autoplan.cost_models as _cost_models_pkg
 import autoplan.passes as _passes_pkg
 from autoplan.cost_models.cluster import Cluster
+from autoplan.cost_models.echo import clip
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.files import MAX_PLAN_FILE_BYTES, atomic_write, parse_json, read_limited
-from autoplan.cost_models.profile_db import ProfileDB, default_cache_dir
+from autoplan.cost_models.profile_db import ProfileDB, cache_subdir, default_cache_dir
 from autoplan.planner.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -132,7 +137,8 @@ class CacheEntry:
 
 
 def load(key: str) -> CacheEntry | None:
-    """The cached entry, or ``None`` (missing, unreadable, corrupted or of an older format: a miss)."""
+    """The cached entry, or ``None`` (missing, unreadable, corrupted, of an older format or stored
+    under another key: a miss)."""
     path = _path(key)
     if not enabled() or not path.exists():
         return None
@@ -141,6 +147,8 @@ def load(key: str) -> CacheEntry | None:
         data = parse_json(read_limited(path, max_bytes=MAX_PLAN_FILE_BYTES))
         if not isinstance(data, dict) or data.get("format") != ENTRY_FORMAT:
             raise PlanError(f"not a {ENTRY_FORMAT} (an older cache format)")
+        if data.get("key") != key:  # copied or renamed from another request's entry
+            raise PlanError(f"it was stored for another request (key {clip(data.get('key'), 40)}, not {key!r})")
         entry = CacheEntry(
             plan=Plan.from_dict(data["plan"], where=f"plan cache entry {str(path)!r}"),
             forward_fingerprint=str(data["forward_fingerprint"]),
@@ -156,10 +164,16 @@ def store(key: str, entry: CacheEntry) -> None:
     if not enabled():
         return
 
+    if cache_subdir("plans") is None:  # warned there: plan without the cache
+        return
     path = _path(key)
-    data = {"format": ENTRY_FORMAT, "forward_fingerprint": entry.forward_fingerprint, "plan": entry.plan.to_dict()}
+    data = {
+        "format": ENTRY_FORMAT,
+        "key": key,
+        "forward_fingerprint": entry.forward_fingerprint,
+        "plan": entry.plan.to_dict(),
+    }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, json.dumps(data, indent=1) + "\n", what="plan cache entry")
     except (OSError, PlanError) as exc:  # a read-only cache never fails planning
         log.warning("could not write plan cache entry %s: %s", path, exc)

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import logging
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -39,6 +40,8 @@ from autoplan.planner.search import expand_blocks
 from autoplan.planner.segment_costs import SegmentCostOracle, segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions
 from autoplan.planner.tracing import trace_repeated
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -293,15 +296,43 @@ class SegmentCostModel(SegmentCostOracle):
         return expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (``os.sched_getaffinity``, else ``os.cpu_count``)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+_CAPPED_WORKERS: set[str] = set()
+"""``AUTOPLAN_WORKERS`` values :func:`default_workers` has warned about capping in this process."""
+
+
 def default_workers() -> int:
     """Worker processes for :meth:`SegmentCostModel.prefetch`: ``AUTOPLAN_WORKERS`` if set (1:
-    solve everything in the planning process), else the CPU cores this process may run on."""
+    solve everything in the planning process), else the CPU cores this process may run on
+    (:func:`available_cores`). That is also the maximum: each worker is a forked copy of the
+    planning process solving CPU-bound ILPs, so more than the cores only costs memory; a larger
+    value (``AUTOPLAN_WORKERS=100000000000000000000`` was handed to the process pool, which forked
+    until the machine ran out) is capped there, with a warning. A value that is not a positive
+    integer of ASCII digits is a ``ConfigError``."""
+    cores = available_cores()
     env = os.environ.get("AUTOPLAN_WORKERS", "").strip()
-    if env:
-        if not env.isdigit() or int(env) < 1:
-            raise ConfigError(f"AUTOPLAN_WORKERS={env!r} must be a positive integer (processes), e.g. 4")
-        return int(env)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not env:
+        return cores
+    digits = env.lstrip("0")
+    if not env.isascii() or not env.isdigit() or not digits:
+        shown = env if len(env) <= 40 else f"{env[:40]}...({len(env) - 40:,} more characters)"
+        raise ConfigError(f"AUTOPLAN_WORKERS={shown!r} must be a positive integer (processes), e.g. 4")
+    if len(digits) <= len(str(cores)) and int(digits) <= cores:  # a long value never reaches int()
+        return int(digits)
+    if env not in _CAPPED_WORKERS:
+        _CAPPED_WORKERS.add(env)
+        shown = env if len(env) <= 40 else f"{env[:40]}...({len(env):,} digits)"
+        log.warning(
+            "AUTOPLAN_WORKERS=%s is more than the %d CPU cores this process may run on: planning with %d workers",
+            shown,
+            cores,
+            cores,
+        )
+    return cores
 
 
 _WORKER_MODEL: SegmentCostModel | None = None

@@ -28,6 +28,8 @@ module's attribute names, so it does not depend on the plan::
     model.<fqn>                 parameter (DTensor in the plan's placement; a fused grouped-query
                                 QKV projection grouped by key/value head, as ``COMPLETE`` records
                                 under ``param_layouts``: autoplan.passes.kv_groups)
+    buffer.<fqn>                persistent buffer (a replicated DTensor; ``persistent=False`` ones
+                                are not saved, as ``model.state_dict()`` leaves them out)
     optim.<fqn>.<state>         optimizer state (Adam ``step``/``exp_avg``/``exp_avg_sq``, SGD ``momentum_buffer``)
     train.step                  number of finished optimizer steps (the data position for ``Workload.batches``)
     train.rng                   CPU RNG state of rank 0 (restored on every rank)
@@ -374,17 +376,30 @@ def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def _owned_buffers(model: ParallelizedModel) -> dict[str, DTensor]:
+    """FQN -> the persistent buffers the model's programs read (``owned_buffers``; a model
+    without that method checkpoints none)."""
+    owned = getattr(model, "owned_buffers", None)
+    return dict(owned()) if callable(owned) else {}
+
+
 def _state_dict(
-    params: Mapping[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, rng: torch.Tensor, step: int
+    params: Mapping[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    rng: torch.Tensor,
+    step: int,
+    buffers: Mapping[str, torch.Tensor],
 ) -> dict[str, Any]:
     """The flat, plan-independent state dict (see the module docstring); its tensors share
-    storage with the parameters and optimizer state, so ``dcp.load`` restores them in place."""
+    storage with the parameters, buffers and optimizer state, so ``dcp.load`` restores them in place."""
     sd: dict[str, Any] = {}
     for fqn, p in params.items():
         sd[f"model.{fqn}"] = p.detach()
         for key, value in optimizer.state.get(p, {}).items():
             if isinstance(value, torch.Tensor):
                 sd[f"optim.{fqn}.{key}"] = value
+    for fqn, b in buffers.items():
+        sd[f"buffer.{fqn}"] = b
     sd["train.step"] = torch.tensor(step, dtype=torch.int64)
     sd["train.rng"] = rng
     return sd
@@ -425,7 +440,7 @@ def save(
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
     dist.barrier()
-    sd = _state_dict(model.owned_parameters(), optimizer, _rank0_rng_state(), step)
+    sd = _state_dict(model.owned_parameters(), optimizer, _rank0_rng_state(), step, _owned_buffers(model))
     _plain_layout(sd)
     dcp.save(sd, checkpoint_id=str(tmp))
     dist.barrier()
@@ -475,7 +490,7 @@ def resume(
 
 
 def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Optimizer) -> int:
-    """Restore parameters, optimizer state and the RNG from ``ckpt`` in place (collective),
+    """Restore parameters, persistent buffers, optimizer state and the RNG from ``ckpt`` in place (collective),
     resharding to this model's placements. Returns the number of finished steps. Damaged files
     raise CorruptCheckpointError on every rank."""
     metadata = _verified_index(ckpt)
@@ -484,14 +499,17 @@ def load(ckpt: Checkpoint, model: ParallelizedModel, optimizer: torch.optim.Opti
     for fqn, _stage, p in model.parameter_copies():
         params.setdefault(fqn, p)
     _check_layouts(ckpt, model.param_layouts, params)
-    sd = _state_dict(params, optimizer, torch.get_rng_state(), 0)
+    entries = metadata.state_dict_metadata
+    # a checkpoint written before buffers were saved keeps the model's own buffers
+    buffers = {fqn: b for fqn, b in _owned_buffers(model).items() if f"buffer.{fqn}" in entries}
+    sd = _state_dict(params, optimizer, torch.get_rng_state(), 0, buffers)
     for key, value in sd.items():
-        meta = metadata.state_dict_metadata.get(key)
+        meta = entries.get(key)
         if meta is None:
             raise CheckpointError(
                 f"checkpoint {ckpt.path} has no entry {key!r}: it was saved for another model or optimizer"
             )
-        if key.startswith(("model.", "optim.")):
+        if key.startswith(("model.", "optim.", "buffer.")):
             _check_shape(ckpt, key, meta, tuple(value.shape))
     segmented = _plain_layout(sd)
     _load_state_dict(ckpt, sd, no_dist=False)

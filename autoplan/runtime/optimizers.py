@@ -15,15 +15,21 @@ elementwise formulas in the same order, so the update is bit-for-bit equal on CP
 
 :class:`OffloadedOptimizer` runs the same optimizer on the host (``ParallelConfig.offload_optimizer``),
 as ``autoplan.cost_models.step.offload_time_s`` and
-``autoplan.cost_models.memory.offload_host_bytes_per_element`` price it."""
+``autoplan.cost_models.memory.offload_host_bytes_per_element`` price it.
+
+:func:`refuse_optimizers_of_the_module` makes an optimizer built over the *original* module's
+parameters (before ``parallelize``, or before a deferred model's first call) fail at its first
+step: the parallelized model trains sharded copies, so that optimizer would step nothing, silently."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autoplan.cost_models.errors import PlanError
 from autoplan.cost_models.memory import OPTIMIZERS
@@ -187,3 +193,43 @@ def _in_layout_of(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["OffloadedOptimizer", "make_optimizer", "make_torch_optimizer"]
+
+
+class _ModuleParameterGuard:
+    """A step pre-hook of every ``torch.optim`` optimizer (:func:`refuse_optimizers_of_the_module`).
+    Holds only weak references: the module's parameters and the parallelized model die as usual."""
+
+    def __init__(self, module: torch.nn.Module, built: torch.nn.Module) -> None:
+        self._module_params: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary(
+            {id(p): p for p in module.parameters()}
+        )
+        self._built = weakref.ref(built)
+        self._passed: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        """Optimizers found to train something: checked once, at their first step."""
+
+    def __call__(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:  # noqa: ARG002
+        if optimizer in self._passed:
+            return
+        built = self._built()
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        stale = [p for p in held if self._module_params.get(id(p)) is p]
+        program = {id(p) for p in built.parameters()} if built is not None else set()
+        # an optimizer training the module itself (its own backward left gradients) is the user's
+        if not stale or any(id(p) in program for p in held) or any(p.grad is not None for p in stale):
+            self._passed.add(optimizer)
+            return
+        raise PlanError(
+            f"the optimizer ({type(optimizer).__name__}) holds {len(stale)} parameter(s) of the module given to "
+            "autoplan.parallelize and none of the parallelized model's: that model trains sharded copies, so this "
+            "optimizer would step nothing; build it after the first call, over pmodel.parameters(), or with "
+            "pmodel.make_optimizer(lr=...)"
+        )
+
+
+def refuse_optimizers_of_the_module(module: torch.nn.Module, built: torch.nn.Module) -> None:
+    """From now on, the first ``step()`` of any optimizer holding ``module``'s parameters and none
+    of ``built``'s (``built.parameters()``: the parallelized model made from ``module``) raises
+    :class:`PlanError` naming the fix, unless those parameters have gradients (the optimizer
+    trains ``module`` itself, e.g. as a single-device reference). The hook goes with ``built``."""
+    handle = register_optimizer_step_pre_hook(_ModuleParameterGuard(module, built))
+    weakref.finalize(built, handle.remove)

@@ -94,6 +94,14 @@ class ParallelModel(torch.nn.Module):
         self._buffers_list = [
             distribute_tensor(buffers[n].detach(), mesh, rep, src_data_rank=None) for n in traced.buffer_names
         ]
+        persistent = training.persistent_buffer_names(model)
+        self._persistent_buffers = {
+            n: b for n, b in zip(traced.buffer_names, self._buffers_list, strict=True) if n in persistent
+        }
+        """FQN -> the buffers ``model.state_dict()`` holds (not those registered ``persistent=False``), as
+        the program reads them: in :meth:`state_dict`, :meth:`load_state_dict` and checkpoints."""
+        self._aliases = training.state_dict_aliases(model)
+        """A tied tensor's other names (a single-device state dict holds them too): alias -> FQN."""
         self._input_specs = [parse_spec(s) for s in plan.input_specs]
         self._target_specs = [parse_spec(s) for s in plan.target_specs]
         self.schedule = program.schedule
@@ -121,6 +129,11 @@ class ParallelModel(torch.nn.Module):
     def sharded_buffers(self) -> Iterator[DTensor]:
         """The model's buffers as the program reads them (replicated DTensors)."""
         yield from self._buffers_list
+
+    def owned_buffers(self) -> dict[str, DTensor]:
+        """FQN -> each persistent buffer as the program reads it (replicated DTensors, loaded in
+        place by :meth:`load_state_dict` and checkpoints)."""
+        return dict(self._persistent_buffers)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to a full tensor in the model's own layout (collective: call
@@ -298,13 +311,20 @@ class ParallelModel(torch.nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # noqa: ARG002
         """The parameters by the model's own names, as sharded DTensors (DCP saves and loads
-        them in place), each in the layout the program keeps it in (:attr:`param_layouts`)."""
-        return training.sharded_state_dict(self.owned_parameters())
+        them in place), each in the layout the program keeps it in (:attr:`param_layouts`), and
+        the persistent buffers (replicated DTensors), as ``model.state_dict()`` holds them."""
+        return training.sharded_state_dict(self.owned_parameters()) | self.owned_buffers()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ARG002
-        """Load full tensors (the model's layout) or DTensors (:meth:`state_dict`'s layout) by
-        the model's parameter names into the shards."""
+        """Load full tensors (the model's layout: a single-device ``model.state_dict()``, with its
+        persistent buffers and a tied tensor under each of its names) or DTensors
+        (:meth:`state_dict`'s layout) into the shards and buffers."""
         missing, unexpected = training.load_sharded_state_dict(
-            dict(self.named_sharded_parameters()), state_dict, strict=strict, layouts=self.param_layouts
+            dict(self.named_sharded_parameters()),
+            state_dict,
+            strict=strict,
+            layouts=self.param_layouts,
+            buffers=self._persistent_buffers,
+            aliases=self._aliases,
         )
         return _IncompatibleKeys(missing, unexpected)

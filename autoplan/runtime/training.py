@@ -25,11 +25,17 @@ other than the planned loss (the loss function is part of the traced and planned
 State dicts use the model's own parameter names (:func:`sharded_state_dict`): values are the
 sharded parameters themselves (DTensors), so ``torch.distributed.checkpoint.save`` /
 ``load`` work on them in place, and :func:`load_sharded_state_dict` takes full tensors (a
-single-device checkpoint) or DTensors.
+single-device checkpoint) or DTensors. Persistent buffers are in them as on one device (a
+buffer registered with ``persistent=False`` is not, as ``torch.nn.Module.state_dict`` leaves
+it out), and a tied tensor's other names (:func:`state_dict_aliases`) load into it.
+
+A loop that must not train on a non-finite loss calls :func:`check_finite_loss` before the
+optimizer step (``autoplan run`` does; ``--allow-nonfinite`` trains on).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.errors import NonFiniteLossError, PlanError
 from autoplan.passes.kv_rows import KVGroupRows, to_stored
 from autoplan.runtime.collectives import segment_layout
 from autoplan.runtime.lowering import local_shard
@@ -119,6 +125,31 @@ def sharded_state_dict(named: Mapping[str, torch.nn.Parameter]) -> dict[str, tor
     return {fqn: p.detach() for fqn, p in named.items()}
 
 
+def persistent_buffer_names(model: torch.nn.Module) -> frozenset[str]:
+    """FQNs of ``model``'s buffers that its ``state_dict()`` holds: every buffer not registered
+    with ``persistent=False`` (by the names ``named_buffers()`` gives)."""
+    names = set()
+    for fqn, _ in model.named_buffers():
+        owner, _, leaf = fqn.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+            names.add(fqn)
+    return frozenset(names)
+
+
+def state_dict_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """The other names of a tensor registered under several (a tied embedding and output
+    projection): alias -> the name ``named_parameters()`` / ``named_buffers()`` give it. A
+    single-device ``state_dict()`` holds every name."""
+    aliases: dict[str, str] = {}
+    for named in (model.named_parameters, model.named_buffers):
+        first: dict[int, str] = {}
+        for fqn, t in named(remove_duplicate=False):
+            canonical = first.setdefault(id(t), fqn)
+            if canonical != fqn:
+                aliases[fqn] = canonical
+    return aliases
+
+
 def load_sharded_state_dict(
     named: Mapping[str, torch.nn.Parameter],
     state_dict: Mapping[str, Any],
@@ -126,39 +157,80 @@ def load_sharded_state_dict(
     strict: bool = True,
     elsewhere: frozenset[str] = frozenset(),
     layouts: Mapping[str, KVGroupRows] | None = None,
+    buffers: Mapping[str, DTensor] | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """Copy ``state_dict`` (FQN -> a full tensor, or a DTensor in any placement) into the sharded
-    parameters ``named``; returns the (missing, unexpected) keys. A full tensor is in the model's
-    layout and goes into the program's (``layouts``, :mod:`autoplan.passes.kv_groups`); a DTensor
-    is a program's own ``state_dict()`` value, already in it. ``strict``: every parameter
-    must be given and no other key, except the ``elsewhere`` ones (parameters other pipeline
-    ranks hold). Collective when a DTensor on another mesh is given."""
-    missing = sorted(set(named) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(named) - elsewhere)
+    parameters ``named`` and the replicated ``buffers`` (the persistent ones: FQN -> DTensor);
+    returns the (missing, unexpected) keys. A full tensor is in the model's layout and goes into
+    the program's (``layouts``, :mod:`autoplan.passes.kv_groups`); a DTensor is a program's own
+    ``state_dict()`` value, already in it. ``aliases``: a tied tensor's other names
+    (:func:`state_dict_aliases`), loaded into it unless its own name is given too. ``strict``:
+    every parameter and buffer must be given and no other key, except the ``elsewhere`` ones
+    (parameters other pipeline ranks hold). Collective when a DTensor on another mesh is given."""
+    buffers = buffers or {}
+    given = dict(state_dict)
+    for alias, canonical in (aliases or {}).items():
+        if alias in given:
+            value = given.pop(alias)
+            given.setdefault(canonical, value)
+    expected = set(named) | set(buffers)
+    missing = sorted(expected - set(given))
+    unexpected = sorted(set(given) - expected - elsewhere)
     if strict and (missing or unexpected):
         raise PlanError(
             f"state dict does not match the model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}: give the model's parameter "
-            "names (model.state_dict() keys), or load with strict=False"
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}: give the keys of the model's "
+            "state_dict() (its parameters and persistent buffers), or load with strict=False to load only the "
+            "keys that match"
         )
     with torch.no_grad():
         for fqn, p in named.items():
-            if fqn not in state_dict:
+            if fqn not in given:
                 continue
-            value, param = state_dict[fqn], p.detach()
+            value, param = given[fqn], p.detach()
             assert isinstance(param, DTensor)
-            if tuple(value.shape) != tuple(param.shape):
-                raise PlanError(
-                    f"state dict entry {fqn!r} has shape {tuple(value.shape)}, the model's parameter "
-                    f"{tuple(param.shape)}: load a checkpoint of this model"
-                )
+            _check_entry_shape(fqn, value, param, "parameter")
             if isinstance(value, DTensor) and value.device_mesh == param.device_mesh:
                 local = value.redistribute(param.device_mesh, param.placements).to_local()
             else:
                 full = value.full_tensor() if isinstance(value, DTensor) else to_stored(layouts or {}, fqn, value)
                 local = local_shard(full.to(param.device), param.device_mesh, param.placements)
             param.to_local().copy_(local)
+        for fqn, buffer in buffers.items():
+            if fqn not in given:
+                continue
+            value = given[fqn]
+            _check_entry_shape(fqn, value, buffer, "buffer")
+            assert all(pl.is_replicate() for pl in buffer.placements), "the program reads buffers replicated"
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            buffer.to_local().copy_(full.to(buffer.device))
     return missing, unexpected
+
+
+def _check_entry_shape(fqn: str, value: Any, held: torch.Tensor, what: str) -> None:
+    if tuple(value.shape) != tuple(held.shape):
+        raise PlanError(
+            f"state dict entry {fqn!r} has shape {tuple(value.shape)}, the model's {what} "
+            f"{tuple(held.shape)}: load a checkpoint of this model"
+        )
+
+
+def check_finite_loss(loss: torch.Tensor | float, step: int, *, allow_nonfinite: bool = False) -> bool:
+    """``True`` if ``loss`` (step ``step``, counted from 1) is finite. A non-finite one raises
+    :class:`~autoplan.errors.NonFiniteLossError` naming the step, before the optimizer applies its
+    gradients (the parameters stay those of the step before); ``allow_nonfinite``: return
+    ``False`` instead and train on. Every rank of a step sees the same loss, so all stop together."""
+    value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
+    if math.isfinite(value):
+        return True
+    if allow_nonfinite:
+        return False
+    raise NonFiniteLossError(
+        f"step {step}: the loss is {value} (not finite): stopped before its optimizer step, the parameters are "
+        "those after the step before; lower the learning rate or check the data, or pass --allow-nonfinite "
+        "(allow_nonfinite=True) to train on"
+    )
 
 
 def clip_grad_norm_(

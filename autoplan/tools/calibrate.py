@@ -209,7 +209,8 @@ def _finish(
     calibration.write_profile(profile, out)
     cached = ""
     if calibration.is_local_cpu(cluster) and cluster.mesh_ndim == 1:
-        cached = f" cached={calibration.cache_profile(profile)}"
+        cached_path = calibration.cache_profile(profile)  # None (with a warning): not cached, --out is written
+        cached = f" cached={cached_path}" if cached_path is not None else ""
     if not quiet:
         print(format_table(profile, samples), file=console.stdout())
         print(f"compute beside a collective: {slowdown:+.1%} (comm_compute_slowdown)", file=console.stdout())

@@ -23,17 +23,23 @@ logger = logging.getLogger(__name__)
 
 
 def ensure_local_calibration(cluster: Cluster, *, quiet: bool = False) -> None:
-    """Before planning for the local machine (``NxCPU``): if no profile of it is cached and
-    ``$AUTOPLAN_LOCAL_LINKS`` is ``auto``, measure one (the ``--quick`` sweep on ``N`` ranks forked
-    from this process, :func:`_measure_forked`) and cache it. Inside a torchrun job, or when the
-    measurement fails, nothing is cached and the plan uses the measured default (with a warning)."""
+    """Before planning for the local machine (``NxCPU``): if no usable profile of it is cached
+    and ``$AUTOPLAN_LOCAL_LINKS`` is ``auto``, measure one (the ``--quick`` sweep on ``N`` ranks
+    forked from this process, :func:`_measure_forked`) and cache it. A cached file that cannot be
+    read or holds implausible measurements is ignored with a warning
+    (``autoplan.cost_models.calibration.load_cached_profile``) and measured again. Inside a
+    torchrun job, when the cache folder cannot be written (a warning names it: the measurement
+    could not be kept) or when the measurement fails, nothing is cached and the plan uses the
+    measured default (with a warning)."""
     from autoplan.cost_models import calibration  # imports torch: loaded when a command plans, not at start-up
 
     if calibration.local_links_mode() != "auto" or not calibration.is_local_cpu(cluster):
         return
-    path = calibration.cached_profile_path(cluster.world_size)
-    if path.exists() or ("TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ):
+    if "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ:
         return
+    if calibration.load_cached_profile(cluster.world_size) is not None or calibration.profile_cache_dir() is None:
+        return
+    path = calibration.cached_profile_path(cluster.world_size)
     spec = f"{cluster.world_size}xCPU"
     t0 = time.perf_counter()
     if not quiet:
@@ -49,7 +55,8 @@ def ensure_local_calibration(cluster: Cluster, *, quiet: bool = False) -> None:
     except calibration.CalibrationError as exc:  # e.g. noise hid every bandwidth term: keep the default
         logger.warning("%s: the plan uses the measured default; run `autoplan calibrate --cluster %s`", exc, spec)
         return
-    calibration.cache_profile(profile)
+    if calibration.cache_profile(profile) is None:  # warned there: the plan uses the measured default
+        return
     if not quiet:
         print(
             f"autoplan: {spec} measured in {time.perf_counter() - t0:.1f} s: {profile.links['intra']}, compute "

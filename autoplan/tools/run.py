@@ -24,7 +24,9 @@ one error line (plan once and give every node ``--plan``).
 Bad input found in the ranks (that mismatch, a checkpoint no rank can load) comes back through a
 file the ranks write before exiting 0 (``--bad-input-file``): a non-zero exit is a crash to
 torchrun, which would print its failure report and, under ``--max-restarts``, start the ranks
-again on the same bad input. This command then prints the one line and exits 2.
+again on the same bad input. This command then prints the one line and exits 2. A NaN or
+infinite loss is reported that way too, naming its step, before that step's optimizer step and
+checkpoint (``--allow-nonfinite``: a warning at the first one, and training goes on).
 """
 
 from __future__ import annotations
@@ -92,6 +94,11 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
         "--max-restarts", type=int, default=0, metavar="K", help="restart all ranks up to K times when one fails"
     )
     p.add_argument("--save-final", metavar="PATH", help="write the full trained parameters (torch.save) to PATH")
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="train on past a NaN or infinite loss (a warning names the first step); default: stop there with exit 2",
+    )
     p.set_defaults(func=cmd_run)
 
 
@@ -261,6 +268,8 @@ def _torchrun_command(args: argparse.Namespace, plan_path: str, rendezvous: list
         cmd += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.save_final is not None:
         cmd += ["--save-final", os.path.abspath(args.save_final)]
+    if args.allow_nonfinite:
+        cmd.append("--allow-nonfinite")
     return cmd
 
 

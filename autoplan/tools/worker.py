@@ -17,6 +17,10 @@ global batches.
 With ``--checkpoint-dir`` the job resumes from the newest complete checkpoint there
 (:mod:`autoplan.runtime.checkpoint`) and saves one every ``--checkpoint-every`` steps and after the last.
 
+A NaN or infinite loss stops every rank before that step's optimizer step (a ``NonFiniteLossError``
+naming the step, reported as bad input: ``autoplan run`` exits 2), unless ``--allow-nonfinite``:
+then rank 0 warns once, at the first one, and training goes on.
+
 Fault injection for tests: ``AUTOPLAN_FAULT_AT_STEP=n`` makes rank ``AUTOPLAN_FAULT_RANK``
 (default: the last rank) exit with code 1 right after optimizer step ``n`` (counted from 1,
 before that step's checkpoint), on torchrun's first attempt only (``TORCHELASTIC_RESTART_COUNT``
@@ -44,6 +48,7 @@ from autoplan.runtime import checkpoint
 from autoplan.runtime.checkpoint import ParallelizedModel
 from autoplan.runtime.data import LocalBatch
 from autoplan.runtime.teardown import destroy_process_groups
+from autoplan.runtime.training import check_finite_loss
 from autoplan.tools import console
 from autoplan.tools.loader import build_workload
 from autoplan.tools.training_data import Batch, TrainingData, data_options
@@ -115,11 +120,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bad-input-file", metavar="PATH")
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--data-seed", type=int)
+    p.add_argument("--allow-nonfinite", action="store_true")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    args.warned_nonfinite = False  # --allow-nonfinite: the first non-finite loss is named once
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -243,6 +250,16 @@ def _train_step(
     else:
         assert batch is not None, "TrainingData yields the global batch when there is no local one"
         loss = pm.forward_backward(*batch[0], targets=tuple(batch[1]))
+    # before the optimizer applies its gradients: a stop leaves the previous step's parameters
+    if not check_finite_loss(loss, step + 1, allow_nonfinite=args.allow_nonfinite) and not args.warned_nonfinite:
+        args.warned_nonfinite = True
+        if rank == 0:
+            print(
+                f"autoplan: warning: step {step + 1}: the loss is {loss.item()} (not finite); training on "
+                "(--allow-nonfinite)",
+                file=sys.stderr,
+                flush=True,
+            )
     opt.step()
     opt.zero_grad()
     line = f"step {step + 1:>3}  loss {loss.item():.6f}"
