@@ -322,11 +322,13 @@ def stage_memory_parts(
         grads    g_j = T'_j g / (dp if zero_stage >= 2)      raw  r_j = T'_j g   (the backward's output,
                  not yet reduced: the runtime converts a stage's gradients after the schedule)
         A        = inflight * (sum_j kept_j + max_j shared_j)            (micro-batches in flight)
-        backward of j:  A + T_j + gathered + R_j                    (the first micro-batch)
-                        A min(f, m - 1) / f + T_j + gathered + R + R_j  (a later one, m > 1: the
-                                          sum of the earlier ones is alive, at most m - 1 in flight)
+        backward of j:  A - K_j + T_j + gathered + R_j              (the first micro-batch)
+                        A min(f, m - 1) / f - K_j + T_j + gathered + R + R_j  (a later one, m > 1:
+                                          the sum of the earlier ones is alive, at most m - 1 in flight)
                  R_j = sum_{i > j} r_i   (the stage's later segments made theirs first; T_j holds
                  j's own as its backward makes them, segment_costs' G_k), R = sum_i r_i
+                 K_j = sum_{i > j} kept_i  (the micro-batch's activations of the later segments,
+                 freed as their backward read them: gradients replace activations as it runs)
                  f = inflight, m = micro-batches per step
         reductions:     R + bucket + reduced     (after the schedule; activations freed)
         reduced_in_backward (comm_schedule.gradients_reduced_in_backward: not zero-bubble; with
@@ -392,7 +394,7 @@ def stage_memory_parts(
     gathered = _zero3_gathered_bytes(segments, param_numel, split_p * (1 - shard_gathered), shard_gathered,
                                      zero_stage=zero_stage, recompute=recompute, policy=policy, element=element,
                                      device_kind=device_kind)  # fmt: skip
-    activations, transients = _activations_and_transients(segments, recompute, inflight)
+    activations, transients, done = _activations_and_transients(segments, recompute, inflight)
     reduced_numel = trainable - split_t * (1 - shard_gathered)
     # one flat bucket per mesh axis at a time: the data-parallel one (every trained gradient) and
     # the stage mesh's (the gradients converted on tp/cp: grad_sync_bytes, in the gradient dtype)
@@ -409,7 +411,7 @@ def stage_memory_parts(
     summed = sum(grads) if converting_backwards > 1 else sum(raw)  # across micro-batches: G (sharded) or R
     at_peak, grads_at_peak = _backward_peak(
         activations, transients, held, summed, gathered=gathered, reduction=reduction, inflight=inflight,
-        num_microbatches=num_microbatches,
+        num_microbatches=num_microbatches, done=done,
     )
     optimizer_step = sum(grads) + step_temp
     if optimizer_step > at_peak:
@@ -502,13 +504,14 @@ def _optimizer_bytes(
 
 def _activations_and_transients(
     segments: Sequence[SegmentMemory], recompute: str, inflight: int
-) -> tuple[float, list[float]]:
-    """``A`` (the activations of the ``inflight`` micro-batches) and each segment's ``T_j`` of
-    :func:`stage_memory_parts`."""
+) -> tuple[float, list[float], list[float]]:
+    """``A`` (the activations of the ``inflight`` micro-batches), each segment's ``T_j`` and
+    ``K_j`` (``sum_{i > j} kept_i``: one micro-batch's activations that its backward has freed
+    by the time segment ``j``'s starts) of :func:`stage_memory_parts`."""
     per_segment = [segment_activation_bytes(s, recompute) for s in segments]
-    kept = sum(k for k, _, _ in per_segment)
-    activations = inflight * (kept + max((sh for _, sh, _ in per_segment), default=0.0))
-    return activations, [t for _, _, t in per_segment]
+    kept = [k for k, _, _ in per_segment]
+    activations = inflight * (sum(kept) + max((sh for _, sh, _ in per_segment), default=0.0))
+    return activations, [t for _, _, t in per_segment], [sum(kept[j + 1 :]) for j in range(len(kept))]
 
 
 def _gradients_held(
@@ -541,18 +544,24 @@ def _backward_peak(
     reduction: float,
     inflight: int,
     num_microbatches: int,
+    done: Sequence[float],
 ) -> tuple[float, float]:
     """(bytes, gradient bytes among them) at the stage's peak from its backward passes to its
     gradient reductions, on top of weights and optimizer state (:func:`stage_memory_parts`):
     ``held[j]`` the gradient bytes alive in segment ``j``'s backward (the first micro-batch),
     ``summed`` the gradients summed over the earlier micro-batches, alive until after the schedule
     (``R``, the raw sum; ``G``, the sharded accumulators, under sharded accumulation);
-    ``reduction`` the bytes the reductions after the schedule add to them (0: none)."""
+    ``reduction`` the bytes the reductions after the schedule add to them (0: none); ``done[j]``
+    (``K_j``) the micro-batch's own activations its backward freed before segment ``j``'s (the
+    runtime's backward frees each saved value after its last reader,
+    :meth:`~autoplan.runtime.lowering.LocalProgram.run_boxed`, as eager autograd does)."""
     # the first micro-batch's backward: every micro-batch in flight, no gradient sum yet
-    backward = [(activations + t + gathered + h, h) for t, h in zip(transients, held, strict=True)]
+    backward = [(activations - k + t + gathered + h, h) for t, h, k in zip(transients, held, done, strict=True)]
     if num_microbatches > 1 and inflight > 0:  # a later one's: the sum of the earlier ones is alive
         alive = activations * min(inflight, num_microbatches - 1) / inflight
-        backward += [(alive + t + gathered + summed + h, summed + h) for t, h in zip(transients, held, strict=True)]
+        backward += [
+            (alive - k + t + gathered + summed + h, summed + h) for t, h, k in zip(transients, held, done, strict=True)
+        ]
     if reduction > 0:  # the reductions, after the schedule: gradients, one bucket's flat copy and its result
         backward.append((summed + reduction, summed))
     return max(backward, default=(activations + gathered, 0.0))

@@ -152,7 +152,7 @@ def test_joint_estimate_counts_weights_of_frozen_parameters_but_no_gradient_or_o
     (parts,) = est.memory_parts_bytes
     # fp32 Adam, ZeRO 0: weights 4 B x all elements, gradients 4 B and Adam's two states 8 B x trainable
     assert parts["weights"] == 4 * all_numel
-    assert 0 < parts["grads"] <= 4 * trainable  # those alive at the peak (memory.stage_memory_parts)
+    assert 0 <= parts["grads"] <= 4 * trainable  # those alive at the peak (memory.stage_memory_parts; none where it peaks at the loss backward)
     assert parts["optimizer"] == 8 * trainable
 
 

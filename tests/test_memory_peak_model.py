@@ -100,11 +100,17 @@ def _parts(segs, **kw) -> dict[str, float]:
 
 
 def test_segment_transients_are_a_max_not_a_sum() -> None:
-    segs = [_seg(100, 5, 50, numel=0), _seg(100, 5, 70, numel=0), _seg(100, 5, 30, numel=0)]
+    """Transients of different segments never coexist, and a segment's backward runs once the
+    later segments' backward freed their activations (``K_j``): the middle segment's 170 peaks
+    beside 200 of activations, not 300."""
+    segs = [_seg(100, 5, 50, numel=0), _seg(100, 5, 170, numel=0), _seg(100, 5, 30, numel=0)]
     parts = _parts(segs)
     assert parts["activations"] == 300
-    assert parts["transient"] == 70
-    assert sum(parts.values()) == 370
+    assert parts["transient"] == 170 - 100
+    assert sum(parts.values()) == 200 + 170
+    # the last segment's backward (the first to run) sees every activation
+    late = _parts([_seg(100, 5, 50, numel=0), _seg(100, 5, 70, numel=0), _seg(100, 5, 90, numel=0)])
+    assert late["transient"] == 90 and sum(late.values()) == 390
 
 
 def test_full_recompute_keeps_block_inputs_and_rebuilds_one_block_at_a_time() -> None:

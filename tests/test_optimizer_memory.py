@@ -59,7 +59,7 @@ def test_estimate_prices_optimizer_state_by_optimizer_zero_one_two_fp32_states()
     # the optimizer step, those of the later segments in a backward: memory.stage_memory_parts)
     assert len({p["weights"] for p in parts.values()}) == 1
     assert parts["adam"]["weights"] == 4 * numel
-    assert all(0 < p["grads"] <= 4 * numel for p in parts.values())
+    assert all(0 <= p["grads"] <= 4 * numel for p in parts.values())  # alive at the peak
 
 
 def test_mixed_precision_estimate_adds_the_fp32_master_copy_to_every_optimizer():
@@ -67,7 +67,7 @@ def test_mixed_precision_estimate_adds_the_fp32_master_copy_to_every_optimizer()
     parts = _estimate("sgd", precision="bf16").memory_parts_bytes[0]
     # bf16 weights and gradients, fp32 master copy, no state: 2 + 2 + (0 + 4) bytes per element
     assert (parts["weights"], parts["optimizer"]) == (2 * numel, 4 * numel)
-    assert 0 < parts["grads"] <= 2 * numel  # those alive at the peak (memory.stage_memory_parts)
+    assert 0 <= parts["grads"] <= 2 * numel  # those alive at the peak (memory.stage_memory_parts)
 
 
 @pytest.mark.slow

@@ -17,13 +17,15 @@ epilogue) and the bytes that cross each cut between consecutive segments — the
     selective_recompute_s[k] = sum_{v fwd op in k, v in R} t[v, s_v] + sum_{e into v, re-run} c[e, p_e, q_e]
     selective_kept_bytes[k] = sum_{storage a of a value in K, first in k} b[a, s]
     selective_recomputed_bytes[k] = the storages of saved_bytes[k] not among those of K
-    selective_bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + G_k(i) + sum_{a re-created, f(a) <= i <= l(a)} b[a, s]
+    selective_bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + G_k(i) - F_k(i) + sum_{a re-created, f(a) <= i <= l(a)} b[a, s]
     full_recompute_s, full_kept_bytes, full_recomputed_bytes, full_bwd_transient_bytes: the same
                    under the ``full`` policy
     input_bytes[k] = sum_{value born in segments < k, read by a fwd op of k} b[a, s]
     shared_input_bytes[k] = the part of input_bytes[k] also read by other later segments
     cut_bytes[k]   = sum_{value born in segments <= k, read by a fwd op in segments > k} b[a, s]
-    fwd_transient_bytes[k] = max_{fwd op i of k} T(i)      bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + G_k(i)
+    fwd_transient_bytes[k] = max_{fwd op i of k} T(i)      bwd_transient_bytes[k] = max_{bwd op i of k} T(i) + G_k(i) - F_k(i)
+    F_k(i) = sum_{saved storage a of segments <= k, last read before i} b[a, s]   (each recomputation
+             policy: of its kept storages; the backward frees what it has read, _freed_by_backward)
     G_k(i) = sum_{parameter gradient storage a born by a bwd op of k at or before i} b[a, s]
     T(i) = sum_{storage a alive at i, a not saved, not a parameter gradient} b[a, s]
 
@@ -54,6 +56,7 @@ are per micro-batch on one device of the stage mesh, except ``grad_sync_s`` and
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -462,9 +465,11 @@ def _add_activations(
                 sums.inputs[j] += b
                 if len(later) > 1:
                     sums.shared_inputs[j] += b
+    kept_by: dict[Policy, dict[ValueRef, int]] = {}
     recreated = {
         policy: _add_recompute_bytes(
-            sums, policy, part, counted, seg_of, lambda v: live.storage_of.get(v, v), local_bytes
+            sums, policy, part, counted, seg_of, lambda v: live.storage_of.get(v, v), local_bytes,
+            kept_by.setdefault(policy, {}),
         )
         for policy, part in partitions.items()
     }
@@ -475,15 +480,51 @@ def _add_activations(
         liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads),
         gm, live, grads, local_bytes, seg_of, phase,
     )  # fmt: skip
+    nseg = len(sums.bwd_transient)
+    freed = _freed_by_backward(counted, live, local_bytes, nseg)
     for n in gm.graph.nodes:
         k = seg_of.get(n.name)
         if n.op != "call_function" or k is None:
             continue
-        peaks = sums.fwd_transient if phase[n.name] == "fwd" else sums.bwd_transient
-        peaks[k] = max(peaks[k], timeline[live.position[n.name]])
+        i = live.position[n.name]
+        if phase[n.name] == "fwd":
+            sums.fwd_transient[k] = max(sums.fwd_transient[k], timeline[i])
+        else:
+            sums.bwd_transient[k] = max(sums.bwd_transient[k], timeline[i] - freed(i, k))
     for policy, part in partitions.items():
         peaks = sums.redo_transient[policy]
-        _add_recompute_bwd_transient(peaks, gm, live, timeline, part, recreated[policy], local_bytes, seg_of, phase)
+        _add_recompute_bwd_transient(peaks, gm, live, timeline, part, recreated[policy], local_bytes, seg_of, phase,
+                                     _freed_by_backward(kept_by[policy], live, local_bytes, nseg))  # fmt: skip
+
+
+def _freed_by_backward(
+    kept: Mapping[ValueRef, int], live: liveness.Liveness, local_bytes: Callable[[ValueRef], float], nseg: int
+) -> Callable[[int, int], float]:
+    """``F_k(i)``: of the activations a micro-batch keeps (``kept``: storage -> the segment it is
+    counted in), the bytes of segments ``<= k`` already freed at backward op ``i`` of segment
+    ``k`` (each storage after its last reader: the runtime's backward drops what it has read,
+    :meth:`~autoplan.runtime.lowering.LocalProgram.run_boxed`). The memory model holds segment
+    ``k``'s and the earlier segments' activations through ``k``'s backward and frees the later
+    segments' (``K_j``, :func:`autoplan.cost_models.memory.stage_memory_parts`); ``F_k`` is what
+    ``k``'s own backward has released by ``i``, so its transient peak is measured against them."""
+    by_segment: list[list[tuple[int, float]]] = [[] for _ in range(nseg)]
+    for storage, k in kept.items():
+        last = live.last_use.get(storage)
+        b = local_bytes(storage)
+        if last is not None and b > 0 and 0 <= k < nseg:
+            by_segment[k].append((last, b))
+    lasts: list[list[int]] = []
+    sums: list[list[float]] = []
+    merged: list[tuple[int, float]] = []
+    for k in range(nseg):  # segments <= k, by last use, with running sums
+        merged = sorted(merged + by_segment[k])
+        lasts.append([last for last, _ in merged])
+        sums.append([0.0, *itertools.accumulate(b for _, b in merged)])
+
+    def freed(i: int, k: int) -> float:
+        return sums[k][bisect.bisect_left(lasts[k], i)]
+
+    return freed
 
 
 def _with_own_gradients(
@@ -526,11 +567,13 @@ def _add_recompute_bwd_transient(
     local_bytes: Callable[[ValueRef], float],
     seg_of: Mapping[str, int],
     phase: Mapping[str, object],
+    freed: Callable[[int, int], float],
 ) -> None:
     """Each segment's backward peak under one recomputation policy (``peaks``): ``T(i)`` plus
     the re-created storages alive at ``i``, each from ``f(a)`` to its last reader (module
     docstring; an alias such as autograd's early ``detach`` reads where its own readers do, as the
-    runtime places it)."""
+    runtime places it), less the policy's kept storages freed by then (``freed``,
+    :func:`_freed_by_backward`)."""
 
     def first_read(u: fx.Node) -> int:
         if is_view_op(u.target) and u.users:
@@ -556,7 +599,7 @@ def _add_recompute_bwd_transient(
         k = seg_of.get(n.name)
         if n.op == "call_function" and k is not None and phase[n.name] != "fwd":
             i = live.position[n.name]
-            peaks[k] = max(peaks[k], timeline[i] + alive[i])
+            peaks[k] = max(peaks[k], timeline[i] + alive[i] - freed(i, k))
 
 
 def _add_recompute_bytes(
@@ -567,12 +610,12 @@ def _add_recompute_bytes(
     seg_of: Mapping[str, int],
     storage_of: Callable[[ValueRef], ValueRef],
     local_bytes: Callable[[ValueRef], float],
+    kept: dict[ValueRef, int],
 ) -> set[ValueRef]:
     """One recomputation policy's activations: the storages of the kept values ``K``, each once, in
     the segment of its first kept value (a kept placeholder: of its first reader; placeholders
-    hold no activation bytes), and the ``saved`` storages (storage -> segment) not among them,
-    re-created in the backward (returned)."""
-    kept: set[ValueRef] = set()
+    hold no activation bytes; filled into ``kept``: storage -> segment), and the ``saved``
+    storages (storage -> segment) not among them, re-created in the backward (returned)."""
     for v in part.kept:
         k = seg_of.get(v.name)
         if k is None:
@@ -580,7 +623,7 @@ def _add_recompute_bytes(
         storage = storage_of(resolve_value(v))
         if k is None or storage in kept:
             continue
-        kept.add(storage)
+        kept[storage] = k
         sums.kept[policy][k] += local_bytes(storage)
     recreated = {storage for storage in saved if storage not in kept}
     for storage in recreated:

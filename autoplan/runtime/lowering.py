@@ -33,6 +33,7 @@ per-op dispatch cost that compile would remove.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,14 @@ class LocalProgram:
         with torch.no_grad():
             return list(self.graph_module(*local_args))
 
+    def run_boxed(self, local_args: list[Any]) -> list[Any]:
+        """:meth:`run_local` taking its arguments in a list it empties as it starts (AOTAutograd's
+        boxed calling convention): an argument the caller holds no other reference to is freed at
+        its last use in the program, as eager autograd frees a saved tensor once its backward
+        node ran, not when the whole program returns."""
+        with torch.no_grad():
+            return list(boxed_twin(self.graph_module)(local_args))
+
     @property
     def code(self) -> str:
         return self.graph_module.code
@@ -124,6 +133,23 @@ class LocalProgram:
             for n in nodes
             if n.op == "call_function" and n.target is WAIT and isinstance(n.args[0], fx.Node)
         ]
+
+
+_BOXED_TWINS: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = weakref.WeakKeyDictionary()
+
+
+def boxed_twin(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``'s program called with one list of arguments that it empties before its first op
+    (``torch.fx``'s boxed code generation, as AOTAutograd calls compiled backwards): the program's
+    own code drops each value after its last use, so an argument is freed there unless the
+    caller still holds it. Built once per program (the twin shares ``gm``'s attributes)."""
+    twin = _BOXED_TWINS.get(gm)
+    if twin is None:
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        graph.set_codegen(fx.graph._BoxedCodeGen())
+        twin = _BOXED_TWINS[gm] = fx.GraphModule(gm, graph)
+    return twin
 
 
 def local_shard(t: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:
@@ -268,8 +294,12 @@ class DeferredWaits:
 
     def run_issue(self, *local_args: Any) -> tuple[list[Any], list[Any]]:
         """(the outputs, ``None`` at :attr:`slots`; what :meth:`run_finish` takes)."""
+        return self.run_issue_boxed(list(local_args))
+
+    def run_issue_boxed(self, local_args: list[Any]) -> tuple[list[Any], list[Any]]:
+        """:meth:`run_issue` taking its arguments in a list it empties (:meth:`LocalProgram.run_boxed`)."""
         with torch.no_grad():
-            outs = list(self.issue(*local_args))
+            outs = list(boxed_twin(self.issue)(local_args))
         return outs[: self.num_outputs], outs[self.num_outputs :]
 
     def run_finish(self, pending: Sequence[Any]) -> dict[int, Any]:

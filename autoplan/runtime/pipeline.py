@@ -163,8 +163,8 @@ class _StageFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
-        grads = ctx.module.run_backward(ctx.saved_values, grad_outputs)
-        ctx.saved_values = None
+        saved, ctx.saved_values = ctx.saved_values, None  # the backward frees each once it is read
+        grads = ctx.module.run_backward(saved, grad_outputs)
         return (None, None, *grads, *(None for _ in ctx.module.program.targets))  # no gradient for a target
 
 
@@ -381,7 +381,7 @@ class StageModule(torch.nn.Module):
             converting = [f for f, _ in prog.param_grads] if self.last_microbatch is None else None
             res = self._run(
                 "backward", prog.backward, [*saved, *grads], lambda: self._as_dtensors(saved, grads),
-                grads_from=n_in, grad_names=converting,
+                grads_from=n_in, grad_names=converting, consumed=(saved, grads),
             )  # fmt: skip
             param_grads = res[n_in:]
         else:  # B now; W later, when the schedule calls the runner dw_builder hands it
@@ -416,7 +416,7 @@ class StageModule(torch.nn.Module):
         names = [f for f, _ in self.last_microbatch.param_grads]
         res = self._run(
             "last_backward", self.last_microbatch.backward, [*saved, *grads, *accs], as_dtensors,
-            grads_from=n_in, grad_names=names,
+            grads_from=n_in, grad_names=names, consumed=(saved, grads, accs),
         )  # fmt: skip
         for fqn, g in zip(names, res[n_in:], strict=True):
             if g is None:  # its bucket is in flight: finish_conversions() waits for it
@@ -463,13 +463,18 @@ class StageModule(torch.nn.Module):
         *,
         grads_from: int = 0,
         grad_names: Sequence[str] | None = None,
+        consumed: Sequence[list[Any]] = (),
     ) -> list[Any]:
         """Run a stage program lowered to local tensors on the parameters, the buffers and
         ``rest`` (local tensors); outputs stay local. At its first call the program is lowered
         from its DTensor arguments (``as_dtensors()``: ``rest`` as DTensors). A program that
         converts gradients (``grad_names``: the FQNs of its outputs from ``grads_from`` on) returns
         with its last buckets in flight, their outputs ``None``
-        (:func:`~autoplan.runtime.lowering.defer_output_waits`; :meth:`finish_conversions`)."""
+        (:func:`~autoplan.runtime.lowering.defer_output_waits`; :meth:`finish_conversions`).
+        ``rest`` and the caller's lists in ``consumed`` (the saved values, output gradients and
+        accumulators it was built from) are emptied before the program runs, which then frees
+        each argument after its last use (:meth:`~autoplan.runtime.lowering.LocalProgram.run_boxed`):
+        a backward releases the activations of the blocks it is done with as eager autograd does."""
         local = self.lowered.get(which)
         if local is None:
             local = self.lowered[which] = lower_to_local(program, [*self._args(), *as_dtensors()])
@@ -477,12 +482,15 @@ class StageModule(torch.nn.Module):
                 slots = [grads_from + i for i, f in enumerate(grad_names) if f in self.converted_in_program]
                 self._waits[which] = defer_output_waits(local.graph_module, slots)
         with torch.no_grad():
-            args = self._local_args()
+            args = [*self._local_args(), *rest]
+        rest.clear()
+        for held in consumed:  # the caller's lists of the arguments: the program frees each after its last use
+            held.clear()
         waits = self._waits.get(which)
         with self.random.drawing() if self.random is not None else contextlib.nullcontext():
             if waits is None:
-                return local.run_local(*args, *rest)
-            outs, pending = waits.run_issue(*args, *rest)
+                return local.run_boxed(args)
+            outs, pending = waits.run_issue_boxed(args)
         assert grad_names is not None
         self._in_flight.append((waits, pending, {grads_from + i: f for i, f in enumerate(grad_names)}))
         return outs
@@ -721,7 +729,7 @@ class PipelineModel(torch.nn.Module):
             dst = st.param_specs[fqn]
             assert local is not None, fqn
             if fqn in st.converted_in_program:  # the backward program reduced it already, bucket by bucket
-                converted[fqn] = local
+                converted[fqn] = st.grad_acc.pop(fqn)  # out of grad_acc: its bucket is freed with the step's copies
                 continue
             assert v.spec is not None, fqn
             steps = plan_transition(v.spec, dst) if v.spec != dst else ()
