@@ -90,8 +90,9 @@ Recomputation, torchtitan's policies in autoplan's vocabulary (``ParallelConfig.
   mm", so the estimate is priced from its parts: autoplan's ``selective`` step time plus, per
   block, the forward time of the wk, wo and w3 matmuls (``compute.roofline_time_s`` of
   ``aten.mm`` with the block's shapes, as the cost model prices them in the trace), times the
-  number of blocks (:func:`op_sac_extra_recompute_s`). Peak memory stays autoplan's
-  ``selective`` one (an over-estimate: torchtitan does not keep those three outputs).
+  number of blocks (:func:`op_sac_extra_recompute_s`). Peak memory: autoplan's ``selective``
+  one less those three outputs per block, which torchtitan does not keep
+  (:func:`op_sac_unkept_bytes`, with the allocator margin on them).
 - ``selective, per layer`` (full recomputation of every other block) has no single autoplan
   value: priced as the mean of the ``none`` and ``full`` estimates (step time and peak memory
   both linear in the number of recomputed blocks). Approximate: the peak is not exactly the mean.
@@ -137,7 +138,7 @@ import torch.nn.functional as F  # noqa: E402
 import autoplan  # noqa: E402
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
 from autoplan.cost_models.compute import memory_time_s, roofline_time_s  # noqa: E402
-from autoplan.cost_models.memory import NON_PYTORCH_BYTES  # noqa: E402
+from autoplan.cost_models.memory import ALLOCATOR_MARGIN_FRACTION, NON_PYTORCH_BYTES  # noqa: E402
 from tests.zoo import llama_lm, lm_loss, qwen3_moe_lm  # noqa: E402
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
@@ -722,6 +723,7 @@ def price(run: PublishedRun) -> Priced:
     if torchtitan:
         if run.activation_checkpointing == "selective, per op":
             step_s += op_sac_extra_recompute_s(run)
+            peak -= op_sac_unkept_bytes(run) * (1 + ALLOCATOR_MARGIN_FRACTION)
             configs.append("torchtitan op-SAC matmul recompute")
         if "full" in RECOMPUTE_MIX[run.activation_checkpointing]:
             configs.append("torchtitan full-AC block re-run")
@@ -760,6 +762,21 @@ def op_sac_extra_recompute_s(run: PublishedRun) -> float:
     head_dim = s.hidden // s.heads
     recomputed = ((s.hidden, s.kv_heads * head_dim), (s.heads * head_dim, s.hidden), (s.hidden, s.ffn))  # wk, wo, w3
     return s.layers * sum(_mm_s(run, k, n) for k, n in recomputed)
+
+
+def op_sac_unkept_bytes(run: PublishedRun) -> float:
+    """Activation bytes autoplan's ``selective`` keeps and torchtitan's per-op policy does not
+    (module docstring): the outputs of the 2nd, 4th and 6th ``mm`` of each block (wk, wo, w3),
+    which torchtitan recomputes in the backward, one block at a time, and autoplan keeps (matmul
+    outputs the backward or a re-run op reads, ``autoplan/passes/recompute.py``); bf16, one
+    micro-batch in flight (the op-SAC runs here have no pipeline)::
+
+        unkept = layers * T * (kv_heads * d + h + ffn) * 2 bytes     T = local batch * sequence length
+    """
+    s = run.shape
+    head_dim = s.hidden // s.heads
+    tokens = run.local_batch * run.seq_len
+    return float(s.layers * tokens * (s.kv_heads * head_dim + s.heads * head_dim + s.ffn) * 2)
 
 
 def full_ac_extra_recompute_s(run: PublishedRun) -> float:
