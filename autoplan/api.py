@@ -39,7 +39,7 @@ from autoplan.planner.mesh import as_cluster, planning_alone, planning_mesh
 from autoplan.planner.plan import Plan
 from autoplan.planner.tracing import prepare_for_precision, trace_for_plan, trace_microbatch
 from autoplan.runtime.codegen import generate_program
-from autoplan.runtime.data import LocalBatch
+from autoplan.runtime.data import FieldSpec, LocalBatch, batch_mismatch
 from autoplan.runtime.optimizers import refuse_optimizers_of_the_module
 from autoplan.runtime.parallel import ParallelModel
 from autoplan.runtime.pipeline import PipelineModel, build_pipeline
@@ -261,6 +261,8 @@ class DeferredModel:
         self._build = build
         """``(example_inputs, example_targets) -> the built model``: plans (rank 0) and applies."""
         self._built: BuiltModel | None = None
+        self._planned: tuple[FieldSpec, ...] = ()
+        """The first call's batch fields (inputs, then targets): what the model is planned for."""
 
     @property  # type: ignore[misc]  # isinstance() reads it: the built model's class once it exists
     def __class__(self) -> type:
@@ -285,6 +287,18 @@ class DeferredModel:
                     "batch, pmodel(inputs, targets=...), or pass example_inputs= to parallelize"
                 )
             self._built = self._build(cast(tuple[torch.Tensor, ...], inputs), tuple(targets))
+            self._planned = tuple(
+                (tuple(t.shape), t.dtype) for t in (*cast(tuple[torch.Tensor, ...], inputs), *targets)
+            )
+        elif not (len(inputs) == 1 and isinstance(inputs[0], LocalBatch)):
+            fields = [*cast(tuple[torch.Tensor, ...], inputs), *targets]
+            problem = batch_mismatch(self._planned, fields, num_inputs=len(inputs))
+            if problem is not None:
+                raise PlanMismatchError(
+                    f"{problem} (the batch of the first call, which planned the model): the program runs only on "
+                    "that batch shape and dtype; pad (or convert) the batch to it, or plan for this one: a new "
+                    "autoplan.parallelize(...) planned at its first call on this batch, or example_inputs= of this shape"
+                )
         return self._built
 
     def __call__(self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
@@ -306,7 +320,11 @@ class DeferredModel:
 
     def __getattr__(self, name: str) -> Any:
         """Every other attribute is the built model's; :class:`PlanError` before the first call."""
-        if name.startswith("__") or name in ("_build", "_built"):  # copy/pickle protocols, a half-made object
+        if name.startswith("__") or name in (
+            "_build",
+            "_built",
+            "_planned",
+        ):  # copy/pickle protocols, a half-made object
             raise AttributeError(name)
         return getattr(self.built, name)
 

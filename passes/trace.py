@@ -339,7 +339,7 @@ def trace_training_step(
     buffers = dict(model.named_buffers())
     param_names, buffer_names = tuple(params), tuple(buffers)
     trainable_names = _trainable_names(params)
-    gm = _trace_joint(exported, params, buffers, inputs, targets, trainable_names)
+    gm = _trace_joint(exported, params, buffers, inputs, targets, trainable_names, _training_batch_norms(model))
     _check_grads(gm, trainable_names)
     dense_layouts(gm)  # before _clean_graph, whose dead-code elimination drops the replaced reads
     causal_masks_as_flag(gm)  # before _clean_graph, whose dead-code elimination drops the masks
@@ -431,9 +431,12 @@ def _trace_joint(
     inputs: tuple[torch.Tensor, ...],
     targets: tuple[torch.Tensor, ...],
     trainable_names: tuple[str, ...],
+    batch_norms: Sequence[str] = (),
 ) -> fx.GraphModule:
     """The exported forward + loss -> the raw joint graph ``step(*params, *buffers, *inputs,
-    *targets) -> (loss, *grads)`` built by ``make_fx`` over ``torch.autograd.grad``."""
+    *targets) -> (loss, *grads)`` built by ``make_fx`` over ``torch.autograd.grad``.
+    ``batch_norms``: the model's batch norms in training mode with running statistics (named
+    when the graph cannot be built: their in-place update of those statistics is the cause)."""
     param_names, buffer_names = tuple(params), tuple(buffers)
     full_param_names = ["model." + n for n in param_names]
     full_buffer_names = ["model." + n for n in buffer_names]
@@ -472,12 +475,29 @@ def _trace_joint(
         ):
             return make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
+        if batch_norms:
+            shown = ", ".join(batch_norms[:3]) + (f" (+{len(batch_norms) - 3} more)" if len(batch_norms) > 3 else "")
+            raise UnsupportedModelError(
+                f"could not build the backward graph: batch norm in training mode ({shown}) updates its running "
+                "statistics (running_mean, running_var) in place, which a traced training step does not support yet; "
+                "put those modules in eval mode (module.eval(): the running statistics are read, not updated) or "
+                "build them with track_running_stats=False (batch statistics only)"
+            ) from exc
         where = _user_frame(exc)
         raise UnsupportedModelError(
             f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)}"
             f"{f' at {where}' if where else ''}; check that loss.backward() runs eagerly on this model "
             "(custom autograd Functions need a backward)"
         ) from exc
+
+
+def _training_batch_norms(model: torch.nn.Module) -> tuple[str, ...]:
+    """The names of ``model``'s batch norms in training mode that track running statistics."""
+    return tuple(
+        f"{type(m).__name__} {name or '(the model)'}"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    )
 
 
 def _check_grads(gm: fx.GraphModule, trainable_names: Sequence[str]) -> None:

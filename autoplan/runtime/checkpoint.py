@@ -9,6 +9,9 @@ Layout of a checkpoint root ``DIR`` (``autoplan run --checkpoint-dir DIR``)::
                            the size and CRC-32 of every file above
     DIR/step_6.tmp/        being written (or abandoned by a killed rank): never loaded
 
+Links inside ``DIR`` are never followed: a ``step_<n>`` or ``step_<n>.tmp`` that is a symbolic
+link is skipped when resuming and, when saving, the link itself is removed (never its target).
+
 Saving is collective: every rank writes its own shards into ``step_<n>.tmp`` with ``dcp.save``;
 after a barrier the ranks checksum the files (each a share of them), rank 0 writes ``COMPLETE``
 and renames the directory to ``step_<n>``, so a checkpoint that some rank did not finish never
@@ -129,7 +132,9 @@ def _complete(root: Path) -> list[Checkpoint]:
     candidates = []
     for entry in root.iterdir():
         m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir():
+        if m and entry.is_symlink():  # links in the root are never followed (save replaces them)
+            logger.warning("%s is a symbolic link, not a checkpoint: skipping it", entry)
+        elif m and entry.is_dir():
             candidates.append((int(m.group(1)), entry))
     complete = []
     for step, path in sorted(candidates, reverse=True):
@@ -438,7 +443,7 @@ def save(
     rank = dist.get_rank()
     if rank == 0:
         final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a rank killed during an earlier save
+        _remove_entry(tmp)  # left by a rank killed during an earlier save (or a planted link)
     dist.barrier()
     sd = _state_dict(model.owned_parameters(), optimizer, _rank0_rng_state(), step, _owned_buffers(model))
     _plain_layout(sd)
@@ -457,10 +462,19 @@ def save(
             "files": files,
         }
         (tmp / COMPLETE_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
+        _remove_entry(final)
         tmp.rename(final)
     dist.barrier()
     return final
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove ``path`` from the checkpoint root without following it: a symlink (or a file) is
+    unlinked itself, never its target; a real directory is removed with its contents."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def resume(

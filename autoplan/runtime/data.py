@@ -38,7 +38,8 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.utils.data import Dataset, IterableDataset, default_collate
 
-from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.echo import clip_text
+from autoplan.cost_models.errors import PlanError, PlanMismatchError
 from autoplan.passes.placement import spec_str
 
 Spec = tuple[Placement, ...]
@@ -63,6 +64,34 @@ def check_global_batch_size(planned: int, given: int | None) -> int:
             f"samples: pass global_batch_size={planned} or re-plan with a batch of {given}"
         )
     return planned
+
+
+def _quote(exc: BaseException) -> str:
+    """``Type: first line of the message`` of an exception raised by user code (bounded)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {clip_text(lines[0])}" if lines else type(exc).__name__
+
+
+def _field_name(i: int, num_inputs: int) -> str:
+    return f"input {i}" if i < num_inputs else f"target {i - num_inputs}"
+
+
+FieldSpec = tuple[tuple[int, ...], torch.dtype]
+"""A batch field as planned: its shape and dtype."""
+
+
+def batch_mismatch(
+    planned: Sequence[FieldSpec], given: Sequence[torch.Tensor], *, num_inputs: int, shapes: bool = True
+) -> str | None:
+    """``None`` when every field of ``given`` has its ``planned`` shape (``shapes=False``: any
+    shape) and dtype; else what differs, for the first field that does (no fix: the caller's
+    words). One tuple comparison per field: cheap enough for every step."""
+    for i, (t, (shape, dtype)) in enumerate(zip(given, planned, strict=False)):
+        if shapes and tuple(t.shape) != shape:
+            return f"{_field_name(i, num_inputs)} has shape {list(t.shape)}; the plan was made for {list(shape)}"
+        if t.dtype != dtype:
+            return f"{_field_name(i, num_inputs)} is {t.dtype}; the plan was made for {dtype}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,7 +139,7 @@ class BatchLayout:
                 )
 
     def field_name(self, i: int) -> str:
-        return f"input {i}" if i < self.num_inputs else f"target {i - self.num_inputs}"
+        return _field_name(i, self.num_inputs)
 
     @property
     def num_fields(self) -> int:
@@ -275,12 +304,13 @@ class ShardedLoader:
         """Step ``step`` of this epoch (map-style datasets)."""
         rows = self.global_indices(step, order)
         indices = [rows[r] for r in self._union]
-        return self._assemble(step, indices, [self.dataset[i] for i in indices])
+        return self._assemble(step, indices, [self._sample(i) for i in indices])
 
     def global_batch(self, step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Step ``step``'s whole global batch, collated, as ``(inputs, targets)``: what one device
         trains on where the ranks load :meth:`batch` (every rank reads every row: for checks)."""
-        return self._split(self.collate_fn([self.dataset[i] for i in self.global_indices(step)]))
+        indices = self.global_indices(step)
+        return self._split(self._collate(indices, [self._sample(i) for i in indices], every_field=True))
 
     def _split(self, collated: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         fields = self._fields(collated)
@@ -306,7 +336,7 @@ class ShardedLoader:
             return
         for step, positions, samples in self._iter_stream(keep_all=True):
             local = self._assemble(step, [positions[r] for r in self._union], [samples[r] for r in self._union])
-            yield local, self._split(self.collate_fn(samples))
+            yield local, self._split(self._collate(positions, samples, every_field=True))
 
     def _iter_stream(self, *, keep_all: bool) -> Iterator[tuple[int, list[int], list[Any]]]:
         """One pass over the stream: every ``B`` consecutive samples are one step; yields the
@@ -317,7 +347,7 @@ class ShardedLoader:
             set_epoch(self.epoch)
         batch_size, keep = self.layout.global_batch_size, set(self._union)
         step, num_read, kept, positions = 0, 0, [], []
-        for position, sample in enumerate(cast(Iterable[Any], self.dataset)):
+        for position, sample in enumerate(self._read_stream()):
             num_read = position + 1
             if keep_all or position % batch_size in keep:
                 kept.append(sample)
@@ -327,6 +357,80 @@ class ShardedLoader:
                 step, kept, positions = step + 1, [], []
         if step == 0:
             raise PlanError(self._too_short(num_read))
+
+    def _sample(self, index: int) -> Any:
+        """``dataset[index]``; an exception there becomes a :class:`PlanError` quoting it."""
+        try:
+            return self.dataset[index]
+        except PlanError:
+            raise
+        except Exception as exc:
+            raise PlanError(
+                f"reading sample {index} of the dataset raised {_quote(exc)}: fix the dataset's __getitem__ "
+                f"(or its data) for index {index}"
+            ) from exc
+
+    def _read_stream(self) -> Iterator[Any]:
+        """The stream's samples; an exception from it becomes a :class:`PlanError` quoting it
+        and naming the stream position it was reading."""
+        position = 0
+        try:
+            for sample in cast(Iterable[Any], self.dataset):
+                yield sample
+                position += 1
+        except PlanError:
+            raise
+        except Exception as exc:
+            raise PlanError(
+                f"the {type(self.dataset).__name__} raised {_quote(exc)} reading sample {position} of the stream "
+                f"(pass {self.epoch + 1}): fix the stream's __iter__ (or its data)"
+            ) from exc
+
+    def _check_samples(
+        self, indices: Sequence[int], samples: Sequence[Any], *, every_field: bool, shapes: bool
+    ) -> None:
+        """Every sample's fields (of those this rank keeps; ``every_field``: all) of the planned
+        shape (``shapes``) and of one dtype, or :class:`PlanMismatchError` naming the first sample
+        that is not (a collated batch hides which sample differs: ``default_collate`` fails on
+        another shape and promotes another dtype). Samples that are not tuples of tensors are
+        left to ``collate_fn``."""
+        layout = self.layout
+        dtypes: dict[int, tuple[torch.dtype, int]] = {}
+        for index, sample in zip(indices, samples, strict=True):
+            fields = (sample,) if isinstance(sample, torch.Tensor) else sample
+            if not isinstance(fields, tuple | list) or len(fields) != layout.num_fields:
+                return
+            for i, f in enumerate(fields):
+                if not isinstance(f, torch.Tensor) or not (every_field or layout.reads(i)):
+                    continue
+                if shapes and tuple(f.shape) != layout.sample_shapes[i]:
+                    raise PlanMismatchError(
+                        f"sample {index} of the dataset: {layout.field_name(i)} has shape {list(f.shape)}; the plan "
+                        f"was made for samples of shape {list(layout.sample_shapes[i])}: make every sample that "
+                        "shape (pad or crop it) or re-plan for this one"
+                    )
+                first = dtypes.setdefault(i, (f.dtype, index))
+                if f.dtype != first[0]:
+                    raise PlanMismatchError(
+                        f"sample {index} of the dataset: {layout.field_name(i)} is {f.dtype}; sample {first[1]}'s is "
+                        f"{first[0]}: give every sample's {layout.field_name(i)} the dtype the plan was made for"
+                    )
+
+    def _collate(self, indices: Sequence[int], samples: list[Any], *, every_field: bool = False) -> Any:
+        """The samples collated and checked (:meth:`_check_samples`: a sample of another shape,
+        found when ``collate_fn`` fails, or of another dtype); an exception from ``collate_fn``
+        that no sample explains becomes a :class:`PlanError` quoting it."""
+        try:
+            collated = self.collate_fn(samples)
+        except Exception as exc:
+            self._check_samples(indices, samples, every_field=every_field, shapes=True)
+            shown = f"{indices[0]}..{indices[-1]}" if indices else "none"
+            raise PlanError(
+                f"collating samples {shown} of the dataset raised {_quote(exc)}: make the samples "
+                "(*inputs, *targets) tuples of tensors of the planned shapes or fix collate_fn"
+            ) from exc
+        self._check_samples(indices, samples, every_field=every_field, shapes=False)
+        return collated
 
     def _fields(self, collated: Any) -> list[torch.Tensor]:
         """A collated batch as one tensor per field (the inputs, then the targets)."""
@@ -346,7 +450,7 @@ class ShardedLoader:
         if not self._union:  # a pipeline rank between the first and the last stage
             return LocalBatch(inputs=(), targets=(), global_batch_size=layout.global_batch_size, step=step,
                               sample_indices=((),) * layout.num_fields)  # fmt: skip
-        fields = self._fields(self.collate_fn(samples))
+        fields = self._fields(self._collate(indices, samples))
         out: list[torch.Tensor | None] = []
         sample_indices: list[tuple[int, ...]] = []
         for i, (f, pick) in enumerate(zip(fields, self._picks, strict=True)):

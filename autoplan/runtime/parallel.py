@@ -13,7 +13,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.modules.module import _IncompatibleKeys
 
-from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.errors import PlanError, PlanMismatchError
 from autoplan.passes import kv_rows
 from autoplan.passes.placement import parse_spec, spec_str
 from autoplan.passes.trace import TracedProgram
@@ -21,7 +21,14 @@ from autoplan.planner.plan import Plan
 from autoplan.runtime import training
 from autoplan.runtime.codegen import GeneratedProgram, expected_output_placements
 from autoplan.runtime.collectives import segment_layout
-from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
+from autoplan.runtime.data import (
+    BatchLayout,
+    FieldSpec,
+    LocalBatch,
+    ShardedLoader,
+    batch_mismatch,
+    check_global_batch_size,
+)
 from autoplan.runtime.lowering import LocalProgram, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_torch_optimizer
 
@@ -270,11 +277,14 @@ class ParallelModel(torch.nn.Module):
             if targets:
                 raise PlanError("a LocalBatch holds its targets: call forward_backward(batch) without targets=")
             local = self._local_fields(inputs[0])
+            self._check_batch(local, inputs[0])
         elif len(inputs) != len(self._input_specs) or len(targets) != len(self._target_specs):
             raise ValueError(
                 f"expected {len(self._input_specs)} inputs and {len(self._target_specs)} targets as planned, "
                 f"got {len(inputs)} and {len(targets)}"
             )
+        else:
+            self._check_batch([*cast(tuple[torch.Tensor, ...], inputs), *targets])
         batch = [] if local is not None else [*cast(tuple[torch.Tensor, ...], inputs), *targets]
         if check:
             args = [p.detach() for p in self._params] + list(self._buffers_list)
@@ -294,6 +304,29 @@ class ParallelModel(torch.nn.Module):
         for p, g in zip(self._trainable, grads, strict=True):
             p.grad = g
         return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    def _check_batch(self, fields: Sequence[torch.Tensor], local: LocalBatch | None = None) -> None:
+        """The global batch's fields of the planned shapes and dtypes (a ``local`` batch's: of
+        the planned dtypes, its shapes checked by :meth:`_local_fields`), or
+        :class:`PlanMismatchError` naming both and the fix: the program is traced for them."""
+        planned: tuple[FieldSpec, ...] | None = self.__dict__.get("_planned_batch")
+        if planned is None:
+            planned = tuple((tuple(v.shape), v.dtype) for v in self._batch_values())
+            self.__dict__["_planned_batch"] = planned
+        problem = batch_mismatch(planned, fields, num_inputs=len(self._input_specs), shapes=local is None)
+        if problem is None:
+            return
+        if local is not None:
+            rows = next((r for r in local.sample_indices if r), ())
+            raise PlanMismatchError(
+                f"{problem} (step {local.step}, samples {', '.join(map(str, rows[:3]))}{', ...' if len(rows) > 3 else ''}"
+                " of the dataset): give the dataset's samples that dtype or re-plan for this one"
+            )
+        raise PlanMismatchError(
+            f"{problem} (the example batch it was traced with): the program runs only on that batch shape and "
+            "dtype; pad (or convert) the batch to it, or plan for this one (autoplan.parallelize with "
+            "example_inputs= of this shape)"
+        )
 
     def forward(self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """``loss = pmodel(*inputs, targets=...)`` (or ``pmodel(batch)`` with a

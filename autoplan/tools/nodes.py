@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import socket
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,6 +91,21 @@ class Nodes:
         raise PlanMismatchError(
             f"{what} has {world_size} devices but {launched}: give {fix}, or re-plan for the ranks you launch"
         )
+
+    def check_endpoint_resolves(self) -> None:
+        """The host of ``rdzv_endpoint`` has an address (``socket.getaddrinfo``); PlanError
+        naming it if not, rather than torchrun retrying the rendezvous for minutes."""
+        if self.rdzv_endpoint is None:
+            return
+        host, _, port = self.rdzv_endpoint.rpartition(":")
+        try:
+            socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise PlanError(
+                f"rendezvous host {clip_text(host, 80)!r} (--rdzv-endpoint {clip_text(self.rdzv_endpoint, 100)}) does not "
+                f"resolve ({clip_text(reason, 80)}): give a host name or address every node can reach"
+            ) from None
 
     def torchrun_env(self) -> dict[str, str]:
         """Environment for torchrun on several nodes: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``

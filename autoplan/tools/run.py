@@ -8,7 +8,8 @@ Everything a rank would otherwise find out late is checked here first, in this o
 options (the nodes among them, :mod:`autoplan.tools.nodes`), where the ranks write
 (``--checkpoint-dir``, ``--save-final``) and the torchrun port; then, before planning, the data
 options (``--shuffle``, ``--data-seed``) against the workload's dataset, the batch, ``--nproc``
-and the ranks per node against the workload and the cluster; then the plan (loaded
+and the ranks per node against the workload and the cluster; then that the rendezvous host of
+several nodes resolves; then the plan (loaded
 and checked against the model, or made); then the checkpoint to resume from. Only then is
 ``python -m torch.distributed.run ... -m autoplan.tools.worker`` launched, one rank per device of
 the plan on one node, or ``--nproc-per-node`` ranks on each of ``--nnodes`` nodes joined by
@@ -32,6 +33,7 @@ checkpoint (``--allow-nonfinite``: a warning at the first one, and training goes
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import tempfile
@@ -105,6 +107,7 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
 def cmd_run(args: argparse.Namespace) -> int:
     layout, master_port = _check_options(args)
     _check_before_planning(args, layout)
+    layout.check_endpoint_resolves()  # before planning, which may take long
     with tempfile.TemporaryDirectory(prefix="autoplan-", ignore_cleanup_errors=True) as tmpdir:
         if args.plan is not None:
             plan = _load_checked_plan(args, layout)
@@ -122,9 +125,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"{layout}: {nproc_per_node} local ranks", file=console.stdout(), flush=True)
                 _note_other_layout(plan, layout.num_nodes, nproc_per_node)
         bad_input = Path(tmpdir, BAD_INPUT_FILE)
-        rendezvous = layout.torchrun_args(nproc_per_node=nproc_per_node, master_port=master_port)
+        def command(port: int | None) -> list[str]:
+            rendezvous = layout.torchrun_args(nproc_per_node=nproc_per_node, master_port=port)
+            return _torchrun_command(args, plan_path, rendezvous, bad_input)
+
+        # a port autoplan picked may be taken before torchrun binds it: then another (launch.py)
+        picked = master_port is not None and args.master_port is None
         rc = launch.call_torchrun(
-            _torchrun_command(args, plan_path, rendezvous, bad_input),
+            command(master_port),
+            retry_port=(master_port, command) if picked and master_port is not None else None,
             env={**_rank_environment(args), **layout.torchrun_env()},
             stdout=console.subprocess_stdout(),
         )
@@ -140,18 +149,21 @@ def _check_options(args: argparse.Namespace) -> tuple[Nodes, int | None]:
     if args.plan is None and args.cluster is None:
         raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
     layout = nodes.nodes_from_args(args, os.environ)
+    launch.collective_timeout_s(os.environ)  # the ranks read it: malformed, it is named here
     if args.save_final is not None:
         refuse_overwriting_inputs(args.save_final, common.planning_inputs(args), option="--save-final")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise PlanError(f"--checkpoint-every {args.checkpoint_every}: give a number of steps >= 1")
     if args.checkpoint_every is not None and args.checkpoint_dir is None:
         raise PlanError("--checkpoint-every needs --checkpoint-dir DIR to write the checkpoints into")
+    if args.checkpoint_dir is not None:
+        real_checkpoint_dir(args.checkpoint_dir)  # a symlink loop is named here, not after training
     if args.checkpoint_dir is not None and Path(args.checkpoint_dir).is_file():
         raise PlanError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file: give a directory (made if missing)")
     if args.max_restarts < 0:
         raise PlanError(f"--max-restarts {args.max_restarts}: give a number >= 0")
     if args.checkpoint_dir is not None:
-        _check_writable("--checkpoint-dir", Path(args.checkpoint_dir), is_dir=True)
+        _check_writable("--checkpoint-dir", Path(real_checkpoint_dir(args.checkpoint_dir)), is_dir=True)
     if args.save_final is not None:
         _check_writable("--save-final", Path(args.save_final), is_dir=False)
     if layout.num_nodes > 1:
@@ -263,7 +275,7 @@ def _torchrun_command(args: argparse.Namespace, plan_path: str, rendezvous: list
     if args.show_code:
         cmd.append("--show-code")
     if args.checkpoint_dir is not None:
-        cmd += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
+        cmd += ["--checkpoint-dir", real_checkpoint_dir(args.checkpoint_dir)]
     if args.checkpoint_every is not None:
         cmd += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.save_final is not None:
@@ -271,6 +283,23 @@ def _torchrun_command(args: argparse.Namespace, plan_path: str, rendezvous: list
     if args.allow_nonfinite:
         cmd.append("--allow-nonfinite")
     return cmd
+
+
+def real_checkpoint_dir(path: str) -> str:
+    """``--checkpoint-dir`` with its symlinks resolved (the ranks write, and the probe checks,
+    the real directory); PlanError when a link loops or cannot be resolved."""
+    try:
+        real = str(Path(path).resolve(strict=False))  # a loop: RuntimeError (Python < 3.13)
+        os.stat(real)  # a loop left unresolved (Python >= 3.13): ELOOP
+    except FileNotFoundError:
+        return real  # made by the ranks
+    except (OSError, RuntimeError) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ELOOP:
+            return real  # not a link problem: the write probe names it
+        raise PlanError(
+            f"--checkpoint-dir {path[:200]!r} is a symlink loop (or passes through one): give a real directory"
+        ) from None
+    return real
 
 
 def _note_other_layout(plan: Plan, num_nodes: int, nproc_per_node: int) -> None:

@@ -13,6 +13,12 @@ Step ``k`` (counted from 0 over the whole run) is, by the workload's data:
 
 Each rank materialises only its rows of a dataset's step; ``--compare`` gets the same step's whole
 global batch for the single-device model from the same read of the data.
+
+Bad data (a sample of another shape or dtype than the plan's, an exception from the dataset or
+its stream) is a :class:`PlanError` of the loader naming the sample; only the ranks that read
+that sample see it, so with a dataset the ranks agree on every step before training on it (one
+1-element all-reduce over gloo per step): a rank's error is raised on every rank, and
+``autoplan run`` prints one line and exits 2 instead of the other ranks failing in a collective.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import IterableDataset
 
 from autoplan.cost_models.errors import PlanError
@@ -93,9 +100,9 @@ class TrainingData:
             for k in itertools.count(0 if self.compare else start):
                 yield k, None, self._batch(k)
         elif not self.loader.is_stream:
-            yield from self._indexed_steps(self.loader, start)
+            yield from _agreed(self._indexed_steps(self.loader, start))
         else:
-            yield from self._stream_steps(self.loader, start)
+            yield from _agreed(self._stream_steps(self.loader, start))
 
     def _batch(self, k: int) -> Batch:
         wl = self.wl
@@ -116,3 +123,32 @@ class TrainingData:
             for local, batch in passes:
                 yield k, local if k >= start else None, batch
                 k += 1
+
+
+def _agreed(steps: Iterator[Step]) -> Iterator[Step]:
+    """``steps`` once every rank of the job has loaded each: a :class:`PlanError` loading a step
+    on one rank (the ranks that read a bad sample) is raised on every rank: a rank that failed
+    raises its own, the others the lowest failing rank's (its type and message) (module docstring). Outside a job of several ranks: ``steps``."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield from steps
+        return
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    """A CPU flag per step: no device synchronisation on a CUDA job."""
+    while True:
+        error: PlanError | None = None
+        try:
+            item = next(steps)
+        except StopIteration:
+            return
+        except PlanError as exc:
+            error = exc
+        failed = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        if failed.item():
+            errors: list[tuple[type[PlanError], str] | None] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(errors, None if error is None else (type(error), str(error)), group=group)
+            if error is not None:
+                raise error
+            kind, message = next(e for e in errors if e is not None)
+            raise kind(message)
+        yield item

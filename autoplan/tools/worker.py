@@ -3,8 +3,12 @@
 torchrun --nproc-per-node=N -m autoplan.tools.worker TARGET --plan plan.json --steps 10 [--compare]
          [--checkpoint-dir DIR --checkpoint-every N] [--save-final params.pt] [--bad-input-file PATH]
 
-Before building anything the ranks check that they all hold the same plan (:func:`_check_same_plan`:
-each node of a multi-node run loads its own file, or planned for itself). Bad input found in the
+Before building anything the ranks check that they all hold the same plan and were started
+alike (:func:`_check_same_start`: each node of a multi-node run loads its own file, or planned for
+itself, and got its own command line): the seed, the build function's source and the options
+that decide the initial state or the collectives (``--steps``, ``--save-final``, checkpoints,
+...), else nodes train apart or wait in a collective the others never enter. Every collective
+times out after ``AUTOPLAN_COLLECTIVE_TIMEOUT_S`` seconds (default 300, :mod:`autoplan.tools.launch`). Bad input found in the
 ranks (a ``PlanError``) is printed by each node's local rank 0; with ``--bad-input-file`` it is
 written there instead and the ranks exit 0, for ``autoplan run`` to print and exit 2
 (``autoplan/tools/run.py`` says why), else they exit 2.
@@ -31,6 +35,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
+import hashlib
+import importlib.util
 import io
 import os
 import socket
@@ -49,8 +56,8 @@ from autoplan.runtime.checkpoint import ParallelizedModel
 from autoplan.runtime.data import LocalBatch
 from autoplan.runtime.teardown import destroy_process_groups
 from autoplan.runtime.training import check_finite_loss
-from autoplan.tools import console
-from autoplan.tools.loader import build_workload
+from autoplan.tools import console, launch
+from autoplan.tools.loader import build_workload, target_file
 from autoplan.tools.training_data import Batch, TrainingData, data_options
 from autoplan.workload import Workload
 
@@ -86,15 +93,17 @@ def _inject_fault(step: int, rank: int) -> None:
 
 
 def _init_process_group(backend: str) -> None:
-    """``init_process_group`` from torchrun's environment. Under ``torchrun --max-restarts`` the
+    """``init_process_group`` from torchrun's environment, its collectives timing out after
+    :func:`launch.collective_timeout_s` (not gloo's 30 minutes). Under ``torchrun --max-restarts`` the
     ranks of every attempt meet in the agent's store, which outlives the attempts: each attempt
     gets its own key prefix there, or a restarted rank would read a dead rank's address."""
+    timeout = datetime.timedelta(seconds=launch.collective_timeout_s(os.environ))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if (
         os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0"
         or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     ):
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
     world_size = int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
@@ -103,6 +112,7 @@ def _init_process_group(backend: str) -> None:
         store=dist.PrefixStore(f"autoplan/attempt_{attempt}", store),
         rank=int(os.environ["RANK"]),
         world_size=world_size,
+        timeout=timeout,
     )
 
 
@@ -158,33 +168,99 @@ def _report_bad_input(exc: PlanError, bad_input_file: str | None) -> None:
         print(f"autoplan: error: {exc}", file=sys.stderr, flush=True)
 
 
-def _check_same_plan(plan: Plan) -> None:
-    """Every rank holds the same plan (:meth:`Plan.digest`, all-gathered with the host names);
-    else the same PlanMismatchError on every rank, naming which ranks hold which plan."""
-    held: list[tuple[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(held, (plan.digest(), socket.gethostname()))
-    groups: dict[str, list[tuple[int, str]]] = {}
-    for rank, entry in enumerate(held):
+START_FIELDS = (
+    ("build", "the build function (target file and function)"),
+    ("seed", "--seed"),
+    ("steps", "--steps"),
+    ("save_final", "--save-final (given or not)"),
+    ("compare", "--compare"),
+    ("checkpoint_dir", "--checkpoint-dir (given or not)"),
+    ("checkpoint_every", "--checkpoint-every"),
+    ("shuffle", "--shuffle"),
+    ("data_seed", "--data-seed"),
+    ("allow_nonfinite", "--allow-nonfinite"),
+)
+"""What every rank must agree on besides the plan, and how a mismatch names it: the initial state
+(seed, build function), the data order and the collectives each rank enters (steps, checkpoints,
+the final gathers)."""
+
+
+def _target_digest(target: str) -> str:
+    """The build function's identity across nodes: its function name and a hash of its file's
+    bytes (``FILE.py`` or the module's source), not of the path, which may differ per node."""
+    where, _, func = target.rpartition(":")
+    path = target_file(target)
+    try:
+        if path is None:
+            spec = importlib.util.find_spec(where)
+            path = spec.origin if spec is not None else None
+        source = open(path, "rb").read() if path else target.encode()  # noqa: SIM115 - read at once
+    except (OSError, ImportError, ValueError):
+        source = target.encode()
+    return f"{func} {hashlib.sha256(source).hexdigest()[:16]}"
+
+
+def start_fields(plan: Plan, args: argparse.Namespace) -> dict[str, object]:
+    """This rank's plan digest and :data:`START_FIELDS`, compared by :func:`check_same_start`."""
+    return {
+        "plan": plan.digest(),
+        "build": _target_digest(args.target),
+        "seed": args.seed,
+        "steps": args.steps,
+        "save_final": args.save_final is not None,
+        "compare": args.compare,
+        "checkpoint_dir": args.checkpoint_dir is not None,
+        "checkpoint_every": args.checkpoint_every,
+        "shuffle": args.shuffle,
+        "data_seed": args.data_seed,
+        "allow_nonfinite": args.allow_nonfinite,
+    }
+
+
+def _check_same_start(plan: Plan, args: argparse.Namespace) -> None:
+    """All-gather :func:`start_fields` with the host names and :func:`check_same_start` them:
+    the same PlanMismatchError on every rank."""
+    held: list[tuple[dict[str, object], str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(held, (start_fields(plan, args), socket.gethostname()))
+    check_same_start(held)
+
+
+def check_same_start(held: Sequence[tuple[dict[str, object], str] | None]) -> None:
+    """``held[rank]`` = (that rank's :func:`start_fields`, its host). Every rank holds the same plan
+    and was started alike; else PlanMismatchError naming which ranks hold which plan, or the
+    first field that differs and which ranks (on which hosts) hold which value."""
+    entries = []
+    for entry in held:
         assert entry is not None, "all_gather_object fills every slot"
-        groups.setdefault(entry[0], []).append((rank, entry[1]))
-    if len(groups) == 1:
-        return
-    held_by = "; ".join(
-        f"ranks {','.join(str(r) for r, _ in ranks)} on {','.join(sorted({h for _, h in ranks}))}: plan {digest[:12]}"
-        for digest, ranks in groups.items()
-    )
-    raise PlanMismatchError(
-        f"the ranks hold {len(groups)} different plans ({held_by}): the nodes planned differently (other measured "
-        "op times, links or versions) or were given different --plan files; plan once with `autoplan plan ... "
-        "--out plan.json`, copy the file to every node and run with --plan plan.json"
-    )
+        entries.append(entry)
+    for field, shown in (("plan", "plan"), *START_FIELDS):
+        groups: dict[str, list[tuple[int, str]]] = {}
+        for rank, (fields, host) in enumerate(entries):
+            groups.setdefault(repr(fields.get(field)), []).append((rank, host))
+        if len(groups) == 1:
+            continue
+        held_by = "; ".join(
+            f"ranks {','.join(str(r) for r, _ in ranks)} on {','.join(sorted({h for _, h in ranks}))}: "
+            + (f"plan {value.strip(chr(39))[:12]}" if field == "plan" else value)
+            for value, ranks in groups.items()
+        )
+        if field == "plan":
+            raise PlanMismatchError(
+                f"the ranks hold {len(groups)} different plans ({held_by}): the nodes planned differently (other "
+                "measured op times, links or versions) or were given different --plan files; plan once with "
+                "`autoplan plan ... --out plan.json`, copy the file to every node and run with --plan plan.json"
+            )
+        raise PlanMismatchError(
+            f"the nodes were started with different {shown} ({held_by}): run the same `autoplan run` command, "
+            "with the same target file, on every node"
+        )
 
 
 def _train(args: argparse.Namespace, rank: int) -> None:
     """Parallelize the workload with the plan, resume from a checkpoint if asked, train, and
     report (``--compare``) and save (``--save-final``) the result."""
     plan = Plan.load(args.plan)
-    _check_same_plan(plan)
+    _check_same_start(plan, args)
     wl = build_workload(args.target, device="cpu", seed=args.seed)
     reference = copy.deepcopy(wl.model) if args.compare else None
     pm = parallelize(
