@@ -25,20 +25,18 @@ from autoplan.cost_models.calibration import (
     LOCAL_LINKS_ENV,
     PLAUSIBLE_LATENCY_US,
     CalibrationError,
-    Sample,
-    Sweep,
     build_profile,
     cache_profile,
     cached_profile_path,
 )
-from autoplan.cost_models.cluster import COMM_KINDS, Cluster, current_device_model
-from autoplan.cost_models.comm import collective_time_s, effective_collective
+from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import ConfigError
 from autoplan.planner import plan_cache
 from autoplan.planner.mesh import as_cluster
 from autoplan.planner.plan import Plan
 from autoplan.planner.segment_model import available_cores, default_workers
 from autoplan.tools.cli import main
+from tests.test_local_calibration import measured_profile, measured_samples
 
 GOLDEN_PLAN = Path(__file__).resolve().parent / "golden" / "plans" / "mlp.4xcpu.plan.json"
 MODELS = Path(__file__).resolve().with_name("cli_models.py")
@@ -52,28 +50,9 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "cache"
 
 
-def _samples(world_size: int, *, bw_GBps: float = 0.5, latency_us: float = 3000.0) -> list[Sample]:
-    samples = []
-    for nbytes in Sweep().sizes_bytes():
-        for kind in COMM_KINDS:
-            run_kind, run_bytes = effective_collective(kind, nbytes, world_size, backend="gloo")
-            t = collective_time_s(run_kind, run_bytes, world_size, bw_GBps, latency_us, algorithm="ring")
-            samples.append(Sample(axis="intra", kind=kind, num_ranks=world_size, nbytes=nbytes, time_s=t))
-    return samples
-
-
-def _profile(world_size: int = 2) -> Cluster:
-    return build_profile(
-        Cluster.preset(f"{world_size}xCPU"),
-        _samples(world_size),
-        device_model=current_device_model("gloo") or "unknown",
-        comm_compute_slowdown=0.25,
-    )
-
-
 def _edit_cached(edit: Callable[[dict], object]) -> Path:
     """Cache a good profile of 2 ranks, then change its YAML with ``edit``."""
-    path = cache_profile(_profile(2))
+    path = cache_profile(measured_profile(2))
     assert path is not None
     data = yaml.safe_load(path.read_text())
     edit(data)
@@ -102,7 +81,7 @@ def test_a_cached_calibration_with_an_absurd_latency_is_ignored_with_a_warning_a
     assert "latency 1e+12 us is outside the plausible" in warning
     # `autoplan plan` measures again and replaces the file (atomically)
     measured = []
-    monkeypatch.setattr(local_links, "_measure_forked", lambda c, s: measured.append(c) or (_samples(2), 0.2))
+    monkeypatch.setattr(local_links, "_measure_forked", lambda c, s: measured.append(c) or (measured_samples(2), 0.2))
     local_links.ensure_local_calibration(Cluster.preset("2xCPU"), quiet=True)
     assert len(measured) == 1
     link = as_cluster("2xCPU").axis_link("intra")
@@ -162,13 +141,13 @@ def test_a_measurement_outside_the_plausible_ranges_is_refused_and_not_cached(
     cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     with pytest.raises(CalibrationError, match="implausible"):
-        build_profile(Cluster.preset("2xCPU"), _samples(2, latency_us=1e9), device_model="x")
-    slow = _samples(2, latency_us=1e9)
+        build_profile(Cluster.preset("2xCPU"), measured_samples(2, latency_us=1e9), device_model="x")
+    slow = measured_samples(2, latency_us=1e9)
     monkeypatch.setattr(local_links, "_measure_forked", lambda c, s: (slow, 0.1))
     with caplog.at_level(logging.WARNING):
         local_links.ensure_local_calibration(Cluster.preset("2xCPU"), quiet=True)
     assert not cached_profile_path(2).exists() and "implausible" in caplog.text
-    profile = _profile(2)
+    profile = measured_profile(2)
     assert calibration.cached_profile_problem(profile, 2) is None
     assert calibration.cached_profile_problem(profile, 4) is not None
 
@@ -223,7 +202,7 @@ def test_a_cache_dir_that_is_a_regular_file_plans_without_the_cache(
     monkeypatch.setenv(LOCAL_LINKS_ENV, "auto")
     monkeypatch.delenv("AUTOPLAN_NO_PLAN_CACHE", raising=False)
     # the measurement could not be kept: it is not made (was: measured, then a NotADirectoryError traceback)
-    monkeypatch.setattr(local_links, "_measure_forked", lambda c, s: (_samples(2), 0.2))
+    monkeypatch.setattr(local_links, "_measure_forked", lambda c, s: (measured_samples(2), 0.2))
     out = tmp_path / "p.json"
     with caplog.at_level(logging.WARNING):
         rc = main(["plan", f"{MODELS}:mlp", "--cluster", "2xCPU", "--out", str(out), "--quiet"])
@@ -232,6 +211,6 @@ def test_a_cache_dir_that_is_a_regular_file_plans_without_the_cache(
         cache_lines = [r.getMessage() for r in caplog.records if "cannot use the cache folder" in r.getMessage()]
         assert len(cache_lines) == 1 and str(not_a_dir) in cache_lines[0], caplog.text
         assert not_a_dir.read_text() == "x"
-        assert cache_profile(_profile(2)) is None  # `autoplan calibrate` writes --out, caches nothing
+        assert cache_profile(measured_profile(2)) is None  # `autoplan calibrate` writes --out, caches nothing
         plan_cache.store("c" * 32, plan_cache.CacheEntry(plan=Plan.load(GOLDEN_PLAN), forward_fingerprint="f"))
     assert len([r for r in caplog.records if "cannot use the cache folder" in r.getMessage()]) == 1

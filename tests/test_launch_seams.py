@@ -15,13 +15,12 @@ import autoplan
 from autoplan.cost_models.errors import PlanError, PlanMismatchError
 from autoplan.runtime import checkpoint
 from autoplan.tools import launch, run, worker
-from autoplan.tools.loader import build_workload
 from autoplan.tools.nodes import Nodes
 from tests.harness import free_port
 from tests.test_bad_inputs import assert_bad_input
 from tests.test_bad_inputs import cli as cli_main
 from tests.test_cli import run_cli, target
-from tests.test_multinode import no_launch_env, run_nodes  # noqa: F401 - a fixture
+from tests.test_multinode import no_launch_env, run_nodes, save_two_device_plan  # noqa: F401 - a fixture
 
 MLP = target("mlp")
 
@@ -41,11 +40,7 @@ PLAN: list[Path] = []
 
 @pytest.fixture(scope="module", autouse=True)
 def two_device_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    wl = build_workload(MLP, device="meta")
-    plan = autoplan.plan(wl.model, "2xCPU", example_inputs=wl.example_inputs, loss_fn=wl.loss_fn,
-                         example_targets=wl.example_targets, profile=None)  # fmt: skip
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    plan.save(path)
+    path = save_two_device_plan(tmp_path_factory)
     PLAN[:] = [path]
     return path
 

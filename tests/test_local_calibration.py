@@ -38,17 +38,22 @@ def cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _measured_profile(world_size: int, *, bw_GBps: float = 0.5, latency_us: float = 3000.0) -> Cluster:
-    """A profile of ``world_size`` local ranks fitted to timings made from known numbers."""
+def measured_samples(world_size: int, *, bw_GBps: float = 0.5, latency_us: float = 3000.0) -> list[Sample]:
+    """Timings of every collective of the sweep on ``world_size`` local ranks, made from known numbers."""
     samples = []
     for nbytes in Sweep().sizes_bytes():
         for kind in COMM_KINDS:
             run_kind, run_bytes = effective_collective(kind, nbytes, world_size, backend="gloo")
             t = collective_time_s(run_kind, run_bytes, world_size, bw_GBps, latency_us, algorithm="ring")
             samples.append(Sample(axis="intra", kind=kind, num_ranks=world_size, nbytes=nbytes, time_s=t))
+    return samples
+
+
+def measured_profile(world_size: int, *, bw_GBps: float = 0.5, latency_us: float = 3000.0) -> Cluster:
+    """A profile of ``world_size`` local ranks fitted to timings made from known numbers."""
     return build_profile(
         Cluster.preset(f"{world_size}xCPU"),
-        samples,
+        measured_samples(world_size, bw_GBps=bw_GBps, latency_us=latency_us),
         device_model=current_device_model("gloo") or "unknown",
         comm_compute_slowdown=0.25,
     )
@@ -84,7 +89,7 @@ def test_the_default_survives_a_plan_file_round_trip_and_loads_on_any_machine(ca
 
 
 def test_a_cached_profile_of_this_machine_prices_every_axis_of_the_local_mesh(cache):
-    profile = _measured_profile(4)
+    profile = measured_profile(4)
     cache_profile(profile)
     cluster = as_cluster(Cluster.preset("4xCPU", mesh_shape=(2, 2)))
     link = profile.links["intra"]
@@ -112,13 +117,13 @@ def test_profiles_are_cached_per_machine_and_rank_count(cache):
 
 
 def test_clusters_that_are_not_the_local_machine_are_left_alone(cache):
-    profile = _measured_profile(2)
+    profile = measured_profile(2)
     for cluster in (Cluster.preset("2x4xCPU"), Cluster.preset("8xH100"), Cluster.preset("1xCPU"), profile):
         assert local_cluster(cluster) is cluster
 
 
 def test_the_environment_chooses_default_or_catalog_and_refuses_anything_else(cache, monkeypatch):
-    cache_profile(_measured_profile(2))
+    cache_profile(measured_profile(2))
     assert as_cluster("2xCPU").links_source == "calibrated"
     monkeypatch.setenv(LOCAL_LINKS_ENV, "default")  # deterministic: the cache is not read
     assert as_cluster("2xCPU").calibration.origin == "default"
@@ -142,7 +147,7 @@ def test_a_damaged_cached_profile_is_a_warning_naming_it_and_a_library_call_leav
 
 def test_planning_measures_the_local_machine_once_then_reads_the_cache(cache, monkeypatch):
     calls = []
-    profile = _measured_profile(2)
+    profile = measured_profile(2)
 
     def fake_measure(cluster, sweep):
         calls.append((cluster.world_size, sweep))
@@ -160,7 +165,7 @@ def test_planning_measures_the_local_machine_once_then_reads_the_cache(cache, mo
 
 
 def test_a_measured_slowdown_beyond_what_a_device_takes_is_capped_with_a_warning(caplog):
-    profile = _measured_profile(2)
+    profile = measured_profile(2)
     with caplog.at_level(logging.WARNING, logger="autoplan.cost_models.calibration"):
         device = calibration.measured_device(profile, dict(profile.links), 1.4, origin="test")
     assert device.comm_compute_slowdown == calibration.MAX_DEVICE_SLOWDOWN

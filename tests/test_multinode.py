@@ -159,14 +159,19 @@ def test_malformed_endpoint_is_a_plan_error(text):
 # --- bad input on the command line: one line, exit 2, nothing launched -----------------------------
 
 
-@pytest.fixture(scope="module")
-def two_device_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_two_device_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-device plan of MLP (no calibration), saved in a fresh temporary folder."""
     wl = build_workload(MLP, device="meta")
     plan = autoplan.plan(wl.model, "2xCPU", example_inputs=wl.example_inputs, loss_fn=wl.loss_fn,
                          example_targets=wl.example_targets, profile=None)  # fmt: skip
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def two_device_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_two_device_plan(tmp_path_factory)
 
 
 def test_plan_world_size_other_than_nodes_times_ranks_is_one_line(two_device_plan, no_launch_env, capfd):
