@@ -60,9 +60,10 @@ OPTIMIZER = "adam"
 TARGET = 0.05
 PROFILED_STEPS = 5
 """Steps measured after the warm-up; the rank's peak is their median (:func:`measure`). With the
-corrections of :func:`step_peak` the programs here repeat their peak step after step to the byte
-on most cases; an unseen free whose address the allocator had not handed out again by the peak
-counts as alive (ZeRO-3 with two micro-batches: 22.1 MiB in most steps, 25.4 in one of 9)."""
+corrections of :func:`step_peak` most cases here repeat their peak step after step to the byte;
+an unseen free whose address the allocator had not handed out again by the peak counts as alive,
+so a step can read high (ZeRO-3 with two micro-batches, one run: median 22.11 MiB, steps
+22.11-25.69)."""
 DP_PINS = {"input_0": "S(0)", "target_0": "S(0)", "*": "R"}
 _MB = BATCH // 2
 CONFIGS = {
@@ -168,8 +169,9 @@ def step_peak(events: Sequence[tuple[int, int, int]], at_start: Mapping[int, int
       one starts and not among ``at_start``) counts that block alive from the step's start to its
       free.
 
-    Without these the peak of one case moved by up to 6.5 MiB from step to step (ZeRO-3 with two
-    micro-batches: 26.4 to 34.9 MiB over 10 steps; with them 28.4 MiB in every step)."""
+    Without these the peak of one case moved by up to 8.5 MiB from step to step (ZeRO-3 with two
+    micro-batches, before the backward freed its activations: 26.4 to 34.9 MiB over 10 steps of two
+    ranks; with them 28.42 MiB in 7 of 10, 29.2 to 31.0 in the others)."""
     made: set[int] = set()
     earlier = 0  # blocks from before the step, freed in it
     for _, ptr, nbytes in events:

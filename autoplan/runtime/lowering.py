@@ -105,17 +105,12 @@ class LocalProgram:
             lay.wrap_no_grad(o) if lay is not None else o for o, lay in zip(outs, self.output_layouts, strict=True)
         )
 
-    def run_local(self, *local_args: Any) -> list[Any]:
-        """Run on local tensors outside autograd; outputs stay local (the caller knows their
-        layouts: :attr:`output_layouts`)."""
-        with torch.no_grad():
-            return list(self.graph_module(*local_args))
-
     def run_boxed(self, local_args: list[Any]) -> list[Any]:
-        """:meth:`run_local` taking its arguments in a list it empties as it starts (AOTAutograd's
-        boxed calling convention): an argument the caller holds no other reference to is freed at
-        its last use in the program, as eager autograd frees a saved tensor once its backward
-        node ran, not when the whole program returns."""
+        """Run on local tensors outside autograd; outputs stay local (the caller knows their
+        layouts: :attr:`output_layouts`). The arguments come in a list the program empties as it
+        starts (AOTAutograd's boxed calling convention): an argument the caller holds no other
+        reference to is freed at its last use in the program, as eager autograd frees a saved
+        tensor once its backward node ran, not when the whole program returns."""
         with torch.no_grad():
             return list(boxed_twin(self.graph_module)(local_args))
 
