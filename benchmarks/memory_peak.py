@@ -141,47 +141,143 @@ def _alive_at_start(pm: nn.Module, opt: torch.optim.Optimizer, batch: Iterable[t
     return _storages([*pm.parameters(), *pm.buffers(), *state, *grads, *batch])
 
 
-def _allocation_events(prof: profile) -> list[tuple[int, int, int]]:
-    """``(time ns, data pointer, bytes)`` of every allocation (bytes > 0) and free (< 0) the
-    profiler recorded, in time order."""
-    out: list[tuple[int, int, int]] = []
+Event = tuple[int, int, int]
+"""``(time ns, data pointer, bytes)``: an allocation (bytes > 0) or a free (< 0)."""
+
+
+def _tensor_ptrs(value: object) -> list[int]:
+    """Storage pointers of a profiled op's tensor argument (a tensor or a list of them)."""
+    if hasattr(value, "storage_data_ptr"):
+        return [value.storage_data_ptr]  # type: ignore[attr-defined]
+    if isinstance(value, list):
+        return [p for v in value for p in _tensor_ptrs(v)]
+    return []
+
+
+def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int], int]]:
+    """Every allocation and free the profiler recorded, in time order, and the blocks a
+    collective holds: ``(pointer, allocation time) -> time its wait returned``, for the inputs of
+    each functional collective (``_c10d_functional.*``, e.g. the flat ``cat`` of a coalesced
+    gather) and what it allocates inside (gloo's full-size copy of a reduce-scatter's input),
+    its output excepted (the caller holds that). Needs ``record_shapes=True`` (the ops' tensor
+    arguments)."""
+    events: list[Event] = []
+    issues: list[tuple[int, list[int], list[tuple[int, int]]]] = []  # (time, input ptrs, allocations inside)
+    waits: list[tuple[int, int, int]] = []  # (start, end, the awaited tensor's pointer)
+
+    def inside(e: Any, out: list[tuple[int, int]]) -> None:
+        for c in e.children:
+            if c.tag == _EventType.Allocation and c.extra_fields.alloc_size > 0:
+                out.append((c.extra_fields.ptr, c.start_time_ns))
+            inside(c, out)
+
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while stack:
         e = stack.pop()
         if e.tag == _EventType.Allocation:
-            out.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+            events.append((e.start_time_ns, e.extra_fields.ptr, e.extra_fields.alloc_size))
+        elif e.tag == _EventType.TorchOp and e.name.startswith("_c10d_functional::"):
+            ptrs = [p for a in e.extra_fields.inputs for p in _tensor_ptrs(a)]
+            if e.name.endswith("wait_tensor"):
+                waits.extend((e.start_time_ns, e.end_time_ns, p) for p in ptrs[:1])
+            else:
+                made: list[tuple[int, int]] = []
+                inside(e, made)
+                issues.append((e.start_time_ns, ptrs, made))
         stack.extend(e.children)
-    return sorted(out)
+    events.sort()
+    allocated: dict[int, list[int]] = {}
+    for t, ptr, nbytes in events:
+        if nbytes > 0:
+            allocated.setdefault(ptr, []).append(t)
+    held: dict[tuple[int, int], int] = {}
+    for t_issue, inputs, made in issues:
+        outputs = {p for p, _ in made} & {p for _, _, p in waits}
+        wait = min((end for start, end, p in waits if p in outputs and start >= t_issue), default=None)
+        if wait is None:
+            continue  # waited for after the step
+        for ptr in inputs:  # the instance of the block alive when the collective was issued
+            t_alloc = max((t for t in allocated.get(ptr, ()) if t <= t_issue), default=None)
+            if t_alloc is not None:
+                held[(ptr, t_alloc)] = wait
+        for ptr, t_alloc in made:
+            if ptr not in outputs:
+                held[(ptr, t_alloc)] = wait
+    return events, held
 
 
-def step_peak(events: Sequence[tuple[int, int, int]], at_start: Mapping[int, int]) -> int:
+_TIMELINES: list[tuple[list[Event], int, dict[int, int]]] = []
+"""With ``MEMORY_PEAK_TIMELINE`` set: every measured step's corrected events (for a diagnosis)."""
+
+
+def step_peak(
+    events: Sequence[Event],
+    at_start: Mapping[int, int],
+    held: Mapping[tuple[int, int], int] | None = None,
+    at_end: Mapping[int, int] | None = None,
+) -> int:
     """A step's peak bytes from its allocation events (:func:`_allocation_events`) and the storages
     counted alive when it starts (``at_start``: pointer -> bytes), correcting two gaps in what the
     profiler records (measured on gloo ranks, torch 2.13):
 
     * it records the memory events of the threads it profiles, not gloo's worker threads; a
       buffer a collective's work object holds (a reduce-scatter's input copy, an all-gather's
-      flat output) is freed on the worker when that thread drops the work last, and that free is
-      missing. A block is known freed when the allocator hands its address out again; it counts
-      until then (an upper bound, and only as far as the allocator's reuse: glibc hands a freed
-      chunk of that size back first);
+      flat input) is freed on the worker when that thread drops the work last, and that free is
+      missing. Such a block (``held``, from :func:`_allocation_events`) with no free recorded is
+      freed when its collective's wait returns (the work is done by then; a block still alive
+      when the next step starts, ``at_end``, is not). Any other block is known freed when the
+      allocator hands its address out again (an upper bound, and only as far as the allocator's
+      reuse: glibc hands a freed chunk of that size back first, but a large block is a mapping
+      of its own and its address may not come back);
     * a free of a block made before the step (the previous step's last buffers, alive when this
       one starts and not among ``at_start``) counts that block alive from the step's start to its
       free.
 
     Without these the peak of one case moved by up to 8.5 MiB from step to step (ZeRO-3 with two
     micro-batches, before the backward freed its activations: 26.4 to 34.9 MiB over 10 steps of two
-    ranks; with them 28.42 MiB in 7 of 10, 29.2 to 31.0 in the others)."""
+    ranks; with address reuse alone 28.42 MiB in 7 of 10, 29.2 to 31.0 in the others)."""
+    held = held or {}
+    at_end = at_end or {}
     made: set[int] = set()
     earlier = 0  # blocks from before the step, freed in it
-    for _, ptr, nbytes in events:
+    instance: dict[int, tuple[int, int]] = {}  # ptr -> (allocation time, bytes) of its latest block
+    freed: set[tuple[int, int]] = set()
+    for t, ptr, nbytes in events:
         if nbytes > 0:
             made.add(ptr)
-        elif ptr not in made and ptr not in at_start:
+            instance[ptr] = (t, nbytes)
+        elif ptr in instance:
+            freed.add((ptr, instance[ptr][0]))
+        elif ptr not in at_start:
             earlier -= nbytes
+    # unseen frees of collective-held blocks: at the wait, unless the address came back before it
+    timeline = list(events)
+    by_ptr: dict[int, list[tuple[int, int]]] = {}
+    for t, ptr, nbytes in events:
+        if nbytes > 0:
+            by_ptr.setdefault(ptr, []).append((t, nbytes))
+    for ptr, blocks in by_ptr.items():
+        for i, (t_alloc, nbytes) in enumerate(blocks):
+            wait = held.get((ptr, t_alloc))
+            if wait is None or (ptr, t_alloc) in freed:
+                continue
+            last = i == len(blocks) - 1
+            if (last and ptr in at_end) or (not last and blocks[i + 1][0] <= wait):
+                continue
+            timeline.append((wait, ptr, -nbytes))
+    timeline = sorted(timeline)
+    if os.environ.get("MEMORY_PEAK_TIMELINE"):  # a diagnosis: the corrected events of every step
+        _TIMELINES.append((timeline, sum(at_start.values()) + earlier, dict(at_start)))
+    return replay(timeline, sum(at_start.values()) + earlier, at_start)[0]
+
+
+def replay(timeline: Sequence[Event], base: int, at_start: Mapping[int, int]) -> tuple[int, int, dict[int, int]]:
+    """``(peak bytes, its time, the blocks made in the step alive then: pointer -> bytes)`` of a
+    corrected, time-ordered event list (:func:`step_peak`) on top of ``base`` bytes."""
     live: dict[int, int] = {}
-    cur = peak = sum(at_start.values()) + earlier
-    for _, ptr, nbytes in events:
+    cur = peak = base
+    when, at_peak = 0, {}
+    for t, ptr, nbytes in timeline:
         if nbytes > 0:
             cur += nbytes - live.pop(ptr, 0)  # an address handed out again: its block was freed
             live[ptr] = nbytes
@@ -189,8 +285,9 @@ def step_peak(events: Sequence[tuple[int, int, int]], at_start: Mapping[int, int
             cur -= live.pop(ptr)
         elif ptr not in at_start:
             cur += nbytes  # a block from before the step
-        peak = max(peak, cur)
-    return peak
+        if cur > peak:
+            peak, when, at_peak = cur, t, dict(live)
+    return peak, when, at_peak
 
 
 def measure(plan: autoplan.Plan, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float, float]:
@@ -208,13 +305,15 @@ def measure(plan: autoplan.Plan, ids: torch.Tensor, labels: torch.Tensor) -> tup
 
     for _ in range(2):
         step()
-    peaks = []
+    steps = []
     for _ in range(PROFILED_STEPS):
         dist.barrier()
         at_start = _alive_at_start(pm, opt, (ids, labels))
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
             step()
-        peaks.append(float(step_peak(_allocation_events(prof), at_start)))
+        steps.append((*_allocation_events(prof), at_start))
+    ends = [at_start for _, _, at_start in steps[1:]] + [_alive_at_start(pm, opt, (ids, labels))]
+    peaks = [float(step_peak(ev, at_start, held, end)) for (ev, held, at_start), end in zip(steps, ends, strict=True)]
     return statistics.median(peaks), min(peaks), max(peaks)
 
 

@@ -311,6 +311,7 @@ def stage_memory_parts(
     offload_optimizer: bool = False,
     host_is_device: bool = False,
     ep: int | None = None,
+    last_stage: bool = True,
 ) -> dict[str, float]:
     """Peak bytes per device of one pipeline stage (:mod:`autoplan.cost_models.step`), by part:
     the liveness peak of the step as it runs. Per segment ``j`` of the stage (in order):
@@ -322,8 +323,8 @@ def stage_memory_parts(
         grads    g_j = T'_j g / (dp if zero_stage >= 2)      raw  r_j = T'_j g   (the backward's output,
                  not yet reduced: the runtime converts a stage's gradients after the schedule)
         A        = inflight * (sum_j kept_j + max_j shared_j)            (micro-batches in flight)
-        backward of j:  A - K_j + T_j + gathered + R_j              (the first micro-batch)
-                        A min(f, m - 1) / f - K_j + T_j + gathered + R + R_j  (a later one, m > 1:
+        backward of j:  A - K_j + T_j + gathered_j + R_j            (the first micro-batch)
+                        A min(f, m - 1) / f - K_j + T_j + gathered_j + R + R_j  (a later one, m > 1:
                                           the sum of the earlier ones is alive, at most m - 1 in flight)
                  R_j = sum_{i > j} r_i   (the stage's later segments made theirs first; T_j holds
                  j's own as its backward makes them, segment_costs' G_k), R = sum_i r_i
@@ -340,14 +341,21 @@ def stage_memory_parts(
         ``ParallelConfig.sharded_grad_accumulation``): every micro-batch's backward reduces as
         above and its shards are added to the sharded accumulators once it returns, so in a later
         micro-batch's backward the sum alive is the accumulators', not the raw one:
-                 R -> G    (backward of j, a later one: A min(f, m - 1) / f + T_j + gathered + G
+                 R -> G    (backward of j, a later one: A min(f, m - 1) / f + T_j + gathered_j + G
                             + G_j + min(R_j, (in_flight + 1) bucket))
+                 and a later micro-batch's forward holds the previous backward's buckets in
+                 flight: A (f - 1) / f + sum_{i <= j} kept_i + fwd_T_j + gathered_j + G
+                            + min(R, (in_flight + 1) bucket)       (_later_forward_peak)
         optimizer step: G + opt_step                 (G = sum_j g_j; activations all freed)
         peak     = W + O + max( max_j backward of j, reductions, optimizer step ) + allocator margin
-        gathered = ZeRO-3: (1 + prefetch + full) max_j P_j w + S_g if reshard_after_forward else sum_j P_j w
-                   (S_g: the running gather's scratch, collective_scratch_bytes(max_j P_j w))
-                   (full = 1 under full recomputation: the re-run forward's own gather of the
-                   block, beside the backward's)
+        gathered (gathered_j in the backward of j) = ZeRO-3, reshard_after_forward:
+                   (1 + full) Q_j w + sum_{j-prefetch <= i < j} Q_i w + S_g
+                   (Q_j: the elements j reads, its own and a tied copy; the i < j are the next in
+                   backward order, prefetched while j runs, none for the last segment of the last
+                   stage, whose backward runs before they are issued; S_g: the running gather's
+                   scratch, collective_scratch_bytes(max of those Q_i w); full = 1 under full
+                   recomputation: the re-run forward's own gather of the block, beside the
+                   backward's); without resharding sum_j P_j w
         bucket   = min(max(sum_j T'_j g if dp > 1, sum_j M_j g), bucket_cap)    (M_j: the
                    elements of j's gradients converted on tp/cp, grad_sync_bytes; the flat copy of one gradient bucket:
                    :mod:`autoplan.runtime.pipeline` converts a stage's gradients once per step,
@@ -393,7 +401,7 @@ def stage_memory_parts(
     shard_gathered = 1 / e if e < dp else 0.0  # of the experts, gathered over their replicas
     gathered = _zero3_gathered_bytes(segments, param_numel, split_p * (1 - shard_gathered), shard_gathered,
                                      zero_stage=zero_stage, recompute=recompute, policy=policy, element=element,
-                                     device_kind=device_kind)  # fmt: skip
+                                     device_kind=device_kind, last_stage=last_stage)  # fmt: skip
     activations, transients, done = _activations_and_transients(segments, recompute, inflight)
     reduced_numel = trainable - split_t * (1 - shard_gathered)
     # one flat bucket per mesh axis at a time: the data-parallel one (every trained gradient) and
@@ -413,6 +421,13 @@ def stage_memory_parts(
         activations, transients, held, summed, gathered=gathered, reduction=reduction, inflight=inflight,
         num_microbatches=num_microbatches, done=done,
     )
+    if converting_backwards > 1 and in_backward:
+        later_forward = _later_forward_peak(
+            segments, recompute, activations, inflight, gathered, sum(grads),
+            min(sum(raw), (policy.reduce_scatters_in_flight + 1) * bucket),
+        )  # fmt: skip
+        if later_forward > at_peak:
+            at_peak, grads_at_peak = later_forward, sum(grads)
     optimizer_step = sum(grads) + step_temp
     if optimizer_step > at_peak:
         at_peak, grads_at_peak = optimizer_step, sum(grads)
@@ -424,20 +439,59 @@ def stage_memory_parts(
 def _zero3_gathered_bytes(
     segments: Sequence[SegmentMemory], param_numel: int, never_gathered: float, shard_gathered: float, *,
     zero_stage: int, recompute: str, policy: OverlapPolicy, element: ElementBytes, device_kind: str,
-) -> float:
-    """``gathered`` of :func:`stage_memory_parts`: ZeRO-3's gathered weights (0 below ZeRO 3), of
-    the stage's parameters less the ``never_gathered`` elements (the experts' other shards; each
-    segment gathers ``shard_gathered`` of its experts), with what the gather running allocates
-    beside them (:func:`collective_scratch_bytes` of the largest block, when blocks are gathered
-    one at a time)."""
+    last_stage: bool = True,
+) -> list[float]:
+    """``gathered_j`` of :func:`stage_memory_parts`: ZeRO-3's gathered weights alive in segment
+    ``j``'s backward (0 below ZeRO 3), of the stage's parameters less the ``never_gathered``
+    elements (the experts' other shards; each segment gathers ``shard_gathered`` of its experts).
+    With ``reshard_after_forward`` (FSDP2's default) the weights ``j`` reads (its own and a tied
+    copy it reads, ``tied_param_numel``) are gathered for its backward, and the
+    ``prefetch_blocks`` segments before it (the next ones in backward order) are gathered while it
+    runs, with what the running gather allocates beside them (:func:`collective_scratch_bytes`).
+    The last segment of the ``last_stage`` runs its forward and backward as one run of the program
+    (:mod:`autoplan.passes.comm_order`): its weights stay gathered from its forward, and the
+    gathers for the next segments are issued once its backward ran (measured on gloo ranks,
+    ``benchmarks/memory_peak.py``: at the loss's backward peak only the lm_head's weight is
+    gathered). Without resharding the stage's weights stay gathered from forward to backward."""
+    n = len(segments)
     if zero_stage < 3:
-        return 0.0
-    largest = max((s.param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments), default=0)
-    regather = recompute == "full"  # the re-run forward gathers its block's weights once more
+        return [0.0] * n
     unsplit = param_numel - never_gathered
-    kept_numel = (1 + policy.prefetch_blocks + regather) * largest if policy.reshard_after_forward else unsplit
-    running = collective_scratch_bytes("all_gather", largest * element.weights, device_kind)
-    return min(kept_numel, unsplit) * element.weights + (running if policy.reshard_after_forward else 0.0)
+    if not policy.reshard_after_forward:
+        return [unsplit * element.weights] * n
+    reads = [s.param_numel + s.tied_param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments]
+    regather = recompute == "full"  # the re-run forward gathers its block's weights once more
+    out = []
+    for j in range(n):
+        ahead = reads[max(0, j - policy.prefetch_blocks) : j] if j < n - 1 or not last_stage else []
+        running = collective_scratch_bytes("all_gather", max(ahead, default=0) * element.weights, device_kind)
+        numel = min((1 + regather) * reads[j] + sum(ahead), unsplit)
+        out.append(numel * element.weights + running)
+    return out
+
+
+def _later_forward_peak(
+    segments: Sequence[SegmentMemory], recompute: str, activations: float, inflight: int,
+    gathered: Sequence[float], accumulated: float, flight: float,
+) -> float:
+    """The forward of a later micro-batch under sharded accumulation (:func:`stage_memory_parts`):
+    the previous converting backward left its last buckets in flight (``flight`` bytes: each
+    reduce-scatter holds its full-size input, or gloo's copy of it, until the stage's next
+    backward waits for it, :meth:`autoplan.runtime.pipeline.StageModule.finish_conversions`)
+    beside the sharded accumulators (``accumulated``, their shards included). At segment ``j``::
+
+        A (f - 1) / f + sum_{i <= j} kept_i + fwd_T_j + gathered_j + G + flight
+
+    (the other micro-batches in flight, this one's activations so far and its forward transient;
+    measured on gloo ranks, ``benchmarks/memory_peak.py`` zero3_ga_sharded: the step's peak is the
+    second micro-batch's log-softmax, with the first one's two buckets in flight)."""
+    kept = [segment_activation_bytes(s, recompute)[0] for s in segments]
+    others = activations * (inflight - 1) / inflight if inflight > 0 else 0.0
+    peak = max(
+        (sum(kept[: j + 1]) + s.fwd_transient_bytes + g for j, (s, g) in enumerate(zip(segments, gathered, strict=True))),
+        default=0.0,
+    )
+    return others + peak + accumulated + flight
 
 
 def _gradient_bytes(
@@ -540,7 +594,7 @@ def _backward_peak(
     held: Sequence[float],
     summed: float,
     *,
-    gathered: float,
+    gathered: Sequence[float],
     reduction: float,
     inflight: int,
     num_microbatches: int,
@@ -556,15 +610,14 @@ def _backward_peak(
     runtime's backward frees each saved value after its last reader,
     :meth:`~autoplan.runtime.lowering.LocalProgram.run_boxed`, as eager autograd does)."""
     # the first micro-batch's backward: every micro-batch in flight, no gradient sum yet
-    backward = [(activations - k + t + gathered + h, h) for t, h, k in zip(transients, held, done, strict=True)]
+    rows = list(zip(transients, held, done, gathered, strict=True))
+    backward = [(activations - k + t + g + h, h) for t, h, k, g in rows]
     if num_microbatches > 1 and inflight > 0:  # a later one's: the sum of the earlier ones is alive
         alive = activations * min(inflight, num_microbatches - 1) / inflight
-        backward += [
-            (alive - k + t + gathered + summed + h, summed + h) for t, h, k in zip(transients, held, done, strict=True)
-        ]
+        backward += [(alive - k + t + g + summed + h, summed + h) for t, h, k, g in rows]
     if reduction > 0:  # the reductions, after the schedule: gradients, one bucket's flat copy and its result
         backward.append((summed + reduction, summed))
-    return max(backward, default=(activations + gathered, 0.0))
+    return max(backward, default=(activations, 0.0))
 
 
 def rank_memory_parts(stage_parts: Sequence[Mapping[str, float]], device_kind: str) -> dict[str, float]:

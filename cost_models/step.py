@@ -1239,6 +1239,7 @@ def _price_stage(
         converting_backwards=converting,
         offload_optimizer=config.offload_optimizer,
         host_is_device=cluster.device.host_link_GBps is None,
+        last_stage=stage == config.pp * config.virtual_stages - 1,
     )
     shards = dp * config.cp if z >= 1 else 1
     if config.offload_optimizer:

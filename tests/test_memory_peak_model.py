@@ -178,18 +178,41 @@ def test_gloo_collectives_hold_a_full_size_copy_while_they_run() -> None:
 
 
 def test_zero3_gathered_weights_follow_the_reshard_policy() -> None:
+    """ZeRO-3's gathered weights in segment j's backward: the weights it reads, the segment before
+    it (the next in backward order, prefetched while it runs) and, on gloo, the running gather's
+    flat copy; the last segment of the last stage keeps its forward's gather and runs its
+    backward before the next gathers are issued (measured, benchmarks/memory_peak.py zero3)."""
     sizes = (100, 200, 150, 300, 250)
-    segs = [_seg(0, 0, 0, numel=n) for n in sizes]
+    segs = [dataclasses.replace(_seg(0, 0, 0, numel=n), trainable_numel=0) for n in sizes]  # no gradients
     w = 4.0
-    small = dict(bucket_cap_bytes=64, first_bucket_cap_bytes=64)  # the reductions' buckets stay below the gathers
-    reshard = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=True, **small))
-    keep = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=False, **small))
+    reshard = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=True))
+    keep = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=False))
     assert reshard["weights"] == 1000 * w / 4
-    # the block in use + the one prefetched + (gloo, CPU ranks) the running gather's flat copy
-    assert reshard["transient"] == 3 * 300 * w
-    on_gpu = _parts(segs, zero_stage=3, dp=4, device_kind="cuda", policy=OverlapPolicy(reshard_after_forward=True, **small))
-    assert on_gpu["transient"] == 2 * 300 * w  # NCCL gathers into the caller's buffer
+    # segment 3: its 300 + segment 2's 150 prefetched + that gather's flat copy (gloo, CPU ranks)
+    assert reshard["transient"] == (300 + 150 + 150) * w
+    on_gpu = _parts(segs, zero_stage=3, dp=4, device_kind="cuda", policy=OverlapPolicy(reshard_after_forward=True))
+    assert on_gpu["transient"] == (300 + 150) * w  # NCCL gathers into the caller's buffer
+    # in an earlier pipeline stage the last segment's backward prefetches too: 250 + 300 + 300
+    earlier = _parts(segs, zero_stage=3, dp=4, last_stage=False, policy=OverlapPolicy(reshard_after_forward=True))
+    assert earlier["transient"] == (250 + 300 + 300) * w
     assert keep["transient"] == 1000 * w  # every block kept from forward to backward
+    # a segment reading a tied weight held by an earlier one gathers it too
+    tied = [*segs[:-1], dataclasses.replace(segs[-1], tied_param_numel=400, tied_param_owner=0)]
+    assert _parts(tied, zero_stage=3, dp=4, device_kind="cuda")["transient"] == (250 + 400) * w
+
+
+def test_sharded_accumulation_holds_the_buckets_in_flight_through_the_next_forward() -> None:
+    """Under sharded accumulation a micro-batch's backward leaves its last buckets in flight until
+    the next backward (StageModule.finish_conversions): the next forward peaks with them beside the
+    sharded accumulators (measured, benchmarks/memory_peak.py zero3_ga_sharded)."""
+    segs = [_seg(100, 50, 10, numel=1000)]  # 4000 B of raw gradients: one bucket
+    kw = dict(zero_stage=2, dp=2, num_microbatches=2, reduced_in_backward=True)
+    sharded = _parts(segs, converting_backwards=2, **kw)
+    # weights 4000 + this forward's 100 kept + 50 transient + accumulators 4000 / 2 + the bucket 4000
+    assert sum(sharded.values()) == 4000 + 100 + 50 + 2000 + 4000
+    assert sharded["grads"] == 2000
+    raw = _parts(segs, converting_backwards=1, **kw)  # the raw sum, reduced once: no bucket in flight
+    assert sum(raw.values()) == 4000 + 100 + 50 + 4000
 
 
 def test_interleaved_stages_of_a_rank_add_activations_and_take_the_largest_transient() -> None:
