@@ -621,17 +621,28 @@ def _backward_peak(
 
 
 def rank_memory_parts(stage_parts: Sequence[Mapping[str, float]], device_kind: str) -> dict[str, float]:
-    """Peak bytes per device of a pipeline rank holding ``stage_parts`` (interleaved schedules
-    put several stages on a rank), by part: weights, grads, optimizer and activations add up;
-    one stage runs at a time, so the rank's ``transient`` is the largest of its stages', and the
-    allocator margin is that of the sum. One stage: its own parts."""
+    """Peak bytes per device of a pipeline rank holding ``stage_parts`` (in stage order;
+    interleaved schedules put several stages on a rank), by part. Weights, optimizer state and
+    activations (each stage's micro-batches in flight at the rank's peak,
+    :func:`~autoplan.cost_models.schedule.inflight_at_rank_peak`) add up; one stage runs at a time,
+    so the rank peaks at one stage ``s``'s peak, with its own gradients and transient::
+
+        peak = sum_t (W_t + O_t + A_t) + max_s ( grads_s + transient_s + sum_{t > s} grads_t )
+
+    A micro-batch's backward runs through the rank's stages from the last to the first, so when
+    ``s`` starts its first backward the later stages ``t > s`` hold gradients and the earlier ones
+    none yet. The allocator margin is that of the total. One stage: its own parts."""
+    if len(stage_parts) == 1:
+        return dict(stage_parts[0])
     out: dict[str, float] = {}
     for parts in stage_parts:
-        for key, value in parts.items():
-            if key == "transient":
-                out[key] = max(out.get(key, 0.0), value)
-            elif key != "allocator":
-                out[key] = out.get(key, 0.0) + value
+        for key in ("weights", "optimizer", "activations"):
+            out[key] = out.get(key, 0.0) + parts.get(key, 0.0)
+    grads = [parts.get("grads", 0.0) for parts in stage_parts]
+    candidates = [
+        (grads[s] + sum(grads[s + 1 :]), parts.get("transient", 0.0)) for s, parts in enumerate(stage_parts)
+    ]
+    out["grads"], out["transient"] = max(candidates, key=sum, default=(0.0, 0.0))
     return _with_allocator(out, device_kind)
 
 

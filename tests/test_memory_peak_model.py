@@ -223,6 +223,21 @@ def test_interleaved_stages_of_a_rank_add_activations_and_take_the_largest_trans
     assert rank["transient"] == 90
 
 
+def test_a_rank_peaks_at_one_stage_with_the_later_stages_gradients_only() -> None:
+    """A micro-batch's backward runs through a rank's stages from the last to the first: at the
+    later stage's peak the earlier one has made no gradients yet; at the earlier one's the later
+    one's are held (measured, benchmarks/memory_peak.py dp2_pp2_v2: the stage-0 gradients counted
+    at stage 2's peak were 0.76 MiB too many)."""
+    early = {"weights": 10.0, "optimizer": 20.0, "activations": 30.0, "grads": 8.0, "transient": 1.0}
+    late = {"weights": 1.0, "optimizer": 2.0, "activations": 3.0, "grads": 0.0, "transient": 12.0}
+    rank = rank_memory_parts([early, late], "cpu")
+    assert (rank["weights"], rank["optimizer"], rank["activations"]) == (11.0, 22.0, 33.0)
+    assert (rank["grads"], rank["transient"]) == (0.0, 12.0)  # late's peak 12 beats early's 8 + 1 + 0
+    held = {**late, "grads": 4.0, "transient": 2.0}
+    rank = rank_memory_parts([early, held], "cpu")
+    assert (rank["grads"], rank["transient"]) == (8.0 + 4.0, 1.0)  # early's peak with late's gradients
+
+
 def test_tied_parameter_copy_is_held_by_a_later_stage() -> None:
     """A pipeline stage holding the lm_head but not the embedding keeps its own copy of the tied
     weight (its optimizer state and gradient too)."""
