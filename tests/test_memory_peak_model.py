@@ -255,3 +255,14 @@ def test_usable_memory_of_an_80_gb_gpu() -> None:
     to the CUDA context and NCCL: 78.25 GiB for PyTorch's allocator. CPU ranks: as configured."""
     assert usable_memory_bytes(80e9, "cuda") == pytest.approx(78.25 * GiB)
     assert usable_memory_bytes(24 * GiB, "cpu") == 24 * GiB
+
+
+def test_a_stage_peaking_at_its_optimizer_step_keeps_its_negative_transient() -> None:
+    """A stage whose peak is its optimizer step has freed its activations: its ``transient`` part is
+    negative and the parts still add up to the peak; combining a rank's stages must not clip it to
+    0 (that added the freed activations back: Aquila2 dp=8 in benchmarks/published_runs.py, 9.4 GiB)."""
+    at_step = {"weights": 10.0, "optimizer": 20.0, "activations": 30.0, "grads": 40.0, "transient": -25.0}
+    assert sum(rank_memory_parts([at_step], "cpu").values()) == 75.0
+    other = {"weights": 1.0, "optimizer": 1.0, "activations": 1.0, "grads": 0.0, "transient": 1.0}
+    both = rank_memory_parts([at_step, other], "cpu")
+    assert sum(both.values()) == 10 + 20 + 30 + 1 + 1 + 1 + max(40 - 25 + 0, 0 + 1)
