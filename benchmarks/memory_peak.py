@@ -238,13 +238,11 @@ def step_peak(
     ranks; with address reuse alone 28.42 MiB in 7 of 10, 29.2 to 31.0 in the others)."""
     held = held or {}
     at_end = at_end or {}
-    made: set[int] = set()
     earlier = 0  # blocks from before the step, freed in it
     instance: dict[int, tuple[int, int]] = {}  # ptr -> (allocation time, bytes) of its latest block
     freed: set[tuple[int, int]] = set()
     for t, ptr, nbytes in events:
         if nbytes > 0:
-            made.add(ptr)
             instance[ptr] = (t, nbytes)
         elif ptr in instance:
             freed.add((ptr, instance[ptr][0]))
