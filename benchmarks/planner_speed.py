@@ -10,9 +10,12 @@ file. Prints per case: layers, nodes and ILP decision variables / edges of the s
 against the full-depth program they stand for; trace s and ILP solve s spent in the planning
 process; the wall time of the per-(tp, micro-batch) segment costs, which forked workers solve in
 parallel (``AUTOPLAN_WORKERS``, default: the CPU cores; their traces and ILPs are inside this
-column, not in the two before it); total s; peak RSS of the planner and of the largest worker;
+column, not in the two before it); the segment-cost keys ``(tp, micro-batch, cp, sequence
+parallel)`` the search asked to solve (those with a ``cp`` axis in brackets); total s; peak RSS of the planner and of the largest worker;
 the chosen configuration; then ``planner_speed: worst_ratio_to_target=X`` (largest total /
 target) and ``peak_rss_MiB`` (planner + workers x largest worker, an upper bound).
+
+The plan cache is off (``AUTOPLAN_NO_PLAN_CACHE=1`` unless set): a second run would time a hit.
 
 ``--check-reduction`` also plans mid-size models with and without the repeated-block reduction
 and prints both step times (the reduction must not be worse).
@@ -35,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("AUTOPLAN_NO_PLAN_CACHE", "1")  # time the planning, not a cache hit of the last run
 
 import torch  # noqa: E402
 
@@ -89,6 +93,7 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
     from autoplan.planner.solver import ShardingILP
 
     timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0, "prefetch_s": 0.0}
+    asked: set[tuple[int, int, int, bool]] = set()  # the segment-cost keys the search asked to solve
     real_trace, real_solve, real_prefetch = (
         pass_order.TRACE.run,
         ShardingILP.solve,
@@ -97,8 +102,10 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
 
     def timed_prefetch(self, keys, **kwargs):  # noqa: ANN001, ANN003, ANN202
         t = time.perf_counter()
+        keys_asked = list(keys)
+        asked.update(segment_model._full_key(k) for k in keys_asked)  # noqa: SLF001
         try:
-            return real_prefetch(self, keys, **kwargs)
+            return real_prefetch(self, keys_asked, **kwargs)
         finally:
             timers["prefetch_s"] += time.perf_counter() - t
 
@@ -147,6 +154,8 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
         "solve_s": timers["solve_s"],
         "total_s": total,
         "prefetch_s": timers["prefetch_s"],
+        "segment_keys": len(asked),
+        "cp_keys": sum(k[2] > 1 for k in asked),
         "workers": segment_model.default_workers(),
         "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "worker_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
@@ -179,14 +188,15 @@ def main() -> int:
         return 0
     rows = [_in_subprocess(c.name) for c in CASES]
     head = ("case", "layers", "GPUs", "nodes solved/full", "x vars solved/full", "edges solved/full", "ILPs",
-            "trace s", "solve s", "segment costs s (workers)", "total s", "target s", "peak RSS MiB (worker)",
+            "trace s", "solve s", "segment costs s (workers)", "keys (cp)", "total s", "target s", "peak RSS MiB (worker)",
             "config", "step s", "MFU")  # fmt: skip
     print(" | ".join(head))
     for r in rows:
         print(
             f"{r['case']} | {r['layers']} | {r['devices']} | {r['nodes']}/{r['nodes_full']} | "
             f"{r['x_vars']}/{r['x_vars_full']} | {r['edges']}/{r['edges_full']} | {r['ilps']} | {r['trace_s']:.1f} | "
-            f"{r['solve_s']:.1f} | {r['prefetch_s']:.1f} ({r['workers']}) | {r['total_s']:.1f} | {r['target_s']:.0f} | "
+            f"{r['solve_s']:.1f} | {r['prefetch_s']:.1f} ({r['workers']}) | {r['segment_keys']} ({r['cp_keys']}) | "
+            f"{r['total_s']:.1f} | {r['target_s']:.0f} | "
             f"{r['rss_mib']:.0f} ({r['worker_rss_mib']:.0f}) | {r['config']} | "
             f"{r['step_s']:.3f} | {r['mfu']:.1%}"
         )

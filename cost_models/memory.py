@@ -327,7 +327,9 @@ def stage_memory_parts(
                         A min(f, m - 1) / f - K_j + T_j + gathered_j + R + R_j  (a later one, m > 1:
                                           the sum of the earlier ones is alive, at most m - 1 in flight)
                  R_j = sum_{i > j} r_i   (the stage's later segments made theirs first; T_j holds
-                 j's own as its backward makes them, segment_costs' G_k), R = sum_i r_i
+                 j's own as its backward makes them, segment_costs' G_k), R = sum_i r_i;
+                 plus a later reader's contribution to a tied parameter of a segment <= j held in
+                 the stage, until the owner's backward sums it (_tied_partials_held)
                  K_j = sum_{i > j} kept_i  (the micro-batch's activations of the later segments,
                  freed as their backward read them: gradients replace activations as it runs)
                  f = inflight, m = micro-batches per step
@@ -415,6 +417,7 @@ def stage_memory_parts(
     in_backward = reduced_in_backward and zero_stage >= 1 and dp > 1
     held, reduction = _gradients_held(raw, grads, bucket, reduced, in_backward=in_backward, policy=policy,
                                       scratch=scratch)
+    held = [h + p for h, p in zip(held, _tied_partials_held(segments, first_segment, element), strict=True)]
     assert converting_backwards == 1 or reduced_in_backward, "several converting backwards reduce in the backward"
     summed = sum(grads) if converting_backwards > 1 else sum(raw)  # across micro-batches: G (sharded) or R
     at_peak, grads_at_peak = _backward_peak(
@@ -467,6 +470,24 @@ def _zero3_gathered_bytes(
         running = collective_scratch_bytes("all_gather", max(ahead, default=0) * element.weights, device_kind)
         numel = min((1 + regather) * reads[j] + sum(ahead), unsplit)
         out.append(numel * element.weights + running)
+    return out
+
+
+def _tied_partials_held(segments: Sequence[SegmentMemory], first_segment: int, element: ElementBytes) -> list[float]:
+    """Per segment ``j`` of the stage, the bytes of a later segment's contribution to the
+    gradient of a tied parameter the stage holds in an earlier segment (``P_j`` of
+    :func:`stage_memory_parts`): made by the reader's backward and summed into the owner's
+    gradient in the owner's backward, so alive through the backward of the segments from the
+    owner to the one before the reader (``tied_trainable_numel`` of the reader; a stage without
+    the owner keeps its own copy's gradient instead, in ``r_j``;
+    :func:`autoplan.planner.segment_costs._tied_gradient_partials`)."""
+    out = [0.0] * len(segments)
+    for r, s in enumerate(segments):
+        owner = s.tied_param_owner - first_segment
+        if s.tied_param_owner < first_segment:  # none (-1), or before the stage: its copy
+            continue
+        for j in range(owner, r):
+            out[j] += s.tied_trainable_numel * element.grads
     return out
 
 

@@ -250,6 +250,44 @@ def test_tied_parameter_copy_is_held_by_a_later_stage() -> None:
     assert with_owner["weights"] == 510 * 4.0
 
 
+def test_a_tied_lm_heads_gradient_is_held_from_its_backward_to_the_embeddings_on_a_stage_with_both() -> None:
+    """The lm_head's contribution to the tied embedding's gradient (500 elements) is made by the
+    head's backward and summed in the embedding's: a stage holding both holds it through the
+    blocks' backward between (the block's transient 3000 peaks beside it); a stage holding the
+    blocks and the head keeps its own copy's gradient instead; a stage holding the embedding
+    and the blocks has none of it."""
+    embedding, block = _seg(0, 0, 10, numel=500), _seg(0, 0, 3000, numel=0)
+    head = dataclasses.replace(_seg(0, 0, 1, numel=0), tied_param_numel=500, tied_trainable_numel=500,
+                               tied_param_owner=0)  # fmt: skip
+    g = 4.0
+    both = _parts([embedding, block, head])
+    assert sum(both.values()) - both["weights"] == 3000 + 500 * g  # the block's peak beside the head's gradient
+    later = _parts([block, head], first_segment=1)
+    assert sum(later.values()) - later["weights"] == 3000 + 500 * g  # its copy's gradient, in r_head
+    earlier = _parts([embedding, block], first_segment=0)
+    assert sum(earlier.values()) - earlier["weights"] == 3000
+
+
+def test_segment_costs_leave_the_tied_heads_gradient_out_of_the_blocks_transients(gpt2_costs) -> None:
+    """The traced GPT-2 ties lm_head to the embedding: the head's ``mm`` (vocab x hidden fp32) is
+    added into the embedding's gradient in the embedding's backward. It is a gradient (the memory
+    model holds it, ``_tied_partials_held``), not a transient of the blocks' backward between:
+    the blocks' backward transients are those of the same model with the tie cut."""
+    head = gpt2_costs.segments[-1]
+    assert head.tied_param_owner == 0 and head.tied_trainable_numel == VOCAB * HIDDEN
+    torch.manual_seed(0)
+    untied = gpt2_lm(layers=2, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, positions=SEQ)
+    for block in untied.transformer.h:
+        block.mlp.act = nn.GELU()
+    untied.lm_head.weight = nn.Parameter(untied.transformer.wte.weight.detach().clone())
+    ids = torch.randint(0, VOCAB, (1, SEQ))
+    costs = SegmentCostModel(untied, (ids,), lm_loss, (ids,), as_cluster("1xCPU"), optimizer="sgd", workers=1)
+    apart = costs(1, BATCH)
+    assert apart.segments[-1].tied_param_owner == -1
+    tied_t = [s.bwd_transient_bytes for s in gpt2_costs.segments[1:-1]]
+    assert tied_t == [s.bwd_transient_bytes for s in apart.segments[1:-1]]
+
+
 def test_usable_memory_of_an_80_gb_gpu() -> None:
     """80 GB (decimal, the catalog) = 80 GiB of HBM; the driver hands out 79.25 GiB, 1 GiB goes
     to the CUDA context and NCCL: 78.25 GiB for PyTorch's allocator. CPU ranks: as configured."""

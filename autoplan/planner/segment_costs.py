@@ -476,8 +476,9 @@ def _add_activations(
     for policy, part in partitions.items():
         _add_kept_conversions(sums, gm, problem, choice, policy, part, seg_of)
     grads = {live.storage_of[g] for g in live.grads.values()}
+    partials = _tied_gradient_partials(gm, live, seg_of, phase)
     timeline = _with_own_gradients(
-        liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads),
+        liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads | partials),
         gm, live, grads, local_bytes, seg_of, phase,
     )  # fmt: skip
     nseg = len(sums.bwd_transient)
@@ -495,6 +496,39 @@ def _add_activations(
         peaks = sums.redo_transient[policy]
         _add_recompute_bwd_transient(peaks, gm, live, timeline, part, recreated[policy], local_bytes, seg_of, phase,
                                      _freed_by_backward(kept_by[policy], live, local_bytes, nseg))  # fmt: skip
+
+
+def _tied_gradient_partials(
+    gm: fx.GraphModule, live: liveness.Liveness, seg_of: Mapping[str, int], phase: Mapping[str, object]
+) -> set[ValueRef]:
+    """The storages a segment's backward adds into the gradient of a parameter another segment
+    holds (a tied embedding: the lm_head's ``mm`` summed into the embedding's gradient in the
+    embedding's backward), left out of ``T(i)``: they are gradients, alive from the reader's
+    backward to the owner's, and priced as the reader's ``tied_trainable_numel``
+    (:func:`autoplan.cost_models.memory.stage_memory_parts`: held through the backward of the
+    segments between on a stage holding both, the stage's own copy's gradient on a stage
+    holding only the reader). Counted in ``T`` they sat in every segment's backward between, on
+    stages that do not hold them (measured, ``benchmarks/memory_peak.py`` pp2: the first stage
+    priced 1 MiB, the tied lm_head's gradient, above its peak)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    out: set[ValueRef] = set()
+    for g in live.grads.values():
+        final = live.storage_of[g]
+        owner = seg_of.get(final.node)
+        stack = [final.node]
+        while stack:  # the chain of adds summing the contributions
+            node = nodes[stack.pop()]
+            if node.target is not torch.ops.aten.add.Tensor:
+                continue
+            for a in node.all_input_nodes:
+                storage = live.storage_of.get(resolve_value(a), resolve_value(a))
+                if phase.get(storage.node) != "bwd":
+                    continue
+                if seg_of.get(storage.node, owner) != owner:
+                    out.add(storage)
+                else:
+                    stack.append(storage.node)
+    return out
 
 
 def _freed_by_backward(
