@@ -195,7 +195,9 @@ def _parallelize_pipeline(
     the ones trained (mixed precision: :mod:`autoplan.runtime.precision`)."""
     cfg, layout = plan.config, plan.pipeline
     assert cfg is not None and layout is not None
-    check_model_precision(model, layout.precision, offload_optimizer=cfg.offload_optimizer)
+    check_model_precision(
+        model, layout.precision, offload_optimizer=cfg.offload_optimizer, master_weights=layout.master_weights
+    )
     step_model, inputs, targets = prepare_for_precision(model, inputs, targets, layout.precision)
     planned = trace_for_plan(plan, step_model, inputs, targets, loss_fn)  # in the plan's dtype already: no copy
     plan.check_applies_to(fingerprint=planned.fingerprint, world_size=dist.get_world_size())

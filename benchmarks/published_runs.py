@@ -622,6 +622,18 @@ EAGER_HF_NORM = {
 norm traced as those ops (:func:`eager_hf_norms`), not as autoplan's fused ``autoplan::rms_norm``."""
 
 
+BF16_PARAMS = {
+    "automodel": "NVIDIA-NeMo/Automodel @ 36044ad3: nemo_automodel/_transformers/auto_model.py from_config: "
+    "torch_dtype 'auto' -> torch.bfloat16 (the recipe sets none); components/moe/parallelizer.py "
+    "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): FSDP2 keeps the bf16 parameters, and the recipe's "
+    "torch.optim.Adam makes its states zeros_like them (bf16)",
+}
+"""Frameworks whose runs kept the model in bf16 (no fp32 master weights, optimizer states in bf16),
+with where: their model is given to the estimate in bf16 (``autoplan.cost_models.memory.keeps_master_weights``).
+The others keep fp32 masters (Megatron's and DeepSpeed's bf16 optimizers, torchtitan's FSDP2
+``param_dtype=bf16`` over fp32 parameters)."""
+
+
 @contextlib.contextmanager
 def eager_hf_norms(run: PublishedRun):  # noqa: ANN201 - a context manager
     """While pricing ``run`` (:data:`EAGER_HF_NORM`), the tracer leaves RMSNorm modules as their
@@ -650,7 +662,8 @@ def loss_of(run: PublishedRun):  # noqa: ANN201 - one of the two loss functions
 
 
 def build(run: PublishedRun) -> tuple[torch.nn.Module, torch.Tensor]:
-    """The run's model on ``meta`` and one sequence of token ids."""
+    """The run's model on ``meta`` (in bf16 where the framework kept it so, :data:`BF16_PARAMS`) and one
+    sequence of token ids."""
     s = run.shape
     with torch.device("meta"):
         if s.experts:
@@ -661,7 +674,7 @@ def build(run: PublishedRun) -> tuple[torch.nn.Module, torch.Tensor]:
             model = llama_lm(layers=s.layers, hidden=s.hidden, heads=s.heads, kv_heads=s.kv_heads, ffn=s.ffn,
                              vocab=s.vocab, positions=run.seq_len)  # fmt: skip
         ids = torch.randint(0, s.vocab, (1, run.seq_len))
-    return model, ids
+    return (model.to(torch.bfloat16) if run.framework in BF16_PARAMS else model), ids
 
 
 def parallel_config(run: PublishedRun, recompute: str) -> autoplan.ParallelConfig:

@@ -74,15 +74,29 @@ class ElementBytes:
     optimizer: int
     optimizer_name: str = "sgd"
     """The optimizer these bytes are for (its step's temporaries: :func:`optimizer_temp_bytes`)."""
+    state_itemsize: int = STATE_ITEMSIZE
+    """Bytes per element of the optimizer's states and of the copy it steps: fp32 (the master
+    copy of mixed precision, or the fp32 weights), or the weights' own where no master is kept."""
 
     def __str__(self) -> str:
         return f"{self.weights}+{self.grads}+{self.optimizer} B"
 
 
-def element_bytes(optimizer: str, itemsize: int, *, trainable: bool = True) -> ElementBytes:
-    """The module docstring's formula for a parameter stored with ``itemsize`` bytes per element."""
+def element_bytes(
+    optimizer: str, itemsize: int, *, trainable: bool = True, master_weights: bool = True
+) -> ElementBytes:
+    """The module docstring's formula for a parameter stored with ``itemsize`` bytes per element.
+    Below fp32, ``master_weights`` (mixed precision) keeps an fp32 master copy and fp32 states;
+    without it the parameter is kept in its own dtype, and ``torch.optim``'s states, made
+    ``zeros_like`` the parameter, are in that dtype too (a model given in bf16:
+    :mod:`autoplan.runtime.precision`)."""
     if not trainable:
         return ElementBytes(weights=itemsize, grads=0, optimizer=0, optimizer_name=optimizer)
+    if itemsize < STATE_ITEMSIZE and not master_weights:
+        return ElementBytes(
+            weights=itemsize, grads=itemsize, optimizer=itemsize * OPTIMIZER_STATES[optimizer],
+            optimizer_name=optimizer, state_itemsize=itemsize,
+        )  # fmt: skip
     master = STATE_ITEMSIZE if itemsize < STATE_ITEMSIZE else 0
     return ElementBytes(
         weights=itemsize,
@@ -92,9 +106,20 @@ def element_bytes(optimizer: str, itemsize: int, *, trainable: bool = True) -> E
     )
 
 
-def precision_bytes(optimizer: str, precision: str) -> ElementBytes:
-    """:func:`element_bytes` of a parameter trained in ``precision`` (``fp32``, ``bf16``, ``fp16``)."""
-    return element_bytes(optimizer, PRECISION_ITEMSIZE[precision])
+def precision_bytes(optimizer: str, precision: str, *, master_weights: bool = True) -> ElementBytes:
+    """:func:`element_bytes` of a parameter trained in ``precision`` (``fp32``, ``bf16``, ``fp16``;
+    ``master_weights``: an fp32 master copy, :func:`keeps_master_weights`)."""
+    return element_bytes(optimizer, PRECISION_ITEMSIZE[precision], master_weights=master_weights)
+
+
+def keeps_master_weights(param_itemsizes: Iterable[int], precision: str) -> bool:
+    """Whether a step in ``precision`` of a model whose trained floating-point parameters have
+    ``param_itemsizes`` keeps fp32 master weights: some trained parameter is kept at more bytes
+    than the step reads it in (an fp32 model under a bf16 plan; :mod:`autoplan.runtime.precision`).
+    A model given in the plan's dtype trains in it: no master copy, states in that dtype (what
+    ``torch.optim`` makes for it). A model mixing both is priced with masters throughout (an
+    upper bound)."""
+    return any(size > PRECISION_ITEMSIZE[precision] for size in param_itemsizes)
 
 
 OPTIMIZER_STATE_BYTES_PER_ELEMENT: dict[str, int] = {name: element_bytes(name, 4).optimizer for name in OPTIMIZERS}
@@ -566,7 +591,7 @@ def _optimizer_bytes(
     """``(O, opt_step's temporaries)`` of :func:`stage_memory_parts` for ``trainable`` elements
     (the largest segment's ``largest_trained``) sharded ``shards`` ways; with ``offload`` on the
     host (0, 0) unless the host's memory is the device's (:func:`offload_host_bytes_per_element`)."""
-    master = STATE_ITEMSIZE if element.weights < STATE_ITEMSIZE else element.weights  # fp32 master copy
+    master = max(element.weights, element.state_itemsize)  # the copy the step updates: fp32 master or the weights
     step_temp = optimizer_temp_bytes(
         element.optimizer_name, largest_trained * master, trainable * master / shards, device_kind
     )

@@ -313,6 +313,10 @@ class SegmentCosts:
     optimizer: str
     """The optimizer ``optimizer_s`` was priced for; its state's bytes per trainable element
     come from the same name (:func:`autoplan.cost_models.memory.precision_bytes`)."""
+    master_weights: bool = True
+    """Below fp32, the optimizer steps fp32 master copies with fp32 states (mixed precision);
+    False: the model is kept in the step's dtype, states too
+    (:func:`autoplan.cost_models.memory.keeps_master_weights`)."""
 
 
 # --- output ------------------------------------------------------------------------------------
@@ -1435,7 +1439,7 @@ def evaluate(
     starts = tuple(stage_starts) if stage_starts is not None else uniform_starts(len(segs), nstages)
     bounds = [*starts, len(segs)]
     rec = list(stage_recompute) if stage_recompute is not None else [config.recompute] * nstages
-    bpe = precision_bytes(costs.optimizer, precision)  # bytes per element: weights, grads, optimizer
+    bpe = precision_bytes(costs.optimizer, precision, master_weights=costs.master_weights)  # weights, grads, optimizer
     pol = DEFAULT_POLICY if policy is None else policy
     tied = _tied_apart(segs, bounds)
     # first device of each stage's sub-mesh (Megatron order; stage sub-meshes are contiguous)

@@ -313,6 +313,24 @@ def test_a_model_whose_dtype_cannot_run_the_plans_precision_is_refused_naming_th
         check_model_precision(_llama(dtype), precision, offload_optimizer=offload)
 
 
+def test_a_plan_priced_without_master_weights_refuses_an_fp32_model_and_runs_a_bf16_one() -> None:
+    """A bf16 plan made for the model in bf16 prices no fp32 masters (``pipeline.master_weights``
+    false in the plan file): an fp32 model would hold them, so it is refused naming both fixes."""
+    ids, labels = _batch()
+    plan = autoplan.plan(zoo.llama_tiny().to(torch.bfloat16), CLUSTER, example_inputs=(ids,), loss_fn=zoo.lm_loss,
+                         example_targets=(labels,), config=autoplan.ParallelConfig(dp=2, pp=1, microbatch_size=4, num_microbatches=1), global_batch_size=ids.shape[0],
+                         precision="bf16", optimizer="adamw", profile=None)  # fmt: skip
+    assert plan.pipeline is not None and plan.pipeline.master_weights is False
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))).pipeline.master_weights is False
+    layout = plan.pipeline
+    check_model_precision(_llama(torch.bfloat16), "bf16", offload_optimizer=False, master_weights=layout.master_weights)
+    with pytest.raises(autoplan.PlanMismatchError, match=r"made for the model in bf16, priced without fp32 master "
+                       r"weights: convert the model with model.to\(torch.bfloat16\), or re-plan with the model in "
+                       r"torch.float32"):  # fmt: skip
+        check_model_precision(_llama(torch.float32), "bf16", offload_optimizer=False, master_weights=False)
+    assert _bf16_plan(dp=2, microbatch_size=4, num_microbatches=1).pipeline.master_weights is True  # the fp32 model's
+
+
 def test_fp32_bf16_or_mixed_parameters_run_a_bf16_plan() -> None:
     frozen_base = _llama(torch.float32)
     for name, p in frozen_base.named_parameters():

@@ -15,11 +15,12 @@ plan's memory breakdown is the estimate's.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autoplan
 from autoplan.api import plan as make_plan
 from autoplan.cost_models.config import ParallelConfig
-from autoplan.cost_models.memory import OPTIMIZERS, element_bytes, precision_bytes
+from autoplan.cost_models.memory import OPTIMIZERS, _optimizer_bytes, element_bytes, precision_bytes
 from tests import zoo
 
 STATES = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
@@ -40,10 +41,10 @@ def test_memory_model_table_restates_the_formula():
     assert precision_bytes("adam", "bf16").optimizer == 12  # the ZeRO paper's K for mixed-precision Adam
 
 
-def _estimate(optimizer: str, precision: str = "fp32") -> autoplan.TrainingEstimate:
+def _estimate(optimizer: str, precision: str = "fp32", model: torch.nn.Module | None = None) -> autoplan.TrainingEstimate:
     ids, labels = zoo.token_batch(batch=BATCH)
     return autoplan.estimate(
-        zoo.gpt2_tiny(), "2xCPU", (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
+        model if model is not None else zoo.gpt2_tiny(), "2xCPU", (ids,), loss_fn=zoo.lm_loss, example_targets=(labels,),
         global_batch_size=BATCH, config=CONFIG, optimizer=optimizer, precision=precision,
     )  # fmt: skip
 
@@ -68,6 +69,21 @@ def test_mixed_precision_estimate_adds_the_fp32_master_copy_to_every_optimizer()
     # bf16 weights and gradients, fp32 master copy, no state: 2 + 2 + (0 + 4) bytes per element
     assert (parts["weights"], parts["optimizer"]) == (2 * numel, 4 * numel)
     assert 0 <= parts["grads"] <= 2 * numel  # those alive at the peak (memory.stage_memory_parts)
+
+
+def test_a_model_given_in_bf16_is_priced_without_master_weights_and_with_bf16_states():
+    """A bf16 plan of a model given in bf16 trains it as it is (autoplan.runtime.precision): no
+    fp32 master, and ``torch.optim.Adam`` makes its two states ``zeros_like`` the bf16
+    parameters: 2 B x 2 per element where the fp32 model's plan holds 4 + 4 x 2."""
+    numel = sum(p.numel() for p in zoo.gpt2_tiny().parameters())
+    mixed = _estimate("adam", precision="bf16").memory_parts_bytes[0]
+    pure = _estimate("adam", precision="bf16", model=zoo.gpt2_tiny().to(torch.bfloat16)).memory_parts_bytes[0]
+    assert (mixed["weights"], mixed["optimizer"]) == (2 * numel, 12 * numel)
+    assert (pure["weights"], pure["optimizer"]) == (2 * numel, 4 * numel)
+    # the optimizer step's foreach temporaries (Adam's sqrt of exp_avg_sq) are in the states' dtype
+    kw = dict(trainable=1000, largest_trained=1000, shards=1, device_kind="cpu", offload=False, host_is_device=False)
+    assert _optimizer_bytes(element_bytes("adam", 2, master_weights=False), **kw) == (4000, 2000)
+    assert _optimizer_bytes(element_bytes("adam", 2), **kw) == (12000, 4000)
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ from autoplan.cost_models.config import (
     unexecutable_fields,
 )
 from autoplan.cost_models.errors import ConfigError, PlanError
+from autoplan.cost_models.memory import keeps_master_weights
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.cost_models.step import TrainingEstimate, evaluate
 from autoplan.passes import pass_order
@@ -109,8 +110,11 @@ def estimate(
 ) -> TrainingEstimate:
     """Price a hand-written configuration with the planner's cost model (see the module docstring)."""
     cluster = as_cluster(cluster)
+    master = _master_weights(model, precision)
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
-    costs = SegmentCostModel(model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile)
+    costs = SegmentCostModel(
+        model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile, master_weights=master
+    )
     costs._traced(config.microbatch_size)  # noqa: SLF001 - learn the number of blocks before any ILP
     _check_config(
         config, cluster, costs.num_blocks, global_batch_size, experts=costs.routed_experts(),
@@ -169,10 +173,11 @@ def _search(
     cluster = as_cluster(cluster)
     if global_batch_size < 1:
         raise ConfigError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    master = _master_weights(model, precision)
     model, inputs, targets = prepare_for_precision(model, example_inputs, example_targets, precision)
     costs = SegmentCostModel(
         model, inputs, loss_fn, targets, cluster, optimizer=optimizer, profile=profile,
-        reduce_repeated=reduce_repeated, extrapolate_batch=reduce_repeated,
+        reduce_repeated=reduce_repeated, extrapolate_batch=reduce_repeated, master_weights=master,
     )  # fmt: skip
     costs._traced(MIN_BASE_BATCH)  # noqa: SLF001 - learn the number of blocks (and a base, autoplan.passes.rebatch)
     if config is not None:
@@ -202,6 +207,15 @@ __all__ = ["SegmentCostModel", "estimate", "plan_for_batch", "search_config"]
 
 # --- plans made with a global batch -------------------------------------------------------------
 
+
+
+def _master_weights(model: torch.nn.Module, precision: str) -> bool:
+    """Whether the step of ``model`` in ``precision`` keeps fp32 master weights (:func:`keeps_master_weights`
+    over its trained floating-point parameters): the plan is priced, recorded
+    (:attr:`PipelineLayout.master_weights`) and checked at run time with it."""
+    return keeps_master_weights(
+        (p.element_size() for p in model.parameters() if p.requires_grad and p.is_floating_point()), precision
+    )
 
 def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: ParallelConfig) -> None:
     """Data parallelism as the search priced it: inputs and targets split along the batch on the
@@ -402,6 +416,7 @@ def plan_for_batch(
         precision=precision,
         block_list=layering.block_prefix,
         traced_blocks=layering.num_blocks,
+        master_weights=costs.master_weights,
     )
     solver_info = {
         **stage.solver, "plan_time_s": round(time.perf_counter() - t0, 3), "reduction": reduction,

@@ -257,6 +257,10 @@ class PipelineLayout:
     traced_blocks: int = 0
     """Blocks of the program the placements are for: when fewer than the model's, the last
     one stands for all the others (``autoplan.passes.expand``); 0 = the full depth."""
+    master_weights: bool = True
+    """Priced with fp32 master weights and states (the model was given in fp32 for a bf16 plan);
+    False: priced as the model kept in the plan's dtype, which the runtime then requires
+    (:func:`autoplan.runtime.precision.check_model_precision`)."""
 
     @property
     def reduced(self) -> bool:
@@ -277,6 +281,7 @@ class PipelineLayout:
             "precision": self.precision,
             "block_list": self.block_list,
             "traced_blocks": self.traced_blocks,
+            "master_weights": self.master_weights,
         }
 
     @staticmethod
@@ -291,7 +296,15 @@ class PipelineLayout:
             precision=str(d["precision"]),
             block_list=str(d.get("block_list", "")),
             traced_blocks=int(d.get("traced_blocks", 0)),
+            master_weights=_flag(d.get("master_weights", True), "pipeline.master_weights"),
         )
+
+
+def _flag(value: object, name: str) -> bool:
+    """A plan file's boolean field (``ValueError`` naming it otherwise: ``"no"`` is not False)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} {clip(value)} must be true or false")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -65,6 +65,9 @@ class SegmentCostModel(SegmentCostOracle):
     linearly (see :meth:`__call__`); False: trace and solve every micro-batch size."""
     workers: int | None = None
     """Processes :meth:`prefetch` solves in (``None``: :func:`default_workers`; 1: this one)."""
+    master_weights: bool = True
+    """:attr:`SegmentCosts.master_weights` of the costs (the traced model is the step's, in its
+    precision already: whether the model it was made from keeps fp32 masters is told here)."""
     num_blocks: int = 0
     _traces: dict[int, tuple[TracedProgram, Layering]] = field(default_factory=dict)
     _exported: set[int] = field(default_factory=set)
@@ -293,6 +296,7 @@ class SegmentCostModel(SegmentCostOracle):
             trainable_param_nodes=[param_node_name(p) for p in traced.trainable_names],
             optimizer=self.optimizer,
         )
+        costs = dataclasses.replace(costs, master_weights=self.master_weights)
         return expand_blocks(costs, self.num_blocks) if self.num_blocks > layering.num_blocks else costs
 
 

@@ -29,8 +29,10 @@ gradients reduced in bf16, the dtype the step model prices them in):
 * the loss is computed in bf16 (in the program) and returned as fp32 (the micro-batch mean).
 
 A model already in bf16 runs as it always has: the program reads its parameters as they are, the
-gradients and the optimizer state are bf16 and there is no master copy (the plan's price of
-``O`` then overstates it by the 4 B master and half of the 8 B states). A parameter may also be
+gradients and the optimizer state are bf16 and there is no master copy, and the plan is priced so
+(``O = 2 B x states``: :func:`autoplan.cost_models.memory.keeps_master_weights`, recorded as
+``plan.pipeline.master_weights = False``; such a plan refuses an fp32 model, whose masters it did
+not price). A parameter may also be
 kept in bf16 while others are fp32 (a frozen base model under fp32 adapters): it is read as it is
 and its gradient stays bf16. :func:`check_model_precision` refuses the other combinations.
 
@@ -61,12 +63,17 @@ def _precision_of(dtype: torch.dtype) -> str | None:
     return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
 
 
-def check_model_precision(model: torch.nn.Module, precision: str, *, offload_optimizer: bool) -> None:
+def check_model_precision(
+    model: torch.nn.Module, precision: str, *, offload_optimizer: bool, master_weights: bool = True
+) -> None:
     """Raises :class:`PlanMismatchError` unless ``model``'s floating-point parameters can run a plan
     made in ``precision``: every parameter in the plan's dtype, or (``bf16`` only) in fp32, the
     master weights of a bf16 step. fp16 with fp32 masters would need loss scaling, which the
     runtime does not run. With ``offload_optimizer`` the plan keeps bf16 weights on the device and
-    the fp32 masters in the optimizer's host memory, so a trained fp32 parameter is refused."""
+    the fp32 masters in the optimizer's host memory, so a trained fp32 parameter is refused. A
+    plan priced without master weights (``master_weights=False``: made for the model in bf16,
+    ``PipelineLayout.master_weights``) refuses a trained fp32 parameter too: its masters and fp32
+    states would hold 8 B per element (Adam) more than the plan priced."""
     dtype = torch_dtype(precision)
     allowed = (dtype, MASTER_DTYPE) if precision == "bf16" else (dtype,)
     for name, p in model.named_parameters():
@@ -75,6 +82,12 @@ def check_model_precision(model: torch.nn.Module, precision: str, *, offload_opt
         if p.dtype not in allowed:
             raise PlanMismatchError(
                 f"parameter {name!r} is {p.dtype} but the plan computes in {precision}: {_fix(p.dtype, precision)}"
+            )
+        if not master_weights and p.requires_grad:
+            raise PlanMismatchError(
+                f"parameter {name!r} is {p.dtype} but the plan was made for the model in {precision}, priced without "
+                f"fp32 master weights: convert the model with model.to(torch.{str(dtype).removeprefix('torch.')}), "
+                f"or re-plan with the model in {p.dtype} (fp32 master weights, priced)"
             )
         if offload_optimizer and p.requires_grad:
             raise PlanMismatchError(

@@ -221,7 +221,10 @@ def _load_checked_plan(args: argparse.Namespace, layout: Nodes) -> Plan:
     wl = build_workload(args.target, device="meta", seed=args.seed)
     if plan.config is not None:  # a plan for a global batch is made for one micro-batch's step
         if plan.pipeline is not None:  # its precision: the model's dtypes must run it
-            check_model_precision(wl.model, plan.pipeline.precision, offload_optimizer=plan.config.offload_optimizer)
+            check_model_precision(
+                wl.model, plan.pipeline.precision, offload_optimizer=plan.config.offload_optimizer,
+                master_weights=plan.pipeline.master_weights,
+            )  # fmt: skip
         traced = trace_for_plan(plan, wl.model, wl.example_inputs, wl.example_targets, wl.loss_fn)
     else:
         traced = trace_training_step(
