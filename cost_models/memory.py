@@ -26,6 +26,7 @@ combined by :func:`rank_memory_parts`). Both add :func:`allocator_margin_bytes` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -380,7 +381,10 @@ def stage_memory_parts(
                    (Q_j: the elements j reads, its own and a tied copy; the i < j are the next in
                    backward order, prefetched while j runs, none for the last segment of the last
                    stage, whose backward runs before they are issued; S_g: the running gather's
-                   scratch, collective_scratch_bytes(max of those Q_i w); full = 1 under full
+                   flat input (its shards, max Q_i w / dp) and scratch,
+                   collective_scratch_bytes(max of those Q_i w); the segment before the last of
+                   the last stage gathers its own while the next one's runs, both issued once
+                   the last segment's run ended: S_g of both; full = 1 under full
                    recomputation: the re-run forward's own gather of the block, beside the
                    backward's); without resharding sum_j P_j w
         bucket   = min(max(sum_j T'_j g if dp > 1, sum_j M_j g), bucket_cap)    (M_j: the
@@ -426,9 +430,12 @@ def stage_memory_parts(
     )  # fmt: skip
     raw, grads = _gradient_bytes(segments, tied.values(), dp=dp, ep=e, zero_stage=zero_stage, element=element)
     shard_gathered = 1 / e if e < dp else 0.0  # of the experts, gathered over their replicas
-    gathered = _zero3_gathered_bytes(segments, param_numel, split_p * (1 - shard_gathered), shard_gathered,
-                                     zero_stage=zero_stage, recompute=recompute, policy=policy, element=element,
-                                     device_kind=device_kind, last_stage=last_stage)  # fmt: skip
+    gathered_in = functools.partial(
+        _zero3_gathered_bytes, segments, param_numel, split_p * (1 - shard_gathered), shard_gathered,
+        zero_stage=zero_stage, recompute=recompute, policy=policy, element=element, device_kind=device_kind,
+        last_stage=last_stage, dp=dp,
+    )  # fmt: skip
+    gathered = gathered_in()
     activations, transients, done = _activations_and_transients(segments, recompute, inflight)
     reduced_numel = trainable - split_t * (1 - shard_gathered)
     # one flat bucket per mesh axis at a time: the data-parallel one (every trained gradient) and
@@ -450,8 +457,9 @@ def stage_memory_parts(
         num_microbatches=num_microbatches, done=done,
     )
     if converting_backwards > 1 and in_backward:
+        in_forward = gathered_in(backward=False)
         later_forward = _later_forward_peak(
-            segments, recompute, activations, inflight, gathered, sum(grads),
+            segments, recompute, activations, inflight, in_forward, sum(grads),
             min(sum(raw), (policy.reduce_scatters_in_flight + 1) * bucket),
         )  # fmt: skip
         if later_forward > at_peak:
@@ -467,7 +475,7 @@ def stage_memory_parts(
 def _zero3_gathered_bytes(
     segments: Sequence[SegmentMemory], param_numel: int, never_gathered: float, shard_gathered: float, *,
     zero_stage: int, recompute: str, policy: OverlapPolicy, element: ElementBytes, device_kind: str,
-    last_stage: bool = True,
+    last_stage: bool = True, dp: int = 1, backward: bool = True,
 ) -> list[float]:
     """``gathered_j`` of :func:`stage_memory_parts`: ZeRO-3's gathered weights alive in segment
     ``j``'s backward (0 below ZeRO 3), of the stage's parameters less the ``never_gathered``
@@ -480,7 +488,13 @@ def _zero3_gathered_bytes(
     (:mod:`autoplan.passes.comm_order`): its weights stay gathered from its forward, and the
     gathers for the next segments are issued once its backward ran (measured on gloo ranks,
     ``benchmarks/memory_peak.py``: at the loss's backward peak only the lm_head's weight is
-    gathered). Without resharding the stage's weights stay gathered from forward to backward."""
+    gathered), so the segment before it gathers its own weights while the next one's are
+    gathered too (zero3_ga, 2 ranks: at the last block's backward two coalesced gathers in flight,
+    each its ``cat`` of shards, output and gloo's flat copy: 3.76 MiB where one running gather
+    priced 2.26). A gather in flight holds its flat input (the shards, ``1/dp``: FSDP2's
+    all-gather input as well) beside its output. Without resharding the stage's weights stay
+    gathered from forward to backward. ``backward=False``: those alive in a forward (the same,
+    less the concurrent gather of the segment before the last, a backward's)."""
     n = len(segments)
     if zero_stage < 3:
         return [0.0] * n
@@ -489,12 +503,17 @@ def _zero3_gathered_bytes(
         return [unsplit * element.weights] * n
     reads = [s.param_numel + s.tied_param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments]
     regather = recompute == "full"  # the re-run forward gathers its block's weights once more
+    def running(numel: float) -> float:  # a gather in flight: its flat input of shards and the backend's scratch
+        full = numel * element.weights
+        return full / dp + collective_scratch_bytes("all_gather", full, device_kind) if numel > 0 else 0.0
+
     out = []
     for j in range(n):
         ahead = reads[max(0, j - policy.prefetch_blocks) : j] if j < n - 1 or not last_stage else []
-        running = collective_scratch_bytes("all_gather", max(ahead, default=0) * element.weights, device_kind)
+        # the last stage's last run ends before the next gathers are issued: j = n - 2's and its next one's at once
+        own_running = running(reads[j]) if backward and last_stage and j == n - 2 and n > 1 else 0.0
         numel = min((1 + regather) * reads[j] + sum(ahead), unsplit)
-        out.append(numel * element.weights + running)
+        out.append(numel * element.weights + running(max(ahead, default=0)) + own_running)
     return out
 
 

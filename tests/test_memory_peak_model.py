@@ -179,22 +179,25 @@ def test_gloo_collectives_hold_a_full_size_copy_while_they_run() -> None:
 
 def test_zero3_gathered_weights_follow_the_reshard_policy() -> None:
     """ZeRO-3's gathered weights in segment j's backward: the weights it reads, the segment before
-    it (the next in backward order, prefetched while it runs) and, on gloo, the running gather's
-    flat copy; the last segment of the last stage keeps its forward's gather and runs its
-    backward before the next gathers are issued (measured, benchmarks/memory_peak.py zero3)."""
+    it (the next in backward order, prefetched while it runs), the running gather's flat input
+    and, on gloo, its flat copy; the last segment of the last stage keeps its forward's gather
+    and runs its backward before the next gathers are issued, so the segment before it gathers
+    its own beside the next one's (measured, benchmarks/memory_peak.py zero3, zero3_ga)."""
     sizes = (100, 200, 150, 300, 250)
     segs = [dataclasses.replace(_seg(0, 0, 0, numel=n), trainable_numel=0) for n in sizes]  # no gradients
     w = 4.0
     reshard = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=True))
     keep = _parts(segs, zero_stage=3, dp=4, policy=OverlapPolicy(reshard_after_forward=False))
     assert reshard["weights"] == 1000 * w / 4
-    # segment 3: its 300 + segment 2's 150 prefetched + that gather's flat copy (gloo, CPU ranks)
-    assert reshard["transient"] == (300 + 150 + 150) * w
+    # segment 3, the one before the last: its 300 and segment 2's 150, both gathered at once once
+    # the last segment's run ended, each gather with its flat input (the shards, 1/dp) and, on
+    # gloo (CPU ranks), its flat copy of the output
+    assert reshard["transient"] == (300 + 150 + (150 + 150 / 4) + (300 + 300 / 4)) * w
     on_gpu = _parts(segs, zero_stage=3, dp=4, device_kind="cuda", policy=OverlapPolicy(reshard_after_forward=True))
-    assert on_gpu["transient"] == (300 + 150) * w  # NCCL gathers into the caller's buffer
-    # in an earlier pipeline stage the last segment's backward prefetches too: 250 + 300 + 300
+    assert on_gpu["transient"] == (300 + 150 + 150 / 4 + 300 / 4) * w  # NCCL gathers into the caller's buffer
+    # in an earlier pipeline stage the last segment's backward prefetches: 250 + 300 + 300's gather
     earlier = _parts(segs, zero_stage=3, dp=4, last_stage=False, policy=OverlapPolicy(reshard_after_forward=True))
-    assert earlier["transient"] == (250 + 300 + 300) * w
+    assert earlier["transient"] == (250 + 300 + (300 + 300 / 4)) * w
     assert keep["transient"] == 1000 * w  # every block kept from forward to backward
     # a segment reading a tied weight held by an earlier one gathers it too
     tied = [*segs[:-1], dataclasses.replace(segs[-1], tied_param_numel=400, tied_param_owner=0)]
