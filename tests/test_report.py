@@ -90,6 +90,19 @@ def test_pipeline_page_shows_stages_segments_and_recomputation(plans):  # noqa: 
     assert "recompute: none" in page
 
 
+def test_no_caption_prints_an_unformatted_field(plans):  # noqa: ANN001
+    """Every ``{...}`` of the page's text was formatted (a caption once printed the literal
+    ``{fmt_s(e.compute_s)}``: a string missing its ``f`` prefix): both pages, and the schematic
+    timeline's caption (plans whose collectives carry no issue times, as older plan files)."""
+    unformatted = re.compile(r"\{[A-Za-z_][\w.]*(\(|\})")
+    for plan in plans.values():
+        page = re.sub(r"<style>.*?</style>|<script>.*?</script>", "", report.render_html(plan), flags=re.S)
+        assert not unformatted.search(page)
+    _, caption = report._single_device_chart(plans["ilp"])  # noqa: SLF001 - the caption of that path
+    assert not unformatted.search(caption)
+    assert f"the compute {report.fmt_s(plans['ilp'].estimate.compute_s)} is spread evenly over the" in caption
+
+
 def test_strings_from_the_plan_are_escaped(plans):  # noqa: ANN001
     plan = plans["ilp"]
     nodes = {(HOSTILE if i == 0 else n): {**d, "op": HOSTILE} for i, (n, d) in enumerate(plan.nodes.items())}

@@ -570,8 +570,8 @@ def _single_device_chart(plan: Plan) -> tuple[str, str]:
         f"No pipeline: one device's step of {fmt_s(e.step_time_s)}"
         f"{f' ({m} micro-batches, gradient accumulation)' if m > 1 else ''}. Schematic, not the replay: this plan "
         "records no issue and finish time per collective (a joint-search plan's collectives are one stage program's; "
-        "older plan files have none) and no per-operator times, so the compute {fmt_s(e.compute_s)} is spread evenly over the {len(plan.nodes)} "
-        "operators; each operand conversion runs just before its consumer and the gradient reductions at the end; "
+        f"older plan files have none) and no per-operator times, so the compute {fmt_s(e.compute_s)} is spread evenly "
+        f"over the {len(plan.nodes)} operators; each operand conversion runs just before its consumer and the gradient reductions at the end; "
         f"their exposed part stalls compute.{scaled}"
     )
     return legend + svg, caption
