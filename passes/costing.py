@@ -27,7 +27,7 @@ Output: a :class:`CostProblem`, the plain data the ILP is built from:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +59,48 @@ OUTPUT_CONSUMER = "<output>"
 
 
 @dataclass(frozen=True, slots=True)
+class PairCosts(Mapping[tuple[Spec, Spec], float]):
+    """An edge's transition seconds for every (producer spec, consumer spec) pair, read as the
+    mapping ``(p, q) -> seconds`` and stored as a matrix: row ``i`` is ``src[i]`` (the order of
+    :attr:`Edge.src_groups`), column ``j`` is ``dst[j]`` (:attr:`Edge.dst_groups`). Not a dict keyed
+    by spec pairs: hashing a spec runs torch's ``Placement.__hash__`` in Python per placement, and
+    on a ``cp x tp`` mesh the edges of a small Llama have 190k pairs (20 times a 1-D mesh's), built
+    here and read again by the ILP (:meth:`ShardingILP.add_edge_constraints`) through ``matrix``."""
+
+    src: tuple[Spec, ...]
+    dst: tuple[Spec, ...]
+    matrix: tuple[tuple[float, ...], ...]
+    """``matrix[i][j]``: seconds to convert ``src[i]`` into ``dst[j]``."""
+    _row: dict[Spec, int] = field(init=False, repr=False, compare=False)
+    _col: dict[Spec, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        assert len(self.matrix) == len(self.src) and all(len(r) == len(self.dst) for r in self.matrix)
+        object.__setattr__(self, "_row", {p: i for i, p in enumerate(self.src)})
+        object.__setattr__(self, "_col", {q: j for j, q in enumerate(self.dst)})
+
+    def __getitem__(self, pair: tuple[Spec, Spec]) -> float:
+        p, q = pair
+        return self.matrix[self._row[p]][self._col[q]]
+
+    def __iter__(self) -> Iterator[tuple[Spec, Spec]]:
+        return ((p, q) for p in self.src for q in self.dst)
+
+    def __len__(self) -> int:
+        return len(self.src) * len(self.dst)
+
+    def __contains__(self, pair: object) -> bool:
+        return isinstance(pair, tuple) and len(pair) == 2 and pair[0] in self._row and pair[1] in self._col
+
+    def all_zero(self) -> bool:
+        return all(c == 0.0 for row in self.matrix for c in row)
+
+    def scaled(self, weight: float) -> PairCosts:
+        """Every time multiplied by ``weight`` (an edge standing for ``weight`` copies)."""
+        return PairCosts(self.src, self.dst, tuple(tuple(c * weight for c in row) for row in self.matrix))
+
+
+@dataclass(frozen=True, slots=True)
 class Edge:
     """Producer value -> one argument of a consumer (or a parameter, for gradients)."""
 
@@ -70,7 +112,7 @@ class Edge:
     """Producer output spec -> producer strategy indices with that spec."""
     dst_groups: dict[Spec, tuple[int, ...]]
     """Required input spec -> consumer strategy indices requiring it."""
-    cost_s: dict[tuple[Spec, Spec], float]
+    cost_s: PairCosts
     """Transition time for every (src spec, dst spec) pair."""
     full_bytes: int
     tied: bool = False
@@ -78,6 +120,9 @@ class Edge:
     elementwise...) that accepts every producer spec as is: it then simply follows its producer.
     Resharding such a value before the op costs exactly what resharding its output costs, so
     the solver loses nothing by moving any conversion to the op's consumers."""
+
+    def __post_init__(self) -> None:
+        assert self.cost_s.src == tuple(self.src_groups) and self.cost_s.dst == tuple(self.dst_groups), self
 
     def src_spec(self, strategy: int) -> Spec:
         """The producer's output spec when it runs ``strategy``."""
@@ -307,18 +352,39 @@ def _is_follower(node: fx.Node, kind: str) -> bool:
 @dataclass(slots=True)
 class _TransitionCosts:
     """Memoised transition times on one cluster (a model repeats the same few (spec, spec,
-    bytes) triples on thousands of edges)."""
+    bytes) triples on thousands of edges), by spec number (:meth:`number`): a lookup hashes ints,
+    not placements."""
 
     cluster: Cluster
-    _memo: dict[tuple[Spec, Spec, int, bool], float] = field(default_factory=dict)
+    _numbers: dict[Spec, int] = field(default_factory=dict)
+    _memo: dict[tuple[int, bool], dict[tuple[int, int], float]] = field(default_factory=dict)
+    """``(full_bytes, gradient) -> (number of p, number of q) -> seconds``."""
+
+    def number(self, spec: Spec) -> int:
+        """A number per distinct spec (equal specs, one number)."""
+        return self._numbers.setdefault(spec, len(self._numbers))
 
     def __call__(self, p: Spec, q: Spec, full_bytes: int, gradient: bool) -> float:
-        key = (p, q, full_bytes, gradient)
-        cost = self._memo.get(key)
-        if cost is None:
-            latency = not (gradient and is_coalescable(plan_transition(p, q)))
-            cost = self._memo[key] = transition_cost_s(p, q, full_bytes, self.cluster, include_latency=latency)
-        return cost
+        return self.matrix((p,), (q,), full_bytes, gradient)[0][0]
+
+    def matrix(
+        self, src: Sequence[Spec], dst: Sequence[Spec], full_bytes: int, gradient: bool
+    ) -> tuple[tuple[float, ...], ...]:
+        """``[[time of p -> q for q in dst] for p in src]`` (:class:`PairCosts`)."""
+        memo = self._memo.setdefault((full_bytes, gradient), {})
+        cols = [(q, self.number(q)) for q in dst]
+        rows = []
+        for p in src:
+            i = self.number(p)
+            row = []
+            for q, j in cols:
+                cost = memo.get((i, j))
+                if cost is None:
+                    latency = not (gradient and is_coalescable(plan_transition(p, q)))
+                    cost = memo[i, j] = transition_cost_s(p, q, full_bytes, self.cluster, include_latency=latency)
+                row.append(cost)
+            rows.append(tuple(row))
+        return tuple(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +397,11 @@ class _OnAxes:
     def __call__(self, p: Spec, q: Spec, full_bytes: int, gradient: bool) -> float:
         p = tuple(q[i] if i in self.skipped else x for i, x in enumerate(p))
         return self.transition(p, q, full_bytes, gradient)
+
+    def matrix(
+        self, src: Sequence[Spec], dst: Sequence[Spec], full_bytes: int, gradient: bool
+    ) -> tuple[tuple[float, ...], ...]:
+        return tuple(tuple(self(p, q, full_bytes, gradient) for q in dst) for p in src)
 
 
 def _edge(
@@ -349,7 +420,8 @@ def _edge(
         spec = s.output_specs[ref.index]
         assert spec is not None, (ref, consumer)
         src_groups.setdefault(spec, []).append(si)
-    cost = {(p, q): transition(p, q, full_bytes, gradient) for p in src_groups for q in dst_groups}
+    src, dst = tuple(src_groups), tuple(dst_groups)
+    cost = PairCosts(src, dst, transition.matrix(src, dst, full_bytes, gradient))
     return Edge(
         producer=ref,
         consumer=consumer,

@@ -68,7 +68,7 @@ def twins(gm: fx.GraphModule, layering: Layering) -> dict[str, str]:
 
 
 def _scaled(edge: Edge, weight: float) -> Edge:
-    return edge if weight == 1 else dataclasses.replace(edge, cost_s={k: c * weight for k, c in edge.cost_s.items()})
+    return edge if weight == 1 else dataclasses.replace(edge, cost_s=edge.cost_s.scaled(weight))
 
 
 def scale_problem(problem: CostProblem, mult: Mapping[str, int], twin: Mapping[str, str] | None = None) -> CostProblem:

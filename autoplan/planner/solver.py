@@ -162,6 +162,11 @@ class LinearModel:
         self.col_binary.append(binary)
         return len(self.col_names) - 1
 
+    def add_cols(self, names: Sequence[str], *, binary: bool) -> None:
+        """:meth:`add_col` for each of ``names``, numbered on from :attr:`num_cols`."""
+        self.col_names += names
+        self.col_binary += [binary] * len(names)
+
     def add_row(self, name: str, terms: dict[int, float], lower: float, upper: float) -> None:
         self.row_names.append(name)
         self.row_terms.append(terms)
@@ -367,28 +372,29 @@ class ShardingILP:
         if edge.tied:
             self.add_edge_tied_constraint(k, edge)
             return
-        if all(c == 0.0 for c in edge.cost_s.values()):
+        if edge.cost_s.all_zero():
             return
+        cost = edge.cost_s.matrix  # cost[i][j]: P[i] -> Q[j] (PairCosts: rows and columns in the groups' order)
         if v not in self.x:  # loss -> output: a fixed requirement, linear in the producer
-            (q,) = Q
-            self._objective += [(self.x[u][s], edge.cost_s[(p, q)]) for p in P for s in edge.src_groups[p]]
+            (_,) = Q
+            self._objective += [(self.x[u][s], cost[i][0]) for i, p in enumerate(P) for s in edge.src_groups[p]]
             return
         if len(P) == 1:
-            (p,) = P
-            self._objective += [(self.x[v][s], edge.cost_s[(p, q)]) for q in Q for s in edge.dst_groups[q]]
+            self._objective += [(self.x[v][s], cost[0][j]) for j, q in enumerate(Q) for s in edge.dst_groups[q]]
             return
         if len(Q) == 1:
-            (q,) = Q
-            self._objective += [(self.x[u][s], edge.cost_s[(p, q)]) for p in P for s in edge.src_groups[p]]
+            self._objective += [(self.x[u][s], cost[i][0]) for i, p in enumerate(P) for s in edge.src_groups[p]]
             return
-        y = {(i, j): self.model.add_col(f"y_{k}_{i}_{j}", binary=False) for i in range(len(P)) for j in range(len(Q))}
+        first, n_q = self.model.num_cols, len(Q)
+        self.model.add_cols([f"y_{k}_{i}_{j}" for i in range(len(P)) for j in range(n_q)], binary=False)
+        # y[i, j] is column first + i * n_q + j
         for i, p in enumerate(P):
-            lhs = [(y[i, j], 1.0) for j in range(len(Q))]
+            lhs = [(first + i * n_q + j, 1.0) for j in range(n_q)]
             self._equal(f"edge_source__{k}_{i}", lhs, self._sum_x(u, edge.src_groups[p]), 0.0)
         for j, q in enumerate(Q):
-            lhs = [(y[i, j], 1.0) for i in range(len(P))]
+            lhs = [(first + i * n_q + j, 1.0) for i in range(len(P))]
             self._equal(f"edge_target__{k}_{j}", lhs, self._sum_x(v, edge.dst_groups[q]), 0.0)
-        self._objective += [(y[i, j], edge.cost_s[(p, q)]) for i, p in enumerate(P) for j, q in enumerate(Q)]
+        self._objective += [(first + i * n_q + j, c) for i, row in enumerate(cost) for j, c in enumerate(row)]
 
     def add_edge_tied_constraint(self, k: int, edge: Edge) -> None:
         """edge_tied: sum_{s in S_v(q)} x[v,s] = sum_{s in S_u(q)} x[u,s] for every spec q."""
