@@ -93,17 +93,15 @@ def element_bytes(
     :mod:`autoplan.runtime.precision`)."""
     if not trainable:
         return ElementBytes(weights=itemsize, grads=0, optimizer=0, optimizer_name=optimizer)
-    if itemsize < STATE_ITEMSIZE and not master_weights:
-        return ElementBytes(
-            weights=itemsize, grads=itemsize, optimizer=itemsize * OPTIMIZER_STATES[optimizer],
-            optimizer_name=optimizer, state_itemsize=itemsize,
-        )  # fmt: skip
-    master = STATE_ITEMSIZE if itemsize < STATE_ITEMSIZE else 0
+    below = itemsize < STATE_ITEMSIZE
+    state = itemsize if below and not master_weights else STATE_ITEMSIZE
+    master = STATE_ITEMSIZE if below and master_weights else 0
     return ElementBytes(
         weights=itemsize,
         grads=itemsize,
-        optimizer=STATE_ITEMSIZE * OPTIMIZER_STATES[optimizer] + master,
+        optimizer=state * OPTIMIZER_STATES[optimizer] + master,
         optimizer_name=optimizer,
+        state_itemsize=state,
     )
 
 
@@ -503,6 +501,7 @@ def _zero3_gathered_bytes(
         return [unsplit * element.weights] * n
     reads = [s.param_numel + s.tied_param_numel - s.dp_split_numel * (1 - shard_gathered) for s in segments]
     regather = recompute == "full"  # the re-run forward gathers its block's weights once more
+
     def running(numel: float) -> float:  # a gather in flight: its flat input of shards and the backend's scratch
         full = numel * element.weights
         return full / dp + collective_scratch_bytes("all_gather", full, device_kind) if numel > 0 else 0.0
@@ -511,7 +510,7 @@ def _zero3_gathered_bytes(
     for j in range(n):
         ahead = reads[max(0, j - policy.prefetch_blocks) : j] if j < n - 1 or not last_stage else []
         # the last stage's last run ends before the next gathers are issued: j = n - 2's and its next one's at once
-        own_running = running(reads[j]) if backward and last_stage and j == n - 2 and n > 1 else 0.0
+        own_running = running(reads[j]) if backward and last_stage and j == n - 2 else 0.0
         numel = min((1 + regather) * reads[j] + sum(ahead), unsplit)
         out.append(numel * element.weights + running(max(ahead, default=0)) + own_running)
     return out
@@ -527,10 +526,9 @@ def _tied_partials_held(segments: Sequence[SegmentMemory], first_segment: int, e
     :func:`autoplan.planner.segment_costs._tied_gradient_partials`)."""
     out = [0.0] * len(segments)
     for r, s in enumerate(segments):
-        owner = s.tied_param_owner - first_segment
         if s.tied_param_owner < first_segment:  # none (-1), or before the stage: its copy
             continue
-        for j in range(owner, r):
+        for j in range(s.tied_param_owner - first_segment, r):
             out[j] += s.tied_trainable_numel * element.grads
     return out
 

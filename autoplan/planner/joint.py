@@ -208,7 +208,6 @@ __all__ = ["SegmentCostModel", "estimate", "plan_for_batch", "search_config"]
 # --- plans made with a global batch -------------------------------------------------------------
 
 
-
 def _master_weights(model: torch.nn.Module, precision: str) -> bool:
     """Whether the step of ``model`` in ``precision`` keeps fp32 master weights (:func:`keeps_master_weights`
     over its trained floating-point parameters): the plan is priced, recorded
@@ -216,6 +215,7 @@ def _master_weights(model: torch.nn.Module, precision: str) -> bool:
     return keeps_master_weights(
         (p.element_size() for p in model.parameters() if p.requires_grad and p.is_floating_point()), precision
     )
+
 
 def _restrict_for_config(table: StrategyTable, traced: TracedProgram, config: ParallelConfig) -> None:
     """Data parallelism as the search priced it: inputs and targets split along the batch on the
