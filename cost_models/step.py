@@ -467,22 +467,13 @@ def replica_cluster(cluster: Cluster, tp: int, *, cp: int = 1) -> Cluster:
     parallelism (``ParallelConfig.cp``) the ``cp x tp`` mesh (axes ``cp``, ``tp``): a part of one
     node, or ``cp`` whole nodes when ``tp`` is a node (the ``cp`` axis then crosses them)."""
     if cp == 1:
-        links = {"intra": cluster.links["intra"]} if "intra" in cluster.links and tp > 1 else {}
-        return Cluster(
-            num_nodes=1, devices_per_node=tp, device=cluster.device, links=links, calibration=cluster.calibration
-        )
+        return cluster.group(num_nodes=1, devices_per_node=tp)
     n, dpn = cp * tp, cluster.devices_per_node
     problem = context_parallel_problem(cp, tp, devices_per_node=dpn)
     if problem:
         raise ConfigError(problem)
     nodes, per_node = (n // dpn, dpn) if n > dpn else (1, n)
-    # the cluster's links are named by its own axes (intra, inter); these are cp and tp
-    named = {"cp": cluster.links.get("inter" if nodes > 1 else "intra"), "tp": cluster.links.get("intra")}
-    links = {k: v for k, v in named.items() if v is not None}
-    return Cluster(
-        num_nodes=nodes, devices_per_node=per_node, device=cluster.device, links=links,
-        calibration=cluster.calibration, mesh_shape=(cp, tp), mesh_axis_names=("cp", "tp"),
-    )  # fmt: skip
+    return cluster.group(num_nodes=nodes, devices_per_node=per_node, mesh_shape=(cp, tp), mesh_axis_names=("cp", "tp"))
 
 
 # --- precision --------------------------------------------------------------------------------

@@ -98,6 +98,11 @@ def test_a_cached_profile_of_this_machine_prices_every_axis_of_the_local_mesh(ca
     assert cluster.device.intra_node_latency_us == link.latency_us  # derived clusters keep the measurement
     assert cluster.device.comm_compute_slowdown == 0.25  # the cost model reads the measured slowdown here
     assert stage_cluster(cluster, _config(dp=2, tp=2)).catalog_link(spans_nodes=False).latency_us == link.latency_us
+    # a stage prices each axis with the measured link, per-kind fits included, as the search's
+    # groups do (replica_cluster): with the joint fit alone the stage's ILP chose another program
+    for config in (_config(dp=2, tp=2), _config(dp=1, tp=2, cp=2)):
+        stage = stage_cluster(cluster, config)
+        assert link.collectives and all(stage.axis_link(a) == link for a in range(stage.mesh_ndim)), config
     group = replica_cluster(cluster, 2).axis_link(0)  # the joint search's tensor-parallel group: the device's numbers
     assert (group.bw_GBps, group.latency_us) == (link.bw_GBps, link.latency_us)
     assert replica_cluster(as_cluster("4xCPU"), 2).axis_link(0) == link  # a group of the calibrated ranks keeps the record
@@ -220,7 +225,7 @@ def _times(profile: Cluster):
             yield kind, nbytes, fitted_time_s(s, link.params(kind), backend="gloo")
 
 
-def _config(*, dp: int, tp: int):
+def _config(*, dp: int, tp: int, cp: int = 1):
     from autoplan.cost_models.config import ParallelConfig
 
-    return ParallelConfig(dp=dp, tp=tp, pp=1, microbatch_size=1, num_microbatches=1)
+    return ParallelConfig(dp=dp, tp=tp, cp=cp, pp=1, microbatch_size=1, num_microbatches=1)

@@ -244,8 +244,8 @@ def stage_cluster(cluster: Cluster, config: ParallelConfig) -> Cluster:
     dpn = cluster.devices_per_node
     nodes, per_node = (n // dpn, dpn) if n > dpn and n % dpn == 0 else (1, n)
     try:
-        return Cluster(num_nodes=nodes, devices_per_node=per_node, device=cluster.device).with_mesh(shape, names)
+        return cluster.group(num_nodes=nodes, devices_per_node=per_node, mesh_shape=shape, mesh_axis_names=names)
     except ClusterSpecError:
         # a data-parallel group that straddles nodes: plan the placements on one "node" (the
         # search priced the real links already)
-        return Cluster(num_nodes=1, devices_per_node=n, device=cluster.device, mesh_shape=shape, mesh_axis_names=names)
+        return cluster.group(num_nodes=1, devices_per_node=n, mesh_shape=shape, mesh_axis_names=names)
