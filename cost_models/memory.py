@@ -318,6 +318,36 @@ def collective_scratch_bytes(collective: str, full_bytes: float, device_kind: st
     return float(full_bytes) if device_kind == "cpu" and collective in GLOO_FLAT_COPY_COLLECTIVES else 0.0
 
 
+def collective_peak_bytes(
+    collective: str, *, full_bytes: float, out_bytes: float, device_kind: str, relayout: bool = False
+) -> float:
+    """The most bytes one DTensor redistribution step allocates at once (its output included,
+    its input not): ``collective`` of ``full_bytes`` (the gathered size along its mesh axis, the
+    unreduced input) into ``out_bytes``; ``relayout``: the gathered / scattered tensor dim has
+    non-trivial dims before it, so the collective (which runs on dim 0) needs a re-laid copy::
+
+        all_gather      out + (F on CPU or with relayout; not at once)   gloo's flat copy; funcol.all_gather_single's chunk-cat
+        reduce_scatter  out + (F on CPU) + (F with relayout)             gloo's full copy; funcol.reduce_scatter_single's narrow-cat of the input
+        all_to_all      CPU: 2F (gloo has none: DTensor's shard_dim_alltoall gathers, then chunks)   CUDA: 2 x out (permuted input + output)
+        all_reduce      out
+
+    Measured on 2 gloo ranks with torch 2.13 (profiler memory events of
+    ``DTensor.redistribute`` on a [8, 64, 2048] fp32 tensor, F = 4 MiB): S(0)/S(1)/S(2) -> R peak
+    2F; S(1) -> S(2) and S(0) -> S(1) 2F; P -> S(0) F + F/2, P -> S(1) 2F + F/2; P -> R F;
+    R -> S(d) F/2 (out only). The CUDA rows follow the code of torch 2.13
+    (``torch/_utils.py::_maybe_view_chunk_cat``, ``_functional_collectives.reduce_scatter_single``);
+    NCCL's own buffers are :data:`NON_PYTORCH_BYTES`."""
+    full, cpu = float(full_bytes), device_kind == "cpu"
+    copy = full if relayout else 0.0
+    if collective == "all_gather":
+        return out_bytes + max(collective_scratch_bytes(collective, full, device_kind), copy)
+    if collective == "reduce_scatter":
+        return out_bytes + collective_scratch_bytes(collective, full, device_kind) + copy
+    if collective == "all_to_all":
+        return 2.0 * full if cpu else 2.0 * out_bytes
+    return float(out_bytes)
+
+
 def stage_memory_parts(
     *,
     segments: Sequence[SegmentMemory],

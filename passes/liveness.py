@@ -32,20 +32,24 @@ all-reduced in place.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate
 
+from autoplan.cost_models.comm import plan_transition
 from autoplan.cost_models.memory import (
     allocator_margin_bytes,
+    collective_peak_bytes,
     optimizer_temp_bytes,
     param_training_bytes_by_part,
     tensor_bytes,
 )
-from autoplan.passes.placement import Spec, local_numel, replicated
+from autoplan.passes.placement import Spec, local_numel, local_shape, replicated, shard_dim
 from autoplan.passes.strategies import Strategy, ValueRef, resolve_value, tensor_args
 
 Storage = ValueRef
@@ -181,6 +185,33 @@ def local_bytes(spec: Spec | None, t: torch.Tensor, mesh_shape: Sequence[int]) -
     return local_numel(spec, t.shape, mesh_shape) * t.element_size()
 
 
+def conversion_bytes(
+    src: Spec, dst: Spec, t: torch.Tensor, mesh_shape: Sequence[int], device_kind: str
+) -> tuple[float, float]:
+    """``(held, peak)`` of converting ``t`` from ``src`` to ``dst`` as DTensor's redistribute
+    does it (:func:`autoplan.cost_models.comm.plan_transition`'s single-axis steps): ``held``, the
+    converted operand's local bytes (alive until its consumer has run); ``peak``, the most bytes
+    the conversion has allocated at once, ``held`` included and the operand it converts not: a
+    step's output beside the previous step's (its input, freed once the step is done) and the
+    collective's buffers (:func:`autoplan.cost_models.memory.collective_peak_bytes`)."""
+    cur = list(src)
+    prev, peak = 0.0, 0.0
+    for st in plan_transition(src, dst):
+        before = tuple(cur)
+        cur[st.axis] = st.dst
+        if mesh_shape[st.axis] == 1:
+            continue
+        out = float(local_bytes(tuple(cur), t, mesh_shape))
+        gathered = tuple(Replicate() if j == st.axis else p for j, p in enumerate(before))
+        full = float(local_bytes(gathered, t, mesh_shape))
+        dim = shard_dim(st.dst) if st.kind == "reduce_scatter" else shard_dim(st.src)
+        relayout = dim is not None and math.prod(local_shape(gathered, t.shape, mesh_shape)[:dim]) > 1
+        step = collective_peak_bytes(st.kind, full_bytes=full, out_bytes=out, device_kind=device_kind, relayout=relayout)
+        peak = max(peak, prev + step)
+        prev = out
+    return prev, max(peak, prev)
+
+
 def memory_checkpoints(live: Liveness, *, max_points: int = 12) -> list[int]:
     """Positions where the ILP bounds memory: the local maxima of the full-size live bytes
     (largest first, at most ``max_points``), the end of the forward and the end of the graph."""
@@ -291,7 +322,7 @@ def peak_memory(
     spec_of = _spec_lookup(assignment, replicated(len(mesh_shape)))
     params = set(param_nodes)
     fixed = _persistent_bytes(live, spec_of, params, optimizer=optimizer, mesh_shape=mesh_shape)
-    conv = _conversions(gm, live, redistributions, spec_of, params, mesh_shape=mesh_shape)
+    conv = _conversions(gm, live, redistributions, spec_of, params, mesh_shape=mesh_shape, device_kind=device_kind)
     intervals = _storage_intervals(
         gm, live, spec_of, conv.converted_after_production, conv.converted_reads, mesh_shape=mesh_shape
     )
@@ -392,8 +423,11 @@ def _conversions(
     params: set[str],
     *,
     mesh_shape: Sequence[int],
+    device_kind: str,
 ) -> _Conversions:
-    """Redistributions of the generated program -> the buffers their collectives allocate."""
+    """Redistributions of the generated program -> the buffers their collectives allocate: an
+    operand's converted copy from just before its consumer to its end, and what the conversion
+    allocates beyond it while it runs (:func:`conversion_bytes`), at ``i - 1/2`` only."""
     gm_targets = {n.name: n.target for n in gm.graph.nodes}
     converted_after_production: set[Storage] = set()
     bucketed: dict[str, float] = {}
@@ -419,6 +453,9 @@ def _conversions(
         # a view of a converted operand keeps the conversion's buffer alive
         stop = max(pos, live.value_last_use.get(ValueRef(consumer), pos)) if is_view_op(gm_targets[consumer]) else pos
         conversions.append(_Interval(pos - 0.5, stop, nbytes, "activations"))
+        held, peak = conversion_bytes(r.src, dst, val, mesh_shape, device_kind)  # type: ignore[attr-defined]
+        if peak > held:
+            conversions.append(_Interval(pos - 0.5, pos - 0.5, peak - held, "activations"))
     return _Conversions(
         intervals=conversions,
         converted_after_production=converted_after_production,

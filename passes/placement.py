@@ -14,6 +14,7 @@ source of truth at run time.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,17 +132,19 @@ def is_shardable(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Se
     return all(shape[d] >= n for d, n in per_dim.items())
 
 
-def local_numel(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> int:
-    """Elements held per device (ceil division for uneven shards)."""
+def local_shape(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> list[int]:
+    """The shape held per device (ceil division for uneven shards)."""
     sizes = list(shape)
     for p, size in zip(spec, mesh_shape, strict=True):
         d = shard_dim(p)
         if d is not None:
             sizes[d] = -(-sizes[d] // size)
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
+    return sizes
+
+
+def local_numel(spec: Sequence[Placement], shape: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """Elements held per device (ceil division for uneven shards)."""
+    return math.prod(local_shape(spec, shape, mesh_shape))
 
 
 def replicated(ndim_mesh: int) -> Spec:

@@ -177,6 +177,32 @@ def test_gloo_collectives_hold_a_full_size_copy_while_they_run() -> None:
     assert collective_scratch_bytes("all_gather", 8.0, "cuda") == 0.0
 
 
+@pytest.mark.parametrize(
+    ("src", "dst", "peak_in_f"),
+    [
+        ("S(0)", "R", 2.0), ("S(1)", "R", 2.0), ("S(2)", "R", 2.0),  # the gathered copy beside gloo's flat copy
+        ("S(1)", "S(2)", 2.0), ("S(0)", "S(1)", 2.0),  # gloo has no all-to-all: DTensor gathers, then chunks
+        ("P", "S(0)", 1.5), ("P", "S(1)", 2.5),  # the shard, gloo's full copy (+ the narrow-cat on an inner dim)
+        ("P", "R", 1.0), ("R", "S(1)", 0.5),
+    ],
+)
+def test_a_conversion_allocates_what_dtensor_measured_on_gloo(src: str, dst: str, peak_in_f: float) -> None:
+    """liveness.conversion_bytes against the peaks measured on 2 gloo ranks (torch 2.13, profiler
+    memory events of DTensor.redistribute on an [8, 64, 2048] fp32 tensor, F = 4 MiB; the rows of
+    memory.collective_peak_bytes): ``peak`` in units of F, the operand it converts not counted;
+    ``held``, the converted copy alone."""
+    from autoplan.passes.liveness import conversion_bytes
+    from autoplan.passes.placement import parse_spec
+
+    t = torch.empty(8, 64, 2048, device="meta")
+    f = t.numel() * 4
+    held, peak = conversion_bytes(parse_spec([src]), parse_spec([dst]), t, (2,), "cpu")
+    assert peak == peak_in_f * f
+    assert held == (f if dst in ("R", "P") else f / 2)
+    # NCCL: no flat copy; an all-gather on dim 0 writes its output in place
+    assert conversion_bytes(parse_spec(["S(0)"]), parse_spec(["R"]), t, (2,), "cuda") == (f, f)
+
+
 def test_zero3_gathered_weights_follow_the_reshard_policy() -> None:
     """ZeRO-3's gathered weights in segment j's backward: the weights it reads, the segment before
     it (the next in backward order, prefetched while it runs), the running gather's flat input

@@ -67,6 +67,7 @@ import torch.fx as fx
 
 from autoplan.cost_models.comm import plan_transition
 from autoplan.cost_models.compute import cost_key, op_flops
+from autoplan.cost_models.memory import device_kind
 from autoplan.cost_models.step import SegmentCost, SegmentCosts
 from autoplan.passes import liveness
 from autoplan.passes.costing import CostProblem, Edge
@@ -477,8 +478,10 @@ def _add_activations(
         _add_kept_conversions(sums, gm, problem, choice, policy, part, seg_of)
     grads = {live.storage_of[g] for g in live.grads.values()}
     partials = _tied_gradient_partials(gm, live, seg_of, phase)
+    excluded = set(counted) | grads | partials
     timeline = _with_own_gradients(
-        liveness.transient_timeline(live, local_bytes, excluded=set(counted) | grads | partials),
+        _with_conversions(liveness.transient_timeline(live, local_bytes, excluded=excluded), gm, live, problem, choice,
+                          local_bytes, excluded),
         gm, live, grads, local_bytes, seg_of, phase,
     )  # fmt: skip
     nseg = len(sums.bwd_transient)
@@ -559,6 +562,46 @@ def _freed_by_backward(
         return sums[k][bisect.bisect_left(lasts[k], i)]
 
     return freed
+
+
+def _with_conversions(
+    timeline: Sequence[float],
+    gm: fx.GraphModule,
+    live: liveness.Liveness,
+    problem: CostProblem,
+    choice: Mapping[str, int],
+    local_bytes: Callable[[ValueRef], float],
+    excluded: set[ValueRef],
+) -> list[float]:
+    """``T(i)`` plus, at each op ``i`` whose operands the chosen plan converts, the converted
+    copies beside the op's output and, before it, the largest conversion's running buffers
+    (:func:`autoplan.passes.liveness.conversion_bytes`: a step's output beside its input,
+    gloo's flat copies, the chunk-cat of a gather on an inner dim). Without them a plan that
+    gathers sharded log-probabilities to run the loss replicated was priced at its shards alone
+    (measured, ``benchmarks/memory_peak.py`` cp2_tp2_sp on 0.4 GB/s links: 10.8 MiB of the
+    gathers' buffers at the step's peak, priced 0)."""
+    specs = _converted_specs(problem, choice)
+    if not specs:
+        return list(timeline)
+    mesh_shape, kind = problem.cluster.mesh_shape, device_kind(problem.cluster.device)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    held: dict[int, float] = {}
+    running: dict[int, float] = {}
+    for (consumer, i), (p, q) in specs.items():
+        pos = live.position.get(consumer)
+        if pos is None:
+            continue
+        h, peak = liveness.conversion_bytes(p, q, tensor_args(nodes[consumer])[i].meta["val"], mesh_shape, kind)
+        held[pos] = held.get(pos, 0.0) + h
+        running[pos] = max(running.get(pos, 0.0), peak - h)
+    made: dict[int, float] = {}  # bytes T(i) counts of the storages op i allocates: born after its conversions ran
+    for storage, born in live.births().items():
+        if born in held and storage not in excluded:
+            made[born] = made.get(born, 0.0) + local_bytes(storage)
+    out = list(timeline)
+    for pos, h in held.items():
+        out[pos] += h + max(0.0, running[pos] - made.get(pos, 0.0))
+    return out
 
 
 def _with_own_gradients(
