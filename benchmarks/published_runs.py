@@ -44,6 +44,10 @@ rows only (``PublishedRun.framework``). Two more price the program each framewor
 differs from autoplan's in what the step holds: the loss in fp32 where the framework upcasts the
 logits (:data:`FP32_LOSS`), and Hugging Face's eager RMSNorm where the run used the HF model
 (:data:`EAGER_HF_NORM`: autoplan's own programs run the fused norm, ``passes/fused_norm.py``).
+Megatron's and FlagScale's peaks add what those programs hold and autoplan's does not, each kind
+with its place in the framework's code (:data:`FRAMEWORK_HELD`, :func:`framework_held_bytes`:
+the fp32 gradient buffer, dropout masks, the norm regions whole without sequence parallelism) and
+take off what they do not keep (the ``silu`` output of a fused SwiGLU).
 
 Found, not priced (BF16 mixture-of-experts and long-context runs with a published configuration
 that autoplan cannot express faithfully, issue #20 item 5):
@@ -634,6 +638,93 @@ The others keep fp32 masters (Megatron's and DeepSpeed's bf16 optimizers, torcht
 ``param_dtype=bf16`` over fp32 parameters)."""
 
 
+FRAMEWORK_HELD = {
+    "fp32_main_grads": {
+        "megatron": "Megatron-Core core_v0.6.0 (cac60ce4): megatron/training/arguments.py:279-288 (--bf16 forces "
+        "accumulate_allreduce_grads_in_fp32), megatron/core/distributed/distributed_data_parallel.py:105 (grad dtype "
+        "fp32), param_and_grad_buffer.py:343 (grad_data = torch.zeros over every local parameter, never sharded, "
+        "with or without the distributed optimizer)",
+        "flagscale": "FlagScale @ ed555321: megatron/arguments.py:165-174 (--bf16 forces "
+        "accumulate_allreduce_grads_in_fp32), megatron/model/distributed.py:15-24, 117-119, 140 (MemoryBuffer of "
+        "torch.float over every local parameter, allocated at wrap, never sharded)",
+    },
+    "fused_swiglu": {
+        "megatron": "Megatron-Core megatron/core/fusions/fused_bias_swiglu.py BiasSwiGLUFunction.forward: "
+        "ctx.save_for_backward(input, bias), the backward recomputes silu (bias_activation_fusion, on by default; "
+        "--swiglu with biased linears)",
+    },
+    "dropout_masks": {
+        "megatron": "Megatron-Core core_v0.6.0: --hidden-dropout default 0.1 (the FlagPerf script sets none); "
+        "megatron/core/fusions/fused_bias_dropout.py: F.dropout after the attention and after the MLP of every "
+        "layer, its bool mask saved for the backward (attention dropout runs inside flash attention: no mask)",
+    },
+    "whole_norm_regions": {
+        "flagscale": "FlagScale @ ed555321 without --sequence-parallel (Korthikanti et al. 2022, section 4.2.2): "
+        "the two RMSNorms' inputs and outputs are held whole on every tensor-parallel rank, apex FusedRMSNorm "
+        "saving its bf16 input (megatron/model/fused_layer_norm.py:96), dropout 0",
+    },
+}
+"""What a framework's program holds at its peak that autoplan's program of the same configuration
+does not, or does not hold, per kind, with where in the framework's code
+(:func:`framework_held_bytes`; ``docs/framework-memory-notes.md``):
+
+- ``fp32_main_grads``: the gradient buffer in fp32 over every local parameter (4 B each, where
+  autoplan's bf16 step holds 2 B gradients);
+- ``fused_swiglu``: SwiGLU fused into one autograd function that saves its input only: the
+  ``silu`` output autoplan's traced step saves for the ``mul``'s backward is not kept
+  (``-2 B x tokens x ffn / tp`` per block and micro-batch in flight);
+- ``dropout_masks``: two bool masks per block (``tokens x hidden / tp`` each with sequence
+  parallelism), which the zoo's model has not (no dropout);
+- ``whole_norm_regions``: tensor parallelism without sequence parallelism holds the norms'
+  inputs and outputs whole on each rank of the group (``8 B x hidden`` per token and block),
+  where autoplan's ILP keeps them split on ``tp`` (it places them so with or without the flag).
+
+Every row keeps autoplan's own price for the rest; the bytes get the allocator margin."""
+
+
+def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> tuple[float, ...]:
+    """Per pipeline rank (non-interleaved 1F1B: stage ``k`` on rank ``k`` with ``min(pp - k,
+    micro-batches)`` micro-batches in flight at its peak), the bytes of :data:`FRAMEWORK_HELD`
+    the run's framework holds beyond autoplan's program (negative: holds less)::
+
+        fp32_main_grads     2 x weights - grads                 (bf16 weights: 2 B per parameter -> 4 B)
+        fused_swiglu        -2 x T x ffn / tp          x blocks x in flight
+        dropout_masks       2 x T x hidden / tp_sp     x blocks x in flight    (tp_sp: tp with SP, else 1)
+        whole_norm_regions  8 x T x hidden x (1 - 1/tp) x blocks x in flight
+
+    ``T``: tokens of one micro-batch per replica (``replica_batch x seq_len / cp``); ``blocks``:
+    the repeated blocks on the stage (``StageEstimate.segments``). A stage whose peak is its
+    optimizer step (negative ``transient`` part) holds no activations there: only the gradient
+    buffer counts (the backward's peak, not in the parts, may then be the higher one)."""
+    kinds = [k for k, by in FRAMEWORK_HELD.items() if run.framework in by]
+    if not kinds:
+        return tuple(0.0 for _ in est.memory_per_device_bytes)
+    if run.virtual_stages != 1 or run.schedule != "1f1b":
+        raise ValueError(f"framework_held_bytes prices non-interleaved 1F1B only, not {run.schedule} v={run.virtual_stages}")
+    s = run.shape
+    tokens = run.replica_batch * run.seq_len / run.cp
+    tp_sp = run.tp if run.sequence_parallel else 1
+    per_block = 0.0
+    if "fused_swiglu" in kinds:
+        per_block -= 2.0 * tokens * s.ffn / run.tp
+    if "dropout_masks" in kinds:
+        per_block += 2.0 * tokens * s.hidden / tp_sp
+    if "whole_norm_regions" in kinds and run.tp > 1 and not run.sequence_parallel:
+        per_block += 8.0 * tokens * s.hidden * (1 - 1 / run.tp)
+    out = []
+    for k, stage in enumerate(est.stages):
+        first, last = stage.segments
+        blocks = len(range(max(first, 1), min(last, est.num_blocks + 1)))
+        parts = stage.memory_parts
+        # a stage peaking at its optimizer step has freed its activations (negative transient)
+        in_flight = min(run.pp - k, run.num_microbatches) if parts["transient"] >= 0 else 0
+        held = per_block * blocks * in_flight
+        if "fp32_main_grads" in kinds:
+            held += 2.0 * parts["weights"] - parts["grads"]
+        out.append(held)
+    return tuple(out)
+
+
 @contextlib.contextmanager
 def eager_hf_norms(run: PublishedRun):  # noqa: ANN201 - a context manager
     """While pricing ``run`` (:data:`EAGER_HF_NORM`), the tracer leaves RMSNorm modules as their
@@ -724,7 +815,10 @@ def price(run: PublishedRun) -> Priced:
         recompute = config.recompute
         step_s += weight * est.step_time_s
         mfu_step += weight * est.mfu * est.step_time_s  # MFU x step time = FLOPs / peak: the same for both
-        peak += weight * est.peak_memory_bytes
+        held = framework_held_bytes(run, est)
+        peak += weight * max(
+            m + h * (1 + ALLOCATOR_MARGIN_FRACTION) for m, h in zip(est.memory_per_device_bytes, held, strict=True)
+        )
         comm_s += weight * est.comm.total_s
         exposed_s += weight * est.exposed_comm_s
         capacity = est.capacity_bytes
