@@ -505,15 +505,17 @@ class Cluster:
             mesh_shape=None if mesh_shape is None else tuple(mesh_shape),
             mesh_axis_names=None if mesh_axis_names is None else tuple(mesh_axis_names),
         )  # fmt: skip
-        by_span: dict[bool, LinkSpec] = {}
-        for link in self.links.values():
-            by_span.setdefault(link.spans_nodes, link)
+        measured = {span: self.measured_link(spans_nodes=span) for span in (False, True)}
         links = {
-            name: by_span[bare.axis_spans_nodes(name)]
-            for name in bare.mesh_axis_names
-            if bare.axis_spans_nodes(name) in by_span
+            name: link for name in bare.mesh_axis_names if (link := measured[bare.axis_spans_nodes(name)]) is not None
         }
         return dataclasses.replace(bare, links=links, calibration=self.calibration)
+
+    def measured_link(self, *, spans_nodes: bool) -> LinkSpec | None:
+        """The calibrated link of this cluster's first axis across nodes (``spans_nodes``) or
+        inside one, whatever the axes are named (``intra``/``inter``, ``intra0``/``intra1`` of a
+        calibrated 2-D mesh, a user's ``dp``/``tp``); ``None`` where no such axis was measured."""
+        return next((link for link in self.links.values() if link.spans_nodes == spans_nodes), None)
 
     def with_mesh(self, mesh_shape: Sequence[int], mesh_axis_names: Sequence[str] | None = None) -> Cluster:
         """The same cluster with another logical mesh (names derived when not given).

@@ -448,10 +448,9 @@ def group_link(cluster: Cluster, *, stride: int, size: int) -> LinkSpec:
     runs ``r`` NICs at once (NCCL gives each NIC its own ring channel), up to the intra-node
     bandwidth (module docstring); a calibrated link is used as measured."""
     spans = cluster.num_nodes > 1 and stride * size > cluster.devices_per_node
-    if not spans and "intra" in cluster.links:
-        return cluster.links["intra"]
-    if spans and "inter" in cluster.links:
-        return cluster.links["inter"]
+    measured = cluster.measured_link(spans_nodes=spans)
+    if measured is not None:
+        return measured
     link = cluster.catalog_link(spans_nodes=spans)
     rails = min(size, cluster.devices_per_node // stride) if spans else 1
     if rails > 1:
@@ -1335,7 +1334,7 @@ def _p2p(
     lo, hi = min(offsets[a], offsets[b]), max(offsets[a + 1], offsets[b + 1]) - 1
     dpn = cluster.devices_per_node
     spans = cluster.num_nodes > 1 and lo // dpn != hi // dpn
-    link = cluster.links.get("inter" if spans else "intra") or cluster.catalog_link(spans_nodes=spans)
+    link = cluster.measured_link(spans_nodes=spans) or cluster.catalog_link(spans_nodes=spans)
     share = total / min(config.dp_of(a), config.dp_of(b))
     return _Transfer(
         time_s=link_time_s("send_recv", share, 2, link, backend=cluster.backend), bytes=share, spans_nodes=spans

@@ -26,7 +26,7 @@ from autoplan.cost_models.calibration import (
 from autoplan.cost_models.cluster import COMM_KINDS, Cluster, current_device_model
 from autoplan.cost_models.comm import collective_time_s, effective_collective
 from autoplan.cost_models.errors import ConfigError
-from autoplan.cost_models.step import replica_cluster
+from autoplan.cost_models.step import group_link, replica_cluster
 from autoplan.planner.mesh import as_cluster, stage_cluster
 
 
@@ -103,6 +103,8 @@ def test_a_cached_profile_of_this_machine_prices_every_axis_of_the_local_mesh(ca
     for config in (_config(dp=2, tp=2), _config(dp=1, tp=2, cp=2)):
         stage = stage_cluster(cluster, config)
         assert link.collectives and all(stage.axis_link(a) == link for a in range(stage.mesh_ndim)), config
+    # the search's data-parallel groups and pipeline sends too, whatever the mesh's axes are named
+    assert cluster.mesh_axis_names == ("intra0", "intra1") and group_link(cluster, stride=2, size=2) == link
     group = replica_cluster(cluster, 2).axis_link(0)  # the joint search's tensor-parallel group: the device's numbers
     assert (group.bw_GBps, group.latency_us) == (link.bw_GBps, link.latency_us)
     assert replica_cluster(as_cluster("4xCPU"), 2).axis_link(0) == link  # a group of the calibrated ranks keeps the record
