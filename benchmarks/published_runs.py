@@ -124,6 +124,7 @@ need not agree, so compare the tokens/s error first.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 import statistics
@@ -683,19 +684,31 @@ Every row keeps autoplan's own price for the rest; the bytes get the allocator m
 
 
 def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> tuple[float, ...]:
-    """Per pipeline rank (non-interleaved 1F1B: stage ``k`` on rank ``k`` with ``min(pp - k,
-    micro-batches)`` micro-batches in flight at its peak), the bytes of :data:`FRAMEWORK_HELD`
-    the run's framework holds beyond autoplan's program (negative: holds less)::
+    """Per pipeline rank (non-interleaved 1F1B: stage ``k`` on rank ``k`` with ``f = min(pp - k,
+    micro-batches)`` micro-batches in flight at its peak), the bytes the run's framework holds at
+    its peak beyond autoplan's priced peak (negative: less), from :data:`FRAMEWORK_HELD`. Per
+    block and micro-batch in flight (``T``: tokens of one micro-batch per replica, ``replica_batch
+    x seq_len / cp``; ``tp_sp``: tp with SP, else 1)::
 
-        fp32_main_grads     2 x weights - grads                 (bf16 weights: 2 B per parameter -> 4 B)
-        fused_swiglu        -2 x T x ffn / tp          x blocks x in flight
-        dropout_masks       2 x T x hidden / tp_sp     x blocks x in flight    (tp_sp: tp with SP, else 1)
-        whole_norm_regions  8 x T x hidden x (1 - 1/tp) x blocks x in flight
+        fused_swiglu        -2 x T x ffn / tp
+        dropout_masks        2 x T x hidden / tp_sp
+        whole_norm_regions   8 x T x hidden x (1 - 1/tp)
 
-    ``T``: tokens of one micro-batch per replica (``replica_batch x seq_len / cp``); ``blocks``:
-    the repeated blocks on the stage (``StageEstimate.segments``). A stage whose peak is its
-    optimizer step (negative ``transient`` part) holds no activations there: only the gradient
-    buffer counts (the backward's peak, not in the parts, may then be the higher one)."""
+    and ``X = that x blocks x f`` (``blocks``: the repeated blocks on the stage,
+    ``StageEstimate.segments``). With the stage's parts ``W, O, A, grads, transient`` and
+    ``P = sum(parts) - allocator`` (autoplan's peak before the margin), the framework's peak is
+    the larger of::
+
+        at autoplan's peak            P - grads + B + (X if transient >= 0 else 0)
+        at the start of a backward    W + O + A + B + X                    (fp32_main_grads only)
+
+    ``B``: the gradient buffer, ``2 x W`` with ``fp32_main_grads`` (fp32 over every local
+    parameter, allocated when the model is wrapped, so alive through every micro-batch's
+    backward), else autoplan's ``grads``. Autoplan's own program accumulates a later micro-batch's
+    raw gradients beside the sum and frees activations as they are read, so its peak can be a late
+    segment's backward with the activations gone (negative ``transient``: Aquila2 dp=8); a
+    framework with the buffer peaks when the activations are all alive at the first backward op.
+    The second line leaves out that op's temporaries (a lower bound)."""
     kinds = [k for k, by in FRAMEWORK_HELD.items() if run.framework in by]
     if not kinds:
         return tuple(0.0 for _ in est.memory_per_device_bytes)
@@ -716,12 +729,15 @@ def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> t
         first, last = stage.segments
         blocks = len(range(max(first, 1), min(last, est.num_blocks + 1)))
         parts = stage.memory_parts
-        # a stage peaking at its optimizer step has freed its activations (negative transient)
-        in_flight = min(run.pp - k, run.num_microbatches) if parts["transient"] >= 0 else 0
-        held = per_block * blocks * in_flight
+        priced = sum(parts.values()) - parts["allocator"]
+        x = per_block * blocks * min(run.pp - k, run.num_microbatches)
         if "fp32_main_grads" in kinds:
-            held += 2.0 * parts["weights"] - parts["grads"]
-        out.append(held)
+            buffer = 2.0 * parts["weights"]
+            at_backward_start = parts["weights"] + parts["optimizer"] + parts["activations"] + buffer + x
+        else:
+            buffer, at_backward_start = parts["grads"], -math.inf
+        at_peak = priced - parts["grads"] + buffer + (x if parts["transient"] >= 0 else 0.0)
+        out.append(max(at_peak, at_backward_start) - priced)
     return tuple(out)
 
 
