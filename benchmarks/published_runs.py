@@ -649,6 +649,12 @@ FRAMEWORK_HELD = {
         "accumulate_allreduce_grads_in_fp32), megatron/model/distributed.py:15-24, 117-119, 140 (MemoryBuffer of "
         "torch.float over every local parameter, allocated at wrap, never sharded)",
     },
+    "zero3_grad_partitions": {
+        "deepspeed": "DeepSpeed v0.11.1 (e9503fe4): deepspeed/runtime/zero/stage3.py:472-482 "
+        "(grad_partitions_flat_buffer = torch.zeros over every parameter's partition, in "
+        "gradient_accumulation_dtype, the training dtype unless set, allocated when the optimizer is built; "
+        "each parameter's reduced gradient partition is a view of it)",
+    },
     "fused_swiglu": {
         "megatron": "Megatron-Core megatron/core/fusions/fused_bias_swiglu.py BiasSwiGLUFunction.forward: "
         "ctx.save_for_backward(input, bias), the backward recomputes silu (bias_activation_fusion, on by default; "
@@ -671,6 +677,8 @@ does not, or does not hold, per kind, with where in the framework's code
 
 - ``fp32_main_grads``: the gradient buffer in fp32 over every local parameter (4 B each, where
   autoplan's bf16 step holds 2 B gradients);
+- ``zero3_grad_partitions``: ZeRO-3's gradient partitions in one flat buffer in the training
+  dtype (the size of the weights' shards), alive from the optimizer's construction on;
 - ``fused_swiglu``: SwiGLU fused into one autograd function that saves its input only: the
   ``silu`` output autoplan's traced step saves for the ``mul``'s backward is not kept
   (``-2 B x tokens x ffn / tp`` per block and micro-batch in flight);
@@ -700,11 +708,11 @@ def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> t
     the larger of::
 
         at autoplan's peak            P - grads + B + (X if transient >= 0 else 0)
-        at the start of a backward    W + O + A + B + X                    (fp32_main_grads only)
+        at the start of a backward    W + O + A + B + X                    (a buffer kind only)
 
-    ``B``: the gradient buffer, ``2 x W`` with ``fp32_main_grads`` (fp32 over every local
-    parameter, allocated when the model is wrapped, so alive through every micro-batch's
-    backward), else autoplan's ``grads``. Autoplan's own program accumulates a later micro-batch's
+    ``B``: the gradient buffer, alive through every micro-batch's backward: ``2 x W`` with
+    ``fp32_main_grads`` (fp32 over every local parameter), ``W`` with ``zero3_grad_partitions``
+    (the shards in the training dtype), else autoplan's ``grads`` (then only the first line). Autoplan's own program accumulates a later micro-batch's
     raw gradients beside the sum and frees activations as they are read, so its peak can be a late
     segment's backward with the activations gone (negative ``transient``: Aquila2 dp=8); a
     framework with the buffer peaks when the activations are all alive at the first backward op.
@@ -731,8 +739,8 @@ def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> t
         parts = stage.memory_parts
         priced = sum(parts.values()) - parts["allocator"]
         x = per_block * blocks * min(run.pp - k, run.num_microbatches)
-        if "fp32_main_grads" in kinds:
-            buffer = 2.0 * parts["weights"]
+        if "fp32_main_grads" in kinds or "zero3_grad_partitions" in kinds:
+            buffer = (2.0 if "fp32_main_grads" in kinds else 1.0) * parts["weights"]
             at_backward_start = parts["weights"] + parts["optimizer"] + parts["activations"] + buffer + x
         else:
             buffer, at_backward_start = parts["grads"], -math.inf
