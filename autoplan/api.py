@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import autoplan.errors as errors
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import PRECISIONS, ParallelConfig
-from autoplan.cost_models.errors import ConfigError, PlanError, PlanMismatchError
+from autoplan.cost_models.echo import clip
+from autoplan.cost_models.errors import ConfigError, NotPlannedError, PlanError, PlanMismatchError
 from autoplan.cost_models.memory import OPTIMIZERS
 from autoplan.passes import pass_order
 from autoplan.passes.expand import expand_assignment
@@ -240,6 +241,12 @@ BuiltModel = ParallelModel | PipelineModel
 """What :func:`parallelize` builds: a pipeline for a plan made for a global batch."""
 
 
+_NOT_PLANNED = (
+    "the model is not planned yet (parallelize() was called without example_inputs): call "
+    "pmodel(inputs, targets=...) once before building the optimizer, or pass example_inputs= to parallelize"
+)
+
+
 class DeferredModel:
     """What :func:`parallelize` returns without ``example_inputs``: the model is planned and built
     at its first call, ``loss = pmodel(*inputs, targets=...)`` (or ``forward_backward``), with
@@ -274,10 +281,7 @@ class DeferredModel:
     def built(self) -> BuiltModel:
         """The planned model (:class:`PlanError` before the first call)."""
         if self._built is None:
-            raise PlanError(
-                "the model is not planned yet (parallelize() was called without example_inputs): call "
-                "pmodel(inputs, targets=...) once before building the optimizer, or pass example_inputs= to parallelize"
-            )
+            raise PlanError(_NOT_PLANNED)
         return self._built
 
     def _built_for(self, inputs: tuple[torch.Tensor | LocalBatch, ...], targets: Sequence[torch.Tensor]) -> BuiltModel:
@@ -328,7 +332,9 @@ class DeferredModel:
             "_planned",
         ):  # copy/pickle protocols, a half-made object
             raise AttributeError(name)
-        return getattr(self.built, name)
+        if self._built is None:  # hasattr() answers False, getattr(pmodel, name, default) the default
+            raise NotPlannedError(f"pmodel.{name if name.isidentifier() else clip(name)}: {_NOT_PLANNED}")
+        return getattr(self._built, name)
 
 
 def _check_joint_options(

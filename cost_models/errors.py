@@ -68,6 +68,13 @@ class ConfigError(PlanError):
     the model, cluster or global batch."""
 
 
+class NotPlannedError(PlanError, AttributeError):
+    """An attribute of a deferred model (``parallelize`` without ``example_inputs``) is asked for
+    before its first call planned it. Also an ``AttributeError``, so ``hasattr(pmodel, name)`` is
+    ``False`` and ``getattr(pmodel, name, default)`` gives the default (as for any object without
+    the attribute: ``torch.compile`` and other wrappers probe attributes that way)."""
+
+
 class NonFiniteLossError(PlanError):
     """A training step's loss is NaN or infinite: training stops before that step's optimizer
     step (``autoplan run`` exits 2 with one line naming the step) unless told to train on

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import autoplan
+from autoplan.errors import NotPlannedError
 from autoplan.runtime.data import LocalBatch
 from tests import zoo
 from tests.harness import RankPool, cpu_cluster, mismatches, run_ranks
@@ -235,6 +236,21 @@ def test_deferred_model_before_its_first_call_names_the_order(use: Any) -> None:
                            r"optimizer, or pass example_inputs= to parallelize"):  # fmt: skip
             use(pm)
         assert not hasattr(pm, "__deepcopy__")  # protocols stay AttributeErrors
+
+
+def test_deferred_model_before_its_first_call_answers_hasattr_and_getattr_defaults() -> None:
+    """Wrappers (``torch.compile``, Lightning, Accelerate) probe attributes with ``hasattr``: before
+    the first call an attribute of the built model is absent, not an exception; using it still
+    raises the PlanError naming the order, also an AttributeError (NotPlannedError)."""
+    with fake_job(2):
+        pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), loss_fn=zoo.lm_loss)
+        assert not hasattr(pm, "parameters") and not hasattr(pm, "no_such_attribute")
+        assert getattr(pm, "plan", None) is None
+        with pytest.raises(NotPlannedError, match=r"pmodel.state_dict: the model is not planned yet"):
+            pm.state_dict  # noqa: B018 - the attribute access raises
+        with pytest.raises(autoplan.PlanError, match="the model is not planned yet"):
+            pm.built  # noqa: B018 - the property raises a PlanError (not an AttributeError: no hasattr loop)
+        assert isinstance(NotPlannedError("x"), AttributeError)
 
 
 def test_deferred_model_refuses_a_local_batch_before_it_is_planned() -> None:
