@@ -12,8 +12,12 @@ as it does on one device::
     for ids, labels in batches:
         loss = pmodel(ids, targets=(labels,))                   # the step's forward and backward run here
         loss.backward()                                         # gradients land in .grad (summed if already there)
-        torch.nn.utils.clip_grad_norm_(pmodel.parameters(), 1.0)  # the global norm across shards
+        pmodel.clip_grad_norm_(1.0)                             # the global norm over every shard and stage
         opt.step(); sched.step(); opt.zero_grad()
+    destroy_process_groups()                                    # autoplan.runtime.teardown: end the rank program
+
+(``torch.nn.utils.clip_grad_norm_`` would count a replicated shard once per rank and miss the
+other pipeline stages: :func:`clip_grad_norm_` is the global norm.)
 
 Semantics of the returned loss ``L`` (:func:`loss_installing_grads`): ``L.backward(g)`` adds
 ``g * dL/dp`` to each trainable parameter's ``.grad`` (DTensors in the parameters' placements),
