@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import autoplan
 from autoplan.errors import NotPlannedError
+from autoplan.runtime import training
 from autoplan.runtime.data import LocalBatch
 from tests import zoo
 from tests.harness import RankPool, cpu_cluster, mismatches, run_ranks
@@ -251,6 +252,28 @@ def test_deferred_model_before_its_first_call_answers_hasattr_and_getattr_defaul
         with pytest.raises(autoplan.PlanError, match="the model is not planned yet"):
             pm.built  # noqa: B018 - the property raises a PlanError (not an AttributeError: no hasattr loop)
         assert isinstance(NotPlannedError("x"), AttributeError)
+
+
+def test_torch_compile_of_a_parallel_model_runs_its_program_eagerly_and_says_so() -> None:
+    """``torch.compile(pmodel)`` (Inductor) gives the eager program's loss and gradients, with
+    one warning saying the program runs eagerly (TorchDynamo skips the planned program, whose
+    collectives are issued where the plan priced them); before, TorchDynamo failed inside it."""
+    training._compiled_call_noted = False
+    with fake_job(2):
+        ids, labels = zoo.token_batch(seed=1)
+        pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(ids,),
+                                  loss_fn=zoo.lm_loss, example_targets=(labels,), profile=None)  # fmt: skip
+        torch._dynamo.reset()
+        with pytest.warns(UserWarning, match="runs its per-rank program eagerly"):
+            compiled = torch.compile(pm, backend="inductor")(ids, targets=(labels,))
+        compiled.backward()
+        grads = [p.grad.full_tensor().clone() for p in pm.parameters() if p.requires_grad]
+        pm.zero_grad()
+        eager = pm(ids, targets=(labels,))
+        eager.backward()
+        assert float(compiled.detach()) == float(eager.detach())
+        for g, p in zip(grads, [p for p in pm.parameters() if p.requires_grad], strict=True):
+            assert torch.equal(g, p.grad.full_tensor())
 
 
 def test_deferred_model_refuses_a_local_batch_before_it_is_planned() -> None:

@@ -332,7 +332,14 @@ class ParallelModel(torch.nn.Module):
         """``loss = pmodel(*inputs, targets=...)`` (or ``pmodel(batch)`` with a
         :class:`~autoplan.runtime.data.LocalBatch`) in a standard loop: runs the step (forward
         and backward) and returns the loss, whose ``backward()`` puts the gradients in ``.grad``
-        (:mod:`autoplan.runtime.training`)."""
+        (:mod:`autoplan.runtime.training`). Under ``torch.compile(pmodel)`` the step runs
+        eagerly (:data:`~autoplan.runtime.training.COMPILED_CALL_NOTE`)."""
+        if torch.compiler.is_compiling():
+            training.note_compiled_call()
+        return self._forward_eagerly(*inputs, targets=targets)
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor]) -> torch.Tensor:
         before = [p.grad for p in self._trainable]
         loss = self.forward_backward(*inputs, targets=targets)
         return training.loss_installing_grads(self._anchor, loss, self._trainable, before)

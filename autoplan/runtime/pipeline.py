@@ -800,7 +800,14 @@ class PipelineModel(torch.nn.Module):
         """``loss = pmodel(*inputs, targets=...)`` (or ``pmodel(batch)`` with a
         :class:`~autoplan.runtime.data.LocalBatch`) in a standard loop: runs the step (every
         micro-batch) and returns the loss, whose ``backward()`` puts the gradients in ``.grad``
-        (:mod:`autoplan.runtime.training`)."""
+        (:mod:`autoplan.runtime.training`). Under ``torch.compile(pmodel)`` the step runs
+        eagerly (:data:`~autoplan.runtime.training.COMPILED_CALL_NOTE`)."""
+        if torch.compiler.is_compiling():
+            training.note_compiled_call()
+        return self._forward_eagerly(*inputs, targets=targets)
+
+    @torch.compiler.disable
+    def _forward_eagerly(self, *inputs: torch.Tensor | LocalBatch, targets: Sequence[torch.Tensor]) -> torch.Tensor:
         trainable = [p for p in self.parameters() if p.requires_grad]
         before = [p.grad for p in trainable]
         loss = self.forward_backward(*inputs, targets=targets)

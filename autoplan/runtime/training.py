@@ -85,6 +85,27 @@ class _InstallGrads(torch.autograd.Function):
         return None, None, None, None
 
 
+COMPILED_CALL_NOTE = (
+    "torch.compile of a parallelized model runs its per-rank program eagerly: the program's collectives are "
+    "issued and waited where the plan priced them, and TorchDynamo skips it (the call is torch.compiler.disable'd); "
+    "the numbers are the eager program's"
+)
+"""What ``torch.compile(pmodel)`` does, said once per process (:func:`note_compiled_call`)."""
+
+_compiled_call_noted = False
+
+
+def note_compiled_call() -> None:
+    """Warn once that ``torch.compile(pmodel)`` runs the program eagerly (called from a
+    parallel model's ``forward`` while TorchDynamo traces it)."""
+    global _compiled_call_noted
+    if not _compiled_call_noted:
+        _compiled_call_noted = True
+        import warnings
+
+        warnings.warn(COMPILED_CALL_NOTE, UserWarning, stacklevel=3)
+
+
 def loss_installing_grads(
     anchor: torch.Tensor,
     loss: torch.Tensor,
