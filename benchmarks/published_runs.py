@@ -12,10 +12,12 @@ per-block gathers and per-bucket reduce-scatters as the program issues them), th
 memory per device beside the published one (and what that counts, ``PublishedRun.peak_memory_kind``)
 and their error, the capacity the cost model lets a device use, and whether it calls the
 configuration feasible; then, last,
-``published: runs=N err_median=X% err_max=Y% mem_err_median=Z% mem_err_max=W% feasible=K/N``
-(median and max of |error| over the runs that publish tokens/s; ``mem_err_*`` over the runs with a
-published peak memory, ``n/a`` when none has one; ``feasible``: the runs priced as fitting, of all:
-every run here ran, so all should). ``--only SUBSTR`` prices only the runs whose model name or
+``published: runs=N err_median=X% err_max=Y% mem_err_median=Z% mem_err_max=W% feasible=K/N
+source_bias_max=B%`` (median and max of |error| over the runs that publish tokens/s; ``mem_err_*``
+over the runs with a published peak memory, ``n/a`` when none has one; ``feasible``: the runs
+priced as fitting, of all: every run here ran, so all should; ``source_bias_max``: the largest
+|median signed time error| of one source, from the per-source table printed before it,
+:func:`source_table`). ``--only SUBSTR`` prices only the runs whose model name or
 source contains SUBSTR (case-insensitive); ``--breakdown`` adds, under each run, where its
 predicted step goes (:func:`breakdown`).
 
@@ -1038,6 +1040,40 @@ def _pct(values: list[float], f) -> str:  # noqa: ANN001 - statistics.median or 
     return f"{f(values):.1%}" if values else "n/a"
 
 
+def source_label(source: str) -> str:
+    """A short name of a run's source for the per-source table: a FlagPerf case by its
+    directory (``FlagPerf llama3_8B-megatron``), any other by its text up to the first comma."""
+    if source.startswith(FLAGPERF):
+        case = source.split("training/nvidia/", 1)[-1].split("/", 1)[0]
+        return f"FlagPerf {case}"
+    head = source.split(",", 1)[0].split(";", 1)[0]
+    return head if len(head) <= 48 else head[:47] + "…"
+
+
+def source_table(rows: list[tuple[str, float | None, float | None]]) -> tuple[list[str], float | None]:
+    """Per source, from ``(source, time error, memory error)`` of each run (signed, ``None``: not
+    published): the runs, the median signed time error (the source's bias: a model that leans
+    one way on a source reads far from 0), the median |time error|, and the memory's median
+    signed error. Returns the lines and the largest |median signed time error| over the sources."""
+    by: dict[str, list[tuple[float | None, float | None]]] = {}
+    for src, err, mem in rows:
+        by.setdefault(source_label(src), []).append((err, mem))
+    lines = ["source | runs | time bias (median signed) | time median |err| | memory bias (runs)"]
+    worst: float | None = None
+    for label in sorted(by):
+        errs = [e for e, _ in by[label] if e is not None]
+        mems = [m for _, m in by[label] if m is not None]
+        bias = statistics.median(errs) if errs else None
+        if bias is not None:
+            worst = abs(bias) if worst is None else max(worst, abs(bias))
+        lines.append(
+            f"{label} | {len(by[label])} | {'n/a' if bias is None else f'{bias:+.1%}'} | "
+            f"{_pct([abs(e) for e in errs], statistics.median)} | "
+            f"{f'{statistics.median(mems):+.1%} ({len(mems)})' if mems else 'n/a'}"
+        )
+    return lines, worst
+
+
 def comparable_peak_gib(run: PublishedRun, p: Priced) -> float:
     """The predicted figure that counts what the published peak counts: ``nvidia-smi`` (the
     device's used memory) adds to the allocator's reserved peak the memory a training process
@@ -1061,6 +1097,7 @@ def main() -> int:
             "published peak GiB (kind)", "mem error", "capacity GiB", "feasible")  # fmt: skip
     print(" | ".join(head))
     errors, mem_errors, encoding, feasible = [], [], [], 0
+    per_source: list[tuple[str, float | None, float | None]] = []
     for run in runs:
         with eager_hf_norms(run):  # the run's program as it ran, in the table and the breakdown
             p = price(run)
@@ -1086,9 +1123,12 @@ def main() -> int:
             f"{p.peak_memory_gib:.1f} | {pub_mem} | {mem_s} | {p.capacity_gib:.1f} | {'yes' if p.feasible else 'NO'}",
             flush=True,
         )  # fmt: skip
+        per_source.append((run.source, None if wps is None else err, None if run.peak_memory_gib is None else mem_err))
         if show_breakdown:
             with eager_hf_norms(run):
                 print("\n".join(breakdown(run)), flush=True)
+    lines, worst_bias = source_table(per_source)
+    print("\n".join(["", *lines, ""]))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if encoding:
         print(f"encoding check: published MFU vs torchtitan's formula on published tok/s, max |diff| "
@@ -1098,7 +1138,7 @@ def main() -> int:
     print(
         f"published: runs={len(runs)} err_median={_pct(errors, statistics.median)} err_max={_pct(errors, max)} "
         f"mem_err_median={_pct(mem_errors, statistics.median)} mem_err_max={_pct(mem_errors, max)} "
-        f"feasible={feasible}/{len(runs)}"
+        f"feasible={feasible}/{len(runs)} source_bias_max={'n/a' if worst_bias is None else f'{worst_bias:.1%}'}"
     )
     return 0
 
