@@ -189,6 +189,7 @@ from autoplan.cost_models.memory import (
     usable_memory_bytes,
 )
 from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_at_rank_peak, inflight_microbatches
+from autoplan.cost_models.step_parts import StepParts
 
 # --- input: costs per layer segment ------------------------------------------------------------
 
@@ -376,6 +377,8 @@ class TrainingEstimate:
     """The whole step's communication per kind and mesh axis (``dp``, ``tp``, ``pp``) of the
     pipeline rank with the most exposed: count, bytes, total and exposed time (module docstring);
     ``exposed_comm_s`` is its exposed sum."""
+    parts: StepParts = StepParts(compute_s=0.0, exposed_comm_s=0.0)
+    """The step in parts that add up to ``step_time_s`` (:class:`StepParts`, :func:`step_parts`)."""
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -402,6 +405,7 @@ class TrainingEstimate:
         return {
             "config": self.config.to_dict(),
             "step_time_s": self.step_time_s,
+            "step_parts": self.parts.to_dict(),
             "compute_s": self.compute_s,
             "exposed_comm_s": self.exposed_comm_s,
             "bubble_s": self.bubble_s,
@@ -424,14 +428,16 @@ class TrainingEstimate:
         gib = 2**30
         lines = [
             f"config: {self.config}",
-            f"step time {self.step_time_s * 1e3:.1f} ms = compute {self.compute_s * 1e3:.1f} ms "
-            f"+ exposed comm {self.exposed_comm_s * 1e3:.1f} ms + bubble {self.bubble_s * 1e3:.1f} ms "
-            f"+ optimizer {self.optimizer_s * 1e3:.1f} ms"
-            f"{' (on the host, with the copies to and from it)' if self.config.offload_optimizer else ''} (parts overlap)",
+            f"step time {self.step_time_s * 1e3:.1f} ms = "
+            + " + ".join(f"{name} {t * 1e3:.1f} ms" for name, t in self.parts.rows())
+            + (" (the optimizer on the host, with the copies to and from it)" if self.config.offload_optimizer else ""),
             f"throughput {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%}",
             f"peak memory per device {self.peak_memory_bytes / gib:.2f} GiB of {self.capacity_bytes / gib:.1f} GiB"
             + ("" if self.feasible else "  (DOES NOT FIT)"),
         ]
+        note = self.parts.comm_note(self.comm.exposed_s)
+        if note:
+            lines.insert(2, f"  ({note})")
         if self.config.pp > 1:
             lines.append(f"stages start at segments {list(self.stage_starts)}, recompute {list(self.stage_recompute)}")
         return "\n".join(lines)
@@ -1065,6 +1071,16 @@ def _tp_sync_tail(tp_sync: Sequence[float], bwd_c: Sequence[float], overlap: boo
     return max(0.0, link.free_s - t)
 
 
+def _per_step(
+    part: Sequence[SegmentCost], *, m: int, recompute: str, fwd: Callable[[SegmentCost], float],
+    bwd: Callable[[SegmentCost], float],
+) -> float:
+    """A per-segment forward and backward quantity summed over the step's passes: ``m``
+    micro-batches' forwards (twice under full recomputation: the backward re-runs it) and backwards."""
+    passes = 3 if recompute == "full" else 2
+    return m * sum(fwd(s) * (passes - 1) + bwd(s) for s in part)
+
+
 def _tp_rows(
     part: Sequence[SegmentCost], *, m: int, recompute: str, overlap: bool, expert_axis: str = "dp", group: str = "tp",
     converting: int = 1,
@@ -1082,7 +1098,7 @@ def _tp_rows(
     passes = 3 if recompute == "full" else 2
 
     def per_step(fwd: Callable[[SegmentCost], float], bwd: Callable[[SegmentCost], float]) -> float:
-        return m * sum(fwd(s) * (passes - 1) + bwd(s) for s in part)
+        return _per_step(part, m=m, recompute=recompute, fwd=fwd, bwd=bwd)
 
     a2a_total = per_step(lambda s: s.fwd_all_to_all_s, lambda s: s.bwd_all_to_all_s)
     ring_exposed = per_step(lambda s: s.fwd_ring_s, lambda s: s.bwd_ring_s)
@@ -1289,9 +1305,59 @@ def _rank_after(
                 tuple(passes), overlap=overlap, slow=slow, prefetch=policy.prefetch_blocks
             ) - sum(p.comm.in_backward_s for p in mine if p.comm is not None)
         if config.schedule != "zero-bubble":
-            slack = sum(priced[s].estimate.bwd_s + (p2p_s[s] if s < len(p2p_s) else 0.0) for s in range(r))
-            after[r] -= slack  # (rank 0 has none: the step never ends before the makespan)
+            after[r] -= _slack_s(priced, p2p_s, r)  # (rank 0 has none: the step never ends before the makespan)
     return after, optimizer
+
+
+def _slack_s(priced: Sequence[_StagePrice], p2p_s: Sequence[float], rank: int) -> float:
+    """How long before the makespan pipeline rank ``rank``'s part of the schedule ends: the last
+    backwards of the stages before it on the final chain and the sends between them (not under
+    zero-bubble: :func:`_rank_after`)."""
+    return sum(priced[s].estimate.bwd_s + (p2p_s[s] if s < len(p2p_s) else 0.0) for s in range(rank))
+
+
+def step_parts(
+    config: ParallelConfig,
+    priced: Sequence[_StagePrice],
+    *,
+    blocking_s: Sequence[float],
+    p2p_s: Sequence[float],
+    makespan_s: float,
+    bubble_s: float,
+    drain_s: float,
+    after: Sequence[float],
+    optimizer: Sequence[float],
+    step_time_s: float,
+) -> StepParts:
+    """The step ``makespan + drain + max(after)`` of :func:`evaluate` in the parts of
+    :class:`StepParts` (its docstring gives the cut). ``blocking_s[k]``: stage ``k``'s collectives
+    in the compute stream over the step (part of its compute, :func:`_per_step` of the segments'
+    ``fwd_comm_s`` and ``bwd_comm_s``); ``after`` and ``optimizer``: per pipeline rank, from
+    :func:`_rank_after`; ``bubble_s``: the schedule's idle time without transfers (:func:`_pipeline_times`)."""
+    m, pp = config.num_microbatches, config.pp
+    busy, compute, blocking = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    for p, b in zip(priced, blocking_s, strict=True):
+        busy[p.estimate.rank] += m * (p.estimate.fwd_s + p.estimate.bwd_s)
+        compute[p.estimate.rank] += m * p.compute_s
+        blocking[p.estimate.rank] += b
+    rb = max(range(pp), key=busy.__getitem__)  # the busiest rank: the schedule's critical path
+    work = min(compute[rb], busy[rb])
+    in_stream = min(blocking[rb], work)
+    waits = busy[rb] - work  # its compute stream's waits for gathers
+    idle = max(0.0, makespan_s - busy[rb])
+    bubble = min(max(bubble_s, 0.0), idle)
+    rl = max(range(pp), key=after.__getitem__)  # the rank that finishes last (evaluate's max(after))
+    tail = max(0.0, after[rl])
+    slack = _slack_s(priced, p2p_s, rl) if config.schedule != "zero-bubble" else 0.0
+    sync = after[rl] + slack - optimizer[rl]  # its gradient synchronisation, before its optimizer steps
+    sync_tail = min(tail, max(0.0, sync - slack))
+    exposed = in_stream + waits + (idle - bubble) + max(0.0, drain_s) + sync_tail
+    optimizer_tail = tail - sync_tail
+    compute_part = step_time_s - exposed - bubble - optimizer_tail
+    assert compute_part >= -1e-9 * max(step_time_s, 1e-12), f"step parts exceed the step: {compute_part}"
+    return StepParts(
+        compute_s=max(0.0, compute_part), exposed_comm_s=exposed, bubble_s=bubble, optimizer_s=optimizer_tail
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -1491,6 +1557,14 @@ def evaluate(
     flops = sum(s.flops for s in segs) * m * config.dp
     peak_flops = cluster.device.peak_flops_for(precision_dtype(precision)) * cluster.world_size
     comm = _step_comm(config, priced, p2p, p2p_exposed + drain)
+    blocking = [
+        _per_step(parts[k], m=m, recompute=rec[k], fwd=lambda s: s.fwd_comm_s, bwd=lambda s: s.bwd_comm_s)
+        for k in range(nstages)
+    ]
+    step_in_parts = step_parts(
+        config, priced, blocking_s=blocking, p2p_s=p2p_s, makespan_s=makespan, bubble_s=bubble, drain_s=drain,
+        after=after, optimizer=optimizer, step_time_s=step,
+    )  # fmt: skip
     return TrainingEstimate(
         config=config,
         step_time_s=step,
@@ -1509,6 +1583,7 @@ def evaluate(
         p2p_exposed_s=p2p_exposed,
         flops_per_step=flops,
         comm=comm,
+        parts=step_in_parts,
     )
 
 
@@ -1522,5 +1597,6 @@ __all__ = [
     "offload_time_s",
     "recompute_parts",
     "replica_cluster",
+    "step_parts",
     "uniform_starts",
 ]

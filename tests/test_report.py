@@ -216,8 +216,8 @@ def test_time_parts_of_an_ilp_plan_add_up_to_the_step(plans):  # noqa: ANN001
     e = plans["ilp"].estimate
     parts = dict(report.time_parts(plans["ilp"]))
 
-    assert parts["compute"] == e.compute_s
-    assert sum(parts.values()) == pytest.approx(e.step_time_s)
+    assert parts["compute"] == pytest.approx(e.compute_s)  # a per-operator plan: the compute stream's
+    assert sum(parts.values()) == pytest.approx(e.step_time_s, rel=1e-12)
 
 
 def test_device_timeline_stalls_compute_for_exactly_the_exposed_communication(plans):  # noqa: ANN001

@@ -516,7 +516,7 @@ def weighed_configurations(best: TrainingEstimate, every: Sequence[TrainingEstim
     return tuple(
         ConfigOption(
             config=e.config, step_time_s=e.step_time_s, compute_s=e.compute_s, exposed_comm_s=e.exposed_comm_s,
-            bubble_s=e.bubble_s, peak_memory_bytes=e.peak_memory_bytes, feasible=e.feasible,
+            bubble_s=e.bubble_s, peak_memory_bytes=e.peak_memory_bytes, feasible=e.feasible, parts=e.parts,
         )  # fmt: skip
         for e in (best, *others)[:MAX_CONFIGURATIONS]
     )
@@ -541,4 +541,5 @@ def _stage_estimate(best: TrainingEstimate, stage: Plan) -> Estimate:
         tokens_per_s=best.tokens_per_s,
         memory_per_device_bytes=best.memory_per_device_bytes,
         comm=best.comm,
+        step_parts=best.parts,
     )

@@ -31,6 +31,7 @@ from autoplan.cost_models.files import (
     read_limited,
 )
 from autoplan.cost_models.memory import OPTIMIZERS
+from autoplan.cost_models.step_parts import StepParts
 from autoplan.cost_models.version import __version__
 from autoplan.passes.explain import NodeExplanation
 from autoplan.passes.kv_rows import KVGroupRows, layout_text, layouts_from_json, layouts_to_json
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # loading, checking and printing a plan needs no torch (`auto
 PLAN_FORMAT = "autoplan.plan"
 PLAN_VERSION = 2
 GiB = 1024**3
+MiB = 1024**2
 _ESTIMATE_OPTIONAL = ("bubble_s", "mfu", "tokens_per_s")
 """Estimate fields written only when set (plans made with a global batch)."""
 _SOLVER_KEYS = ("status", "objective_s", "num_variables", "num_constraints")
@@ -224,6 +226,66 @@ class Estimate:
     """The whole step's communication per kind and mesh axis (every block, micro-batch, bucket
     and pipeline transfer), rows summing to ``comm_s`` and ``exposed_comm_s``; empty in plan
     files written before it was recorded."""
+    step_parts: StepParts | None = None
+    """The step in parts that add up to ``step_time_s`` (the joint search's
+    :class:`~autoplan.cost_models.step.StepParts`); ``None`` for a per-operator plan, whose parts
+    follow from the fields (:attr:`parts`), and in global-batch plan files written before it
+    was recorded."""
+
+    @property
+    def parts(self) -> StepParts | None:
+        """The step in parts that add up to ``step_time_s``, each >= 0: what every review output
+        prints. A per-operator plan's are its compute stream's (compute and its waits,
+        :meth:`StepParts.of_program`); ``None`` for a global-batch plan file that did not record them."""
+        if self.step_parts is not None:
+            return self.step_parts
+        if self.bubble_s is None:  # a per-operator plan: step = compute + the compute stream's waits
+            exposed = self.exposed_comm_s if self.exposed_comm_s is not None else self.comm_s
+            return StepParts.of_program(step_time_s=self.step_time_s, exposed_comm_s=exposed)
+        return None
+
+    def memory_parts(self) -> dict[str, float]:
+        """The peak's parts by name, as every review output lists them: the recorded parts in
+        :data:`MEMORY_PARTS` order (others after them, sorted), with ``other`` for what they leave
+        of ``total`` (an interleaved rank's other stages), so the parts add up to the peak."""
+        mem = self.memory_bytes
+        names = [k for k in MEMORY_PARTS if k in mem] + sorted(k for k in mem if k not in (*MEMORY_PARTS, "total"))
+        parts = {k: mem[k] for k in names}
+        rest = mem["total"] - sum(parts.values())
+        if rest > 1e-9 * max(mem["total"], 1.0):
+            parts["other"] = rest
+        return parts
+
+
+MEMORY_PARTS = ("params", "weights", "grads", "optimizer", "buffers", "inputs", "activations", "transient", "allocator")
+"""The order review outputs list memory parts in: the per-operator plan's liveness parts
+(:mod:`autoplan.passes.liveness`: params, grads, optimizer, buffers, inputs, activations) and
+the joint search's stage parts (:func:`autoplan.cost_models.memory.stage_memory_parts`: weights,
+grads, optimizer, activations, transient, allocator); a plan holds one set or the other."""
+
+
+def bytes_text(n: float) -> str:
+    """Bytes in the unit that suits them (``2.06 GiB``, ``514.5 KiB``), as review outputs print them."""
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.2f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def step_parts_text(estimate: Estimate) -> str:
+    """``step X ms = compute ... + exposed communication ...`` of the estimate's parts (with the
+    note on the communication rows where they differ), or the step alone where the plan file
+    records no parts."""
+    parts = estimate.parts
+    if parts is None:
+        return (
+            f"{estimate.step_time_s * 1e3:.3f} ms (not broken down in this plan file, written before autoplan "
+            "recorded the parts: re-plan with `autoplan plan`)"
+        )
+    text = f"{estimate.step_time_s * 1e3:.3f} ms = " + " + ".join(f"{k} {v * 1e3:.3f} ms" for k, v in parts.rows())
+    note = parts.comm_note(estimate.comm.exposed_s) if estimate.comm.rows else ""
+    return text + (f" ({note})" if note else "")
 
 
 def _expert_parallel_on(node: Mapping[str, Any], axis: int) -> bool:
@@ -319,6 +381,9 @@ class ConfigOption:
     bubble_s: float
     peak_memory_bytes: float
     feasible: bool
+    parts: StepParts | None = None
+    """The step in parts that add up to ``step_time_s`` (``None`` in plan files written before
+    they were recorded)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -329,6 +394,7 @@ class ConfigOption:
             "bubble_s": self.bubble_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "feasible": self.feasible,
+            **({"step_parts": self.parts.to_dict()} if self.parts is not None else {}),
         }
 
     @staticmethod
@@ -341,20 +407,9 @@ class ConfigOption:
             bubble_s=float(d["bubble_s"]),
             peak_memory_bytes=float(d["peak_memory_bytes"]),
             feasible=bool(d["feasible"]),
+            parts=StepParts.from_dict(d["step_parts"]) if d.get("step_parts") is not None else None,
         )
 
-
-def _memory_parts_text(mem: Mapping[str, float]) -> str:
-    """``name GiB, ...`` of the estimate's memory parts as it records them (the per-operator
-    ILP's liveness parts; the joint search's stage parts,
-    :func:`autoplan.cost_models.memory.stage_memory_parts`): every part it has and only those,
-    with ``other`` for what they leave of the total (an interleaved rank's other stages), so
-    the parts shown add up to the peak."""
-    parts = {k: v for k, v in mem.items() if k != "total"}
-    rest = mem["total"] - sum(parts.values())
-    if rest > 1e-9 * max(mem["total"], 1.0):
-        parts["other"] = rest
-    return ", ".join(f"{k} {v / GiB:.3f}" for k, v in parts.items())
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
@@ -502,15 +557,14 @@ class Plan:
             *(
                 [
                     f"  configuration: {self.config}",
-                    f"  throughput: {e.tokens_per_s or 0:,.0f} tokens/s, MFU {e.mfu or 0:.1%}, pipeline bubble "
-                    f"{(e.bubble_s or 0) * 1e3:.3f} ms",
+                    f"  throughput: {e.tokens_per_s or 0:,.0f} tokens/s, MFU {e.mfu or 0:.1%}",
                 ]
                 if self.config is not None
                 else []
             ),
-            f"  estimated step: {e.step_time_s * 1e3:.3f} ms (compute {e.compute_s * 1e3:.3f} ms, "
-            f"communication {e.comm_s * 1e3:.3f} ms"
-            + (f", of which exposed {e.exposed_comm_s * 1e3:.3f} ms)" if e.exposed_comm_s is not None else ")"),
+            f"  estimated step: {step_parts_text(e)}",
+            f"  communication: {e.comm_s * 1e3:.3f} ms"
+            + (f", of which exposed {e.exposed_comm_s * 1e3:.3f} ms" if e.exposed_comm_s is not None else ""),
             *(
                 [
                     "  communication per kind and axis (ms, exposed): "
@@ -528,8 +582,10 @@ class Plan:
                 else "analytic"
             )
             + f"; links: {c.links_source}",
-            f"  peak memory per device: {mem['total'] / GiB:.3f} GiB of {e.capacity_bytes / GiB:.1f} GiB"
-            f"{f' at {e.memory_peak_at}' if e.memory_peak_at else ''} ({_memory_parts_text(mem)})",
+            f"  peak memory per device: {bytes_text(mem['total'])} of {bytes_text(e.capacity_bytes)}"
+            f"{f' at {e.memory_peak_at}' if e.memory_peak_at else ''} ("
+            + ", ".join(f"{k} {bytes_text(v)}" for k, v in e.memory_parts().items())
+            + ")",
             f"  solver: {self.solver['status']} "
             f"({self.solver['num_variables']} variables, {self.solver['num_constraints']} constraints)",
             (
@@ -624,6 +680,7 @@ class Plan:
                 "compute_sources": dict(e.compute_sources),
                 "exposed_comm_s": e.exposed_comm_s,
                 "comm": e.comm.to_list(),
+                **({"step_parts": e.parts.to_dict()} if e.parts is not None else {}),
                 **{k: getattr(e, k) for k in _ESTIMATE_OPTIONAL if getattr(e, k) is not None},
                 **({"memory_per_device_bytes": list(e.memory_per_device_bytes)} if e.memory_per_device_bytes else {}),
             },
@@ -684,6 +741,7 @@ class Plan:
                     tokens_per_s=None if est.get("tokens_per_s") is None else float(est["tokens_per_s"]),
                     memory_per_device_bytes=tuple(float(x) for x in est.get("memory_per_device_bytes", ())),
                     comm=CommTotals(tuple(_comm_row(r) for r in est.get("comm", ()))),
+                    step_parts=StepParts.from_dict(est["step_parts"]) if est.get("step_parts") is not None else None,
                 ),
                 config=ParallelConfig.from_dict(dict(d["config"])) if d.get("config") is not None else None,
                 pipeline=PipelineLayout.from_dict(d["pipeline"]) if d.get("pipeline") is not None else None,
@@ -831,6 +889,12 @@ def _check_plan_values(plan: Plan) -> None:
             raise TypeError(f"solver.{k} must be a number, got {clip(plan.solver[k])}")
     if "total" not in plan.estimate.memory_bytes:
         raise KeyError("estimate.memory_bytes.total")
+    for what, step_s, parts in (
+        ("estimate", plan.estimate.step_time_s, plan.estimate.step_parts),
+        *((f"configurations[{k}]", c.step_time_s, c.parts) for k, c in enumerate(plan.configurations)),
+    ):
+        if parts is not None and abs(parts.total_s - step_s) > 1e-6 * max(abs(step_s), 1e-9):
+            raise ValueError(f"{what}.step_parts add up to {parts.total_s!r} s, not to its step_time_s {step_s!r} s")
     bad_ops = {n: op for n, op in plan.fallback_ops.items() if not isinstance(op, str)}
     if bad_ops:
         raise TypeError(f"fallback_ops must map node names to op names, got {clip(bad_ops)}")

@@ -58,12 +58,15 @@ _ACTION_COLOURS = {"F": ("#4e79a7", "#a0cbe8"), "B": ("#f28e2b", "#ffbe7d"), "W"
 _IDLE_COLOUR = "#f3d3d3"
 _TAIL_COLOUR = "#bab0ac"
 _HIDDEN_COLOUR = "#f1a7a9"
-_MEMORY_PARTS = ("params", "weights", "grads", "optimizer", "buffers", "inputs", "activations", "transient")
 _MEMORY_COLOURS = {
     "params": "#4e79a7", "weights": "#4e79a7", "grads": "#f28e2b", "optimizer": "#b07aa1", "buffers": "#9c755f",
-    "inputs": "#76b7b2", "activations": "#59a14f", "transient": "#ff9da7", "other": "#d7ccc8",
+    "inputs": "#76b7b2", "activations": "#59a14f", "transient": "#ff9da7", "allocator": "#edc948", "other": "#d7ccc8",
 }  # fmt: skip
-_TIME_COLOURS = {"compute": "#4e79a7", "exposed communication": "#e15759", "bubble": "#f3a3a3", "other": "#bab0ac"}
+_TIME_COLOURS = {
+    "compute": "#4e79a7", "exposed communication": "#e15759", "pipeline bubble": "#f3a3a3", "optimizer step": "#bab0ac",
+    "step (not broken down)": "#d0d0d0",
+}  # fmt: skip
+"""Per part of the step (``StepParts.rows``)."""
 _BLOCK_PREFIX = re.compile(r"^(.*?[._]\d+)[._]")
 """A node name inside a repeated block, e.g. ``layers_3_mlp_fc1`` -> ``layers_3``."""
 
@@ -225,9 +228,14 @@ def _summary_section(plan: Plan) -> str:
         ("optimizer", plan.optimizer),
         (
             "estimate",
-            f"step {fmt_s(e.step_time_s)}: compute {fmt_s(e.compute_s)}, communication {fmt_s(e.comm_s)}"
-            + (f" (exposed {fmt_s(e.exposed_comm_s)})" if e.exposed_comm_s is not None else "")
-            + (f", bubble {fmt_s(e.bubble_s)}" if e.bubble_s is not None else ""),
+            f"step {fmt_s(e.step_time_s)}"
+            + (
+                " = " + " + ".join(f"{name} {fmt_s(t)}" for name, t in e.parts.rows())
+                if e.parts is not None
+                else " (not broken down in this plan file: re-plan to see its parts)"
+            )
+            + f"; communication {fmt_s(e.comm_s)}"
+            + (f", of which exposed {fmt_s(e.exposed_comm_s)} in its rows" if e.exposed_comm_s is not None else ""),
         ),
         ("op times", ", ".join(f"{v} {k}" for k, v in e.compute_sources.items()) or "analytic"),
         ("links", c.links_source),
@@ -718,9 +726,7 @@ def memory_bars(plan: Plan) -> list[tuple[str, list[tuple[str, float]]]]:
     bytes)])``. The plan has the parts of the peak stage only; the rank holding it shows them
     (plus ``other`` for its other chunks), the other ranks their total."""
     e = plan.estimate
-    parts = [p for p in _MEMORY_PARTS if p in e.memory_bytes]
-    parts += sorted(p for p in e.memory_bytes if p not in _MEMORY_PARTS and p != "total")
-    peak_parts = [(p, float(e.memory_bytes[p])) for p in parts if e.memory_bytes[p] > 0]
+    peak_parts = [(p, float(b)) for p, b in e.memory_parts().items() if b > 0]
 
     def with_other(items: list[tuple[str, float]], total: float) -> list[tuple[str, float]]:
         rest = total - sum(b for _, b in items)
@@ -814,17 +820,12 @@ def _memory_section(plan: Plan) -> str:
 
 
 def time_parts(plan: Plan) -> list[tuple[str, float]]:
-    """Compute, exposed communication, bubble and the rest of the estimated step (seconds)."""
+    """The estimated step's parts (seconds; ``estimate.parts``, adding up to the step), or the
+    whole step where a plan file records none."""
     e = plan.estimate
-    parts = [
-        ("compute", e.compute_s),
-        ("exposed communication", e.exposed_comm_s if e.exposed_comm_s is not None else e.comm_s),
-        ("bubble", e.bubble_s or 0.0),
-    ]
-    rest = e.step_time_s - sum(v for _, v in parts)
-    if rest > 1e-3 * e.step_time_s:
-        parts.append(("other", rest))
-    return [(k, v) for k, v in parts if v > 0 or k == "compute"]
+    if e.parts is None:
+        return [("step (not broken down)", e.step_time_s)]
+    return [(k, v) for k, v in e.parts.rows() if v > 0 or k == "compute"]
 
 
 def collective_rows(plan: Plan) -> list[tuple[str, int, float, float, int]]:
@@ -908,8 +909,14 @@ def _time_section(plan: Plan) -> str:
         if top_rows
         else ""
     )
+    note = e.parts.comm_note(e.comm.exposed_s) if e.parts is not None and e.comm.rows else ""
+    what = (
+        "The estimated step by part, on its critical path (the parts add up to the estimated step)"
+        if e.parts is not None
+        else "The estimated step (this plan file records no parts: re-plan with <code>autoplan plan</code> to see them)"
+    )
     caption = (
-        f"The estimated step by part (the bar adds to {fmt_s(total)}; the estimate is {fmt_s(e.step_time_s)}). "
+        f"{what}: {fmt_s(e.step_time_s)}.{f' {_e(note[0].upper() + note[1:])}.' if note else ''} "
         f"Communication hidden behind compute: {fmt_s(max(hidden, 0.0))}. Collectives per step: {_e(counts)}; "
         "in the table a coalesced gradient bucket counts once, and times add up its members."
     )
@@ -926,7 +933,7 @@ def comm_table(plan: Plan) -> str:
                 "<p>Not recorded per kind and axis in this plan file (written before autoplan recorded it): "
                 "re-plan with <code>autoplan plan</code> to see it.</p>"
             )
-        return head + "<p>None.</p>"
+        return head + "<p>No communication: the program runs no collective.</p>"
     what = "every block, micro-batch and bucket" if plan.pipeline is not None else "every collective of the program"
     cells = "".join(
         f"<tr><td><code>{_e(r.kind)}</code></td><td>{_e(r.axis)}</td><td class=n>{r.count:,}</td>"

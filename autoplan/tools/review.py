@@ -23,10 +23,9 @@ from autoplan.cost_models.echo import terminal_safe
 from autoplan.cost_models.errors import PlanError
 from autoplan.passes.explain import Alternative, NodeExplanation
 from autoplan.passes.plan_text import param_node_name
-from autoplan.planner.plan import ConfigOption, GiB, Plan, exposed_within_own_time
+from autoplan.planner.plan import ConfigOption, Plan, bytes_text, exposed_within_own_time
 from autoplan.tools import common, console
 
-MiB = 1024**2
 _BLOCK_INDEX = re.compile(r"(?<=\.)(\d+)(?=\.)")
 
 
@@ -50,12 +49,7 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
-def _bytes(n: float) -> str:
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.2f} MiB"
-    return f"{n / 1024:.1f} KiB"
+_bytes = bytes_text
 
 
 def _spec(spec: Sequence[str] | None) -> str:
@@ -174,20 +168,24 @@ def _segments_text(segments: Sequence[str], block_list: str) -> str:
 
 
 def _time_section(plan: Plan) -> list[str]:
+    """The step in parts that add up to it (``estimate.parts``: compute, exposed communication,
+    bubble, optimizer step), with the communication that runs hidden beside them."""
     e = plan.estimate
-    exposed = e.exposed_comm_s if e.exposed_comm_s is not None else e.comm_s
-    parts = [("compute", e.compute_s), ("exposed communication", exposed)]
-    if e.bubble_s is not None:
-        parts.append(("pipeline bubble", e.bubble_s))
-    accounted = sum(t for _, t in parts)
-    other = e.step_time_s - accounted
-    if abs(other) > 1e-9 * max(e.step_time_s, 1e-12) and abs(other) * 1e3 >= 0.0005:
-        parts.append(("other (parts overlapping in the schedule)", other))
-    rows = [(name, _ms(t), f"{t / e.step_time_s:.1%}" if e.step_time_s else "-") for name, t in parts]
+    parts = e.parts
+    if parts is None:
+        return [
+            f"Time per step: {_ms(e.step_time_s)} ms, not broken down in this plan file (written before autoplan "
+            "recorded the parts); re-plan with `autoplan plan` to see them"
+        ]
+    rows = [(name, _ms(t), f"{t / e.step_time_s:.1%}" if e.step_time_s else "-") for name, t in parts.rows()]
     rows.append(("step", _ms(e.step_time_s), "100.0%"))
-    lines = ["Time per step", *table(("part", "ms", "share"), rows)]
+    lines = ["Time per step (on its critical path)", *table(("part", "ms", "share"), rows)]
+    exposed = e.exposed_comm_s if e.exposed_comm_s is not None else e.comm_s
     if e.exposed_comm_s is not None and e.comm_s > exposed:
-        lines.append(f"  ({_ms(e.comm_s - exposed)} ms of communication overlaps compute and is not counted)")
+        lines.append(f"  ({_ms(e.comm_s - exposed)} ms of communication runs beside compute and is in no part)")
+    note = parts.comm_note(e.comm.exposed_s) if e.comm.rows else ""
+    if note:
+        lines.append(f"  ({note})")
     return lines
 
 
@@ -233,13 +231,10 @@ def _comm_section(plan: Plan) -> list[str]:
     ]
 
 
-_MEMORY_PARTS = ("params", "weights", "grads", "optimizer", "activations", "inputs", "transient", "buffers")
-
-
 def _memory_section(plan: Plan) -> list[str]:
     e = plan.estimate
-    mem = e.memory_bytes
-    parts = [k for k in _MEMORY_PARTS if k in mem] + sorted(k for k in mem if k not in _MEMORY_PARTS + ("total",))
+    mem = e.memory_parts()
+    parts = list(mem)
     cap = e.capacity_bytes
     header = ("device", *parts, "peak", "capacity", "headroom")
     rows: list[tuple[object, ...]] = []
@@ -250,7 +245,7 @@ def _memory_section(plan: Plan) -> list[str]:
             rows.append((f"stage {k}", *cells, _bytes(total), _bytes(cap), f"{1 - total / cap:.1%}"))
         note = "  (parts shown for the stage with the peak; every device of a stage holds the same)"
     else:
-        total = mem["total"]
+        total = e.memory_bytes["total"]
         rows.append(("each", *(_bytes(mem[p]) for p in parts), _bytes(total), _bytes(cap), f"{1 - total / cap:.1%}"))
         note = f"  (peak at {e.memory_peak_at}; every device holds the same)" if e.memory_peak_at else ""
     return ["Memory per device", *table(header, rows), *([note] if note else [])]
@@ -539,7 +534,7 @@ def explain_configuration(plan: Plan) -> dict[str, Any]:
             "vs_chosen_s": c.step_time_s - chosen.step_time_s,
         }
         for c in plan.configurations
-    ]
+    ]  # (each row's step_parts add up to its step_time_s; compute_s is the busiest rank's busy time)
     return {
         "chosen": str(chosen.config),
         "capacity_bytes": plan.estimate.capacity_bytes,
@@ -561,18 +556,29 @@ def _configuration_reason(chosen: ConfigOption, others: Sequence[ConfigOption], 
     fitting = [c for c in others if c.feasible]
     if fitting:
         n = fitting[0]
-        terms = {
-            "compute": n.compute_s - chosen.compute_s,
-            "exposed communication": n.exposed_comm_s - chosen.exposed_comm_s,
-            "bubble": n.bubble_s - chosen.bubble_s,
-        }
+        terms = ""
+        if n.parts is not None and chosen.parts is not None:  # the parts' differences add up to the step's
+            a, b = n.parts.to_dict(), chosen.parts.to_dict()
+            terms = ": " + ", ".join(
+                f"{name} {(a[key] - b[key]) * 1e3:+,.3f} ms" for name, key in _PART_KEYS if a[key] or b[key]
+            )
         parts.append(
             f"the next best degrees ({n.config}) take +{_ms(n.step_time_s - chosen.step_time_s)} ms "
-            f"({(n.step_time_s / chosen.step_time_s - 1):+.1%}: "
-            + ", ".join(f"{k} {v * 1e3:+,.3f} ms" for k, v in terms.items())
-            + ")"
+            f"({(n.step_time_s / chosen.step_time_s - 1):+.1%}{terms})"
         )
     return "; ".join(parts)
+
+
+_PART_KEYS = (
+    ("compute", "compute_s"), ("exposed communication", "exposed_comm_s"), ("bubble", "bubble_s"),
+    ("optimizer", "optimizer_s"),
+)  # fmt: skip
+"""A configuration's step parts (``StepParts.to_dict``) as ``explain`` names them."""
+
+
+def _part_cell(row: Mapping[str, Any], key: str) -> str:
+    parts = row.get("step_parts")
+    return "-" if parts is None else _ms(parts[key])
 
 
 def explain_configuration_text(ex: Mapping[str, Any]) -> str:
@@ -587,23 +593,22 @@ def explain_configuration_text(ex: Mapping[str, Any]) -> str:
             r["config"],
             _ms(r["step_time_s"]),
             "-" if k == 0 else f"{r['vs_chosen_s'] * 1e3:+,.3f}",
-            _ms(r["compute_s"]),
-            _ms(r["exposed_comm_s"]),
-            _ms(r["bubble_s"]),
+            *(_part_cell(r, key) for _, key in _PART_KEYS),
             _bytes(r["peak_memory_bytes"]),
             "yes" if r["feasible"] else "NO",
         )
         for k, r in enumerate(ex["configurations"])
     ]
     lines += table(
-        ("", "configuration", "step ms", "vs chosen ms", "compute ms", "exposed comm ms", "bubble ms", "peak/device",
-         "fits"),
+        ("", "configuration", "step ms", "vs chosen ms", "compute ms", "exposed comm ms", "bubble ms",
+         "optimizer ms", "peak/device", "fits"),
         rows,
-        align="llrrrrrrl",
+        align="llrrrrrrrl",
     )  # fmt: skip
     lines.append(
-        "  compute: the compute stream's busy time (its blocking collectives included); "
-        f"{_bytes(ex['capacity_bytes'])} of memory per device"
+        "  compute + exposed comm + bubble + optimizer = step, on the step's critical path (collectives that block "
+        f"compute are exposed communication; '-': not recorded in this plan file); {_bytes(ex['capacity_bytes'])} of "
+        "memory per device"
     )
     lines.append(f"why: {ex['reason']}")
     return terminal_safe("\n".join(lines) + "\n")
