@@ -1172,6 +1172,14 @@ def _rank_inflight(
     return out
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _stage_memory_parts(**kwargs: Any) -> dict[str, float]:
+    """:func:`~autoplan.cost_models.memory.stage_memory_parts`, memoised: the search prices the same
+    stage (the same blocks, recomputation, ZeRO and micro-batches in flight) for every schedule,
+    split and candidate that has it. The caller copies the dict it returns."""
+    return stage_memory_parts(**kwargs)
+
+
 def _price_stage(
     config: ParallelConfig,
     part: Sequence[SegmentCost],
@@ -1217,8 +1225,8 @@ def _price_stage(
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
-    parts = stage_memory_parts(
-        segments=part,
+    parts = _stage_memory_parts(
+        segments=tuple(part),
         recompute=recompute,
         element=bpe,
         zero_stage=z,
@@ -1235,6 +1243,7 @@ def _price_stage(
         host_is_device=cluster.device.host_link_GBps is None,
         last_stage=stage == config.pp * config.virtual_stages - 1,
     )
+    parts = dict(parts)  # the estimate's own copy of the memoised parts
     shards = dp * config.cp if z >= 1 else 1
     if config.offload_optimizer:
         optimizer_s = offload_time_s(cluster.device, bpe, stage_numels(part, segments[0])[1] / shards)
