@@ -1234,7 +1234,8 @@ def _price_stage(
         ep=config.ep,
         inflight=_inflight(config, rank) if inflight is None else inflight,
         num_microbatches=config.num_microbatches,
-        first_segment=segments[0],
+        # (first_segment matters only to a segment reading a tied parameter: one memo entry for the rest)
+        first_segment=segments[0] if any(s.tied_param_owner >= 0 for s in part) else 0,
         device_kind=device_kind(cluster.device),
         policy=policy,
         reduced_in_backward=in_backward,
