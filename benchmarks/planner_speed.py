@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,20 +86,89 @@ def build(case: Case):  # noqa: ANN201 - (model, ids)
         return model, ids
 
 
+PHASES = ("trace", "rebatch", "layers", "strategies", "costing", "ilp_build", "ilp_solve", "segment_sums", "search",
+          "stage")  # fmt: skip
+"""The phases of a plan, in CPU seconds summed over the planning process and its segment-cost
+workers (``time.process_time``: what a quiet machine's cores spend, whatever else runs): the
+passes (trace, rebatch, layers, strategies, costing), the segment ILPs' build and solve, the
+per-segment sums of each solved plan (``segment_costs``), the search's layouts of candidates
+(``best_layout``, ``hetero_layout``) and everything after the search (``stage``: the stage ILP
+and the passes of the chosen plan, in wall seconds)."""
+
+
+class _PhaseClock:
+    """CPU seconds per phase of this process (a phase inside another is charged to the inner one
+    alone) and the segment ILPs it solved (``segment_ilps``); a forked segment-cost worker
+    writes its own to ``<folder>/<pid>.json`` after each ILP (:meth:`dump`), summed by :meth:`total`."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.pid = self.planner_pid = os.getpid()
+        self.spent = dict.fromkeys((*PHASES, "segment_ilps"), 0.0)
+        self.stack: list[list] = []  # [phase, CPU clock when it last started running]
+
+    def timed(self, phase: str, fn):  # noqa: ANN001, ANN202 - wraps any callable
+        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            if self.pid != os.getpid():  # a forked worker: its own clock from zero
+                self.pid, self.spent, self.stack = os.getpid(), dict.fromkeys(self.spent, 0.0), []
+            now = time.process_time()
+            if self.stack:  # the outer phase pauses
+                self.spent[self.stack[-1][0]] += now - self.stack[-1][1]
+            self.stack.append([phase, now])
+            try:
+                return fn(*a, **k)
+            finally:
+                now = time.process_time()
+                self.spent[phase] += now - self.stack.pop()[1]
+                if self.stack:
+                    self.stack[-1][1] = now
+
+        return run
+
+    def count(self, fn):  # noqa: ANN001, ANN202
+        def run(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            if self.pid != os.getpid():
+                self.pid, self.spent, self.stack = os.getpid(), dict.fromkeys(self.spent, 0.0), []
+            self.spent["segment_ilps"] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.pid != self.planner_pid:  # a worker: its clock so far, for the planner to read
+                    self.dump()
+
+        return run
+
+    def dump(self) -> None:
+        Path(self.folder, f"{os.getpid()}.json").write_text(json.dumps(self.spent))
+
+    def total(self) -> dict[str, float]:
+        out = dict.fromkeys(self.spent, 0.0)
+        own = self.spent if self.pid == os.getpid() else {}
+        files = [json.loads(f.read_text()) for f in Path(self.folder).glob("*.json") if f.stem != str(os.getpid())]
+        for spent in [own, *files]:
+            for k, v in spent.items():
+                out[k] += v
+        return out
+
+
 def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
     """One case in this process; returns the row as a dict."""
     import autoplan
     import autoplan.passes.pass_order as pass_order
+    import autoplan.planner.joint as joint
+    import autoplan.planner.search as search
     import autoplan.planner.segment_model as segment_model
     from autoplan.planner.solver import ShardingILP
 
-    timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0, "prefetch_s": 0.0}
+    timers = {"trace_s": 0.0, "solve_s": 0.0, "ilps": 0, "prefetch_s": 0.0, "search_end": 0.0}
     asked: set[tuple[int, int, int, bool]] = set()  # the segment-cost keys the search asked to solve
     real_trace, real_solve, real_prefetch = (
         pass_order.TRACE.run,
         ShardingILP.solve,
         segment_model.SegmentCostModel.prefetch,
     )
+    folder = tempfile.mkdtemp(prefix="planner_speed_phases_")
+    clock = _PhaseClock(folder)
 
     def timed_prefetch(self, keys, **kwargs):  # noqa: ANN001, ANN003, ANN202
         t = time.perf_counter()
@@ -124,9 +194,26 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
             timers["solve_s"] += time.perf_counter() - t
             timers["ilps"] += 1
 
-    pass_order.TRACE = dataclasses.replace(pass_order.TRACE, run=timed_trace)  # the planner traces through it
+    real_search = joint._search  # noqa: SLF001
+
+    def timed_search(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        try:
+            return real_search(*a, **k)
+        finally:
+            timers["search_end"] = time.perf_counter()
+
+    pass_order.TRACE = dataclasses.replace(pass_order.TRACE, run=clock.timed("trace", timed_trace))
+    for name in ("REBATCH", "LAYERS", "STRATEGIES", "COSTING"):
+        entry = getattr(pass_order, name)
+        setattr(pass_order, name, dataclasses.replace(entry, run=clock.timed(entry.name, entry.run)))
     segment_model.SegmentCostModel.prefetch = timed_prefetch  # type: ignore[method-assign]
-    ShardingILP.solve = timed_solve  # type: ignore[method-assign]
+    ShardingILP.solve = clock.timed("ilp_solve", timed_solve)  # type: ignore[method-assign]
+    ShardingILP._build = clock.timed("ilp_build", ShardingILP._build)  # type: ignore[method-assign]  # noqa: SLF001
+    segment_model.segment_costs = clock.timed("segment_sums", segment_model.segment_costs)
+    search.best_layout = clock.timed("search", search.best_layout)
+    search.hetero_layout = clock.timed("search", search.hetero_layout)
+    joint._search = timed_search  # noqa: SLF001
+    segment_model.SegmentCostModel._solve = clock.count(segment_model.SegmentCostModel._solve)  # type: ignore[method-assign]  # noqa: SLF001
     t0 = time.perf_counter()
     model, ids = build(case)
     plan = autoplan.plan(
@@ -136,6 +223,10 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
     with tempfile.TemporaryDirectory() as d:
         plan.save(Path(d) / "plan.json")
     total = time.perf_counter() - t0
+    phases = clock.total()
+    segment_ilps = int(phases.pop("segment_ilps"))
+    phases["stage"] = time.perf_counter() - timers["search_end"] if timers["search_end"] else 0.0
+    shutil.rmtree(folder, ignore_errors=True)
     red = plan.solver.get("reduction", {})
     return {
         "case": case.name,
@@ -150,10 +241,14 @@ def run_case(case: Case, *, reduce_repeated: bool = True) -> dict:
         "ilp_vars": plan.solver.get("num_variables"),
         "ilp_cons": plan.solver.get("num_constraints"),
         "ilps": timers["ilps"],
+        "segment_ilps": segment_ilps,
         "trace_s": timers["trace_s"],
         "solve_s": timers["solve_s"],
         "total_s": total,
         "prefetch_s": timers["prefetch_s"],
+        "phases_cpu_s": phases,
+        "cpu_s": resource.getrusage(resource.RUSAGE_SELF).ru_utime
+        + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime,
         "segment_keys": len(asked),
         "cp_keys": sum(k[2] > 1 for k in asked),
         "workers": segment_model.default_workers(),
@@ -200,6 +295,11 @@ def main() -> int:
             f"{r['rss_mib']:.0f} ({r['worker_rss_mib']:.0f}) | {r['config']} | "
             f"{r['step_s']:.3f} | {r['mfu']:.1%}"
         )
+    print("\nphases, CPU s summed over the planner and its workers (stage: wall s after the search)")
+    print(" | ".join(("case", "segment ILPs", *PHASES, "CPU s", "wall s")))
+    for r in rows:
+        phases = " | ".join(f"{r['phases_cpu_s'][p]:.1f}" for p in PHASES)
+        print(f"{r['case']} | {r['segment_ilps']} | {phases} | {r['cpu_s']:.1f} | {r['total_s']:.1f}")
     if args.check_reduction:
         print("\nreduction check: step time with / without the repeated-block reduction")
         for c in MID_CASES:

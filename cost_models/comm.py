@@ -226,7 +226,24 @@ def _step(kind: StepKind, axis: int, src: Placement, dst: Placement) -> Transiti
 
 
 def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple[TransitionStep, ...]:
-    """Single-axis steps turning ``src`` into ``dst`` (see the module docstring for the rules)."""
+    """Single-axis steps turning ``src`` into ``dst`` (see the module docstring for the rules).
+    Memoised by the placements and their types (the costing pass asks for the same few pairs on
+    thousands of edges)."""
+    return _planned_transition(_typed(src), _typed(dst))
+
+
+def _typed(spec: Sequence[Placement]) -> tuple[tuple[type, Placement], ...]:
+    """``spec`` as a memo key: each placement with its type (a rule below tells ``Shard`` from a
+    ``_StridedShard`` of the same dim by type)."""
+    return tuple((type(p), p) for p in spec)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _planned_transition(
+    src_typed: tuple[tuple[type, Placement], ...], dst_typed: tuple[tuple[type, Placement], ...]
+) -> tuple[TransitionStep, ...]:
+    src = [p for _, p in src_typed]
+    dst = [p for _, p in dst_typed]
     cur = list(src)
     n = len(cur)
     steps: list[TransitionStep] = []
@@ -294,11 +311,16 @@ def plan_transition(src: Sequence[Placement], dst: Sequence[Placement]) -> tuple
 
 
 def _local_bytes(spec: Sequence[Placement], full_bytes: float, mesh_shape: Sequence[int]) -> float:
+    return full_bytes / _local_divisor(spec, mesh_shape)
+
+
+def _local_divisor(spec: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    """How many pieces ``spec`` splits a tensor's bytes into: the product of its sharded axes."""
     div = 1
     for p, size in zip(spec, mesh_shape, strict=True):
         if isinstance(p, (Shard, _StridedShard)):
             div *= size
-    return full_bytes / div
+    return div
 
 
 def step_bytes(
@@ -355,21 +377,39 @@ def transition_cost_s(
     if tuple(src) == tuple(dst):
         return 0.0
     mesh_shape = cluster.mesh_shape
-    cur = list(src)
     total = 0.0
-    for step in plan_transition(src, dst):
-        if step.is_collective:
-            total += link_time_s(
-                step.kind,
-                step_bytes(step, cur, full_bytes, mesh_shape),
-                mesh_shape[step.axis],
-                cluster.axis_link(step.axis),
-                backend=cluster.backend,
-                algorithm=algorithm,
-                include_latency=include_latency,
-            )
-        cur[step.axis] = step.dst
+    for kind, axis, divisor in _collective_payloads(_typed(src), _typed(dst), tuple(mesh_shape)):
+        total += link_time_s(
+            kind,
+            full_bytes / divisor,  # step_bytes: the local bytes of the step's payload
+            mesh_shape[axis],
+            cluster.axis_link(axis),
+            backend=cluster.backend,
+            algorithm=algorithm,
+            include_latency=include_latency,
+        )
     return total
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _collective_payloads(
+    src_typed: tuple[tuple[type, Placement], ...],
+    dst_typed: tuple[tuple[type, Placement], ...],
+    mesh_shape: tuple[int, ...],
+) -> tuple[tuple[StepKind, int, int], ...]:
+    """The collective steps of :func:`plan_transition` as ``(kind, axis, divisor)``: each step's
+    payload (:func:`step_bytes`) is ``full_bytes / divisor``, the divisor being the product of the
+    axes that shard the layout it is measured in (:func:`_local_divisor`). Memoised: a
+    transition's price is these steps priced at each tensor's bytes."""
+    cur = [p for _, p in src_typed]
+    out = []
+    for step in _planned_transition(src_typed, dst_typed):
+        if step.is_collective:
+            after = list(cur)
+            after[step.axis] = step.dst
+            out.append((step.kind, step.axis, _local_divisor(after if step.kind == "all_gather" else cur, mesh_shape)))
+        cur[step.axis] = step.dst
+    return tuple(out)
 
 
 def overlaps_compute(device: DeviceSpec) -> bool:

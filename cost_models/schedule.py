@@ -319,18 +319,21 @@ def schedule_actions(
 ) -> tuple[tuple[Action, ...], ...]:
     """Each rank's ordered actions, as torch.distributed.pipelining's schedule runs them."""
     check_schedule(schedule, pp=num_ranks, num_microbatches=num_microbatches, virtual_stages=virtual_stages)
-    orders: list[list[Action]] = []
-    for rank in range(num_ranks):
-        if schedule == "gpipe":
-            orders.append(_gpipe_order(rank, num_microbatches))
-        elif schedule == "1f1b":
-            orders.append(_one_f_one_b_order(rank, num_ranks, num_microbatches))
-        else:
-            zero_bubble = schedule == "zero-bubble"
-            orders.append(
-                _interleaved_order(rank, num_ranks, num_microbatches, virtual_stages, zero_bubble=zero_bubble)
-            )
-    return tuple(tuple(order) for order in orders)
+    return tuple(
+        tuple(_rank_order(schedule, rank, num_ranks, num_microbatches, virtual_stages)) for rank in range(num_ranks)
+    )
+
+
+def _rank_order(
+    schedule: ScheduleName, rank: int, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> list[Action]:
+    """Rank ``rank``'s ordered actions (one entry of :func:`schedule_actions`, checked there)."""
+    if schedule == "gpipe":
+        return _gpipe_order(rank, num_microbatches)
+    if schedule == "1f1b":
+        return _one_f_one_b_order(rank, num_ranks, num_microbatches)
+    zero_bubble = schedule == "zero-bubble"
+    return _interleaved_order(rank, num_ranks, num_microbatches, virtual_stages, zero_bubble=zero_bubble)
 
 
 # --------------------------------------------------------------------------------------------
@@ -648,17 +651,21 @@ def _alive_after_forwards(
     non-negative bytes a covered one is never the peak), in first-seen order; cached, since the
     search asks for the same schedule with every candidate's bytes."""
     p, v = num_ranks, virtual_stages
-    order = schedule_actions(schedule, num_ranks=p, num_microbatches=num_microbatches, virtual_stages=v)[stage_rank]
+    check_schedule(schedule, pp=p, num_microbatches=num_microbatches, virtual_stages=v)
+    order = _rank_order(schedule, stage_rank, p, num_microbatches, v)  # schedule_actions(...)[stage_rank]
     free_kind: ActionKind = "W" if schedule == "zero-bubble" else "B"
     seen: dict[tuple[int, ...], None] = {}
     for alive in _alive_after_each_forward(order, free_kind=free_kind):
         seen.setdefault(tuple(alive.get(stage_rank + j * p, 0) for j in range(v)), None)
-    states = list(seen)
-
-    def covered(x: tuple[int, ...]) -> bool:
-        return any(y != x and all(a >= b for a, b in zip(y, x, strict=True)) for y in states)
-
-    return tuple(x for x in states if not covered(x))
+    # x is covered when another state is >= x everywhere; such a state has a larger sum, and some
+    # uncovered state covers it in turn: test each against the uncovered ones found so far,
+    # visited by decreasing sum
+    uncovered: list[tuple[int, ...]] = []
+    for x in sorted(seen, key=sum, reverse=True):
+        if not any(all(a >= b for a, b in zip(y, x, strict=True)) for y in uncovered):
+            uncovered.append(x)
+    kept = set(uncovered)
+    return tuple(x for x in seen if x in kept)
 
 
 def _closed_form_step_time(

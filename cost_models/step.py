@@ -1188,6 +1188,14 @@ def _rank_inflight(
     return out
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _stage_memory_parts(**kwargs: Any) -> dict[str, float]:
+    """:func:`~autoplan.cost_models.memory.stage_memory_parts`, memoised: the search prices the same
+    stage (the same blocks, recomputation, ZeRO and micro-batches in flight) for every schedule,
+    split and candidate that has it. The caller copies the dict it returns."""
+    return stage_memory_parts(**kwargs)
+
+
 def _price_stage(
     config: ParallelConfig,
     part: Sequence[SegmentCost],
@@ -1233,8 +1241,8 @@ def _price_stage(
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
-    parts = stage_memory_parts(
-        segments=part,
+    parts = _stage_memory_parts(
+        segments=tuple(part),
         recompute=recompute,
         element=bpe,
         zero_stage=z,
@@ -1242,7 +1250,8 @@ def _price_stage(
         ep=config.ep,
         inflight=_inflight(config, rank) if inflight is None else inflight,
         num_microbatches=config.num_microbatches,
-        first_segment=segments[0],
+        # (first_segment matters only to a segment reading a tied parameter: one memo entry for the rest)
+        first_segment=segments[0] if any(s.tied_param_owner >= 0 for s in part) else 0,
         device_kind=device_kind(cluster.device),
         policy=policy,
         reduced_in_backward=in_backward,
@@ -1251,6 +1260,7 @@ def _price_stage(
         host_is_device=cluster.device.host_link_GBps is None,
         last_stage=stage == config.pp * config.virtual_stages - 1,
     )
+    parts = dict(parts)  # the estimate's own copy of the memoised parts
     shards = dp * config.cp if z >= 1 else 1
     if config.offload_optimizer:
         optimizer_s = offload_time_s(cluster.device, bpe, stage_numels(part, segments[0])[1] / shards)
