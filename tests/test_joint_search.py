@@ -99,7 +99,7 @@ def test_estimate_is_the_planners_own_price(costs):  # noqa: ANN001
     cluster = Cluster.preset(CLUSTER)
     best, every = search(costs, cluster, num_blocks=4, global_batch_size=32, precision="fp32")
     c = best.config
-    direct = evaluate(c, costs(c.tp, c.microbatch_size), cluster, stage_starts=best.stage_starts,
+    direct = evaluate(c, costs(c.tp, c.microbatch_size, c.cp, c.sequence_parallel), cluster, stage_starts=best.stage_starts,
                       stage_recompute=[s.recompute for s in best.stages])  # fmt: skip
     assert direct.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
     assert direct.peak_memory_bytes == pytest.approx(best.peak_memory_bytes, rel=1e-12)
@@ -189,7 +189,7 @@ def test_parallel_prefetch_gives_the_costs_of_solving_one_by_one():
 
     parallel.prefetch(keys, while_waiting=while_waiting)
     assert waits, "the planning process never had time to do other work"
-    assert {(tp, b, 1) for tp, b in keys} <= set(parallel._costs)  # noqa: SLF001 - filled by the workers (cp 1)
+    assert {(tp, b, 1, 0) for tp, b in keys} <= set(parallel._costs)  # noqa: SLF001 - filled by the workers (cp 1, no SP)
     serial = SegmentCostModel(model, (ids,), lm_loss, (labels,), cluster, workers=1)
     for tp, b in keys:
         assert parallel(tp, b) == serial(tp, b), (tp, b)
