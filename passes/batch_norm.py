@@ -16,15 +16,18 @@ channel, the sums over every dim but the channel dim ``1``)::
 With the batch split over ranks, each ``sum`` is a partial sum on every rank and the plan
 all-reduces it (``P -> R``, priced like every other edge by the cost model), which is what
 ``torch.nn.SyncBatchNorm`` does: every rank normalises with the statistics of the whole batch,
-so the loss, the gradients and the running statistics are those of one device. Autograd of the
+so the loss, the gradients and the running statistics are those of one device. (The ILP weighs
+this against the other layouts DTensor's rules give, e.g. the channels split across ranks, the
+activation converted by an all-to-all, which small CPU test models take where it is cheaper.) Autograd of the
 written-out form is the backward: its reductions of the gradient (``sum(grad)``,
 ``sum(grad * (x - mean))`` over the batch) are again partial sums that the plan all-reduces,
 as SyncBatchNorm's backward all-reduces its two.
 
 The running statistics are buffers the step writes (``copy_`` into the buffer after the
 forward; ``num_batches_tracked`` too): the generated program writes them in place on every
-rank, where they are replicated. Batch norm in eval mode
-(``aten._native_batch_norm_legit_no_training``) reads the running statistics and stays one op.
+rank, where they are replicated; a pipeline stage updates them once per micro-batch (each
+normalised by its own statistics, as one device accumulating gradients does). Batch norm in eval
+mode (``aten._native_batch_norm_legit_no_training``) reads the running statistics and stays one op.
 The statistics are computed in fp32 for fp16/bf16 inputs, as the kernels do; ``momentum=None``
 (a cumulative average, ``1 / num_batches_tracked`` read as a Python number) cannot be traced:
 :func:`check_batch_norm_momentum` says so before the export would stop on it.
@@ -117,12 +120,9 @@ BATCH_NORM_DECOMPOSITIONS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
 def is_training_batch_norm(node: torch.fx.Node) -> bool:
     """``node`` is a batch norm in training mode as ``torch.export`` records it
     (``aten.batch_norm(x, weight, bias, running_mean, running_var, training, ...)``)."""
-    return (
-        node.op == "call_function"
-        and node.target is aten.batch_norm.default
-        and len(node.args) > 5
-        and bool(node.args[5])
-    )
+    if node.op != "call_function" or node.target is not aten.batch_norm.default:
+        return False
+    return bool(node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False))
 
 
 def check_batch_norm_momentum(model: torch.nn.Module) -> None:

@@ -12,11 +12,18 @@ every running statistic (``running_mean``, ``running_var``, ``num_batches_tracke
 ``REL_TOL`` of the single-device model's. The convolutions and linears before a norm have no
 bias: the norm subtracts the batch mean, so that bias's gradient is zero up to rounding, and Adam
 turns rounding noise into steps of size ``lr`` (tests/test_equivalence.py's docstring).
+
+A pipeline of micro-batches normalises each micro-batch by its own statistics and updates the
+running statistics once per micro-batch; its reference is one device accumulating the gradients
+of the same micro-batches. ``-m slow`` runs the other models (BatchNorm1d with and without running
+statistics, BatchNorm3d, a ResNet-18-shaped CNN on 2 and 4 ranks), the pipeline with its
+checkpoint round trip, and the full-width ResNet-18 plan on 8 H100.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import autoplan
+from autoplan import ParallelConfig
 from autoplan.cost_models.compute import op_flops
 from autoplan.passes.trace import trace_training_step
+from autoplan.runtime import checkpoint
 from tests.harness import (
     REL_TOL,
     assert_trains_like_reference,
@@ -97,6 +106,19 @@ def resnet_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
 
 
+def volume_cnn() -> nn.Module:
+    """Conv3d + BatchNorm3d, then a linear classifier over 10 classes (4 x 4 x 4 volumes)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1, bias=False), nn.BatchNorm3d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10)
+    )
+
+
+def volume_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step + 1)
+    return torch.randn(8, 2, 4, 4, 4, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
 def image_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step + 1)
     return torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
@@ -112,6 +134,7 @@ MODELS = {
     "mlp": (batch_norm_mlp, vector_batch, F.mse_loss),
     "mlp_no_running_stats": (lambda: batch_norm_mlp(track_running_stats=False), vector_batch, F.mse_loss),
     "resnet18": (resnet18_shaped, resnet_batch, F.cross_entropy),
+    "cnn3d": (volume_cnn, volume_batch, F.cross_entropy),
 }
 
 
@@ -193,7 +216,7 @@ def train_data_parallel(rank: int, world_size: int, name: str, optimizer: str, c
     reference = copy.deepcopy(model)
     x, y = batches(0)
     pm = autoplan.parallelize(
-        model, cpu_cluster("2xCPU", compute_slowdown=1e5), example_inputs=(x,), loss_fn=loss_fn,
+        model, cpu_cluster(f"{world_size}xCPU", compute_slowdown=1e5), example_inputs=(x,), loss_fn=loss_fn,
         example_targets=(y,), pins=DATA_PARALLEL, optimizer=optimizer, profile=None,
     )  # fmt: skip
     result = train_both(
@@ -226,7 +249,13 @@ def test_batch_norm_cnn_trains_data_parallel_like_one_device_with_its_running_st
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "optimizer"),
-    [("mlp", "sgd_momentum"), ("mlp_no_running_stats", "adam"), ("cnn", "sgd"), ("resnet18", "sgd_momentum")],
+    [
+        ("mlp", "sgd_momentum"),
+        ("mlp_no_running_stats", "adam"),
+        ("cnn", "sgd"),
+        ("resnet18", "sgd_momentum"),
+        ("cnn3d", "adam"),
+    ],
 )
 def test_batch_norm_models_train_data_parallel_like_one_device_every_placement_checked(
     name: str, optimizer: str
@@ -234,3 +263,78 @@ def test_batch_norm_models_train_data_parallel_like_one_device_every_placement_c
     results = run_ranks(train_data_parallel, 2, name, optimizer, True)
     assert_trains_like_reference(results)
     assert_running_statistics_equal(results)
+
+
+@pytest.mark.slow
+def test_resnet18_shaped_cnn_trains_data_parallel_on_4_ranks_like_one_device() -> None:
+    results = run_ranks(train_data_parallel, 4, "resnet18", "sgd_momentum", False)
+    assert results[0]["input_specs"] == (("S(0)",),)
+    assert_trains_like_reference(results)
+    assert_running_statistics_equal(results)
+
+
+# --- micro-batches, pipeline stages and checkpoints -------------------------------------------------
+
+
+def train_pipeline_then_checkpoint(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Rank body: the CNN planned as two pipeline stages of two micro-batches of 8, trained beside
+    one device that accumulates the gradients of the same two micro-batches (batch statistics are
+    per micro-batch, on one device as in the pipeline: two running-statistic updates per step);
+    then saved, and loaded into a fresh pipeline of the same plan."""
+    loss_fn = F.cross_entropy
+    model = two_layer_cnn()
+    reference = copy.deepcopy(model)
+    fresh = copy.deepcopy(model)
+    x, y = image_batch(0)
+    config = ParallelConfig(pp=2, microbatch_size=8, num_microbatches=2)
+    kwargs: dict[str, Any] = {"example_targets": (y,), "optimizer": "sgd", "profile": None, "global_batch_size": 16}
+    pm = autoplan.parallelize(model, "2xCPU", example_inputs=(x,), loss_fn=loss_fn, config=config, **kwargs)
+    opt, ref_opt = pm.make_optimizer(lr=0.05), reference_optimizer("sgd", list(reference.parameters()), 0.05)
+    losses, ref_losses = [], []
+    for step in range(NUM_STEPS):
+        x, y = image_batch(step)
+        losses.append(pm.forward_backward(x, targets=(y,)).item())
+        opt.step()
+        opt.zero_grad()
+        ref_loss = 0.0
+        for k in range(2):
+            part = loss_fn(reference(x[8 * k : 8 * (k + 1)]), y[8 * k : 8 * (k + 1)]) / 2
+            part.backward()
+            ref_loss += part.item()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss)
+    checkpoint.save(root, NUM_STEPS, pm, opt, plan=pm.plan)
+    loaded = autoplan.parallelize(
+        fresh, "2xCPU", example_inputs=(x,), loss_fn=loss_fn, example_targets=(y,), plan=pm.plan, profile=None
+    )
+    latest = checkpoint.find_latest(root)
+    assert latest is not None
+    checkpoint.load(latest, loaded, loaded.make_optimizer(lr=0.05))
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": {n: p.detach() for n, p in pm.full_parameters().items()},
+        "ref_params": {n: p.detach() for n, p in reference.named_parameters()},
+        "buffers": {n: b.full_tensor() for n, b in pm.owned_buffers().items()},
+        "ref_buffers": {n: b.detach().clone() for n, b in reference.named_buffers() if n in pm.owned_buffers()},
+        "loaded_buffers": {n: b.full_tensor() for n, b in loaded.owned_buffers().items()},
+    }
+
+
+@pytest.mark.slow
+def test_pipelined_micro_batches_update_running_statistics_like_accumulation_and_checkpoint_them(
+    tmp_path: Path,
+) -> None:
+    results = run_ranks(train_pipeline_then_checkpoint, 2, str(tmp_path / "ckpt"))
+    assert_trains_like_reference(results)
+    assert_running_statistics_equal(results)
+    held = [set(r["buffers"]) for r in results]
+    assert held[0] | held[1] == {
+        f"{i}.{s}" for i in (1, 4) for s in ("running_mean", "running_var", "num_batches_tracked")
+    }
+    for r in results:
+        counts = {n: int(b) for n, b in r["buffers"].items() if n.endswith("num_batches_tracked")}
+        assert set(counts.values()) <= {2 * NUM_STEPS}, counts  # one update per micro-batch
+        for n, b in r["buffers"].items():
+            assert torch.equal(r["loaded_buffers"][n], b), n
