@@ -34,6 +34,7 @@ from torch import nn
 import autoplan
 from autoplan import ParallelConfig
 from autoplan.cost_models.compute import op_flops
+from autoplan.errors import PlanMismatchError
 from autoplan.passes.trace import trace_training_step
 from autoplan.runtime import checkpoint
 from tests.harness import (
@@ -224,7 +225,16 @@ def train_data_parallel(rank: int, world_size: int, name: str, optimizer: str, c
         opt=pm.make_optimizer(lr=0.05), ref_opt=reference_optimizer(optimizer, list(reference.parameters()), 0.05),
         num_steps=NUM_STEPS, check=check,
     )  # fmt: skip
+    x, y = batches(0)
+    pm.eval()  # the program normalises by batch statistics: eval() cannot switch it
+    try:
+        pm.forward_backward(x, targets=(y,))
+        switched = "ran"
+    except PlanMismatchError as exc:
+        switched = str(exc)
+    pm.train()
     return result | {
+        "after_eval": switched,
         "input_specs": pm.plan.input_specs,
         "buffers": {n: b.full_tensor() for n, b in pm.owned_buffers().items()},
         "ref_buffers": {n: b.detach().clone() for n, b in reference.named_buffers()},
@@ -242,6 +252,7 @@ def assert_running_statistics_equal(results: list[dict[str, Any]]) -> None:
 def test_batch_norm_cnn_trains_data_parallel_like_one_device_with_its_running_statistics() -> None:
     results = run_ranks(train_data_parallel, 2, "cnn", "adam", False)
     assert results[0]["input_specs"] == (("S(0)",),)
+    assert results[0]["after_eval"].startswith("the plan runs batch norm in training mode"), results[0]["after_eval"]
     assert_trains_like_reference(results)
     assert_running_statistics_equal(results)
 

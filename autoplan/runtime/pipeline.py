@@ -551,6 +551,7 @@ class PipelineModel(torch.nn.Module):
         offload_optimizer: bool = False,
         plan: Plan | None = None,
         param_layouts: Mapping[str, kv_rows.KVGroupRows] | None = None,
+        batch_norm_training: bool | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -579,6 +580,10 @@ class PipelineModel(torch.nn.Module):
         """FQN -> the stages holding a copy of a parameter tied across stages (all ranks' view)."""
         self._anchor = torch.ones((), requires_grad=True)
         """Makes the loss :meth:`forward` returns require grad (autoplan.runtime.training)."""
+        self._batch_norm_training = batch_norm_training
+        """The mode the batch norms were planned in, as ``ParallelModel``'s (``None``: no batch norm)."""
+        if batch_norm_training is not None:
+            self.train(batch_norm_training)
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # noqa: ARG002
         for st in self._stages:
@@ -627,6 +632,7 @@ class PipelineModel(torch.nn.Module):
         whole batch, or this rank's rows of it; each only where that stage runs; floating fields
         cast to the dtypes the program reads), convert the gradients, and broadcast the loss (the
         micro-batch mean, fp32) from the last stage."""
+        training.check_batch_norm_mode(self._batch_norm_training, self.training)
         streams = [st.random for st in self._stages if st.random is not None]
         seed = step_seed(self.device) if streams else 0  # several stages: every rank draws it
         for st in self._stages:
@@ -1047,6 +1053,7 @@ def build_pipeline(
         offload_optimizer=offload_optimizer,
         plan=plan,
         param_layouts=traced_mb.param_layouts,
+        batch_norm_training=training.batch_norm_mode(model),
     )
 
 
