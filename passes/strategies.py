@@ -431,9 +431,9 @@ def _replicated_on(s: Strategy, axes: Sequence[int]) -> Strategy:
 def _writing_in_place(
     node: fx.Node, strategies: tuple[Strategy, ...], candidates: Sequence[Sequence[Spec]], n_out: int, rep: Spec
 ) -> tuple[Strategy, ...]:
-    """The strategies of an op that writes into an argument that read that argument in a layout
-    its producer can give it (any other converts it, and the write would land in the copy:
-    ``redistribute.check_no_converted_writes`` refuses such a plan). DTensor's single-dim rule of
+    """Of the strategies of an op that writes into an argument, those that read that argument in
+    a layout its producer can give it (any other converts it, and the write would land in the
+    copy: ``redistribute.check_no_converted_writes`` refuses such a plan). DTensor's single-dim rule of
     ``copy_`` shows only a shard of its destination (:class:`_Enumerator`), so the update of a
     replicated buffer (batch norm's running statistics, :mod:`autoplan.passes.batch_norm`) gets
     none: it is given the all-replicated strategy, which every op computes."""
