@@ -482,6 +482,46 @@ def _linear_flops(inputs: Tensors, outputs: Tensors) -> float:
     return _linear_gemms(inputs, outputs)[0].flops + bias_flops
 
 
+# Convolutions as implicit GEMMs (what cuDNN and oneDNN run): with ``x (N, C_in, *spatial)``,
+# ``weight (C_out, C_in / g, *kernel)``, ``y (N, C_out, *out)`` and ``g`` groups, each group is
+#     forward      y      (N * prod(out), C_in/g * prod(kernel)) @ (.., C_out/g)
+#     grad_input   dx     (N * prod(out), C_out/g) @ (C_out/g, C_in/g * prod(kernel))  (col2im after)
+#     grad_weight  dw     (C_out/g, N * prod(out)) @ (N * prod(out), C_in/g * prod(kernel))
+# so each is 2 * N * prod(out) * C_out * C_in/g * prod(kernel) FLOPs; bytes are the default.
+
+
+def _conv_dims(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(groups, C_in/g * prod(kernel), C_out/g, N)`` of a convolution of ``x`` by ``weight``."""
+    groups = max(x.shape[1] // max(weight.shape[1], 1), 1)
+    return groups, prod(weight.shape[1:]), weight.shape[0] // groups, x.shape[0]
+
+
+@register_matmul_shapes(aten.convolution.default)
+def _convolution_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
+    """convolution(x, weight, bias?, ...) -> y: one GEMM per group (above); the bias add is
+    left out (one addition per output element)."""
+    x, weight, y = inputs[0], inputs[1], outputs[0]
+    groups, k, c_out, _ = _conv_dims(x, weight)
+    return (Gemm(groups, y.numel() // (groups * c_out), k, c_out),)
+
+
+@register_matmul_shapes(aten.convolution_backward.default)
+def _convolution_backward_gemms(inputs: Tensors, outputs: Tensors) -> tuple[Gemm, ...]:
+    """convolution_backward(grad_y, x, weight, ...) -> the gradients its output mask asks for
+    (told apart by shape: ``x``'s for grad_input, ``weight``'s for grad_weight; grad_bias is a
+    sum over ``grad_y``, no GEMM)."""
+    grad_y, x, weight = inputs[0], inputs[1], inputs[2]
+    groups, k, c_out, _ = _conv_dims(x, weight)
+    rows = grad_y.numel() // (groups * c_out)  # N * prod(out)
+    shapes = [tuple(o.shape) for o in outputs]
+    gemms = []
+    if tuple(x.shape) in shapes:
+        gemms.append(Gemm(groups, rows, c_out, k))
+    if tuple(weight.shape) in shapes[1 if tuple(x.shape) in shapes[:1] else 0 :]:
+        gemms.append(Gemm(groups, c_out, rows, k))
+    return tuple(gemms)
+
+
 # Fused attention (``autoplan::sdpa``, passes/attention.py; FLOPs are registered there). Its
 # bytes are the default, which is the fused (flash) kernel's traffic: Q, K, V (+ mask) read and
 # O written once; the (T, S) scores never reach memory. Efficiency comes from its GEMMs.

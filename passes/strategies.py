@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 from autoplan.passes import attention, moe, random_ops
 from autoplan.passes.placement import Spec, is_segment_shard, is_shardable, is_supported, replicated, spec_str
 from autoplan.passes.segments import merged_dim_counts, segment_counts, segment_variants
-from autoplan.passes.trace import TracedProgram, writes_an_argument
+from autoplan.passes.trace import TracedProgram, writes_an_argument, written_tensor_args
 
 log = logging.getLogger(__name__)
 
@@ -428,6 +428,24 @@ def _replicated_on(s: Strategy, axes: Sequence[int]) -> Strategy:
     return Strategy(tuple(rep(o) for o in s.output_specs), tuple(cast(Spec, rep(i)) for i in s.input_specs))
 
 
+def _writing_in_place(
+    node: fx.Node, strategies: tuple[Strategy, ...], candidates: Sequence[Sequence[Spec]], n_out: int, rep: Spec
+) -> tuple[Strategy, ...]:
+    """Of the strategies of an op that writes into an argument, those that read that argument in
+    a layout its producer can give it (any other converts it, and the write would land in the
+    copy: ``redistribute.check_no_converted_writes`` refuses such a plan). DTensor's single-dim rule of
+    ``copy_`` shows only a shard of its destination (:class:`_Enumerator`), so the update of a
+    replicated buffer (batch norm's running statistics, :mod:`autoplan.passes.batch_norm`) gets
+    none: it is given the all-replicated strategy, which every op computes."""
+    written = written_tensor_args(node)
+    kept = tuple(s for s in strategies if all(s.input_specs[i] in candidates[i] for i in written))
+    if kept or not all(rep in candidates[i] for i in written):
+        return kept or strategies
+    val = node.meta["val"]
+    outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in (val if n_out > 1 else [val]))
+    return (Strategy(outs, (rep,) * len(candidates)),)
+
+
 REPLICABLE_FOLLOWERS: frozenset[object] = frozenset({torch.ops.aten.stack.default, torch.ops.aten.unbind.int})
 """Ops whose DTensor rule only follows the placement of its (first) input, given here the
 all-replicated strategy too: on replicated inputs any op computes its replicated output. The loss
@@ -516,6 +534,8 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
             strategies = tuple(sorted(strategies, key=_strategy_key)) if strategies else strategies
         if strategies and random_ops.draws(node):
             strategies = _random_op_strategies(node, strategies, n_out, rep)
+        if strategies and writes_an_argument(node):
+            strategies = _writing_in_place(node, strategies, [out_candidates(r) for r in refs], n_out, rep)
         if strategies and node.target in REPLICABLE_FOLLOWERS:
             everywhere = Strategy((rep,) * n_out, (rep,) * len(refs))
             if all(s.input_specs != everywhere.input_specs for s in strategies):

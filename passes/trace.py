@@ -14,6 +14,10 @@ forward *and* backward::
   (``trainable_names``); a frozen parameter is a placeholder like any other but gets no gradient,
   so no backward op computes one, no collective reduces one and no optimizer state exists for it,
   exactly as in the single-device model;
+* a buffer the forward updates (batch norm's running statistics and ``num_batches_tracked``
+  in training mode) is written by a ``copy_`` into its placeholder, which the program runs in
+  place on the replicated buffer; batch norm in training mode is written out in batch sums the
+  plan can split (:mod:`autoplan.passes.batch_norm`);
 * every node carries ``meta["val"]`` (shape and dtype), so later passes never run the model;
 * placeholders are named ``p_<fqn>``, ``b_<fqn>``, ``input_<i>``, ``target_<i>``;
 * nodes the loss depends on are the forward, the rest the backward
@@ -58,6 +62,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.cost_models.errors import UnsupportedModelError
 from autoplan.passes.attention import attention_as_single_op, causal_masks_as_flag
+from autoplan.passes.batch_norm import BATCH_NORM_DECOMPOSITIONS, check_batch_norm_momentum, is_training_batch_norm
 from autoplan.passes.fused_norm import norms_as_single_op
 from autoplan.passes.kv_groups import group_fused_qkv
 from autoplan.passes.kv_rows import KVGroupRows
@@ -206,8 +211,8 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
     finally:
         if captured.getvalue():
             log.debug("torch.export said:\n%s", captured.getvalue())
-    if not any(writes_an_argument(n) for n in ep.graph.nodes):
-        return ep.module()  # already functional: the graph is left exactly as exported
+    if not any(writes_an_argument(n) or is_training_batch_norm(n) for n in ep.graph.nodes):
+        return ep.module()  # already functional, no batch statistics: the graph is left exactly as exported
     with (
         _quiet_torch_logs(),
         attention_as_single_op(),
@@ -217,7 +222,8 @@ def _export(wrapper: torch.nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphMo
     ):
         # torch's own deepcopy of the module call graph warns that its LeafSpec check is deprecated
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        ep = ep.run_decompositions({})  # functionalize only (an empty decomposition table)
+        # functionalize, and write batch norm in training mode out in sums (passes/batch_norm.py)
+        ep = ep.run_decompositions(dict(BATCH_NORM_DECOMPOSITIONS))
     module = ep.module()
     _differentiable_copies(module)
     return module
@@ -302,6 +308,7 @@ def forward_fingerprint(
     ``requires_grad`` and the same torch and autoplan, equal forward fingerprints mean equal
     step fingerprints, for a fraction of a full trace's time (no backward graph is built)."""
     inputs, targets = tuple(example_inputs), tuple(example_targets)
+    check_batch_norm_momentum(model)
     exported = _export(_LossWrapper(model, loss_fn, len(inputs)), _distinct(inputs + targets))
     return graph_fingerprint(exported)
 
@@ -332,6 +339,7 @@ def trace_training_step(
     t0 = time.perf_counter()
     inputs, targets = _check_example_args(model, example_inputs, example_targets)
     _check_callables(model, loss_fn, num_inputs=len(inputs), num_targets=len(targets))
+    check_batch_norm_momentum(model)
     wrapper = _LossWrapper(model, loss_fn, len(inputs))
     exported = _export(wrapper, inputs + targets)
     param_layouts = group_fused_qkv(exported)  # before the joint graph: autograd differentiates the rewrite
@@ -339,7 +347,7 @@ def trace_training_step(
     buffers = dict(model.named_buffers())
     param_names, buffer_names = tuple(params), tuple(buffers)
     trainable_names = _trainable_names(params)
-    gm = _trace_joint(exported, params, buffers, inputs, targets, trainable_names, _training_batch_norms(model))
+    gm = _trace_joint(exported, params, buffers, inputs, targets, trainable_names)
     _check_grads(gm, trainable_names)
     dense_layouts(gm)  # before _clean_graph, whose dead-code elimination drops the replaced reads
     causal_masks_as_flag(gm)  # before _clean_graph, whose dead-code elimination drops the masks
@@ -431,12 +439,11 @@ def _trace_joint(
     inputs: tuple[torch.Tensor, ...],
     targets: tuple[torch.Tensor, ...],
     trainable_names: tuple[str, ...],
-    batch_norms: Sequence[str] = (),
 ) -> fx.GraphModule:
     """The exported forward + loss -> the raw joint graph ``step(*params, *buffers, *inputs,
-    *targets) -> (loss, *grads)`` built by ``make_fx`` over ``torch.autograd.grad``.
-    ``batch_norms``: the model's batch norms in training mode with running statistics (named
-    when the graph cannot be built: their in-place update of those statistics is the cause)."""
+    *targets) -> (loss, *grads)`` built by ``make_fx`` over ``torch.autograd.grad``. A buffer the
+    forward updates (batch norm's running statistics, :mod:`autoplan.passes.batch_norm`) is
+    written in place by a ``copy_`` into its placeholder."""
     param_names, buffer_names = tuple(params), tuple(buffers)
     full_param_names = ["model." + n for n in param_names]
     full_buffer_names = ["model." + n for n in buffer_names]
@@ -461,7 +468,8 @@ def _trace_joint(
 
     # frozen parameters enter the step as they are in the model: nothing differentiates them
     flat_args = [p.detach().requires_grad_(p.requires_grad) for p in params.values()]
-    flat_args += [b.detach() for b in buffers.values()] + list(inputs) + list(targets)
+    # buffers are copies: the step writes batch norm's running statistics, and tracing runs it
+    flat_args += [b.detach().clone() for b in buffers.values()] + list(inputs) + list(targets)
     try:
         # Attention as plain matmul + softmax, so the graph is the same on meta, CPU and CUDA
         # (the fused kernels are device-specific and have no DTensor strategy on CPU).
@@ -475,29 +483,12 @@ def _trace_joint(
         ):
             return make_fx(step)(*flat_args)
     except Exception as exc:  # noqa: BLE001
-        if batch_norms:
-            shown = ", ".join(batch_norms[:3]) + (f" (+{len(batch_norms) - 3} more)" if len(batch_norms) > 3 else "")
-            raise UnsupportedModelError(
-                f"could not build the backward graph: batch norm in training mode ({shown}) updates its running "
-                "statistics (running_mean, running_var) in place, which a traced training step does not support yet; "
-                "put those modules in eval mode (module.eval(): the running statistics are read, not updated) or "
-                "build them with track_running_stats=False (batch statistics only)"
-            ) from exc
         where = _user_frame(exc)
         raise UnsupportedModelError(
             f"could not build the backward graph: {type(exc).__name__}: {_first_line(exc)}"
             f"{f' at {where}' if where else ''}; check that loss.backward() runs eagerly on this model "
             "(custom autograd Functions need a backward)"
         ) from exc
-
-
-def _training_batch_norms(model: torch.nn.Module) -> tuple[str, ...]:
-    """The names of ``model``'s batch norms in training mode that track running statistics."""
-    return tuple(
-        f"{type(m).__name__} {name or '(the model)'}"
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    )
 
 
 def _check_grads(gm: fx.GraphModule, trainable_names: Sequence[str]) -> None:

@@ -116,6 +116,11 @@ class ParallelModel(torch.nn.Module):
         """The program lowered to local tensors (autoplan.runtime.lowering), built at the first step."""
         self._anchor = torch.ones((), device=device, requires_grad=True)
         """Makes the loss :meth:`forward` returns require grad (autoplan.runtime.training)."""
+        self._batch_norm_training = training.batch_norm_mode(model)
+        """The mode the batch norms were planned in (``None``: no batch norm); the module starts in
+        it, and :meth:`forward_backward` refuses the other (``training.check_batch_norm_mode``)."""
+        if self._batch_norm_training is not None:
+            self.train(self._batch_norm_training)
 
     # -- parameters -------------------------------------------------------------------------
     def named_sharded_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -271,6 +276,7 @@ class ParallelModel(torch.nn.Module):
         loss; gradients land in ``.grad``.
 
         ``check=True`` asserts every intermediate has its planned placement (slower)."""
+        training.check_batch_norm_mode(self._batch_norm_training, self.training)
         specs = [*self._input_specs, *self._target_specs]
         local: list[torch.Tensor] | None = None
         if len(inputs) == 1 and isinstance(inputs[0], LocalBatch):

@@ -240,7 +240,12 @@ class StageModule(torch.nn.Module):
         self.param_specs = {n: assignment[param_node_name(n)].output_specs[0] for n in program.param_names}
         self.params = torch.nn.ParameterList(
             training.sharded_parameter(
-                n, named[n], self.param_layouts, mesh, self.param_specs[n], device=device,
+                n,
+                named[n],
+                self.param_layouts,
+                mesh,
+                self.param_specs[n],
+                device=device,
                 requires_grad=named[n].requires_grad,  # a frozen parameter stays frozen (autoplan.passes.trace)
             )  # fmt: skip
             for n in program.param_names
@@ -261,6 +266,13 @@ class StageModule(torch.nn.Module):
             rep(buffers[n].detach().to(device=device, dtype=dtypes.get(n, buffers[n].dtype)), mesh)
             for n in program.buffer_names
         ]
+        persistent = training.persistent_buffer_names(model)
+        self.persistent_buffers = {
+            n: b for n, b in zip(program.buffer_names, self._buffers_list, strict=True) if n in persistent
+        }
+        """FQN -> the buffers of this stage that ``model.state_dict()`` holds, as its programs read them
+        (replicated DTensors, written in place by a batch norm's running statistics): in the
+        pipeline's state dict and checkpoints."""
         self.anchor = torch.ones((), device=device, requires_grad=True)
         self.lowered: dict[str, LocalProgram] = {}
         """The forward and backward programs lowered to local tensors (autoplan.runtime.lowering),
@@ -396,9 +408,7 @@ class StageModule(torch.nn.Module):
             self._accumulate(param_grads)
         return in_grads
 
-    def _run_last_backward(
-        self, saved: list[Any], grads: list[torch.Tensor], n_in: int
-    ) -> list[torch.Tensor | None]:
+    def _run_last_backward(self, saved: list[Any], grads: list[torch.Tensor], n_in: int) -> list[torch.Tensor | None]:
         """The step's last micro-batch: :attr:`last_microbatch`'s backward on the earlier
         micro-batches' summed raw gradients (taken out of ``grad_acc``, freed when it returns),
         which leaves each parameter's converted gradient in ``grad_acc`` (a parameter tied across
@@ -541,6 +551,7 @@ class PipelineModel(torch.nn.Module):
         offload_optimizer: bool = False,
         plan: Plan | None = None,
         param_layouts: Mapping[str, kv_rows.KVGroupRows] | None = None,
+        batch_norm_training: bool | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -569,6 +580,10 @@ class PipelineModel(torch.nn.Module):
         """FQN -> the stages holding a copy of a parameter tied across stages (all ranks' view)."""
         self._anchor = torch.ones((), requires_grad=True)
         """Makes the loss :meth:`forward` returns require grad (autoplan.runtime.training)."""
+        self._batch_norm_training = batch_norm_training
+        """The mode the batch norms were planned in, as ``ParallelModel``'s (``None``: no batch norm)."""
+        if batch_norm_training is not None:
+            self.train(batch_norm_training)
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # noqa: ARG002
         for st in self._stages:
@@ -617,6 +632,7 @@ class PipelineModel(torch.nn.Module):
         whole batch, or this rank's rows of it; each only where that stage runs; floating fields
         cast to the dtypes the program reads), convert the gradients, and broadcast the loss (the
         micro-batch mean, fp32) from the last stage."""
+        training.check_batch_norm_mode(self._batch_norm_training, self.training)
         streams = [st.random for st in self._stages if st.random is not None]
         seed = step_seed(self.device) if streams else 0  # several stages: every rank draws it
         for st in self._stages:
@@ -836,20 +852,31 @@ class PipelineModel(torch.nn.Module):
             fqn: p for fqn, stage, p in self.parameter_copies() if stage == min(self._tied_stages.get(fqn, (stage,)))
         }
 
+    def owned_buffers(self) -> dict[str, DTensor]:
+        """FQN -> each persistent buffer this rank's stages read (replicated DTensors on the stage
+        mesh), from the lowest stage holding it, as :meth:`owned_parameters`."""
+        owned: dict[str, DTensor] = {}
+        for st in sorted(self._stages, key=lambda st: st.program.index):
+            for fqn, b in st.persistent_buffers.items():
+                owned.setdefault(fqn, b)
+        return owned
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # noqa: ARG002
         """This rank's parameters by the model's own names, as sharded DTensors (DCP saves and
-        loads them in place); a parameter tied across stages comes from the lowest stage holding it."""
-        return training.sharded_state_dict(self.owned_parameters())
+        loads them in place), a parameter tied across stages from the lowest stage holding it, and
+        its stages' persistent buffers (:meth:`owned_buffers`)."""
+        return training.sharded_state_dict(self.owned_parameters()) | self.owned_buffers()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # noqa: ARG002
-        """Load full tensors or DTensors by the model's parameter names into every copy this
-        rank holds; keys of parameters held only by other pipeline ranks are accepted."""
+        """Load full tensors or DTensors by the model's parameter and buffer names into every copy
+        this rank holds; keys of parameters and buffers held only by other pipeline ranks are accepted."""
         missing: set[str] = set()
         for st in self._stages:
             named = dict(zip(st.program.param_names, st.params, strict=True))
             miss, _ = training.load_sharded_state_dict(
-                named, state_dict, strict=strict, elsewhere=frozenset(state_dict), layouts=st.param_layouts
-            )
+                named, state_dict, strict=strict, elsewhere=frozenset(state_dict), layouts=st.param_layouts,
+                buffers=st.persistent_buffers,
+            )  # fmt: skip
             missing.update(miss)
         return _IncompatibleKeys(sorted(missing), [])
 
@@ -997,8 +1024,14 @@ def build_pipeline(
         for s in mine
     ]
     stages = [
-        _pipeline_stage(mod, stage_mesh=stage_mesh, num_stages=num_stages, device=device, pp_group=pp_group,
-                        zero_bubble=schedule == "zero-bubble")  # fmt: skip
+        _pipeline_stage(
+            mod,
+            stage_mesh=stage_mesh,
+            num_stages=num_stages,
+            device=device,
+            pp_group=pp_group,
+            zero_bubble=schedule == "zero-bubble",
+        )  # fmt: skip
         for mod in modules
     ]
     last = [mod for mod in modules if mod.is_last]
@@ -1020,6 +1053,7 @@ def build_pipeline(
         offload_optimizer=offload_optimizer,
         plan=plan,
         param_layouts=traced_mb.param_layouts,
+        batch_norm_training=training.batch_norm_mode(model),
     )
 
 

@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autoplan.cost_models.errors import NonFiniteLossError, PlanError
+from autoplan.cost_models.errors import NonFiniteLossError, PlanError, PlanMismatchError
 from autoplan.passes.kv_rows import KVGroupRows, to_stored
 from autoplan.runtime.collectives import segment_layout
 from autoplan.runtime.lowering import local_shard
@@ -148,6 +148,29 @@ def sharded_state_dict(named: Mapping[str, torch.nn.Parameter]) -> dict[str, tor
     """``{fqn: parameter}`` with the model's own names; the values are the sharded parameters,
     detached (they share storage: loading into them in place updates the model)."""
     return {fqn: p.detach() for fqn, p in named.items()}
+
+
+def batch_norm_mode(model: torch.nn.Module) -> bool | None:
+    """The mode ``model``'s batch norms are planned in: ``True`` when one is in training mode (the
+    program normalises by batch statistics and updates the running ones), ``False`` when all are
+    in eval mode (it reads the running statistics), ``None`` without batch norm."""
+    modes = {m.training for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    return None if not modes else True in modes
+
+
+def check_batch_norm_mode(planned: bool | None, training: bool) -> None:
+    """Raise :class:`PlanMismatchError` when a parallel model's ``train()``/``eval()`` mode is not
+    the one its batch norms were planned in (:func:`batch_norm_mode`): the program is traced for
+    one mode, and switching the module would not switch it."""
+    if planned is None or planned == training:
+        return
+    mode, other = ("training", "eval") if planned else ("eval", "training")
+    raise PlanMismatchError(
+        f"the plan runs batch norm in {mode} mode (the model's mode when it was planned), but the parallel model "
+        f"was switched to {other} mode: the program does not change with .train()/.eval(); switch it back, or "
+        f"plan the model in {other} mode for those steps (model.{'eval' if planned else 'train'}() before "
+        "autoplan.parallelize)"
+    )
 
 
 def persistent_buffer_names(model: torch.nn.Module) -> frozenset[str]:
