@@ -1042,11 +1042,12 @@ def _pct(values: list[float], f) -> str:  # noqa: ANN001 - statistics.median or 
 
 def source_label(source: str) -> str:
     """A short name of a run's source for the per-source table: a FlagPerf case by its
-    directory (``FlagPerf llama3_8B-megatron``), any other by its text up to the first comma."""
+    directory (``FlagPerf llama3_8B-megatron``), any other by its text up to the first comma or
+    parenthesis (``Llama 3 paper``)."""
     if source.startswith(FLAGPERF):
         case = source.split("training/nvidia/", 1)[-1].split("/", 1)[0]
         return f"FlagPerf {case}"
-    head = source.split(",", 1)[0].split(";", 1)[0]
+    head = source.split(",", 1)[0].split(";", 1)[0].split(" (", 1)[0]
     return head if len(head) <= 48 else head[:47] + "…"
 
 
