@@ -134,6 +134,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+_ended_on_bad_input = False
+"""Whether :func:`main` ended on bad input (:class:`PlanError`): its groups were destroyed but not
+released (``destroy_process_groups(failed=True)``: a peer may still wait in a collective), so the
+rank process ends without interpreter teardown (``__main__`` below)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     args.warned_nonfinite = False  # --allow-nonfinite: the first non-finite loss is named once
@@ -149,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     except PlanError as exc:
         _report_bad_input(exc, args.bad_input_file)
         destroy_process_groups(failed=True)
+        global _ended_on_bad_input
+        _ended_on_bad_input = True
         return 0 if args.bad_input_file is not None else 2
     # every rank past its last collective (and the pipeline's last sends) before the groups go:
     # a rank tearing gloo down while its peer still communicates aborts the job. The groups are
@@ -393,4 +401,13 @@ def _save_final(pm: ParallelizedModel, path: str, rank: int) -> None:
 if __name__ == "__main__":
     with console.owned_stdout():  # a library's prints go to stderr, the loss lines to stdout
         code = main()
+    if _ended_on_bad_input:
+        # The unreleased gloo groups' threads would be destroyed while joinable at interpreter exit:
+        # std::terminate, SIGABRT, and torchrun would report a crashed rank with its traceback instead
+        # of the one line (docs/crashes.md; seen in a fresh-check run of
+        # test_run_on_a_dataset_sample_of_another_shape_prints_one_line_and_exits_2). The report is
+        # written (atomically) and the streams are flushed: nothing is left for the teardown to do.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
