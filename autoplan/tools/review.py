@@ -582,11 +582,14 @@ def _part_cell(row: Mapping[str, Any], key: str) -> str:
 
 
 def explain_configuration_text(ex: Mapping[str, Any]) -> str:
-    lines = [
-        f"configuration: {ex['chosen']}",
-        f"the search priced {ex['priced'] if ex['priced'] is not None else 'several'} configurations (every other "
-        "one's compute alone exceeds the chosen step); the best of each combination of degrees:",
-    ]
+    priced = ex["priced"]
+    searched = (
+        "the search priced 1 configuration (the one given with config=, or the only one that fits the cluster and batch):"
+        if priced == 1
+        else f"the search priced {priced if priced is not None else 'several'} configurations (every other one's "
+        "compute alone exceeds the chosen step); the best of each combination of degrees:"
+    )
+    lines = [f"configuration: {ex['chosen']}", searched]
     rows = [
         (
             "chosen" if k == 0 else f"#{k}",
