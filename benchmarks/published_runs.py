@@ -693,6 +693,12 @@ does not, or does not hold, per kind, with where in the framework's code
 Every row keeps autoplan's own price for the rest; the bytes get the allocator margin."""
 
 
+GRAD_BUFFER_PER_WEIGHT_BYTE = {"fp32_main_grads": 2.0, "zero3_grad_partitions": 1.0}
+"""The :data:`FRAMEWORK_HELD` kinds that are a gradient buffer alive through the whole step, and
+its bytes per byte of the stage's weights: fp32 over bf16 weights, and ZeRO-3's partitions in the
+training dtype over the weights' shards (:func:`framework_held_bytes`)."""
+
+
 def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> tuple[float, ...]:
     """Per pipeline rank (non-interleaved 1F1B: stage ``k`` on rank ``k`` with ``f = min(pp - k,
     micro-batches)`` micro-batches in flight at its peak), the bytes the run's framework holds at
@@ -714,11 +720,12 @@ def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> t
 
     ``B``: the gradient buffer, alive through every micro-batch's backward: ``2 x W`` with
     ``fp32_main_grads`` (fp32 over every local parameter), ``W`` with ``zero3_grad_partitions``
-    (the shards in the training dtype), else autoplan's ``grads`` (then only the first line). Autoplan's own program accumulates a later micro-batch's
-    raw gradients beside the sum and frees activations as they are read, so its peak can be a late
-    segment's backward with the activations gone (negative ``transient``: Aquila2 dp=8); a
-    framework with the buffer peaks when the activations are all alive at the first backward op.
-    The second line leaves out that op's temporaries (a lower bound)."""
+    (the shards in the training dtype; :data:`GRAD_BUFFER_PER_WEIGHT_BYTE`), else autoplan's
+    ``grads`` (then only the first line). Autoplan's own program accumulates a later
+    micro-batch's raw gradients beside the sum and frees activations as they are read, so its
+    peak can be a late segment's backward with the activations gone (negative ``transient``:
+    Aquila2 dp=8); a framework with the buffer peaks when the activations are all alive at the
+    first backward op. The second line leaves out that op's temporaries (a lower bound)."""
     kinds = [k for k, by in FRAMEWORK_HELD.items() if run.framework in by]
     if not kinds:
         return tuple(0.0 for _ in est.memory_per_device_bytes)
@@ -741,8 +748,9 @@ def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> t
         parts = stage.memory_parts
         priced = sum(parts.values()) - parts["allocator"]
         x = per_block * blocks * min(run.pp - k, run.num_microbatches)
-        if "fp32_main_grads" in kinds or "zero3_grad_partitions" in kinds:
-            buffer = (2.0 if "fp32_main_grads" in kinds else 1.0) * parts["weights"]
+        factors = [f for kind, f in GRAD_BUFFER_PER_WEIGHT_BYTE.items() if kind in kinds]
+        if factors:
+            buffer = factors[0] * parts["weights"]
             at_backward_start = parts["weights"] + parts["optimizer"] + parts["activations"] + buffer + x
         else:
             buffer, at_backward_start = parts["grads"], -math.inf
