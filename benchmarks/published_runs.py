@@ -145,7 +145,7 @@ import torch.nn.functional as F  # noqa: E402
 import autoplan  # noqa: E402
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
 from autoplan.cost_models.compute import memory_time_s, roofline_time_s  # noqa: E402
-from autoplan.cost_models.memory import ALLOCATOR_MARGIN_FRACTION, NON_PYTORCH_BYTES  # noqa: E402
+from autoplan.cost_models.memory import ALLOCATOR_MARGIN_FRACTION, DRIVER_VISIBLE_FRACTION, non_pytorch_bytes  # noqa: E402
 from tests.zoo import llama_lm, lm_loss, qwen3_moe_lm  # noqa: E402
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
@@ -591,6 +591,11 @@ class Priced:
     tokens_per_s_per_gpu: float
     mfu: float
     peak_memory_gib: float
+    """The allocator's reserved peak (the rank with the highest)."""
+    used_memory_gib: float
+    """The device memory in use at the peak, outside PyTorch included (the context and the
+    communicators of :func:`framework_communicators`, else of autoplan's program): the figure
+    ``nvidia-smi`` shows."""
     feasible: bool
     comm_s: float
     """Communication per step (every collective, :attr:`TrainingEstimate.comm`)."""
@@ -601,7 +606,8 @@ class Priced:
     the row's shape and numbers are encoded as torchtitan ran them (torchtitan rows; others: the
     published MFU)."""
     capacity_gib: float
-    """What the cost model lets a device use (``TrainingEstimate.capacity_bytes``)."""
+    """What the device leaves PyTorch once the memory outside it is held, at the rank whose
+    device use peaks highest (``TrainingEstimate.capacity_bytes`` for autoplan's own program)."""
 
 
 FP32_LOSS = {
@@ -759,6 +765,59 @@ def framework_held_bytes(run: PublishedRun, est: autoplan.TrainingEstimate) -> t
     return tuple(out)
 
 
+FRAMEWORK_GROUPS = {
+    "megatron": "Megatron-Core core_v0.6.0 (cac60ce4): megatron/core/parallel_state.py makes every group with "
+    "torch.distributed.new_group (its own NCCL communicator, even over every rank); a step runs collectives on the "
+    "world (training/training.py barriers, the timers' all_gather), the tensor group (sequence parallelism), the "
+    "pipeline group (core/pipeline_parallel/p2p_communication.py batch_isend_irecv to the neighbours), the data "
+    "group with context (training.py:415: the DDP's gradient reduce-scatter and the distributed optimizer's "
+    "all-gather), the data group (pretrain_gpt.py:135 average_losses_across_data_parallel_group: the last stage "
+    "only), the model-parallel group tp x pp (the optimizer's gradient-norm all-reduce) and the embedding group "
+    "(first and last stage: core/distributed/finalize_model_grads.py, the tied embedding's gradients)",
+    "flagscale": "FlagScale @ ed555321 (Megatron-LM before context parallelism): megatron/core/parallel_state.py "
+    "new_group per group; a step uses the world, tensor, pipeline (batch_isend_irecv), data (gradients, the "
+    "distributed optimizer, megatron/utils.py:76 the loss) and model-parallel (utils.py:67, the gradient norm) "
+    "groups; the output layer is untied: no embedding all-reduce",
+    "megatron-deepspeed": "Megatron-DeepSpeed with DeepSpeed 0.11.1, TP1 PP1: the world and Megatron's data group "
+    "(new_group over the 8 ranks), which DeepSpeed's ZeRO-1 engine takes from mpu for its reductions and "
+    "Megatron for the loss",
+    "deepspeed": "DeepSpeed 0.11.1 without mpu: deepspeed/utils/groups.py _clone_world_group (new_group over every "
+    "rank) is the ZeRO-3 engine's data-parallel group, beside the world's default group",
+}
+"""Frameworks whose process groups (each its own NCCL communicator, PyTorch creating it at the
+group's first collective) are encoded, with where: a row of one of them holds outside PyTorch the
+communicators of :func:`framework_communicators`
+(:func:`autoplan.cost_models.memory.non_pytorch_bytes`); the others are priced with autoplan's
+own program's (``TrainingEstimate.capacity_bytes``)."""
+
+
+def framework_communicators(run: PublishedRun, rank: int) -> tuple[tuple[int, ...], int]:
+    """The sizes of the process groups pipeline rank ``rank`` of ``run``'s framework runs
+    collectives in, and its point-to-point neighbours (:data:`FRAMEWORK_GROUPS`)."""
+    world, pp, last = run.num_gpus, run.pp, rank == run.pp - 1
+    peers = (rank > 0) + (rank < pp - 1)
+    if run.framework == "megatron":
+        groups = (world, run.tp, pp, run.dp * run.cp, *((run.dp,) if last else ()), run.tp * pp,
+                  *((2,) if pp > 1 and rank in (0, pp - 1) else ()))  # fmt: skip
+    elif run.framework == "flagscale":
+        groups = (world, run.tp, pp, run.dp, run.tp * pp)
+    elif run.framework == "megatron-deepspeed":
+        groups = (world, run.dp)
+    elif run.framework == "deepspeed":
+        groups = (world, world)
+    else:
+        raise KeyError(f"no process groups encoded for {run.framework!r}: FRAMEWORK_GROUPS")
+    return tuple(n for n in groups if n > 1), peers
+
+
+def device_visible_bytes(run: PublishedRun) -> float:
+    """What the driver hands the process on the run's device (the capacity before anything outside
+    PyTorch: ``autoplan.cost_models.memory.usable_memory_bytes`` without its subtraction)."""
+    from autoplan.planner.mesh import as_cluster
+
+    return as_cluster(run.cluster).device.mem_capacity_bytes / 1e9 * GiB * DRIVER_VISIBLE_FRACTION
+
+
 @contextlib.contextmanager
 def eager_hf_norms(run: PublishedRun):  # noqa: ANN201 - a context manager
     """While pricing ``run`` (:data:`EAGER_HF_NORM`), the tracer leaves RMSNorm modules as their
@@ -843,19 +902,25 @@ def price(run: PublishedRun) -> Priced:
     """``autoplan.estimate`` of the run's configuration (a weighted mean over ``RECOMPUTE_MIX``)."""
     model, ids = build(run)
     torchtitan = run.framework == "torchtitan"
-    step_s = mfu_step = peak = comm_s = exposed_s = 0.0
-    capacity, configs = 0.0, []
+    step_s = mfu_step = peak = used = comm_s = exposed_s = visible = 0.0
+    configs = []
     for weight, config, est in _estimates(run, model, ids):
         recompute = config.recompute
         step_s += weight * est.step_time_s
         mfu_step += weight * est.mfu * est.step_time_s  # MFU x step time = FLOPs / peak: the same for both
         held = framework_held_bytes(run, est)
-        peak += weight * max(
+        reserved = [
             m + h * (1 + ALLOCATOR_MARGIN_FRACTION) for m, h in zip(est.memory_per_device_bytes, held, strict=True)
-        )
+        ]
+        visible = device_visible_bytes(run)
+        if run.framework in FRAMEWORK_GROUPS:
+            outside = [non_pytorch_bytes("cuda", *framework_communicators(run, r)) for r in range(run.pp)]
+        else:  # autoplan's own program's communicators, at its tightest rank
+            outside = [visible - est.capacity_bytes] * run.pp
+        peak += weight * max(reserved)
+        used += weight * max(r + o for r, o in zip(reserved, outside, strict=True))
         comm_s += weight * est.comm.total_s
         exposed_s += weight * est.exposed_comm_s
-        capacity = est.capacity_bytes
         configs.append(str(config) if weight == 1.0 else f"{weight:g}x[{config}]")
         if recompute == "full" and torchtitan:
             step_s += weight * full_ac_extra_recompute_s(run)
@@ -864,15 +929,19 @@ def price(run: PublishedRun) -> Priced:
     if torchtitan:
         if run.activation_checkpointing == "selective, per op":
             step_s += op_sac_extra_recompute_s(run)
-            peak -= op_sac_unkept_bytes(run) * (1 + ALLOCATOR_MARGIN_FRACTION)
+            unkept = op_sac_unkept_bytes(run) * (1 + ALLOCATOR_MARGIN_FRACTION)
+            peak, used = peak - unkept, used - unkept
             configs.append("torchtitan op-SAC matmul recompute")
         if "full" in RECOMPUTE_MIX[run.activation_checkpointing]:
             configs.append("torchtitan full-AC block re-run")
         step_s += fsdp2_copy_s(run, num_params)
         configs.append("FSDP2 copies")
+    # what the device leaves PyTorch beside the bytes outside it at the rank that peaks highest
+    capacity = visible - (used - peak)
     return Priced(
         config=" + ".join(configs), tokens_per_s_per_gpu=tokens / step_s / run.num_gpus, mfu=mfu_step / step_s,
-        peak_memory_gib=peak / GiB, feasible=peak <= capacity, comm_s=comm_s, exposed_comm_s=exposed_s,
+        peak_memory_gib=peak / GiB, used_memory_gib=used / GiB, feasible=peak <= capacity, comm_s=comm_s,
+        exposed_comm_s=exposed_s,
         published_mfu_check=torchtitan_mfu(run, num_params, run.tokens_per_s_per_gpu) if torchtitan else run.mfu,
         capacity_gib=capacity / GiB,
     )  # fmt: skip
@@ -1085,12 +1154,12 @@ def source_table(rows: list[tuple[str, float | None, float | None]]) -> tuple[li
 
 def comparable_peak_gib(run: PublishedRun, p: Priced) -> float:
     """The predicted figure that counts what the published peak counts: ``nvidia-smi`` (the
-    device's used memory) adds to the allocator's reserved peak the memory a training process
-    holds outside PyTorch (CUDA context, cuBLAS workspaces, NCCL's buffers:
-    :data:`autoplan.cost_models.memory.NON_PYTORCH_BYTES`, the same bytes the capacity leaves
-    out); ``reserved``/``allocated`` and the rest compare with the predicted peak itself."""
+    device's used memory) is the reserved peak with the memory a training process holds outside
+    PyTorch (CUDA context, cuBLAS workspaces, the framework's NCCL communicators:
+    :attr:`Priced.used_memory_gib`, the same bytes the capacity leaves out);
+    ``reserved``/``allocated`` and the rest compare with the reserved peak itself."""
     if run.peak_memory_kind == "nvidia-smi":
-        return p.peak_memory_gib + NON_PYTORCH_BYTES / GiB
+        return p.used_memory_gib
     return p.peak_memory_gib
 
 

@@ -253,11 +253,58 @@ DRIVER_VISIBLE_FRACTION = 79.25 / 80
 "80 GB" A100 carries 80 GiB of HBM2e (``nvidia-smi``: 81,920 MiB) and PyTorch reports "79.25 GiB
 total capacity" (github.com/levihsu/OOTDiffusion issue #235, an A100 80GB out-of-memory message)."""
 
-NON_PYTORCH_BYTES = 2**30
-"""Device memory a training process holds outside PyTorch's allocator: the CUDA context and
-cuBLAS workspaces (0.51 GiB in the PB-LLM report above: 79.27 GiB in use, 74.53 + 4.23 GiB
-PyTorch's) plus NCCL's communicator buffers (``NCCL_BUFFSIZE``, 4 MiB per channel and peer,
-NCCL environment-variable docs), rounded up to 1 GiB."""
+CUDA_CONTEXT_BYTES = 0.51 * 2**30
+"""Device memory a process holds outside PyTorch's allocator before any communicator: the CUDA
+context and cuBLAS workspaces. Source: the PB-LLM out-of-memory report above (one A800-80G,
+no process group): 79.27 GiB in use, of which PyTorch's 74.53 + 4.23 GiB."""
+
+NCCL_COMMUNICATOR_BYTES = {2: 544e6, 3: 688e6}
+"""Device memory one NCCL communicator holds once it has run a collective, by its number of
+ranks (the ``3`` entry for every size above 2): its channels' send and receive buffers
+(``NCCL_BUFFSIZE`` per protocol, channel and peer) for the ring and, beyond two ranks, the tree.
+Measured per process group on 4 A100 with NVLink through PyTorch, a 4 MB all-reduce in each
+group (github.com/NVIDIA/nccl issue #964: "for group with only 2 devices, it requires 544 MB.
+And for group with more than 2 devices, it requires 688 MB"; the maintainer's answer in #986:
+memory grows with every communicator not split with shared resources, linearly with its
+channels, and no further past two nodes). Used for every catalog GPU: the one per-communicator
+measurement found (an assumption on H100/H200/B200, whose NVLink runs as many channels or more).
+A one-rank group has no peer: nothing."""
+
+NCCL_P2P_PEER_BYTES = (4.34e9 - 1.06e9) / 7
+"""Device memory a communicator adds for each peer it exchanges point-to-point sends with (a
+pipeline stage's neighbours): NCCL connects separate peer-to-peer channels per pair of ranks.
+Measured on 8 H100 through PyTorch (github.com/NVIDIA/nccl issue #1685: memory outside PyTorch
+1.06 GB before the first ``all_to_all_single``, 4.34 GB after it, which connected 32 channels to
+each of the 7 peers): 469 MB per peer."""
+
+
+def nccl_communicator_bytes(num_ranks: int) -> float:
+    """:data:`NCCL_COMMUNICATOR_BYTES` of a communicator of ``num_ranks`` ranks (0 for one rank)."""
+    if num_ranks <= 1:
+        return 0.0
+    return NCCL_COMMUNICATOR_BYTES[min(num_ranks, 3)]
+
+
+def non_pytorch_bytes(device_kind: str, group_sizes: Iterable[int] = (), p2p_peers: int = 0) -> float:
+    """Device memory a training process holds outside PyTorch's allocator on a rank whose program
+    runs collectives in process groups of ``group_sizes`` ranks (each its own NCCL communicator;
+    PyTorch creates one per group at the group's first collective) and point-to-point sends with
+    ``p2p_peers`` other ranks::
+
+        cuda:  CUDA_CONTEXT_BYTES + sum(nccl_communicator_bytes(n)) + p2p_peers * NCCL_P2P_PEER_BYTES
+        cpu:   0 (gloo's buffers are allocations of the process, counted where they run)"""
+    if device_kind != "cuda":
+        return 0.0
+    return CUDA_CONTEXT_BYTES + sum(nccl_communicator_bytes(n) for n in group_sizes) + p2p_peers * NCCL_P2P_PEER_BYTES
+
+
+def mesh_group_sizes(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Ranks of each process group a rank of a program on a device mesh of ``mesh_shape`` runs
+    collectives in: the world (the default group) and one group per mesh axis, except an axis
+    that spans the world (``DeviceMesh`` reuses the default group for it) or has one rank."""
+    world = prod(mesh_shape)
+    return (world, *(n for n in mesh_shape if 1 < n < world)) if world > 1 else ()
+
 
 GB = 10**9
 GiB = 2**30
@@ -269,28 +316,31 @@ def device_kind(device: DeviceSpec) -> str:
     return "cpu" if device.name == "CPU" else "cuda"
 
 
-def usable_memory_bytes(capacity_bytes: float, device_kind: str) -> float:
+def usable_memory_bytes(
+    capacity_bytes: float, device_kind: str, group_sizes: Iterable[int] = (), p2p_peers: int = 0
+) -> float:
     """Bytes a training process can allocate through PyTorch on a device of marketed capacity
     ``capacity_bytes`` (:attr:`autoplan.cost_models.hardware.DeviceSpec.mem_capacity_bytes`, the
-    decimal "80 GB")::
+    decimal "80 GB"), on a rank with the process groups and peers of :func:`non_pytorch_bytes`::
 
-        cuda:  capacity / GB * GiB * DRIVER_VISIBLE_FRACTION - NON_PYTORCH_BYTES
+        cuda:  capacity / GB * GiB * DRIVER_VISIBLE_FRACTION - non_pytorch_bytes(...)
         cpu:   capacity (a rank's share of host memory, as configured)
 
     GPU memory is sold in binary units under a decimal name (80 GB = 80 GiB of HBM); an A100
-    80GB gives 79.25 GiB - 1 GiB = 78.25 GiB, against 74.5 GiB if "80 GB" were read as 80e9
-    bytes. The caching allocator's fragmentation is charged on the peak instead
+    80GB gives 79.25 GiB, less 0.51 GiB of context and its communicators (78.74 GiB on one
+    device), against 74.5 GiB if "80 GB" were read as 80e9 bytes. The caching allocator's fragmentation is charged on the peak instead
     (:func:`allocator_margin_bytes`)."""
     if device_kind != "cuda":
         return float(capacity_bytes)
-    return capacity_bytes / GB * GiB * DRIVER_VISIBLE_FRACTION - NON_PYTORCH_BYTES
+    outside = non_pytorch_bytes(device_kind, group_sizes, p2p_peers)
+    return capacity_bytes / GB * GiB * DRIVER_VISIBLE_FRACTION - outside
 
 
-def allocatable_bytes(capacity_bytes: float, device_kind: str) -> float:
+def allocatable_bytes(capacity_bytes: float, device_kind: str, group_sizes: Iterable[int] = ()) -> float:
     """The largest allocated peak whose peak with the allocator margin fits
     :func:`usable_memory_bytes` (the ILP's memory bound, which counts allocated bytes)."""
     margin = ALLOCATOR_MARGIN_FRACTION if device_kind == "cuda" else 0.0
-    return usable_memory_bytes(capacity_bytes, device_kind) / (1 + margin)
+    return usable_memory_bytes(capacity_bytes, device_kind, group_sizes) / (1 + margin)
 
 
 def allocator_margin_bytes(allocated_peak_bytes: float, device_kind: str) -> float:
@@ -307,7 +357,7 @@ full-size copy of the input. Measured on 2 and 4 gloo ranks with torch 2.13 (pro
 events, ``all_gather_into_tensor``/``reduce_scatter_tensor`` and their functional twins, 1 to 64
 MiB): all-gather peaks at twice the gathered size, reduce-scatter at the input plus the output;
 all-reduce and all-to-all allocate only their output. NCCL reduces and gathers in the caller's
-buffers (its channel buffers are :data:`NON_PYTORCH_BYTES`): nothing on CUDA."""
+buffers (its channel buffers are :func:`non_pytorch_bytes`): nothing on CUDA."""
 
 
 def collective_scratch_bytes(collective: str, full_bytes: float, device_kind: str) -> float:
@@ -336,7 +386,7 @@ def collective_peak_bytes(
     2F; S(1) -> S(2) and S(0) -> S(1) 2F; P -> S(0) F + F/2, P -> S(1) 2F + F/2; P -> R F;
     R -> S(d) F/2 (out only). The CUDA rows follow the code of torch 2.13
     (``torch/_utils.py::_maybe_view_chunk_cat``, ``_functional_collectives.reduce_scatter_single``);
-    NCCL's own buffers are :data:`NON_PYTORCH_BYTES`."""
+    NCCL's own buffers are :func:`non_pytorch_bytes`."""
     full, cpu = float(full_bytes), device_kind == "cpu"
     copy = full if relayout else 0.0
     if collective == "all_gather":

@@ -181,6 +181,7 @@ from autoplan.cost_models.memory import (
     STATE_ITEMSIZE,
     ElementBytes,
     device_kind,
+    mesh_group_sizes,
     precision_bytes,
     rank_memory_parts,
     segment_activation_bytes,
@@ -1380,6 +1381,32 @@ class _Transfer:
     spans_nodes: bool
 
 
+def _rank_communicators(
+    config: ParallelConfig, tied: Sequence[tuple[tuple[int, ...], int]]
+) -> list[tuple[tuple[int, ...], int]]:
+    """Per pipeline rank, the process groups its program runs collectives in (their sizes) and
+    the ranks it sends to point to point (:func:`autoplan.cost_models.memory.non_pytorch_bytes`):
+    the groups of the device mesh ``(pp, *stage mesh)`` (the runtime's, ``autoplan.api``;
+    :func:`~autoplan.cost_models.memory.mesh_group_sizes`), the group summing a tied parameter's
+    gradients on the pipeline ranks holding a copy (``autoplan.runtime.pipeline``, two ranks: the
+    first and the last stage), and the pipeline neighbours: the previous and the next rank (one
+    at either end of a non-interleaved pipeline; an interleaved one loops from the last rank back
+    to the first)."""
+    pp = config.pp
+    groups = mesh_group_sizes((pp, *config.stage_mesh()[0]))
+    out = []
+    for r in range(pp):
+        holds_tied = pp > 1 and any(any(t[0]) or t[1] for k, t in enumerate(tied) if k % pp == r)
+        if pp == 1:
+            peers = 0
+        elif config.virtual_stages > 1:
+            peers = min(2, pp - 1)
+        else:
+            peers = (r > 0) + (r < pp - 1)
+        out.append(((*groups, *((2,) if holds_tied else ())), peers))
+    return out
+
+
 def _tied_apart(segs: Sequence[SegmentCost], bounds: Sequence[int]) -> list[tuple[tuple[int, ...], int]]:
     """Per stage (segments ``bounds[k]:bounds[k+1]``), the parameters tied across stages that its
     gradients hold: per segment the elements of its ``trainable_numel`` another stage also reads,
@@ -1542,8 +1569,12 @@ def evaluate(
         sum(rank_memory_parts([st.memory_parts for st in stages if st.rank == r], kind).values())
         for r in range(config.pp)
     ]
-    capacity = usable_memory_bytes(cluster.device.mem_capacity_bytes, kind)
-    peak = max(per_rank)
+    room = [
+        usable_memory_bytes(cluster.device.mem_capacity_bytes, kind, groups, peers)
+        for groups, peers in _rank_communicators(config, tied)
+    ]
+    tightest = min(range(config.pp), key=lambda r: room[r] - per_rank[r])
+    capacity, peak = room[tightest], per_rank[tightest]
     if memory_only:
         return TrainingEstimate(
             config=config, step_time_s=0.0, compute_s=0.0, exposed_comm_s=0.0, bubble_s=0.0, optimizer_s=0.0,

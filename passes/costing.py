@@ -41,6 +41,7 @@ from autoplan.cost_models.memory import (
     OPTIMIZER_STEP_BYTES_PER_ELEMENT,
     allocatable_bytes,
     device_kind,
+    mesh_group_sizes,
     param_training_bytes_by_part,
     tensor_bytes,
 )
@@ -265,7 +266,8 @@ def build_cost_problem(
     gm = traced.graph_module
     mesh_shape = cluster.mesh_shape
     device = cluster.device
-    capacity = allocatable_bytes(device.mem_capacity_bytes, device_kind(device))  # allocated bytes that fit
+    # allocated bytes that fit beside the context and the mesh's communicators
+    capacity = allocatable_bytes(device.mem_capacity_bytes, device_kind(device), mesh_group_sizes(mesh_shape))
     problem = CostProblem(table=table, cluster=cluster, capacity_bytes=capacity)
     nodes_by_name = {n.name: n for n in gm.graph.nodes}
 

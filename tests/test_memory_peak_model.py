@@ -15,6 +15,8 @@ from autoplan.cost_models.comm_schedule import OverlapPolicy
 from autoplan.cost_models.memory import (
     GiB,
     collective_scratch_bytes,
+    mesh_group_sizes,
+    non_pytorch_bytes,
     precision_bytes,
     rank_memory_parts,
     stage_memory_parts,
@@ -318,10 +320,22 @@ def test_segment_costs_leave_the_tied_heads_gradient_out_of_the_blocks_transient
 
 
 def test_usable_memory_of_an_80_gb_gpu() -> None:
-    """80 GB (decimal, the catalog) = 80 GiB of HBM; the driver hands out 79.25 GiB, 1 GiB goes
-    to the CUDA context and NCCL: 78.25 GiB for PyTorch's allocator. CPU ranks: as configured."""
-    assert usable_memory_bytes(80e9, "cuda") == pytest.approx(78.25 * GiB)
-    assert usable_memory_bytes(24 * GiB, "cpu") == 24 * GiB
+    """80 GB (decimal, the catalog) = 80 GiB of HBM; the driver hands out 79.25 GiB, the CUDA
+    context takes 0.51 GiB, and each NCCL communicator the rank's program runs collectives on
+    takes its buffers (544 MB with two ranks, 688 MB with more), each pipeline neighbour 469 MB.
+    CPU ranks: as configured, whatever their groups."""
+    alone = usable_memory_bytes(80e9, "cuda")
+    assert alone == pytest.approx(78.74 * GiB)
+    # dp=8 on one node: the world's communicator only (the mesh's one axis is the world)
+    assert mesh_group_sizes((8,)) == (8,)
+    assert usable_memory_bytes(80e9, "cuda", mesh_group_sizes((8,))) == pytest.approx(alone - 688e6)
+    # pp=2 x dp=2 x tp=2: the world, pp, dp and tp groups, and the one neighbour
+    assert mesh_group_sizes((2, 2, 2)) == (8, 2, 2, 2)
+    assert usable_memory_bytes(80e9, "cuda", (8, 2, 2, 2), p2p_peers=1) == pytest.approx(
+        alone - 688e6 - 3 * 544e6 - (4.34e9 - 1.06e9) / 7
+    )
+    assert mesh_group_sizes((1,)) == () and non_pytorch_bytes("cpu", (8, 2), 2) == 0.0
+    assert usable_memory_bytes(24 * GiB, "cpu", (8, 2), 2) == 24 * GiB
 
 
 def test_a_stage_peaking_at_its_optimizer_step_keeps_its_negative_transient() -> None:
@@ -333,3 +347,31 @@ def test_a_stage_peaking_at_its_optimizer_step_keeps_its_negative_transient() ->
     other = {"weights": 1.0, "optimizer": 1.0, "activations": 1.0, "grads": 0.0, "transient": 1.0}
     both = rank_memory_parts([at_step, other], "cpu")
     assert sum(both.values()) == 10 + 20 + 30 + 1 + 1 + 1 + max(40 - 25 + 0, 0 + 1)
+
+
+def test_each_pipeline_rank_leaves_out_its_own_communicators() -> None:
+    """``evaluate`` checks every pipeline rank against what its device leaves PyTorch beside the
+    context and that rank's NCCL communicators: the mesh's groups (world 8, pp 4, dp 2) and one
+    pipeline neighbour at either end, two in the middle; the capacity it reports is the tightest
+    rank's. Without a pipeline (dp=8), the one group is the world."""
+    from autoplan.cost_models.cluster import Cluster
+    from autoplan.cost_models.config import ParallelConfig
+    from autoplan.cost_models.hardware import DEVICE_CATALOG
+    from autoplan.cost_models.step import SegmentCosts, evaluate
+
+    seg = SegmentCost(
+        fwd_s=1e-3, bwd_s=2e-3, bwd_weight_s=1e-3, fwd_comm_s=0.0, bwd_comm_s=0.0, selective_recompute_s=1e-4,
+        full_recompute_s=1e-3, grad_sync_s=0.0, optimizer_s=1e-4, param_numel=10**8, trainable_numel=10**8,
+        param_itemsize=4, saved_bytes=4e9, selective_kept_bytes=2e9, full_kept_bytes=1e8, input_bytes=1e8, flops=1e12,
+    )  # fmt: skip
+    costs = SegmentCosts(segments=(seg,) * 6, cut_bytes=(1e8,) * 5, optimizer="adam")
+    h100 = DEVICE_CATALOG["H100"]
+    cluster = Cluster(num_nodes=1, devices_per_node=8, device=h100)
+    cfg = ParallelConfig(dp=2, pp=4, num_microbatches=8, schedule="1f1b")
+    est = evaluate(cfg, costs, cluster)
+    room = [usable_memory_bytes(h100.mem_capacity_bytes, "cuda", (8, 4, 2), peers) for peers in (1, 2, 2, 1)]
+    tightest = min(range(4), key=lambda r: room[r] - est.memory_per_device_bytes[r])
+    assert est.capacity_bytes == pytest.approx(room[tightest])
+    assert est.feasible == all(m <= c for m, c in zip(est.memory_per_device_bytes, room, strict=True))
+    flat = evaluate(ParallelConfig(dp=8), costs, cluster)
+    assert flat.capacity_bytes == pytest.approx(usable_memory_bytes(h100.mem_capacity_bytes, "cuda", (8,)))

@@ -29,7 +29,7 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.hardware import DEVICE_CATALOG
-from autoplan.cost_models.memory import DRIVER_VISIBLE_FRACTION, GB, NON_PYTORCH_BYTES, GiB
+from autoplan.cost_models.memory import DRIVER_VISIBLE_FRACTION, GB, GiB, non_pytorch_bytes
 from autoplan.cost_models.step import SegmentCost, SegmentCosts, evaluate
 from autoplan.planner.search import SearchSpace, search
 from autoplan.runtime.optimizers import OffloadedOptimizer, make_torch_optimizer
@@ -121,8 +121,9 @@ def test_on_cpu_ranks_the_host_is_the_device_memory():
 
 
 def _capacity_for(usable_bytes: float) -> int:
-    """Marketed capacity whose usable bytes (memory.usable_memory_bytes, CUDA) are ``usable_bytes``."""
-    return int((usable_bytes + NON_PYTORCH_BYTES) / (GiB / GB * DRIVER_VISIBLE_FRACTION))
+    """Marketed capacity whose usable bytes (memory.usable_memory_bytes, CUDA) are ``usable_bytes``
+    on one device (no process group: the CUDA context only outside PyTorch)."""
+    return int((usable_bytes + non_pytorch_bytes("cuda")) / (GiB / GB * DRIVER_VISIBLE_FRACTION))
 
 
 SPACE = SearchSpace(microbatch_sizes=(1,), recompute=("none",), hetero_stages=False)

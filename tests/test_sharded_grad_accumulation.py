@@ -26,7 +26,7 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm_schedule import converting_backwards
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
-from autoplan.cost_models.memory import DRIVER_VISIBLE_FRACTION, GB, NON_PYTORCH_BYTES, GiB
+from autoplan.cost_models.memory import DRIVER_VISIBLE_FRACTION, GB, GiB, mesh_group_sizes, non_pytorch_bytes
 from autoplan.cost_models.step import evaluate
 from autoplan.planner.search import SearchSpace, search
 from autoplan.tools.common import config_from_text
@@ -133,8 +133,10 @@ def test_sharded_accumulation_runs_m_times_the_reduce_scatters(stage: int) -> No
 
 
 def _capacity_for(usable_bytes: float) -> int:
-    """A GPU's marketed capacity whose usable bytes (memory.usable_memory_bytes) are ``usable_bytes``."""
-    return int((usable_bytes + NON_PYTORCH_BYTES) / (GiB * DRIVER_VISIBLE_FRACTION) * GB)
+    """A GPU's marketed capacity whose usable bytes (memory.usable_memory_bytes) are ``usable_bytes``
+    for a rank of dp=8 on the node (its one process group, the world's communicator)."""
+    outside = non_pytorch_bytes("cuda", mesh_group_sizes((8,)))
+    return int((usable_bytes + outside) / (GiB * DRIVER_VISIBLE_FRACTION) * GB)
 
 
 def _search(capacity: int) -> tuple[object, list]:  # type: ignore[type-arg]
@@ -177,23 +179,24 @@ GLOBAL_BATCH = 8
 def _train_counting(rank: int, world_size: int, plan_json: str) -> dict[str, object]:  # noqa: ARG001
     """3 SGD-with-momentum steps of the planned model and of the single-device reference
     (tests.test_pipeline_equivalence's public path), counting the backward programs that issue
-    gradient buckets (``DeferredWaits.run_issue``: a converting program cut at its last waits)
+    gradient buckets (``DeferredWaits.run_issue_boxed``, which ``run_issue`` and the stage's boxed
+    calls both go through: a converting program cut at its last waits)
     and the reduce-scatters each holds."""
     from autoplan.runtime.lowering import REDUCE_SCATTER, DeferredWaits
     from tests.test_pipeline_equivalence import _own_stage_after_a_step, _train_public
 
     calls = []
-    issue = DeferredWaits.run_issue
+    issue = DeferredWaits.run_issue_boxed
 
-    def counting(self: DeferredWaits, *args: object) -> object:
+    def counting(self: DeferredWaits, local_args: list[object]) -> object:
         calls.append(1)
-        return issue(self, *args)
+        return issue(self, local_args)
 
-    DeferredWaits.run_issue = counting  # type: ignore[method-assign]
+    DeferredWaits.run_issue_boxed = counting  # type: ignore[method-assign]
     try:
         out = _train_public(rank, world_size, "gpt2_wide", None, plan_json)
     finally:
-        DeferredWaits.run_issue = issue  # type: ignore[method-assign]
+        DeferredWaits.run_issue_boxed = issue  # type: ignore[method-assign]
     out["converting_runs"] = len(calls)
     stage = _own_stage_after_a_step("gpt2_wide", plan_json)
     out["programs"] = sorted(stage.lowered)
