@@ -145,7 +145,13 @@ import torch.nn.functional as F  # noqa: E402
 import autoplan  # noqa: E402
 from autoplan.cost_models.cluster import Cluster  # noqa: E402
 from autoplan.cost_models.compute import memory_time_s, roofline_time_s  # noqa: E402
-from autoplan.cost_models.memory import ALLOCATOR_MARGIN_FRACTION, DRIVER_VISIBLE_FRACTION, non_pytorch_bytes  # noqa: E402
+from autoplan.cost_models.memory import (  # noqa: E402
+    ALLOCATOR_MARGIN_FRACTION,
+    DRIVER_VISIBLE_FRACTION,
+    non_pytorch_bytes,
+    nvlink_multicast,
+)
+from autoplan.planner.mesh import as_cluster  # noqa: E402
 from tests.zoo import llama_lm, lm_loss, qwen3_moe_lm  # noqa: E402
 
 TORCHTITAN_A100 = "torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB; shared/published_runs.md"
@@ -791,30 +797,35 @@ communicators of :func:`framework_communicators`
 own program's (``TrainingEstimate.capacity_bytes``)."""
 
 
-def framework_communicators(run: PublishedRun, rank: int) -> tuple[tuple[int, ...], int]:
-    """The sizes of the process groups pipeline rank ``rank`` of ``run``'s framework runs
-    collectives in, and its point-to-point neighbours (:data:`FRAMEWORK_GROUPS`)."""
-    world, pp, last = run.num_gpus, run.pp, rank == run.pp - 1
+def framework_communicators(run: PublishedRun, rank: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """The process groups pipeline rank ``rank`` of ``run``'s framework runs collectives in, as
+    ``(ranks, ranks on its node)``, and its point-to-point neighbours (:data:`FRAMEWORK_GROUPS`).
+    Megatron's rank order: tensor-parallel ranks consecutive, then data-parallel, pipeline
+    stages outermost (``parallel_state.initialize_model_parallel``)."""
+    world, pp, dpn, last = run.num_gpus, run.pp, as_cluster(run.cluster).devices_per_node, rank == run.pp - 1
     peers = (rank > 0) + (rank < pp - 1)
+
+    def group(n: int, stride: int) -> tuple[int, int]:  # n ranks, ``stride`` apart
+        return n, max(1, min(n, dpn // stride))
+
+    tp, dp = run.tp, run.dp * run.cp
     if run.framework == "megatron":
-        groups = (world, run.tp, pp, run.dp * run.cp, *((run.dp,) if last else ()), run.tp * pp,
-                  *((2,) if pp > 1 and rank in (0, pp - 1) else ()))  # fmt: skip
+        groups = [group(world, 1), group(tp, 1), group(pp, tp * dp), group(dp, tp), *([group(run.dp, tp)] if last else []),
+                  (tp * pp, min(tp, dpn)), *([(2, 1)] if pp > 1 and rank in (0, pp - 1) else [])]  # fmt: skip
     elif run.framework == "flagscale":
-        groups = (world, run.tp, pp, run.dp, run.tp * pp)
+        groups = [group(world, 1), group(tp, 1), group(pp, tp * dp), group(dp, tp), (tp * pp, min(tp, dpn))]
     elif run.framework == "megatron-deepspeed":
-        groups = (world, run.dp)
+        groups = [group(world, 1), group(dp, tp)]
     elif run.framework == "deepspeed":
-        groups = (world, world)
+        groups = [group(world, 1), group(world, 1)]
     else:
         raise KeyError(f"no process groups encoded for {run.framework!r}: FRAMEWORK_GROUPS")
-    return tuple(n for n in groups if n > 1), peers
+    return tuple(g for g in groups if g[0] > 1), peers
 
 
 def device_visible_bytes(run: PublishedRun) -> float:
     """What the driver hands the process on the run's device (the capacity before anything outside
     PyTorch: ``autoplan.cost_models.memory.usable_memory_bytes`` without its subtraction)."""
-    from autoplan.planner.mesh import as_cluster
-
     return as_cluster(run.cluster).device.mem_capacity_bytes / 1e9 * GiB * DRIVER_VISIBLE_FRACTION
 
 
@@ -914,7 +925,10 @@ def price(run: PublishedRun) -> Priced:
         ]
         visible = device_visible_bytes(run)
         if run.framework in FRAMEWORK_GROUPS:
-            outside = [non_pytorch_bytes("cuda", *framework_communicators(run, r)) for r in range(run.pp)]
+            multicast = nvlink_multicast(as_cluster(run.cluster).device)
+            outside = [
+                non_pytorch_bytes("cuda", *framework_communicators(run, r), multicast=multicast) for r in range(run.pp)
+            ]
         else:  # autoplan's own program's communicators, at its tightest rank
             outside = [visible - est.capacity_bytes] * run.pp
         peak += weight * max(reserved)

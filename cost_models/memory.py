@@ -278,32 +278,72 @@ Measured on 8 H100 through PyTorch (github.com/NVIDIA/nccl issue #1685: memory o
 each of the 7 peers): 469 MB per peer."""
 
 
-def nccl_communicator_bytes(num_ranks: int) -> float:
-    """:data:`NCCL_COMMUNICATOR_BYTES` of a communicator of ``num_ranks`` ranks (0 for one rank)."""
+NVLS_BYTES_PER_LOCAL_RANK = 16 * 2 * (4 * 2**20 + 2 * 2**20)
+"""Device memory NCCL's NVLink SHARP (NVLS) buffers take per communicator, for each of its ranks
+on the node, on a device whose NVLink supports multicast (:data:`NVLINK_MULTICAST_DEVICES`) when
+the communicator has more than two ranks on the node. NCCL v2.19.4 ``src/transport/nvls.cc``:
+``ncclNvlsInit`` turns NVLS on where the node has more than 2 of the communicator's GPUs and
+``CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED`` (``NCCL_NVLS_ENABLE`` default 2: where supported);
+``ncclNvlsSetup`` allocates ``nvlsPerRankSize = nChannels * 2 * (buffSize + NVLS_MEM_ALIGN_SIZE)``
+times ``nHeads`` (``NCCL_NVLS_NCHANNELS`` 16 channels, the 4 MiB Simple buffer, 2 MiB
+alignment; one head per local GPU, ``graph/connect.cc`` ``connectNvls``): 1.5 GiB for a
+communicator over 8 GPUs of a node, 0.75 GiB over 4 (vllm issue #9699 logs 2.25 GiB with 24
+channels on 8 GPUs: the same formula). NeMo's launcher sets ``NCCL_NVLS_ENABLE=0`` to save this
+memory (NVIDIA/NeMo-Framework-Launcher pull request #127)."""
+
+NVLINK_MULTICAST_DEVICES = frozenset({"H100", "H200", "B200"})
+"""Catalog GPUs whose NVSwitch fabric supports NVLink multicast (NVLink SHARP: third-generation
+NVSwitch on HGX H100/H200, NVLink 5 switches on HGX B200), so NCCL allocates
+:data:`NVLS_BYTES_PER_LOCAL_RANK`; not the A100 (second-generation NVSwitch, no multicast)."""
+
+
+def nvlink_multicast(device: DeviceSpec) -> bool:
+    """Whether ``device``'s NVLink supports multicast (:data:`NVLINK_MULTICAST_DEVICES`)."""
+    return device.name in NVLINK_MULTICAST_DEVICES
+
+
+def nccl_communicator_bytes(num_ranks: int, local_ranks: int = 1, *, multicast: bool = False) -> float:
+    """Device memory of one NCCL communicator over ``num_ranks`` ranks, ``local_ranks`` of them on
+    this rank's node: :data:`NCCL_COMMUNICATOR_BYTES` (0 for one rank), plus the NVLS buffers
+    where the device supports multicast and more than two of its ranks share the node."""
     if num_ranks <= 1:
         return 0.0
-    return NCCL_COMMUNICATOR_BYTES[min(num_ranks, 3)]
+    nvls = NVLS_BYTES_PER_LOCAL_RANK * local_ranks if multicast and local_ranks > 2 else 0.0
+    return NCCL_COMMUNICATOR_BYTES[min(num_ranks, 3)] + nvls
 
 
-def non_pytorch_bytes(device_kind: str, group_sizes: Iterable[int] = (), p2p_peers: int = 0) -> float:
+def non_pytorch_bytes(
+    device_kind: str, groups: Iterable[tuple[int, int]] = (), p2p_peers: int = 0, *, multicast: bool = False
+) -> float:
     """Device memory a training process holds outside PyTorch's allocator on a rank whose program
-    runs collectives in process groups of ``group_sizes`` ranks (each its own NCCL communicator;
-    PyTorch creates one per group at the group's first collective) and point-to-point sends with
-    ``p2p_peers`` other ranks::
+    runs collectives in process groups ``groups`` (``(ranks, ranks on this node)`` each, each
+    its own NCCL communicator; PyTorch creates one per group at the group's first collective)
+    and point-to-point sends with ``p2p_peers`` other ranks; ``multicast``: the device's NVLink
+    supports it (:data:`NVLINK_MULTICAST_DEVICES`)::
 
-        cuda:  CUDA_CONTEXT_BYTES + sum(nccl_communicator_bytes(n)) + p2p_peers * NCCL_P2P_PEER_BYTES
+        cuda:  CUDA_CONTEXT_BYTES + sum(nccl_communicator_bytes(n, local)) + p2p_peers * NCCL_P2P_PEER_BYTES
         cpu:   0 (gloo's buffers are allocations of the process, counted where they run)"""
     if device_kind != "cuda":
         return 0.0
-    return CUDA_CONTEXT_BYTES + sum(nccl_communicator_bytes(n) for n in group_sizes) + p2p_peers * NCCL_P2P_PEER_BYTES
+    comms = sum(nccl_communicator_bytes(n, local, multicast=multicast) for n, local in groups)
+    return CUDA_CONTEXT_BYTES + comms + p2p_peers * NCCL_P2P_PEER_BYTES
 
 
-def mesh_group_sizes(mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Ranks of each process group a rank of a program on a device mesh of ``mesh_shape`` runs
-    collectives in: the world (the default group) and one group per mesh axis, except an axis
-    that spans the world (``DeviceMesh`` reuses the default group for it) or has one rank."""
+def mesh_groups(mesh_shape: Sequence[int], devices_per_node: int) -> tuple[tuple[int, int], ...]:
+    """The process groups a rank of a program on a device mesh of ``mesh_shape`` runs collectives
+    in, as ``(ranks, ranks on the rank's node)``: the world (the default group) and one group per
+    mesh axis, except an axis that spans the world (``DeviceMesh`` reuses the default group for
+    it) or has one rank. Ranks are laid out with the last axis innermost, ``devices_per_node``
+    consecutive ranks to a node."""
     world = prod(mesh_shape)
-    return (world, *(n for n in mesh_shape if 1 < n < world)) if world > 1 else ()
+    if world <= 1:
+        return ()
+    out = [(world, min(world, devices_per_node))]
+    for i, n in enumerate(mesh_shape):
+        stride = prod(mesh_shape[i + 1 :])
+        if 1 < n < world:
+            out.append((n, max(1, min(n, devices_per_node // stride))))
+    return tuple(out)
 
 
 GB = 10**9
@@ -317,7 +357,12 @@ def device_kind(device: DeviceSpec) -> str:
 
 
 def usable_memory_bytes(
-    capacity_bytes: float, device_kind: str, group_sizes: Iterable[int] = (), p2p_peers: int = 0
+    capacity_bytes: float,
+    device_kind: str,
+    groups: Iterable[tuple[int, int]] = (),
+    p2p_peers: int = 0,
+    *,
+    multicast: bool = False,
 ) -> float:
     """Bytes a training process can allocate through PyTorch on a device of marketed capacity
     ``capacity_bytes`` (:attr:`autoplan.cost_models.hardware.DeviceSpec.mem_capacity_bytes`, the
@@ -332,15 +377,17 @@ def usable_memory_bytes(
     (:func:`allocator_margin_bytes`)."""
     if device_kind != "cuda":
         return float(capacity_bytes)
-    outside = non_pytorch_bytes(device_kind, group_sizes, p2p_peers)
+    outside = non_pytorch_bytes(device_kind, groups, p2p_peers, multicast=multicast)
     return capacity_bytes / GB * GiB * DRIVER_VISIBLE_FRACTION - outside
 
 
-def allocatable_bytes(capacity_bytes: float, device_kind: str, group_sizes: Iterable[int] = ()) -> float:
+def allocatable_bytes(
+    capacity_bytes: float, device_kind: str, groups: Iterable[tuple[int, int]] = (), *, multicast: bool = False
+) -> float:
     """The largest allocated peak whose peak with the allocator margin fits
     :func:`usable_memory_bytes` (the ILP's memory bound, which counts allocated bytes)."""
     margin = ALLOCATOR_MARGIN_FRACTION if device_kind == "cuda" else 0.0
-    return usable_memory_bytes(capacity_bytes, device_kind, group_sizes) / (1 + margin)
+    return usable_memory_bytes(capacity_bytes, device_kind, groups, multicast=multicast) / (1 + margin)
 
 
 def allocator_margin_bytes(allocated_peak_bytes: float, device_kind: str) -> float:

@@ -181,7 +181,8 @@ from autoplan.cost_models.memory import (
     STATE_ITEMSIZE,
     ElementBytes,
     device_kind,
-    mesh_group_sizes,
+    mesh_groups,
+    nvlink_multicast,
     precision_bytes,
     rank_memory_parts,
     segment_activation_bytes,
@@ -1382,18 +1383,19 @@ class _Transfer:
 
 
 def _rank_communicators(
-    config: ParallelConfig, tied: Sequence[tuple[tuple[int, ...], int]]
-) -> list[tuple[tuple[int, ...], int]]:
-    """Per pipeline rank, the process groups its program runs collectives in (their sizes) and
-    the ranks it sends to point to point (:func:`autoplan.cost_models.memory.non_pytorch_bytes`):
-    the groups of the device mesh ``(pp, *stage mesh)`` (the runtime's, ``autoplan.api``;
-    :func:`~autoplan.cost_models.memory.mesh_group_sizes`), the group summing a tied parameter's
+    config: ParallelConfig, tied: Sequence[tuple[tuple[int, ...], int]], devices_per_node: int
+) -> list[tuple[tuple[tuple[int, int], ...], int]]:
+    """Per pipeline rank, the process groups its program runs collectives in (``(ranks, ranks on
+    its node)`` each) and the ranks it sends to point to point
+    (:func:`autoplan.cost_models.memory.non_pytorch_bytes`): the groups of the device mesh
+    ``(pp, *stage mesh)`` (the runtime's, ``autoplan.api``;
+    :func:`~autoplan.cost_models.memory.mesh_groups`), the group summing a tied parameter's
     gradients on the pipeline ranks holding a copy (``autoplan.runtime.pipeline``, two ranks: the
     first and the last stage), and the pipeline neighbours: the previous and the next rank (one
     at either end of a non-interleaved pipeline; an interleaved one loops from the last rank back
     to the first)."""
     pp = config.pp
-    groups = mesh_group_sizes((pp, *config.stage_mesh()[0]))
+    groups = mesh_groups((pp, *config.stage_mesh()[0]), devices_per_node)
     out = []
     for r in range(pp):
         holds_tied = pp > 1 and any(any(t[0]) or t[1] for k, t in enumerate(tied) if k % pp == r)
@@ -1403,7 +1405,7 @@ def _rank_communicators(
             peers = min(2, pp - 1)
         else:
             peers = (r > 0) + (r < pp - 1)
-        out.append(((*groups, *((2,) if holds_tied else ())), peers))
+        out.append(((*groups, *(((2, 1),) if holds_tied else ())), peers))
     return out
 
 
@@ -1569,9 +1571,10 @@ def evaluate(
         sum(rank_memory_parts([st.memory_parts for st in stages if st.rank == r], kind).values())
         for r in range(config.pp)
     ]
+    multicast = nvlink_multicast(cluster.device)
     room = [
-        usable_memory_bytes(cluster.device.mem_capacity_bytes, kind, groups, peers)
-        for groups, peers in _rank_communicators(config, tied)
+        usable_memory_bytes(cluster.device.mem_capacity_bytes, kind, groups, peers, multicast=multicast)
+        for groups, peers in _rank_communicators(config, tied, cluster.devices_per_node)
     ]
     tightest = min(range(config.pp), key=lambda r: room[r] - per_rank[r])
     capacity, peak = room[tightest], per_rank[tightest]

@@ -41,7 +41,8 @@ from autoplan.cost_models.memory import (
     OPTIMIZER_STEP_BYTES_PER_ELEMENT,
     allocatable_bytes,
     device_kind,
-    mesh_group_sizes,
+    mesh_groups,
+    nvlink_multicast,
     param_training_bytes_by_part,
     tensor_bytes,
 )
@@ -267,7 +268,10 @@ def build_cost_problem(
     mesh_shape = cluster.mesh_shape
     device = cluster.device
     # allocated bytes that fit beside the context and the mesh's communicators
-    capacity = allocatable_bytes(device.mem_capacity_bytes, device_kind(device), mesh_group_sizes(mesh_shape))
+    communicators = mesh_groups(mesh_shape, cluster.devices_per_node)
+    capacity = allocatable_bytes(
+        device.mem_capacity_bytes, device_kind(device), communicators, multicast=nvlink_multicast(device)
+    )
     problem = CostProblem(table=table, cluster=cluster, capacity_bytes=capacity)
     nodes_by_name = {n.name: n for n in gm.graph.nodes}
 

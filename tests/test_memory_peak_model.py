@@ -15,7 +15,7 @@ from autoplan.cost_models.comm_schedule import OverlapPolicy
 from autoplan.cost_models.memory import (
     GiB,
     collective_scratch_bytes,
-    mesh_group_sizes,
+    mesh_groups,
     non_pytorch_bytes,
     precision_bytes,
     rank_memory_parts,
@@ -322,20 +322,27 @@ def test_segment_costs_leave_the_tied_heads_gradient_out_of_the_blocks_transient
 def test_usable_memory_of_an_80_gb_gpu() -> None:
     """80 GB (decimal, the catalog) = 80 GiB of HBM; the driver hands out 79.25 GiB, the CUDA
     context takes 0.51 GiB, and each NCCL communicator the rank's program runs collectives on
-    takes its buffers (544 MB with two ranks, 688 MB with more), each pipeline neighbour 469 MB.
-    CPU ranks: as configured, whatever their groups."""
+    takes its buffers (544 MB with two ranks, 688 MB with more), each pipeline neighbour 469 MB;
+    on NVLink with multicast a communicator with more than two ranks on the node adds its NVLS
+    buffers (192 MiB per rank there). CPU ranks: as configured, whatever their groups."""
     alone = usable_memory_bytes(80e9, "cuda")
     assert alone == pytest.approx(78.74 * GiB)
     # dp=8 on one node: the world's communicator only (the mesh's one axis is the world)
-    assert mesh_group_sizes((8,)) == (8,)
-    assert usable_memory_bytes(80e9, "cuda", mesh_group_sizes((8,))) == pytest.approx(alone - 688e6)
-    # pp=2 x dp=2 x tp=2: the world, pp, dp and tp groups, and the one neighbour
-    assert mesh_group_sizes((2, 2, 2)) == (8, 2, 2, 2)
-    assert usable_memory_bytes(80e9, "cuda", (8, 2, 2, 2), p2p_peers=1) == pytest.approx(
+    assert mesh_groups((8,), 8) == ((8, 8),)
+    assert usable_memory_bytes(80e9, "cuda", mesh_groups((8,), 8)) == pytest.approx(alone - 688e6)
+    nvls = 16 * 2 * 6 * 2**20 * 8
+    assert nvls == 1.5 * GiB
+    assert usable_memory_bytes(80e9, "cuda", ((8, 8),), multicast=True) == pytest.approx(alone - 688e6 - nvls)
+    # pp=2 x dp=2 x tp=2 on 8 GPUs of one node: the world, pp, dp and tp groups, one neighbour;
+    # no group but the world has more than two ranks on the node
+    assert mesh_groups((2, 2, 2), 8) == ((8, 8), (2, 2), (2, 2), (2, 2))
+    assert usable_memory_bytes(80e9, "cuda", mesh_groups((2, 2, 2), 8), p2p_peers=1) == pytest.approx(
         alone - 688e6 - 3 * 544e6 - (4.34e9 - 1.06e9) / 7
     )
-    assert mesh_group_sizes((1,)) == () and non_pytorch_bytes("cpu", (8, 2), 2) == 0.0
-    assert usable_memory_bytes(24 * GiB, "cpu", (8, 2), 2) == 24 * GiB
+    # dp=4 x tp=4 on 2 nodes of 8: a dp group has 2 ranks on each node, a tp group 4
+    assert mesh_groups((4, 4), 8) == ((16, 8), (4, 2), (4, 4))
+    assert mesh_groups((1,), 8) == () and non_pytorch_bytes("cpu", ((8, 8), (2, 2)), 2) == 0.0
+    assert usable_memory_bytes(24 * GiB, "cpu", ((8, 8), (2, 2)), 2) == 24 * GiB
 
 
 def test_a_stage_peaking_at_its_optimizer_step_keeps_its_negative_transient() -> None:
@@ -351,9 +358,10 @@ def test_a_stage_peaking_at_its_optimizer_step_keeps_its_negative_transient() ->
 
 def test_each_pipeline_rank_leaves_out_its_own_communicators() -> None:
     """``evaluate`` checks every pipeline rank against what its device leaves PyTorch beside the
-    context and that rank's NCCL communicators: the mesh's groups (world 8, pp 4, dp 2) and one
-    pipeline neighbour at either end, two in the middle; the capacity it reports is the tightest
-    rank's. Without a pipeline (dp=8), the one group is the world."""
+    context and that rank's NCCL communicators: the mesh's groups (world 8, pp 4, dp 2; on H100 the
+    world's has NVLS buffers, 8 ranks on the node) and one pipeline neighbour at either end, two in
+    the middle; the capacity it reports is the tightest rank's. Without a pipeline (dp=8), the one
+    group is the world."""
     from autoplan.cost_models.cluster import Cluster
     from autoplan.cost_models.config import ParallelConfig
     from autoplan.cost_models.hardware import DEVICE_CATALOG
@@ -369,9 +377,15 @@ def test_each_pipeline_rank_leaves_out_its_own_communicators() -> None:
     cluster = Cluster(num_nodes=1, devices_per_node=8, device=h100)
     cfg = ParallelConfig(dp=2, pp=4, num_microbatches=8, schedule="1f1b")
     est = evaluate(cfg, costs, cluster)
-    room = [usable_memory_bytes(h100.mem_capacity_bytes, "cuda", (8, 4, 2), peers) for peers in (1, 2, 2, 1)]
+    groups = ((8, 8), (4, 4), (2, 2))  # world, pp (every other rank: 4 on the node), dp (2 consecutive ranks)
+    assert mesh_groups((4, 2), 8) == groups
+    room = [
+        usable_memory_bytes(h100.mem_capacity_bytes, "cuda", groups, peers, multicast=True) for peers in (1, 2, 2, 1)
+    ]
     tightest = min(range(4), key=lambda r: room[r] - est.memory_per_device_bytes[r])
     assert est.capacity_bytes == pytest.approx(room[tightest])
     assert est.feasible == all(m <= c for m, c in zip(est.memory_per_device_bytes, room, strict=True))
     flat = evaluate(ParallelConfig(dp=8), costs, cluster)
-    assert flat.capacity_bytes == pytest.approx(usable_memory_bytes(h100.mem_capacity_bytes, "cuda", (8,)))
+    assert flat.capacity_bytes == pytest.approx(
+        usable_memory_bytes(h100.mem_capacity_bytes, "cuda", ((8, 8),), multicast=True)
+    )

@@ -26,7 +26,14 @@ from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.comm_schedule import converting_backwards
 from autoplan.cost_models.config import ParallelConfig
 from autoplan.cost_models.errors import ConfigError
-from autoplan.cost_models.memory import DRIVER_VISIBLE_FRACTION, GB, GiB, mesh_group_sizes, non_pytorch_bytes
+from autoplan.cost_models.memory import (
+    DRIVER_VISIBLE_FRACTION,
+    GB,
+    GiB,
+    mesh_groups,
+    non_pytorch_bytes,
+    nvlink_multicast,
+)
 from autoplan.cost_models.step import evaluate
 from autoplan.planner.search import SearchSpace, search
 from autoplan.tools.common import config_from_text
@@ -135,7 +142,7 @@ def test_sharded_accumulation_runs_m_times_the_reduce_scatters(stage: int) -> No
 def _capacity_for(usable_bytes: float) -> int:
     """A GPU's marketed capacity whose usable bytes (memory.usable_memory_bytes) are ``usable_bytes``
     for a rank of dp=8 on the node (its one process group, the world's communicator)."""
-    outside = non_pytorch_bytes("cuda", mesh_group_sizes((8,)))
+    outside = non_pytorch_bytes("cuda", mesh_groups((8,), 8), multicast=nvlink_multicast(GPU))
     return int((usable_bytes + outside) / (GiB * DRIVER_VISIBLE_FRACTION) * GB)
 
 

@@ -19,7 +19,7 @@ from autoplan.cost_models.comm import link_time_s, overlaps_compute, step_bytes,
 from autoplan.cost_models.comm_schedule import CommRow, CommTotals
 from autoplan.cost_models.compute import concurrent_compute_factor
 from autoplan.cost_models.errors import PlanError
-from autoplan.cost_models.memory import device_kind, mesh_group_sizes, tensor_bytes, usable_memory_bytes
+from autoplan.cost_models.memory import device_kind, mesh_groups, nvlink_multicast, tensor_bytes, usable_memory_bytes
 from autoplan.cost_models.profile_db import DeviceKey, ProfileDB, default_db_path
 from autoplan.passes import liveness, pass_order
 from autoplan.passes.comm_order import CommSchedule
@@ -196,8 +196,9 @@ def plan_traced(
         memory_bytes=memory.as_dict(),
         memory_peak_at=memory.peak_at,
         capacity_bytes=usable_memory_bytes(
-            cluster.device.mem_capacity_bytes, device_kind(cluster.device), mesh_group_sizes(cluster.mesh_shape)
-        ),
+            cluster.device.mem_capacity_bytes, device_kind(cluster.device),
+            mesh_groups(cluster.mesh_shape, cluster.devices_per_node), multicast=nvlink_multicast(cluster.device),
+        ),  # fmt: skip
         comm=CommTotals.merge(
             (*comm_totals(records, cluster.mesh_axis_names, _step_costs(traced, redistributions, cluster)).rows, *in_op)
         ),
