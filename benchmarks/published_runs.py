@@ -49,7 +49,10 @@ logits (:data:`FP32_LOSS`), and Hugging Face's eager RMSNorm where the run used 
 Megatron's and FlagScale's peaks add what those programs hold and autoplan's does not, each kind
 with its place in the framework's code (:data:`FRAMEWORK_HELD`, :func:`framework_held_bytes`:
 the fp32 gradient buffer, dropout masks, the norm regions whole without sequence parallelism) and
-take off what they do not keep (the ``silu`` output of a fused SwiGLU).
+take off what they do not keep (the ``silu`` output of a fused SwiGLU). A published ``nvidia-smi``
+figure is compared with the reserved peak plus the memory outside PyTorch of the framework's
+process groups (:data:`FRAMEWORK_GROUPS`, :func:`framework_communicators`: one NCCL communicator
+each, ``autoplan.cost_models.memory.non_pytorch_bytes``), rank by rank.
 
 Found, not priced (BF16 mixture-of-experts and long-context runs with a published configuration
 that autoplan cannot express faithfully, issue #20 item 5):
