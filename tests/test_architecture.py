@@ -299,6 +299,7 @@ def layer_of(module: str) -> int | None:
         ("autoplan.planner", 3),
         ("autoplan.runtime", 4),
         ("autoplan.tools", 6),
+        ("autoplan.integrations", 5),
     ]
     for prefix, layer in rooms:
         if module == prefix or module.startswith(prefix + "."):
