@@ -2,16 +2,42 @@
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/memory_peak.py
 
-Two gloo CPU ranks (one thread each), a GPT-2-shaped model from the test zoo (``tests.zoo.gpt2_lm``:
-4 layers, hidden 128, 4 heads, vocab 2048, 64 positions; fp32, tied lm_head), one seeded batch of
-8 sequences of 64 tokens, Adam. Plans (rank 0 plans on the ``2xCPU`` preset, hands them to rank 1):
+Two gloo CPU ranks (one thread each; four for :data:`CONFIGS_4`), a GPT-2-shaped model from the
+test zoo (``tests.zoo.gpt2_lm``: 4 layers, hidden 128, 4 heads, vocab 2048, 64 positions, the
+zoo model's longest sequence; fp32, tied lm_head), one seeded batch of 8 sequences of 64 tokens, Adam. Plans (rank 0 plans on the ``2xCPU`` preset, hands them to rank 1):
 
 * ``plain``: the per-operator ILP's plan pinned to pure data parallelism (inputs ``S(0)``, every
   parameter ``R``); predicted peak: the plan's liveness timeline (:func:`autoplan.passes.liveness.peak_memory`);
-* ``dp``, ``selective``, ``recompute``, ``zero3``, ``pp2``: joint-search plans with the configuration
-  fixed (``dp=2`` without recomputation, with selective and with full recomputation, with ZeRO-3; ``pp=2`` with 2
-  micro-batches, 1F1B); predicted peak: the joint search's per-rank memory
-  (:func:`autoplan.cost_models.memory.stage_memory_parts`, ``estimate.memory_per_device_bytes``).
+* every other case: a joint-search plan with the configuration fixed (``config=``, :data:`CONFIGS`);
+  predicted peak: the joint search's per-rank memory
+  (:func:`autoplan.cost_models.memory.stage_memory_parts`, combined per pipeline rank by
+  :func:`autoplan.cost_models.memory.rank_memory_parts`; ``estimate.memory_per_device_bytes``):
+
+  - ``dp``, ``selective``, ``recompute``: ``dp=2`` without recomputation, with selective and
+    with full recomputation (one micro-batch of 4 per rank);
+  - ``zero3``: ``dp=2`` with ZeRO-3 (FSDP2's gathered weights per segment, reduce-scattered gradients);
+  - ``pp2``: ``pp=2``, 2 micro-batches, 1F1B (point-to-point activations, a stage per rank);
+  - ``tp2_sp``: ``tp=2`` with sequence parallelism, one sample per micro-batch (8 of them), so the
+    tensor-parallel axis splits the sequence between the blocks (the norms' and residuals'
+    activations ``1/tp``), the blocks' all-gathers and reduce-scatters on it, and gradient
+    accumulation over 8 micro-batches;
+  - ``zero3_ga``, ``zero3_ga_sharded``: ``dp=2``, ZeRO-3, 2 micro-batches of 2, the gradients
+    accumulated unsharded (summed raw over the micro-batches, reduce-scattered in the last one's
+    backward) and sharded (every micro-batch's backward reduce-scatters; its last buckets still
+    in flight in the next forward);
+  - ``pp2_v2``, ``pp2_v2_m4``: interleaved 1F1B, ``pp=2`` with 2 virtual stages per rank (4
+    stages of one block each, the embedding with the first, the tied lm_head and loss with the
+    last), 2 micro-batches of 4 and 4 of 2: with 4 the two stages of a rank hold different counts
+    of micro-batches when the rank peaks, which is in a later micro-batch's backward of one
+    stage with the other's gradients alive;
+
+  four ranks (``4xCPU``, :data:`CONFIGS_4`; a job of their own, started by rank 0 of the
+  two-rank job, :func:`start_four_rank_job`; the launch command stays the two-rank one):
+
+  - ``dp2_pp2_v2``: the interleaved pipeline beside data parallelism (``dp=2, pp=2``, ``v=2``);
+  - ``cp2_tp2_sp``: context parallelism, ``cp=2`` beside ``tp=2`` with sequence parallelism
+    (``ParallelConfig`` takes ``cp > 1`` only beside ``tp > 1``, so it needs four ranks; GPT-2
+    runs it, no Llama needed): every sample's sequence split over the ``cp`` axis.
 
 Measured peak: CPU tensors have no caching allocator and no allocator statistics
 (``torch.cuda.max_memory_allocated`` has no CPU twin), so each rank runs :data:`PROFILED_STEPS` training steps
@@ -82,6 +108,8 @@ CONFIGS = {
         dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3, sharded_grad_accumulation=True
     ),
     "pp2_v2": ParallelConfig(pp=2, microbatch_size=4, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=2),
+    # four micro-batches: the rank's two stages reach their peaks at different steps of the schedule
+    "pp2_v2_m4": ParallelConfig(pp=2, microbatch_size=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2),
 }
 """Two-rank cases (``2xCPU``)."""
 CONFIGS_4 = {
