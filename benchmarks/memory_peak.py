@@ -32,7 +32,7 @@ zoo model's longest sequence; fp32, tied lm_head), one seeded batch of 8 sequenc
     stage with the other's gradients alive;
 
   four ranks (``4xCPU``, :data:`CONFIGS_4`; a job of their own, started by rank 0 of the
-  two-rank job, :func:`start_four_rank_job`; the launch command stays the two-rank one):
+  two-rank job after its cases, :func:`start_four_rank_job`; the launch command stays the two-rank one):
 
   - ``dp2_pp2_v2``: the interleaved pipeline beside data parallelism (``dp=2, pp=2``, ``v=2``);
   - ``cp2_tp2_sp``: context parallelism, ``cp=2`` beside ``tp=2`` with sequence parallelism
@@ -187,9 +187,14 @@ def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int]
     """Every allocation and free the profiler recorded, in time order, and the blocks a
     collective holds: ``(pointer, allocation time) -> time its wait returned``, for the inputs of
     each functional collective (``_c10d_functional.*``, e.g. the flat ``cat`` of a coalesced
-    gather) and what it allocates inside (gloo's full-size copy of a reduce-scatter's input),
-    its output excepted (the caller holds that). Needs ``record_shapes=True`` (the ops' tensor
-    arguments)."""
+    gather) and what it allocates inside (gloo's full-size copy of a reduce-scatter's input, and
+    its output). The output is the caller's, but gloo's work object holds it too until the
+    worker thread drops the work, right after running it: a caller that lets go of it right
+    after its wait (a gathered flat buffer, once split) leaves the last reference to the worker,
+    whose free the profiler does not see (ZeRO-3 with sharded accumulation: 0.76-1.79 MiB of
+    gathered outputs without a free counted alive to the step's end on one rank and not the
+    other); a caller that keeps it frees it on its own thread, a free that is seen, and
+    :func:`step_peak` then keeps it. Needs ``record_shapes=True`` (the ops' tensor arguments)."""
     events: list[Event] = []
     issues: list[tuple[int, list[int], list[tuple[int, int]]]] = []  # (time, input ptrs, allocations inside)
     waits: list[tuple[int, int, int]] = []  # (start, end, the awaited tensor's pointer)
@@ -229,9 +234,8 @@ def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int]
             t_alloc = max((t for t in allocated.get(ptr, ()) if t <= t_issue), default=None)
             if t_alloc is not None:
                 held[(ptr, t_alloc)] = wait
-        for ptr, t_alloc in made:
-            if ptr not in outputs:
-                held[(ptr, t_alloc)] = wait
+        for ptr, t_alloc in made:  # its output too: see the docstring
+            held[(ptr, t_alloc)] = wait
     return events, held
 
 
@@ -354,10 +358,13 @@ def predicted(plan: autoplan.Plan, rank: int) -> float:
 
 
 def start_four_rank_job() -> tuple[subprocess.Popen[str], Any, Any]:
-    """On rank 0 of the two-rank job, before its own cases: the four-rank cases as a job of their
-    own (this script with ``--four`` under ``torch.distributed.run``), running beside them (one
-    after the other they would take longer than the benchmark's time limit on 2 cores); its output
-    goes to temporary files, read by :func:`four_rank_rows`."""
+    """On rank 0 of the two-rank job, once its own cases are measured (rank 1 waits): the
+    four-rank cases as a job of their own (this script with ``--four`` under
+    ``torch.distributed.run``); its output goes to temporary files, read by :func:`four_rank_rows`.
+    Not beside the two-rank cases: six ranks on 2 cores delay gloo's worker threads, whose frees
+    then come late and the measured peaks with them (zero3_ga_sharded: 22.31 MiB alone, steps
+    22.31-24.86, median 24.10, beside the four-rank job), and one after the other is no slower
+    (about 45 s and 23 s with the plans cached, 100 s cold, against 83 s side by side)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29533",
            os.path.abspath(__file__), "--four", *(a for a in sys.argv[1:] if a.startswith("--cases="))]  # fmt: skip
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "GROUP_", "ROLE_", "LOCAL_WORLD")
@@ -398,7 +405,6 @@ def main() -> None:
     started = time.perf_counter()
     four = "--four" in sys.argv[1:]
     run_four = not four and int(os.environ["RANK"]) == 0 and (not ONLY or bool(set(ONLY) & set(CONFIGS_4)))
-    job = start_four_rank_job() if run_four else None
     ids, labels = token_batch(batch=BATCH, seq=SEQ, seed=1, vocab=VOCAB)
     planned_here = plans(ids, labels, four=four) if int(os.environ["RANK"]) == 0 else None
     dist.init_process_group("gloo")
@@ -439,8 +445,8 @@ def main() -> None:
 
         destroy_process_groups()
         return
-    if job is not None:
-        more, more_missing = four_rank_rows(job)
+    if run_four:
+        more, more_missing = four_rank_rows(start_four_rank_job())
         rows += more
         missing += more_missing
     dist.barrier()

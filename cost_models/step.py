@@ -179,17 +179,25 @@ from autoplan.cost_models.hardware import DeviceSpec
 from autoplan.cost_models.memory import (
     OPTIMIZER_STEP_BYTES_PER_ELEMENT,
     STATE_ITEMSIZE,
+    BackwardTerms,
     ElementBytes,
     device_kind,
     mesh_group_sizes,
     precision_bytes,
     rank_memory_parts,
     segment_activation_bytes,
+    stage_backward_terms,
     stage_memory_parts,
     stage_numels,
     usable_memory_bytes,
 )
-from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_at_rank_peak, inflight_microbatches
+from autoplan.cost_models.schedule import (
+    StageTimes,
+    backward_states,
+    fast_step_time,
+    inflight_at_rank_peak,
+    inflight_microbatches,
+)
 from autoplan.cost_models.step_parts import StepParts
 
 # --- input: costs per layer segment ------------------------------------------------------------
@@ -1150,6 +1158,9 @@ class _StagePrice:
     """Per micro-batch compute of the forward and backward (waits for gathers excluded)."""
     comm: _StageComm | None
     """The stage's simulated communication (``None`` for memory-only estimates)."""
+    backward: BackwardTerms | None = None
+    """Its backward's terms for the rank's schedule (:func:`rank_memory_parts`; several stages on
+    the rank only)."""
 
 
 def _inflight(config: ParallelConfig, rank: int) -> int:
@@ -1197,6 +1208,12 @@ def _stage_memory_parts(**kwargs: Any) -> dict[str, float]:
     return stage_memory_parts(**kwargs)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _stage_backward_terms(**kwargs: Any) -> BackwardTerms:
+    """:func:`~autoplan.cost_models.memory.stage_backward_terms`, memoised as :func:`_stage_memory_parts`."""
+    return stage_backward_terms(**kwargs)
+
+
 def _price_stage(
     config: ParallelConfig,
     part: Sequence[SegmentCost],
@@ -1242,7 +1259,7 @@ def _price_stage(
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
-    parts = _stage_memory_parts(
+    memory_kwargs: dict[str, Any] = dict(
         segments=tuple(part),
         recompute=recompute,
         element=bpe,
@@ -1261,6 +1278,9 @@ def _price_stage(
         host_is_device=cluster.device.host_link_GBps is None,
         last_stage=stage == config.pp * config.virtual_stages - 1,
     )
+    parts = _stage_memory_parts(**memory_kwargs)
+    # several stages on the rank: its backwards are priced against the schedule (rank_memory_parts)
+    backward = _stage_backward_terms(**memory_kwargs) if config.virtual_stages > 1 and config.pp > 1 else None
     parts = dict(parts)  # the estimate's own copy of the memoised parts
     shards = dp * config.cp if z >= 1 else 1
     if config.offload_optimizer:
@@ -1285,6 +1305,7 @@ def _price_stage(
         optimizer_s=optimizer_s,
         compute_s=comm.compute_s if comm is not None else fwd + bwd,
         comm=comm,
+        backward=backward,
     )
 
 
@@ -1566,9 +1587,14 @@ def evaluate(
     # memory per pipeline rank: its stages combined (interleaving puts v stages on a rank)
     kind = device_kind(cluster.device)
     per_rank = [
-        sum(rank_memory_parts([st.memory_parts for st in stages if st.rank == r], kind).values())
+        sum(rank_memory_parts(
+            [st.memory_parts for st in stages if st.rank == r], kind,
+            backwards=[b for p in priced if p.estimate.rank == r and (b := p.backward) is not None],
+            states=backward_states(config.pipeline_schedule, r, config.pp, config.num_microbatches,
+                                   config.virtual_stages) if config.virtual_stages > 1 else (),
+        ).values())
         for r in range(config.pp)
-    ]
+    ]  # fmt: skip
     room = [
         usable_memory_bytes(cluster.device.mem_capacity_bytes, kind, groups, peers)
         for groups, peers in _rank_communicators(config, tied)
