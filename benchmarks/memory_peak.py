@@ -186,15 +186,18 @@ def _tensor_ptrs(value: object) -> list[int]:
 def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int], int]]:
     """Every allocation and free the profiler recorded, in time order, and the blocks a
     collective holds: ``(pointer, allocation time) -> time its wait returned``, for the inputs of
-    each functional collective (``_c10d_functional.*``, e.g. the flat ``cat`` of a coalesced
-    gather) and what it allocates inside (gloo's full-size copy of a reduce-scatter's input, and
-    its output). The output is the caller's, but gloo's work object holds it too until the
-    worker thread drops the work, right after running it: a caller that lets go of it right
-    after its wait (a gathered flat buffer, once split) leaves the last reference to the worker,
-    whose free the profiler does not see (ZeRO-3 with sharded accumulation: 0.76-1.79 MiB of
-    gathered outputs without a free counted alive to the step's end on one rank and not the
-    other); a caller that keeps it frees it on its own thread, a free that is seen, and
-    :func:`step_peak` then keeps it. Needs ``record_shapes=True`` (the ops' tensor arguments)."""
+    each functional collective (``_c10d_functional.*``: the flat ``cat`` of a coalesced gather,
+    the flat bucket an in-place ``all_reduce_`` reduces and its wait awaits) and what it
+    allocates inside (gloo's full-size copy of a reduce-scatter's input, and its output). The
+    output is the caller's, but gloo's work object holds it too until the worker thread drops the
+    work, right after running it: a caller that lets go of it right after its wait (a gathered
+    flat buffer, once split; a bucket, once its results are copied out) leaves the last
+    reference to the worker, whose free the profiler does not see (ZeRO-3 with sharded
+    accumulation: 0.76-1.79 MiB of gathered outputs without a free, counted alive to the step's
+    end on one rank and not the other; cp2_tp2_sp: a 3.05 MiB bucket reduced in place, alive at
+    the optimizer step in 2 of 5 steps on 2 of 4 ranks); a caller that keeps it frees it on its
+    own thread, a free that is seen, and :func:`step_peak` then keeps it. Needs
+    ``record_shapes=True`` (the ops' tensor arguments)."""
     events: list[Event] = []
     issues: list[tuple[int, list[int], list[tuple[int, int]]]] = []  # (time, input ptrs, allocations inside)
     waits: list[tuple[int, int, int]] = []  # (start, end, the awaited tensor's pointer)
@@ -226,7 +229,8 @@ def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int]
             allocated.setdefault(ptr, []).append(t)
     held: dict[tuple[int, int], int] = {}
     for t_issue, inputs, made in issues:
-        outputs = {p for p, _ in made} & {p for _, _, p in waits}
+        # what its wait awaits: an output it made, or its input (an in-place all_reduce_)
+        outputs = ({p for p, _ in made} | set(inputs)) & {p for _, _, p in waits}
         wait = min((end for start, end, p in waits if p in outputs and start >= t_issue), default=None)
         if wait is None:
             continue  # waited for after the step
