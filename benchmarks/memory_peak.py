@@ -34,7 +34,8 @@ zoo model's longest sequence; fp32, tied lm_head), one seeded batch of 8 sequenc
   four ranks (``4xCPU``, :data:`CONFIGS_4`; a job of their own, started by rank 0 of the
   two-rank job after its cases, :func:`start_four_rank_job`; the launch command stays the two-rank one):
 
-  - ``dp2_pp2_v2``: the interleaved pipeline beside data parallelism (``dp=2, pp=2``, ``v=2``);
+  - ``dp2_pp2_v2``, ``dp2_pp2_v2_m4``: the interleaved pipeline beside data parallelism
+    (``dp=2, pp=2``, ``v=2``), 2 micro-batches of 2 and 4 of 1 per replica;
   - ``cp2_tp2_sp``: context parallelism, ``cp=2`` beside ``tp=2`` with sequence parallelism
     (``ParallelConfig`` takes ``cp > 1`` only beside ``tp > 1``, so it needs four ranks; GPT-2
     runs it, no Llama needed): every sample's sequence split over the ``cp`` axis.
@@ -115,6 +116,9 @@ CONFIGS = {
 CONFIGS_4 = {
     "dp2_pp2_v2": ParallelConfig(
         dp=2, pp=2, microbatch_size=2, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=2
+    ),
+    "dp2_pp2_v2_m4": ParallelConfig(
+        dp=2, pp=2, microbatch_size=1, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2
     ),
     "cp2_tp2_sp": ParallelConfig(cp=2, tp=2, microbatch_size=BATCH, num_microbatches=1, sequence_parallel=True),
 }
