@@ -58,6 +58,7 @@ shows the worse rank. Final line::
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -373,7 +374,10 @@ def start_four_rank_job() -> tuple[subprocess.Popen[str], Any, Any]:
     then come late and the measured peaks with them (zero3_ga_sharded: 22.31 MiB alone, steps
     22.31-24.86, median 24.10, beside the four-rank job), and one after the other is no slower
     (about 45 s and 23 s with the plans cached, 100 s cold, against 83 s side by side)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29533",
+    with socket.socket() as s:  # a free port: another run of this benchmark may hold a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port),
            os.path.abspath(__file__), "--four", *(a for a in sys.argv[1:] if a.startswith("--cases="))]  # fmt: skip
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "GROUP_", "ROLE_", "LOCAL_WORLD")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}

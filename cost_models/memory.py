@@ -853,10 +853,11 @@ def _backward_peak(
     return max(backward, default=(activations, 0.0))
 
 
-BackwardState = tuple[int, tuple[int, ...], bool, tuple[bool, ...]]
+BackwardState = tuple[int, tuple[int, ...], bool, tuple[bool, ...], tuple[int, ...]]
 """A backward in a pipeline rank's schedule (:func:`~autoplan.cost_models.schedule.backward_states`):
 the rank's stage running it, the micro-batches each of its stages holds then (the running one's
-included), whether it is that stage's first backward of the step, and which stages ran one before."""
+included), whether it is that stage's first backward of the step, which stages ran one before,
+and how many B each stage has started (the running one's included)."""
 
 
 def rank_memory_parts(
@@ -865,6 +866,7 @@ def rank_memory_parts(
     *,
     backwards: Sequence[BackwardTerms] = (),
     states: Sequence[BackwardState] = (),
+    sends: Sequence[tuple[float, float]] = (),
 ) -> dict[str, float]:
     """Peak bytes per device of a pipeline rank holding ``stage_parts`` (in stage order;
     interleaved schedules put several stages on a rank), by part. Weights, optimizer state and
@@ -885,7 +887,16 @@ def rank_memory_parts(
     and both stages' gradients, above the activation peak's 4 and 1 with stage 2's gradients only)::
 
         peak_b = sum_t (W_t + O_t + n_t(b) a_t) + (first_s or later_s) + sum_{t != s, ran} summed_t
+                 + sum_t (B_t(b) out_t + B'_t(b) in_t)                          (with ``sends``)
 
+    ``sends``: per stage ``(out_t, in_t)``, the bytes of one micro-batch's forward send (its
+    output, 0 on the last stage) and backward send (its input's gradient, 0 on the first), for
+    schedules that keep every send until the step ends (torch's ``_PipelineScheduleRuntime``,
+    which runs interleaved 1F1B and zero-bubble: "send ops should be waited on before step()
+    exits"; its stage drops its own reference to the output when the micro-batch's B starts):
+    ``B_t(b)`` the B stage ``t`` has started by then, ``B'_t(b)`` those that ended (measured,
+    ``benchmarks/memory_peak.py`` pp2_v2_m4: at rank 0's peak in stage 0's second backward the
+    outputs of 4 micro-batches and 2 input gradients, 64 KiB each, held by their sends).
     The allocator margin is that of the total. One stage: its own parts."""
     if len(stage_parts) == 1:
         return dict(stage_parts[0])
@@ -900,13 +911,17 @@ def rank_memory_parts(
     out["grads"], out["transient"] = max(candidates, key=sum, default=(0.0, 0.0))
     if backwards:
         best = out["activations"] + out["grads"] + out["transient"]
-        for s, alive, first, ran in states:
+        for s, alive, first, ran, backs in states:
             term = backwards[s]
             activations = sum(n * b.per_microbatch for n, b in zip(alive, backwards, strict=True))
             others = sum(b.summed for t, b in enumerate(backwards) if t != s and ran[t])
             own, own_grads = (term.first, term.first_grads) if first else (term.later, term.later_grads)
-            if activations + own + others > best:
-                best = activations + own + others
+            # (under zero-bubble the state is the W: its B's input gradient, sent, counts as not yet)
+            kept_sends = sum(
+                n * o + (n - (t == s)) * i for t, (n, (o, i)) in enumerate(zip(backs, sends, strict=True))
+            ) if sends else 0.0  # fmt: skip
+            if activations + own + others + kept_sends > best:
+                best = activations + own + others + kept_sends
                 grads_b = own_grads + others
                 out["activations"], out["grads"], out["transient"] = activations, grads_b, best - activations - grads_b
     return _with_allocator(out, device_kind)

@@ -1445,6 +1445,26 @@ def _tied_apart(segs: Sequence[SegmentCost], bounds: Sequence[int]) -> list[tupl
     return [(tuple(a), c) for a, c in zip(apart, copies, strict=True)]
 
 
+def _kept_sends(
+    config: ParallelConfig, costs: SegmentCosts, bounds: Sequence[int], rank: int
+) -> list[tuple[float, float]]:
+    """Per stage of pipeline rank ``rank``, the bytes per device of one micro-batch's forward send
+    (its output) and backward send (its input's gradient) where the schedule keeps every send
+    until the step ends (torch's ``_PipelineScheduleRuntime``: interleaved 1F1B, zero-bubble;
+    ``rank_memory_parts``); none for GPipe and 1F1B, which wait for each send soon after it."""
+    if config.pipeline_schedule not in ("interleaved-1f1b", "zero-bubble"):
+        return []
+    nstages = len(bounds) - 1
+    dp = config.dp_of(rank)
+    return [
+        (
+            costs.cut_bytes[bounds[k + 1] - 1] * config.dp / dp if k < nstages - 1 else 0.0,
+            costs.cut_bytes[bounds[k] - 1] * config.dp / dp if k > 0 else 0.0,
+        )
+        for k in range(rank, nstages, config.pp)
+    ]
+
+
 def _p2p(
     config: ParallelConfig, costs: SegmentCosts, cluster: Cluster, cut: int, stage: int, offsets: list[int]
 ) -> _Transfer:
@@ -1592,6 +1612,7 @@ def evaluate(
             backwards=[b for p in priced if p.estimate.rank == r and (b := p.backward) is not None],
             states=backward_states(config.pipeline_schedule, r, config.pp, config.num_microbatches,
                                    config.virtual_stages) if config.virtual_stages > 1 else (),
+            sends=_kept_sends(config, costs, bounds, r),
         ).values())
         for r in range(config.pp)
     ]  # fmt: skip

@@ -293,11 +293,12 @@ def test_a_rank_with_several_stages_peaks_where_the_schedule_puts_their_backward
     0F3 2B1 2F2 0B0 2F3 0B1 ...): stage 0's second backward runs with 3 micro-batches of stage 0
     and 2 of stage 2 alive and both stages' gradients, above the activation peak's 4 and 1 with
     stage 2's gradients only (measured, benchmarks/memory_peak.py pp2_v2_m4: rank 0 20.49 MiB,
-    priced 18.36 at the activation peak, 20.09 with the schedule's backwards)."""
+    priced 18.36 at the activation peak, 20.09 with the schedule's backwards, 20.46 with the
+    sends the schedule keeps)."""
     states = backward_states("interleaved-1f1b", 0, 2, 4, 2)
-    assert states[0] == (1, (3, 2), True, (False, False))  # 2B0: stage 2's first
-    assert (0, (4, 1), True, (False, True)) in states  # 0B0: stage 0's first, stage 2's gradients held
-    assert (0, (3, 2), False, (True, True)) in states  # 0B1
+    assert states[0] == (1, (3, 2), True, (False, False), (0, 1))  # 2B0: stage 2's first
+    assert (0, (4, 1), True, (False, True), (1, 2)) in states  # 0B0: stage 0's first, stage 2's gradients held
+    assert (0, (3, 2), False, (True, True), (2, 2)) in states  # 0B1
     first = {"weights": 1.0, "optimizer": 2.0, "activations": 4 * 10.0, "grads": 0.0, "transient": 3.0}
     last = {"weights": 1.0, "optimizer": 2.0, "activations": 1 * 9.0, "grads": 0.0, "transient": 3.0}
     assert sum(rank_memory_parts([first, last], "cpu").values()) == 6.0 + 49.0 + 3.0
@@ -309,6 +310,10 @@ def test_a_rank_with_several_stages_peaks_where_the_schedule_puts_their_backward
     # 0B1: 3 x 10 + 2 x 9 alive, stage 0's later backward (8, its sum 5 among it) and stage 2's sum 4
     assert sum(rank.values()) == 6.0 + 30.0 + 18.0 + 8.0 + 4.0
     assert (rank["activations"], rank["grads"], rank["transient"]) == (48.0, 9.0, 3.0)
+    # the schedule keeps every send to the step's end: at 0B1 the outputs of stage 0's
+    # micro-batches 0 and 1 (1's B running) and stage 2's 0 and 1, and stage 2's 2 input gradients
+    sent = rank_memory_parts([first, last], "cpu", backwards=terms, states=states, sends=[(0.5, 0.0), (0.25, 0.125)])
+    assert sum(sent.values()) == sum(rank.values()) + 2 * 0.5 + 2 * 0.25 + 2 * 0.125
     # no state above the activation peak's: its price stands
     small = [dataclasses.replace(t, later=t.first, later_grads=0.0, summed=0.0) for t in terms]
     assert rank_memory_parts([first, last], "cpu", backwards=small, states=states) == rank_memory_parts(
