@@ -29,7 +29,7 @@ zoo model's longest sequence; fp32, tied lm_head), one seeded batch of 8 sequenc
     stages of one block each, the embedding with the first, the tied lm_head and loss with the
     last), 2 micro-batches of 4 and 4 of 2: with 4 the two stages of a rank hold different counts
     of micro-batches when the rank peaks, which is in a later micro-batch's backward of one
-    stage with the other's gradients alive;
+    stage with the other's gradients alive and the sends torch's schedule keeps to the step's end;
 
   four ranks (``4xCPU``, :data:`CONFIGS_4`; a job of their own, started by rank 0 of the
   two-rank job after its cases, :func:`start_four_rank_job`; the launch command stays the two-rank one):
