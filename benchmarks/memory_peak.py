@@ -2,16 +2,43 @@
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/memory_peak.py
 
-Two gloo CPU ranks (one thread each), a GPT-2-shaped model from the test zoo (``tests.zoo.gpt2_lm``:
-4 layers, hidden 128, 4 heads, vocab 2048, 64 positions; fp32, tied lm_head), one seeded batch of
-8 sequences of 64 tokens, Adam. Plans (rank 0 plans on the ``2xCPU`` preset, hands them to rank 1):
+Two gloo CPU ranks (one thread each; four for :data:`CONFIGS_4`), a GPT-2-shaped model from the
+test zoo (``tests.zoo.gpt2_lm``: 4 layers, hidden 128, 4 heads, vocab 2048, 64 positions, the
+zoo model's longest sequence; fp32, tied lm_head), one seeded batch of 8 sequences of 64 tokens, Adam. Plans (rank 0 plans on the ``2xCPU`` preset, hands them to rank 1):
 
 * ``plain``: the per-operator ILP's plan pinned to pure data parallelism (inputs ``S(0)``, every
   parameter ``R``); predicted peak: the plan's liveness timeline (:func:`autoplan.passes.liveness.peak_memory`);
-* ``dp``, ``selective``, ``recompute``, ``zero3``, ``pp2``: joint-search plans with the configuration
-  fixed (``dp=2`` without recomputation, with selective and with full recomputation, with ZeRO-3; ``pp=2`` with 2
-  micro-batches, 1F1B); predicted peak: the joint search's per-rank memory
-  (:func:`autoplan.cost_models.memory.stage_memory_parts`, ``estimate.memory_per_device_bytes``).
+* every other case: a joint-search plan with the configuration fixed (``config=``, :data:`CONFIGS`);
+  predicted peak: the joint search's per-rank memory
+  (:func:`autoplan.cost_models.memory.stage_memory_parts`, combined per pipeline rank by
+  :func:`autoplan.cost_models.memory.rank_memory_parts`; ``estimate.memory_per_device_bytes``):
+
+  - ``dp``, ``selective``, ``recompute``: ``dp=2`` without recomputation, with selective and
+    with full recomputation (one micro-batch of 4 per rank);
+  - ``zero3``: ``dp=2`` with ZeRO-3 (FSDP2's gathered weights per segment, reduce-scattered gradients);
+  - ``pp2``: ``pp=2``, 2 micro-batches, 1F1B (point-to-point activations, a stage per rank);
+  - ``tp2_sp``: ``tp=2`` with sequence parallelism, one sample per micro-batch (8 of them), so the
+    tensor-parallel axis splits the sequence between the blocks (the norms' and residuals'
+    activations ``1/tp``), the blocks' all-gathers and reduce-scatters on it, and gradient
+    accumulation over 8 micro-batches;
+  - ``zero3_ga``, ``zero3_ga_sharded``: ``dp=2``, ZeRO-3, 2 micro-batches of 2, the gradients
+    accumulated unsharded (summed raw over the micro-batches, reduce-scattered in the last one's
+    backward) and sharded (every micro-batch's backward reduce-scatters; its last buckets still
+    in flight in the next forward);
+  - ``pp2_v2``, ``pp2_v2_m4``: interleaved 1F1B, ``pp=2`` with 2 virtual stages per rank (4
+    stages of one block each, the embedding with the first, the tied lm_head and loss with the
+    last), 2 micro-batches of 4 and 4 of 2: with 4 the two stages of a rank hold different counts
+    of micro-batches when the rank peaks, which is in a later micro-batch's backward of one
+    stage with the other's gradients alive and the sends torch's schedule keeps to the step's end;
+
+  four ranks (``4xCPU``, :data:`CONFIGS_4`; a job of their own, started by rank 0 of the
+  two-rank job after its cases, :func:`start_four_rank_job`; the launch command stays the two-rank one):
+
+  - ``dp2_pp2_v2``, ``dp2_pp2_v2_m4``: the interleaved pipeline beside data parallelism
+    (``dp=2, pp=2``, ``v=2``), 2 micro-batches of 2 and 4 of 1 per replica;
+  - ``cp2_tp2_sp``: context parallelism, ``cp=2`` beside ``tp=2`` with sequence parallelism
+    (``ParallelConfig`` takes ``cp > 1`` only beside ``tp > 1``, so it needs four ranks; GPT-2
+    runs it, no Llama needed): every sample's sequence split over the ``cp`` axis.
 
 Measured peak: CPU tensors have no caching allocator and no allocator statistics
 (``torch.cuda.max_memory_allocated`` has no CPU twin), so each rank runs :data:`PROFILED_STEPS` training steps
@@ -31,6 +58,7 @@ shows the worse rank. Final line::
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -82,11 +110,16 @@ CONFIGS = {
         dp=2, microbatch_size=2, num_microbatches=2, zero_stage=3, sharded_grad_accumulation=True
     ),
     "pp2_v2": ParallelConfig(pp=2, microbatch_size=4, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=2),
+    # four micro-batches: the rank's two stages reach their peaks at different steps of the schedule
+    "pp2_v2_m4": ParallelConfig(pp=2, microbatch_size=2, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2),
 }
 """Two-rank cases (``2xCPU``)."""
 CONFIGS_4 = {
     "dp2_pp2_v2": ParallelConfig(
         dp=2, pp=2, microbatch_size=2, num_microbatches=2, schedule="interleaved-1f1b", virtual_stages=2
+    ),
+    "dp2_pp2_v2_m4": ParallelConfig(
+        dp=2, pp=2, microbatch_size=1, num_microbatches=4, schedule="interleaved-1f1b", virtual_stages=2
     ),
     "cp2_tp2_sp": ParallelConfig(cp=2, tp=2, microbatch_size=BATCH, num_microbatches=1, sequence_parallel=True),
 }
@@ -158,10 +191,18 @@ def _tensor_ptrs(value: object) -> list[int]:
 def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int], int]]:
     """Every allocation and free the profiler recorded, in time order, and the blocks a
     collective holds: ``(pointer, allocation time) -> time its wait returned``, for the inputs of
-    each functional collective (``_c10d_functional.*``, e.g. the flat ``cat`` of a coalesced
-    gather) and what it allocates inside (gloo's full-size copy of a reduce-scatter's input),
-    its output excepted (the caller holds that). Needs ``record_shapes=True`` (the ops' tensor
-    arguments)."""
+    each functional collective (``_c10d_functional.*``: the flat ``cat`` of a coalesced gather,
+    the flat bucket an in-place ``all_reduce_`` reduces and its wait awaits) and what it
+    allocates inside (gloo's full-size copy of a reduce-scatter's input, and its output). The
+    output is the caller's, but gloo's work object holds it too until the worker thread drops the
+    work, right after running it: a caller that lets go of it right after its wait (a gathered
+    flat buffer, once split; a bucket, once its results are copied out) leaves the last
+    reference to the worker, whose free the profiler does not see (ZeRO-3 with sharded
+    accumulation: 0.76-1.79 MiB of gathered outputs without a free, counted alive to the step's
+    end on one rank and not the other; cp2_tp2_sp: a 3.05 MiB bucket reduced in place, alive at
+    the optimizer step in 2 of 5 steps on 2 of 4 ranks); a caller that keeps it frees it on its
+    own thread, a free that is seen, and :func:`step_peak` then keeps it. Needs
+    ``record_shapes=True`` (the ops' tensor arguments)."""
     events: list[Event] = []
     issues: list[tuple[int, list[int], list[tuple[int, int]]]] = []  # (time, input ptrs, allocations inside)
     waits: list[tuple[int, int, int]] = []  # (start, end, the awaited tensor's pointer)
@@ -193,7 +234,8 @@ def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int]
             allocated.setdefault(ptr, []).append(t)
     held: dict[tuple[int, int], int] = {}
     for t_issue, inputs, made in issues:
-        outputs = {p for p, _ in made} & {p for _, _, p in waits}
+        # what its wait awaits: an output it made, or its input (an in-place all_reduce_)
+        outputs = ({p for p, _ in made} | set(inputs)) & {p for _, _, p in waits}
         wait = min((end for start, end, p in waits if p in outputs and start >= t_issue), default=None)
         if wait is None:
             continue  # waited for after the step
@@ -201,9 +243,8 @@ def _allocation_events(prof: profile) -> tuple[list[Event], dict[tuple[int, int]
             t_alloc = max((t for t in allocated.get(ptr, ()) if t <= t_issue), default=None)
             if t_alloc is not None:
                 held[(ptr, t_alloc)] = wait
-        for ptr, t_alloc in made:
-            if ptr not in outputs:
-                held[(ptr, t_alloc)] = wait
+        for ptr, t_alloc in made:  # its output too: see the docstring
+            held[(ptr, t_alloc)] = wait
     return events, held
 
 
@@ -326,11 +367,17 @@ def predicted(plan: autoplan.Plan, rank: int) -> float:
 
 
 def start_four_rank_job() -> tuple[subprocess.Popen[str], Any, Any]:
-    """On rank 0 of the two-rank job, before its own cases: the four-rank cases as a job of their
-    own (this script with ``--four`` under ``torch.distributed.run``), running beside them (one
-    after the other they would take longer than the benchmark's time limit on 2 cores); its output
-    goes to temporary files, read by :func:`four_rank_rows`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29533",
+    """On rank 0 of the two-rank job, once its own cases are measured (rank 1 waits): the
+    four-rank cases as a job of their own (this script with ``--four`` under
+    ``torch.distributed.run``); its output goes to temporary files, read by :func:`four_rank_rows`.
+    Not beside the two-rank cases: six ranks on 2 cores delay gloo's worker threads, whose frees
+    then come late and the measured peaks with them (zero3_ga_sharded: 22.31 MiB alone, steps
+    22.31-24.86, median 24.10, beside the four-rank job), and one after the other is no slower
+    (about 45 s and 23 s with the plans cached, 100 s cold, against 83 s side by side)."""
+    with socket.socket() as s:  # a free port: another run of this benchmark may hold a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(port),
            os.path.abspath(__file__), "--four", *(a for a in sys.argv[1:] if a.startswith("--cases="))]  # fmt: skip
     launcher = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "GROUP_", "ROLE_", "LOCAL_WORLD")
     env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
@@ -370,7 +417,6 @@ def main() -> None:
     started = time.perf_counter()
     four = "--four" in sys.argv[1:]
     run_four = not four and int(os.environ["RANK"]) == 0 and (not ONLY or bool(set(ONLY) & set(CONFIGS_4)))
-    job = start_four_rank_job() if run_four else None
     ids, labels = token_batch(batch=BATCH, seq=SEQ, seed=1, vocab=VOCAB)
     planned_here = plans(ids, labels, four=four) if int(os.environ["RANK"]) == 0 else None
     dist.init_process_group("gloo")
@@ -411,8 +457,8 @@ def main() -> None:
 
         destroy_process_groups()
         return
-    if job is not None:
-        more, more_missing = four_rank_rows(job)
+    if run_four:
+        more, more_missing = four_rank_rows(start_four_rank_job())
         rows += more
         missing += more_missing
     dist.barrier()

@@ -27,10 +27,10 @@ combined by :func:`rank_memory_parts`). Both add :func:`allocator_margin_bytes` 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from autoplan.cost_models.comm_schedule import DEFAULT_POLICY, OverlapPolicy
 
@@ -538,6 +538,73 @@ def stage_memory_parts(
     :func:`offload_host_bytes_per_element` says (``host_is_device``: CPU ranks). ``ep``: ``dp_split_numel``
     (experts) is split over ``ep`` ranks (``None``: dp), ``1/ep`` of it in ``W`` below ZeRO 3 and in
     ``O`` under ZeRO 0; with ``ep < dp`` ZeRO 3 gathers and the buckets reduce that shard too. (long: the docstring states the whole formula the body computes, term by term)"""
+    st = _stage_state(
+        segments=segments, recompute=recompute, element=element, zero_stage=zero_stage, dp=dp, inflight=inflight,
+        device_kind=device_kind, first_segment=first_segment, policy=policy, reduced_in_backward=reduced_in_backward,
+        converting_backwards=converting_backwards, offload_optimizer=offload_optimizer,
+        host_is_device=host_is_device, ep=ep, last_stage=last_stage,
+    )  # fmt: skip
+    activations, grads, raw, bucket = st.activations, st.grads, st.raw, st.bucket
+    at_peak, grads_at_peak = _backward_peak(
+        activations, st.transients, st.held, st.summed, gathered=st.gathered, reduction=st.reduction,
+        inflight=inflight, num_microbatches=num_microbatches, done=st.done,
+    )
+    if converting_backwards > 1 and st.in_backward:
+        in_forward = st.gathered_in(backward=False)
+        later_forward = _later_forward_peak(
+            segments, recompute, activations, inflight, in_forward, sum(grads),
+            min(sum(raw), (policy.reduce_scatters_in_flight + 1) * bucket),
+        )  # fmt: skip
+        if later_forward > at_peak:
+            at_peak, grads_at_peak = later_forward, sum(grads)
+    optimizer_step = sum(grads) + st.step_temp
+    if optimizer_step > at_peak:
+        at_peak, grads_at_peak = optimizer_step, sum(grads)
+    parts = {"weights": st.weights, "grads": grads_at_peak, "optimizer": st.optimizer, "activations": activations,
+             "transient": at_peak - activations - grads_at_peak}  # fmt: skip
+    return _with_allocator(parts, device_kind)
+
+
+@dataclass(frozen=True, slots=True)
+class _StageState:
+    """The terms of :func:`stage_memory_parts` before its maxima (its docstring's names)."""
+
+    weights: float  # W
+    optimizer: float  # O
+    step_temp: float  # opt_step
+    raw: list[float]  # r_j
+    grads: list[float]  # g_j
+    gathered: list[float]  # gathered_j in a backward
+    gathered_in: Callable[..., list[float]]  # gathered_j (backward=False: in a forward)
+    activations: float  # A
+    transients: list[float]  # T_j
+    done: list[float]  # K_j
+    held: list[float]  # R_j (or its reduced form) plus the tied partials held
+    reduction: float  # what the reductions after the schedule add
+    summed: float  # R (raw) or G (sharded accumulation): the gradients summed over micro-batches
+    in_backward: bool  # reduced in the backward
+    bucket: float
+
+
+def _stage_state(
+    *,
+    segments: Sequence[SegmentMemory],
+    recompute: str,
+    element: ElementBytes,
+    zero_stage: int,
+    dp: int,
+    inflight: int,
+    device_kind: str,
+    first_segment: int,
+    policy: OverlapPolicy,
+    reduced_in_backward: bool,
+    converting_backwards: int,
+    offload_optimizer: bool,
+    host_is_device: bool,
+    ep: int | None,
+    last_stage: bool,
+) -> _StageState:
+    """:func:`stage_memory_parts`'s terms (its arguments; ``num_microbatches`` enters only its maxima)."""
     tied = _tied_copies(segments, first_segment)
     param_numel, trainable = stage_numels(segments, first_segment)
     # split over ep ranks of dp (experts): 1/ep held below ZeRO 3, so only the unsharded parts
@@ -577,24 +644,47 @@ def stage_memory_parts(
     held = [h + p for h, p in zip(held, _tied_partials_held(segments, first_segment, element), strict=True)]
     assert converting_backwards == 1 or reduced_in_backward, "several converting backwards reduce in the backward"
     summed = sum(grads) if converting_backwards > 1 else sum(raw)  # across micro-batches: G (sharded) or R
-    at_peak, grads_at_peak = _backward_peak(
-        activations, transients, held, summed, gathered=gathered, reduction=reduction, inflight=inflight,
-        num_microbatches=num_microbatches, done=done,
+    return _StageState(
+        weights=w, optimizer=o, step_temp=step_temp, raw=raw, grads=grads, gathered=gathered,
+        gathered_in=gathered_in, activations=activations, transients=transients, done=done, held=held,
+        reduction=reduction, summed=summed, in_backward=in_backward, bucket=bucket,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class BackwardTerms:
+    """One stage's backward on a pipeline rank as :func:`rank_memory_parts` combines it with the
+    rank's other stages at any point of the schedule (:func:`stage_backward_terms`): bytes on top
+    of weights and optimizer state, with the micro-batches' activations counted apart."""
+
+    per_microbatch: float
+    """One micro-batch's activations, ``A / inflight`` (``kept + max shared``)."""
+    first: float
+    """The stage's first backward of the step: ``max_j (T_j - K_j + gathered_j + R_j)``."""
+    first_grads: float
+    """Gradient bytes among ``first`` (``R_j`` of that ``j``)."""
+    later: float
+    """A later micro-batch's backward: ``max_j (T_j - K_j + gathered_j + summed + R_j)``."""
+    later_grads: float
+    summed: float
+    """The gradients the stage holds from its first backward to the reductions after the
+    schedule (``R``, the raw sum; ``G`` under sharded accumulation)."""
+
+
+def stage_backward_terms(**kwargs: Any) -> BackwardTerms:
+    """:class:`BackwardTerms` of the stage :func:`stage_memory_parts` prices with the same keywords."""
+    kwargs.pop("num_microbatches", None)
+    st = _stage_state(**{"first_segment": 0, "policy": DEFAULT_POLICY, "reduced_in_backward": False,
+                         "converting_backwards": 1, "offload_optimizer": False, "host_is_device": False,
+                         "ep": None, "last_stage": True, **kwargs})  # fmt: skip
+    rows = list(zip(st.transients, st.held, st.done, st.gathered, strict=True))
+    first = max(((t - k + g + h, h) for t, h, k, g in rows), default=(0.0, 0.0))
+    later = max(((t - k + g + st.summed + h, st.summed + h) for t, h, k, g in rows), default=(0.0, 0.0))
+    inflight = kwargs["inflight"]
+    return BackwardTerms(
+        per_microbatch=st.activations / inflight if inflight > 0 else 0.0, first=first[0], first_grads=first[1],
+        later=later[0], later_grads=later[1], summed=st.summed,
     )
-    if converting_backwards > 1 and in_backward:
-        in_forward = gathered_in(backward=False)
-        later_forward = _later_forward_peak(
-            segments, recompute, activations, inflight, in_forward, sum(grads),
-            min(sum(raw), (policy.reduce_scatters_in_flight + 1) * bucket),
-        )  # fmt: skip
-        if later_forward > at_peak:
-            at_peak, grads_at_peak = later_forward, sum(grads)
-    optimizer_step = sum(grads) + step_temp
-    if optimizer_step > at_peak:
-        at_peak, grads_at_peak = optimizer_step, sum(grads)
-    parts = {"weights": w, "grads": grads_at_peak, "optimizer": o, "activations": activations,
-             "transient": at_peak - activations - grads_at_peak}  # fmt: skip
-    return _with_allocator(parts, device_kind)
 
 
 def _zero3_gathered_bytes(
@@ -810,7 +900,21 @@ def _backward_peak(
     return max(backward, default=(activations, 0.0))
 
 
-def rank_memory_parts(stage_parts: Sequence[Mapping[str, float]], device_kind: str) -> dict[str, float]:
+BackwardState = tuple[int, tuple[int, ...], bool, tuple[bool, ...], tuple[int, ...]]
+"""A backward in a pipeline rank's schedule (:func:`~autoplan.cost_models.schedule.backward_states`):
+the rank's stage running it, the micro-batches each of its stages holds then (the running one's
+included), whether it is that stage's first backward of the step, which stages ran one before,
+and how many B each stage has started (the running one's included)."""
+
+
+def rank_memory_parts(
+    stage_parts: Sequence[Mapping[str, float]],
+    device_kind: str,
+    *,
+    backwards: Sequence[BackwardTerms] = (),
+    states: Sequence[BackwardState] = (),
+    sends: Sequence[tuple[float, float]] = (),
+) -> dict[str, float]:
     """Peak bytes per device of a pipeline rank holding ``stage_parts`` (in stage order;
     interleaved schedules put several stages on a rank), by part. Weights, optimizer state and
     activations (each stage's micro-batches in flight at the rank's peak,
@@ -821,7 +925,26 @@ def rank_memory_parts(stage_parts: Sequence[Mapping[str, float]], device_kind: s
 
     A micro-batch's backward runs through the rank's stages from the last to the first, so when
     ``s`` starts its first backward the later stages ``t > s`` hold gradients and the earlier ones
-    none yet. The allocator margin is that of the total. One stage: its own parts."""
+    none yet. With ``backwards`` (each stage's :class:`BackwardTerms`) and ``states`` (the rank's
+    backwards in schedule order, :data:`BackwardState`), every backward of the schedule is a
+    candidate too, with the activations the rank's stages hold at that moment, not at the
+    activation peak: a later micro-batch's backward of ``s`` holds ``s``'s gradient sum, and every
+    stage that ran a backward before holds its own (interleaved 1F1B, ``p = 2, v = 2, m = 4``:
+    rank 0 peaks in stage 0's second backward, holding 3 micro-batches of stage 0, 2 of stage 2
+    and both stages' gradients, above the activation peak's 4 and 1 with stage 2's gradients only)::
+
+        peak_b = sum_t (W_t + O_t + n_t(b) a_t) + (first_s or later_s) + sum_{t != s, ran} summed_t
+                 + sum_t (B_t(b) out_t + B'_t(b) in_t)                          (with ``sends``)
+
+    ``sends``: per stage ``(out_t, in_t)``, the bytes of one micro-batch's forward send (its
+    output, 0 on the last stage) and backward send (its input's gradient, 0 on the first), for
+    schedules that keep every send until the step ends (torch's ``_PipelineScheduleRuntime``,
+    which runs interleaved 1F1B and zero-bubble: "send ops should be waited on before step()
+    exits"; its stage drops its own reference to the output when the micro-batch's B starts):
+    ``B_t(b)`` the B stage ``t`` has started by then, ``B'_t(b)`` those that ended (measured,
+    ``benchmarks/memory_peak.py`` pp2_v2_m4: at rank 0's peak in stage 0's second backward the
+    outputs of 4 micro-batches and 2 input gradients, 64 KiB each, held by their sends).
+    The allocator margin is that of the total. One stage: its own parts."""
     if len(stage_parts) == 1:
         return dict(stage_parts[0])
     out: dict[str, float] = {}
@@ -833,6 +956,21 @@ def rank_memory_parts(stage_parts: Sequence[Mapping[str, float]], device_kind: s
         (grads[s] + sum(grads[s + 1 :]), parts.get("transient", 0.0)) for s, parts in enumerate(stage_parts)
     ]
     out["grads"], out["transient"] = max(candidates, key=sum, default=(0.0, 0.0))
+    if backwards:
+        best = out["activations"] + out["grads"] + out["transient"]
+        for s, alive, first, ran, backs in states:
+            term = backwards[s]
+            activations = sum(n * b.per_microbatch for n, b in zip(alive, backwards, strict=True))
+            others = sum(b.summed for t, b in enumerate(backwards) if t != s and ran[t])
+            own, own_grads = (term.first, term.first_grads) if first else (term.later, term.later_grads)
+            # (under zero-bubble the state is the W: its B's input gradient, sent, counts as not yet)
+            kept_sends = sum(
+                n * o + (n - (t == s)) * i for t, (n, (o, i)) in enumerate(zip(backs, sends, strict=True))
+            ) if sends else 0.0  # fmt: skip
+            if activations + own + others + kept_sends > best:
+                best = activations + own + others + kept_sends
+                grads_b = own_grads + others
+                out["activations"], out["grads"], out["transient"] = activations, grads_b, best - activations - grads_b
     return _with_allocator(out, device_kind)
 
 

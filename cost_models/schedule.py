@@ -643,6 +643,36 @@ def inflight_at_rank_peak(
 
 
 @functools.lru_cache(maxsize=1024)
+def backward_states(
+    schedule: ScheduleName, stage_rank: int, num_ranks: int, num_microbatches: int, virtual_stages: int
+) -> tuple[tuple[int, tuple[int, ...], bool, tuple[bool, ...], tuple[int, ...]], ...]:
+    """Rank ``stage_rank``'s backwards in the order torch runs them (:func:`schedule_actions`),
+    each as ``(j, alive, first, ran)``: the rank's stage ``j`` running it (stage
+    ``stage_rank + j * p``), the micro-batches each of the rank's stages holds then (started by
+    an F, not yet freed by their B, by their W under zero-bubble; the running one's included),
+    whether it is stage ``j``'s first, which of the rank's stages ran one before, and how many
+    B each stage has started, the running one's included (the sends the schedule keeps:
+    :data:`autoplan.cost_models.memory.BackwardState`; under zero-bubble the W that frees the
+    activations stands for the backward). Distinct states only, in first-seen order; cached."""
+    p, v = num_ranks, virtual_stages
+    check_schedule(schedule, pp=p, num_microbatches=num_microbatches, virtual_stages=v)
+    free_kind: ActionKind = "W" if schedule == "zero-bubble" else "B"
+    alive, ran, backs = [0] * v, [False] * v, [0] * v
+    seen: dict[tuple[int, tuple[int, ...], bool, tuple[bool, ...], tuple[int, ...]], None] = {}
+    for a in _rank_order(schedule, stage_rank, p, num_microbatches, v):
+        j = (a.stage - stage_rank) // p
+        if a.kind == "F":
+            alive[j] += 1
+        if a.kind == "B":
+            backs[j] += 1
+        if a.kind == free_kind:
+            seen.setdefault((j, tuple(alive), not ran[j], tuple(ran), tuple(backs)), None)
+            alive[j] -= 1
+            ran[j] = True
+    return tuple(seen)
+
+
+@functools.lru_cache(maxsize=1024)
 def _alive_after_forwards(
     schedule: ScheduleName, stage_rank: int, num_ranks: int, num_microbatches: int, virtual_stages: int
 ) -> tuple[tuple[int, ...], ...]:

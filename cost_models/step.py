@@ -179,6 +179,7 @@ from autoplan.cost_models.hardware import DeviceSpec
 from autoplan.cost_models.memory import (
     OPTIMIZER_STEP_BYTES_PER_ELEMENT,
     STATE_ITEMSIZE,
+    BackwardTerms,
     ElementBytes,
     device_kind,
     mesh_groups,
@@ -186,11 +187,18 @@ from autoplan.cost_models.memory import (
     precision_bytes,
     rank_memory_parts,
     segment_activation_bytes,
+    stage_backward_terms,
     stage_memory_parts,
     stage_numels,
     usable_memory_bytes,
 )
-from autoplan.cost_models.schedule import StageTimes, fast_step_time, inflight_at_rank_peak, inflight_microbatches
+from autoplan.cost_models.schedule import (
+    StageTimes,
+    backward_states,
+    fast_step_time,
+    inflight_at_rank_peak,
+    inflight_microbatches,
+)
 from autoplan.cost_models.step_parts import StepParts
 
 # --- input: costs per layer segment ------------------------------------------------------------
@@ -1151,6 +1159,9 @@ class _StagePrice:
     """Per micro-batch compute of the forward and backward (waits for gathers excluded)."""
     comm: _StageComm | None
     """The stage's simulated communication (``None`` for memory-only estimates)."""
+    backward: BackwardTerms | None = None
+    """Its backward's terms for the rank's schedule (:func:`rank_memory_parts`; several stages on
+    the rank only)."""
 
 
 def _inflight(config: ParallelConfig, rank: int) -> int:
@@ -1198,6 +1209,12 @@ def _stage_memory_parts(**kwargs: Any) -> dict[str, float]:
     return stage_memory_parts(**kwargs)
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _stage_backward_terms(**kwargs: Any) -> BackwardTerms:
+    """:func:`~autoplan.cost_models.memory.stage_backward_terms`, memoised as :func:`_stage_memory_parts`."""
+    return stage_backward_terms(**kwargs)
+
+
 def _price_stage(
     config: ParallelConfig,
     part: Sequence[SegmentCost],
@@ -1243,7 +1260,7 @@ def _price_stage(
         )  # fmt: skip
         fwd, bwd = comm.fwd_s, comm.bwd_s
     z = config.zero_stage
-    parts = _stage_memory_parts(
+    memory_kwargs: dict[str, Any] = dict(
         segments=tuple(part),
         recompute=recompute,
         element=bpe,
@@ -1262,6 +1279,9 @@ def _price_stage(
         host_is_device=cluster.device.host_link_GBps is None,
         last_stage=stage == config.pp * config.virtual_stages - 1,
     )
+    parts = _stage_memory_parts(**memory_kwargs)
+    # several stages on the rank: its backwards are priced against the schedule (rank_memory_parts)
+    backward = _stage_backward_terms(**memory_kwargs) if config.virtual_stages > 1 and config.pp > 1 else None
     parts = dict(parts)  # the estimate's own copy of the memoised parts
     shards = dp * config.cp if z >= 1 else 1
     if config.offload_optimizer:
@@ -1286,6 +1306,7 @@ def _price_stage(
         optimizer_s=optimizer_s,
         compute_s=comm.compute_s if comm is not None else fwd + bwd,
         comm=comm,
+        backward=backward,
     )
 
 
@@ -1424,6 +1445,26 @@ def _tied_apart(segs: Sequence[SegmentCost], bounds: Sequence[int]) -> list[tupl
             copies[stage_of[i]] += s.tied_trainable_numel
             apart[k][owner - bounds[k]] = max(apart[k][owner - bounds[k]], s.tied_trainable_numel)
     return [(tuple(a), c) for a, c in zip(apart, copies, strict=True)]
+
+
+def _kept_sends(
+    config: ParallelConfig, costs: SegmentCosts, bounds: Sequence[int], rank: int
+) -> list[tuple[float, float]]:
+    """Per stage of pipeline rank ``rank``, the bytes per device of one micro-batch's forward send
+    (its output) and backward send (its input's gradient) where the schedule keeps every send
+    until the step ends (torch's ``_PipelineScheduleRuntime``: interleaved 1F1B, zero-bubble;
+    ``rank_memory_parts``); none for GPipe and 1F1B, which wait for each send soon after it."""
+    if config.pipeline_schedule not in ("interleaved-1f1b", "zero-bubble"):
+        return []
+    nstages = len(bounds) - 1
+    dp = config.dp_of(rank)
+    return [
+        (
+            costs.cut_bytes[bounds[k + 1] - 1] * config.dp / dp if k < nstages - 1 else 0.0,
+            costs.cut_bytes[bounds[k] - 1] * config.dp / dp if k > 0 else 0.0,
+        )
+        for k in range(rank, nstages, config.pp)
+    ]
 
 
 def _p2p(
@@ -1568,9 +1609,15 @@ def evaluate(
     # memory per pipeline rank: its stages combined (interleaving puts v stages on a rank)
     kind = device_kind(cluster.device)
     per_rank = [
-        sum(rank_memory_parts([st.memory_parts for st in stages if st.rank == r], kind).values())
+        sum(rank_memory_parts(
+            [st.memory_parts for st in stages if st.rank == r], kind,
+            backwards=[b for p in priced if p.estimate.rank == r and (b := p.backward) is not None],
+            states=backward_states(config.pipeline_schedule, r, config.pp, config.num_microbatches,
+                                   config.virtual_stages) if config.virtual_stages > 1 else (),
+            sends=_kept_sends(config, costs, bounds, r),
+        ).values())
         for r in range(config.pp)
-    ]
+    ]  # fmt: skip
     multicast = nvlink_multicast(cluster.device)
     room = [
         usable_memory_bytes(cluster.device.mem_capacity_bytes, kind, groups, peers, multicast=multicast)

@@ -13,15 +13,18 @@ from torch import nn
 
 from autoplan.cost_models.comm_schedule import OverlapPolicy
 from autoplan.cost_models.memory import (
+    BackwardTerms,
     GiB,
     collective_scratch_bytes,
     mesh_groups,
     non_pytorch_bytes,
     precision_bytes,
     rank_memory_parts,
+    stage_backward_terms,
     stage_memory_parts,
     usable_memory_bytes,
 )
+from autoplan.cost_models.schedule import backward_states
 from autoplan.cost_models.step import SegmentCost
 from autoplan.planner.mesh import as_cluster
 from autoplan.planner.segment_model import SegmentCostModel
@@ -267,6 +270,55 @@ def test_a_rank_peaks_at_one_stage_with_the_later_stages_gradients_only() -> Non
     held = {**late, "grads": 4.0, "transient": 2.0}
     rank = rank_memory_parts([early, held], "cpu")
     assert (rank["grads"], rank["transient"]) == (8.0 + 4.0, 1.0)  # early's peak with late's gradients
+
+
+def test_a_stages_backward_terms_are_its_peaks_less_the_micro_batches_activations() -> None:
+    """stage_backward_terms splits a stage's backward peaks (stage_memory_parts) into one
+    micro-batch's activations and what its first and a later backward add (the later one with
+    the gradients summed over the earlier micro-batches)."""
+    segs = [_seg(100, 5, 50, numel=10), _seg(60, 5, 170, numel=20)]
+    kw = dict(recompute="none", element=precision_bytes("sgd", "fp32"), zero_stage=0, dp=1, inflight=3,
+              num_microbatches=4, device_kind="cpu")  # fmt: skip
+    parts = stage_memory_parts(segments=segs, **kw)
+    terms = stage_backward_terms(segments=segs, **kw)
+    assert terms.per_microbatch == parts["activations"] / 3 == 160
+    assert terms.summed == 30 * 4.0  # the raw gradients of both segments
+    # a later backward (1F1B's steady state: 3 in flight) holds the sum: the stage's peak here
+    assert 3 * terms.per_microbatch + terms.later == sum(parts.values()) - parts["weights"] - parts["optimizer"]
+    assert terms.later - terms.first == terms.summed
+
+
+def test_a_rank_with_several_stages_peaks_where_the_schedule_puts_their_backwards() -> None:
+    """Interleaved 1F1B, p = 2, v = 2, m = 4 (torch's order on rank 0: 0F0 0F1 2F0 2F1 0F2 2B0
+    0F3 2B1 2F2 0B0 2F3 0B1 ...): stage 0's second backward runs with 3 micro-batches of stage 0
+    and 2 of stage 2 alive and both stages' gradients, above the activation peak's 4 and 1 with
+    stage 2's gradients only (measured, benchmarks/memory_peak.py pp2_v2_m4: rank 0 20.49 MiB,
+    priced 18.36 at the activation peak, 20.09 with the schedule's backwards, 20.46 with the
+    sends the schedule keeps)."""
+    states = backward_states("interleaved-1f1b", 0, 2, 4, 2)
+    assert states[0] == (1, (3, 2), True, (False, False), (0, 1))  # 2B0: stage 2's first
+    assert (0, (4, 1), True, (False, True), (1, 2)) in states  # 0B0: stage 0's first, stage 2's gradients held
+    assert (0, (3, 2), False, (True, True), (2, 2)) in states  # 0B1
+    first = {"weights": 1.0, "optimizer": 2.0, "activations": 4 * 10.0, "grads": 0.0, "transient": 3.0}
+    last = {"weights": 1.0, "optimizer": 2.0, "activations": 1 * 9.0, "grads": 0.0, "transient": 3.0}
+    assert sum(rank_memory_parts([first, last], "cpu").values()) == 6.0 + 49.0 + 3.0
+    terms = [
+        BackwardTerms(per_microbatch=10.0, first=3.0, first_grads=0.0, later=8.0, later_grads=5.0, summed=5.0),
+        BackwardTerms(per_microbatch=9.0, first=3.0, first_grads=0.0, later=7.0, later_grads=4.0, summed=4.0),
+    ]
+    rank = rank_memory_parts([first, last], "cpu", backwards=terms, states=states)
+    # 0B1: 3 x 10 + 2 x 9 alive, stage 0's later backward (8, its sum 5 among it) and stage 2's sum 4
+    assert sum(rank.values()) == 6.0 + 30.0 + 18.0 + 8.0 + 4.0
+    assert (rank["activations"], rank["grads"], rank["transient"]) == (48.0, 9.0, 3.0)
+    # the schedule keeps every send to the step's end: at 0B1 the outputs of stage 0's
+    # micro-batches 0 and 1 (1's B running) and stage 2's 0 and 1, and stage 2's 2 input gradients
+    sent = rank_memory_parts([first, last], "cpu", backwards=terms, states=states, sends=[(0.5, 0.0), (0.25, 0.125)])
+    assert sum(sent.values()) == sum(rank.values()) + 2 * 0.5 + 2 * 0.25 + 2 * 0.125
+    # no state above the activation peak's: its price stands
+    small = [dataclasses.replace(t, later=t.first, later_grads=0.0, summed=0.0) for t in terms]
+    assert rank_memory_parts([first, last], "cpu", backwards=small, states=states) == rank_memory_parts(
+        [first, last], "cpu"
+    )
 
 
 def test_tied_parameter_copy_is_held_by_a_later_stage() -> None:
