@@ -69,11 +69,15 @@ import numpy as np
 import torch
 
 from autoplan.cost_models.calibration import CalibrationError, write_profile
-from autoplan.cost_models.cluster import CalibrationInfo, Cluster
+from autoplan.cost_models.cluster import CalibrationInfo, Cluster, current_device_model
 from autoplan.cost_models.compute import (
+    _BYTES_REGISTRY,
+    _FLOP_REGISTRY,
     MEMORY_EFFICIENCY,
+    _no_kernel_cost,
     cost_key,
     gemms_efficiency,
+    is_matmul,
     matmul_asymptote,
     matmul_shapes,
     op_bytes,
@@ -328,8 +332,6 @@ class TraceMatch:
 
 
 def _no_kernel(op: str) -> bool:
-    from autoplan.cost_models.compute import _BYTES_REGISTRY, _FLOP_REGISTRY, _no_kernel_cost
-
     return _FLOP_REGISTRY.get(op) is _no_kernel_cost and _BYTES_REGISTRY.get(op) is _no_kernel_cost
 
 
@@ -383,8 +385,6 @@ def match_plan(
 
 
 def _check_matmuls(number: int, counts: Mapping[str, int], plan_ops: Sequence[str], what: str, fix: str) -> None:
-    from autoplan.cost_models.compute import is_matmul
-
     matmuls = Counter(event_name(op) for op in plan_ops if is_matmul(op))
     for name, n in sorted(matmuls.items()):
         if counts.get(name, 0) != n:
@@ -561,10 +561,9 @@ class ComputeFit:
 def fit_compute(match: TraceMatch, device: DeviceSpec, *, steps: Sequence[TraceStep]) -> ComputeFit:
     """Fit ``(a, W, o)`` of the module docstring to the mapped ops of ``match`` (priced on
     ``device``, the plan's), with ``steps`` the trace's steps."""
-    ops = [m for step in match.mapped for m in step]
+    ops, t, per_step = _typical_ops(match)
     if not ops:
         raise TraceCalibrationError("no event of the trace maps to a node of the plan: nothing to fit")
-    t = np.array([m.op.time_s for m in ops])
     utils = _shape_terms(ops, device)
     is_mm = np.array([u is not None for u in utils])
     mm_unit = np.array(
@@ -595,13 +594,9 @@ def fit_compute(match: TraceMatch, device: DeviceSpec, *, steps: Sequence[TraceS
                 best = (sse, float(a), float(w), o)
     _, a, w, o_op = best
     fitted = np.maximum(np.maximum(mm_unit / a, vector), nbytes / w)
-    per_step_roofline = [
-        sum(fitted[i] for i in _indices(match, s)) for s in range(len(match.mapped))
-    ]
-    unexplained = [
-        step.wall_s - step.comm_s - step.optimizer_s - r for step, r in zip(steps, per_step_roofline, strict=True)
-    ]
-    overhead = max(0.0, statistics.fmean(unexplained)) / max(1, match.num_plan_nodes)
+    roofline_s = float(np.sum(fitted)) * per_step
+    unexplained = statistics.median(step.wall_s - step.comm_s - step.optimizer_s for step in steps) - roofline_s
+    overhead = max(0.0, unexplained) / max(1, match.num_plan_nodes)
     errs = np.abs(fitted + o_op - t) / np.maximum(t, 1e-12)
     shown = t >= REPORT_MIN_OP_US * 1e-6
     n_steps = len(match.mapped)
@@ -611,23 +606,32 @@ def fit_compute(match: TraceMatch, device: DeviceSpec, *, steps: Sequence[TraceS
         effective_mem_bw_GBps=_sig(w / 1e9) if fit_w else None,
         op_overhead_us=_sig(overhead * 1e6),
         num_steps=n_steps,
-        num_ops=len(ops),
+        num_ops=sum(len(s) for s in match.mapped),
         matched_fraction=match.matched_fraction,
         op_err_median=_median(errs[shown]) or _median(errs) or 0.0,
         matmul_err_median=_median(errs[shown & is_mm]),
         other_err_median=_median(errs[shown & ~is_mm]),
-        ops_predicted_s=float(np.sum(fitted + o_op)) / n_steps,
-        ops_measured_s=float(np.sum(t)) / n_steps,
+        ops_predicted_s=float(np.sum(fitted + o_op)) * per_step,
+        ops_measured_s=float(np.sum(t)) * per_step,
         step_wall_s=statistics.median(s.wall_s for s in steps),
-        comm_s=statistics.fmean(s.comm_s for s in steps),
-        optimizer_s=statistics.fmean(s.optimizer_s for s in steps),
-        unexplained_s=statistics.fmean(unexplained),
+        comm_s=statistics.median(s.comm_s for s in steps),
+        optimizer_s=statistics.median(s.optimizer_s for s in steps),
+        unexplained_s=unexplained,
     )
 
 
-def _indices(match: TraceMatch, step: int) -> range:
-    start = sum(len(s) for s in match.mapped[:step])
-    return range(start, start + len(match.mapped[step]))
+def _typical_ops(match: TraceMatch) -> tuple[list[MappedOp], np.ndarray, float]:
+    """The ops to fit and their times: when every step maps the same ops in the same order (a
+    step of a fixed program), each op once with its median time over the steps (a busy spell in
+    one step does not pull the fit); otherwise every mapped op of every step. The third value
+    turns a sum over the ops returned into one per step."""
+    first = match.mapped[0] if match.mapped else ()
+    same = all([m.key for m in step] == [m.key for m in first] for step in match.mapped)
+    if same and len(match.mapped) > 1:
+        times = np.median(np.array([[m.op.time_s for m in step] for step in match.mapped]), axis=0)
+        return list(first), times, 1.0
+    ops = [m for step in match.mapped for m in step]
+    return ops, np.array([m.op.time_s for m in ops]), 1.0 / max(1, len(match.mapped))
 
 
 def _median(values: np.ndarray) -> float | None:
@@ -703,8 +707,6 @@ def build_trace_profile(
 
 
 def _device_model(cluster: Cluster) -> str:
-    from autoplan.cost_models.cluster import current_device_model
-
     return current_device_model(cluster.backend) or "unknown"
 
 
