@@ -38,10 +38,13 @@ intercept ``o_op`` in closed form), so the big ops, which make the step, weigh m
 per-op overhead the device then carries (``DeviceSpec.op_overhead_us``) is everything of the
 step's compute that the rooflines do not explain, per plan node::
 
-    o = mean over steps of (wall - communication - optimizer - sum_i r_i) / nodes of the plan
+    o = (median over steps of (wall - optimizer) - communication - sum_i r_i) / nodes of the plan
 
 (the program's interpreter time between ops and the glue included), so that the plan's own step
-is priced as measured and another plan pays the same per node. Only what the trace determines is
+is priced as measured and another plan pays the same per node. ``communication`` is the exposed
+communication the plan's estimate prices when it is given (``Plan.estimate.exposed_comm_s``: the
+ranks' waits for each other beyond it, which the communication model does not price, are then
+paid per node too), else the trace's. Only what the trace determines is
 fitted: ``a`` from at least :data:`MIN_FIT_OPS` matmul ops, ``W`` from as many memory-bound ops,
 ``o`` always; the links, the optimizer and ``comm_compute_slowdown`` keep the plan cluster's
 numbers. Fit quality: the median relative error of the mapped ops of at least
@@ -555,12 +558,19 @@ class ComputeFit:
     optimizer_s: float
     """Mean optimizer time per step."""
     unexplained_s: float
-    """Mean compute per step the rooflines leave to the per-node overhead."""
+    """Time per step the rooflines (and the communication) leave to the per-node overhead."""
+    modelled_comm_s: float | None = None
+    """The plan's modelled exposed communication the fit took in place of the trace's."""
 
 
-def fit_compute(match: TraceMatch, device: DeviceSpec, *, steps: Sequence[TraceStep]) -> ComputeFit:
+def fit_compute(
+    match: TraceMatch, device: DeviceSpec, *, steps: Sequence[TraceStep], modelled_comm_s: float | None = None
+) -> ComputeFit:
     """Fit ``(a, W, o)`` of the module docstring to the mapped ops of ``match`` (priced on
-    ``device``, the plan's), with ``steps`` the trace's steps."""
+    ``device``, the plan's), with ``steps`` the trace's steps. ``modelled_comm_s``: the exposed
+    communication the plan's estimate prices; the overhead then absorbs what the trace's
+    communication takes beyond it (the ranks' waits for each other), so that the plan's own step
+    is priced as measured. ``None``: the trace's communication is taken as measured."""
     ops, t, per_step = _typical_ops(match)
     if not ops:
         raise TraceCalibrationError("no event of the trace maps to a node of the plan: nothing to fit")
@@ -595,7 +605,8 @@ def fit_compute(match: TraceMatch, device: DeviceSpec, *, steps: Sequence[TraceS
     _, a, w, o_op = best
     fitted = np.maximum(np.maximum(mm_unit / a, vector), nbytes / w)
     roofline_s = float(np.sum(fitted)) * per_step
-    unexplained = statistics.median(step.wall_s - step.comm_s - step.optimizer_s for step in steps) - roofline_s
+    comm_s = statistics.median(s.comm_s for s in steps) if modelled_comm_s is None else modelled_comm_s
+    unexplained = statistics.median(step.wall_s - step.optimizer_s for step in steps) - comm_s - roofline_s
     overhead = max(0.0, unexplained) / max(1, match.num_plan_nodes)
     errs = np.abs(fitted + o_op - t) / np.maximum(t, 1e-12)
     shown = t >= REPORT_MIN_OP_US * 1e-6
@@ -617,6 +628,7 @@ def fit_compute(match: TraceMatch, device: DeviceSpec, *, steps: Sequence[TraceS
         comm_s=statistics.median(s.comm_s for s in steps),
         optimizer_s=statistics.median(s.optimizer_s for s in steps),
         unexplained_s=unexplained,
+        modelled_comm_s=modelled_comm_s,
     )
 
 
@@ -719,6 +731,7 @@ class TraceCalibration:
     trace: ProfileTrace
     previous: DeviceSpec
     """The plan cluster's device (before the fit)."""
+    num_plan_nodes: int
 
 
 def calibrate_from_trace(
@@ -728,6 +741,7 @@ def calibrate_from_trace(
     plan_ops: Sequence[str],
     plan_collectives: Mapping[str, int],
     plan_fingerprint: str,
+    modelled_comm_s: float | None = None,
     out: str | os.PathLike[str] | None = None,
     what: str = "the plan",
 ) -> TraceCalibration:
@@ -738,11 +752,13 @@ def calibrate_from_trace(
     match = match_plan(
         trace, plan_ops=plan_ops, plan_collectives=plan_collectives, world_size=cluster.world_size, what=what
     )
-    fit = fit_compute(match, cluster.device, steps=trace.steps)
+    fit = fit_compute(match, cluster.device, steps=trace.steps, modelled_comm_s=modelled_comm_s)
     profile = build_trace_profile(cluster, fit, plan_fingerprint=plan_fingerprint, trace_name=Path(trace_path).name)
     if out is not None:
         write_profile(profile, out)
-    return TraceCalibration(profile=profile, fit=fit, trace=trace, previous=cluster.device)
+    return TraceCalibration(
+        profile=profile, fit=fit, trace=trace, previous=cluster.device, num_plan_nodes=match.num_plan_nodes
+    )
 
 
 def fit_table(result: TraceCalibration) -> str:
@@ -761,10 +777,12 @@ def fit_table(result: TraceCalibration) -> str:
         f"op error median {fit.op_err_median:.1%} (matmul {_pct(fit.matmul_err_median)}, other {_pct(fit.other_err_median)}); "
         f"ops {fit.ops_predicted_s * 1e3:.1f} ms fitted vs {fit.ops_measured_s * 1e3:.1f} ms measured per step"
     )
+    modelled = "" if fit.modelled_comm_s is None else f" (the plan prices {fit.modelled_comm_s * 1e3:.1f} ms exposed)"
     lines.append(
-        f"step {fit.step_wall_s * 1e3:.1f} ms = communication {fit.comm_s * 1e3:.1f} + optimizer {fit.optimizer_s * 1e3:.1f} "
-        f"+ compute {(fit.step_wall_s - fit.comm_s - fit.optimizer_s) * 1e3:.1f} ms "
-        f"({fit.unexplained_s * 1e3:.1f} ms of it beyond the rooflines: the per-node overhead)"
+        f"step {fit.step_wall_s * 1e3:.1f} ms = communication {fit.comm_s * 1e3:.1f}{modelled} + optimizer "
+        f"{fit.optimizer_s * 1e3:.1f} + compute {(fit.step_wall_s - fit.comm_s - fit.optimizer_s) * 1e3:.1f} ms; "
+        f"{fit.unexplained_s * 1e3:.1f} ms beyond the rooflines and the priced communication: the per-node overhead "
+        f"over {result.num_plan_nodes} nodes"
     )
     return "\n".join(lines)
 

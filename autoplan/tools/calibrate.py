@@ -213,6 +213,7 @@ def calibrate_from_profile(
         plan_ops=[str(node["op"]) for node in loaded.nodes.values()],
         plan_collectives=loaded.step_collective_counts(),
         plan_fingerprint=loaded.fingerprint,
+        modelled_comm_s=loaded.estimate.exposed_comm_s,
         out=out,
         what=what,
     )
