@@ -33,8 +33,8 @@ prices it, from its recorded shapes (its outputs by running it on ``meta`` tenso
 with ``g_i`` the shape term of ``matmul_efficiency`` (the curve at asymptote 1), ``a`` the matmul
 asymptote (``DeviceSpec.matmul_peak_fraction`` of the op's dtype; ``peak_flops`` is raised when
 the measured rate exceeds it), ``W = mem_bw_GBps * MEMORY_EFFICIENCY`` the effective memory
-bandwidth. ``(a, W)`` minimise the squared error of the mapped ops' times over a log grid (the
-intercept ``o_op`` in closed form), so the big ops, which make the step, weigh most. The
+bandwidth. ``(a, W)`` minimise the squared error of the mapped ops' times over a log grid of
+three decades, refined twice around its best point (the intercept ``o_op`` in closed form), so the big ops, which make the step, weigh most. The
 per-op overhead the device then carries (``DeviceSpec.op_overhead_us``) is everything of the
 step's compute that the rooflines do not explain, per plan node::
 
@@ -591,17 +591,20 @@ def fit_compute(
     fit_a = int(is_mm.sum()) >= MIN_FIT_OPS
     memory_bound = (~is_mm) & (nbytes / w0 >= vector) & (nbytes > 0)
     fit_w = int(memory_bound.sum()) >= MIN_FIT_OPS
-    a_grid = a0 * np.logspace(-1.5, 1.5, 121) if fit_a else np.array([a0])
-    w_grid = w0 * np.logspace(-1.5, 1.5, 121) if fit_w else np.array([w0])
     best = (math.inf, a0, w0, 0.0)
-    for a in a_grid:
-        compute = np.maximum(mm_unit / a, vector)
-        for w in w_grid:
-            r = np.maximum(compute, nbytes / w)
-            o = max(0.0, float(np.mean(t - r)))
-            sse = float(np.sum((t - r - o) ** 2))
-            if sse < best[0]:
-                best = (sse, float(a), float(w), o)
+    span = 1.5  # decades either side, then twice around the best point at finer steps
+    for _ in range(3):
+        a_grid = best[1] * np.logspace(-span, span, 61) if fit_a else np.array([a0])
+        w_grid = best[2] * np.logspace(-span, span, 61) if fit_w else np.array([w0])
+        for a in a_grid:
+            compute = np.maximum(mm_unit / a, vector)
+            for w in w_grid:
+                r = np.maximum(compute, nbytes / w)
+                o = max(0.0, float(np.mean(t - r)))
+                sse = float(np.sum((t - r - o) ** 2))
+                if sse < best[0]:
+                    best = (sse, float(a), float(w), o)
+        span /= 20
     _, a, w, o_op = best
     fitted = np.maximum(np.maximum(mm_unit / a, vector), nbytes / w)
     roofline_s = float(np.sum(fitted)) * per_step
