@@ -380,7 +380,7 @@ def test_a_real_trace_of_two_gloo_ranks_maps_and_fits(tmp_path):
     r = _cli("--from-profile", str(tmp_path / "trace.json"), "--plan", str(tmp_path / "plan.json"), "--out", str(out))
     assert r.returncode == 0, r.stderr
     summary = r.stdout.strip().splitlines()[-1]
-    assert summary.startswith("calibrate: from_profile=trace.json steps=3")
+    assert summary.startswith("calibrate: from_profile=trace.json steps=5")
     fitted = Cluster.from_file(out)
     assert fitted.calibration is not None and fitted.calibration.compute is not None
     assert fitted.calibration.compute["plan"] == plan.fingerprint
