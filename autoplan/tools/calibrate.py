@@ -43,10 +43,12 @@ from typing import TYPE_CHECKING, Any
 
 from autoplan.cost_models.cluster import Cluster, current_device_model
 from autoplan.cost_models.files import refuse_overwriting_inputs
+from autoplan.planner.plan import Plan
 from autoplan.tools import common, console, launch
 
 if TYPE_CHECKING:  # autoplan.cost_models.calibration imports torch: loaded when the command runs
     from autoplan.cost_models.calibration import Sample, Sweep
+    from autoplan.cost_models.trace_calibration import TraceCalibration
 
 
 def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
@@ -197,13 +199,12 @@ def _from_profile(args: argparse.Namespace) -> int:
 
 
 def calibrate_from_profile(
-    trace: str | os.PathLike[str], plan: str | os.PathLike[str] | Any, *, out: str | os.PathLike[str] | None = None
-) -> Any:  # TraceCalibration (torch: loaded when called)
+    trace: str | os.PathLike[str], plan: str | os.PathLike[str] | Plan, *, out: str | os.PathLike[str] | None = None
+) -> TraceCalibration:
     """Fit the device of ``plan``'s cluster (a ``Plan`` or a plan file) to the profiler trace
     ``trace`` of a few of its steps and, with ``out``, write the cluster profile atomically.
     Raises ``TraceCalibrationError`` (``TraceMismatchError``: a trace of another plan)."""
     from autoplan.cost_models.trace_calibration import calibrate_from_trace
-    from autoplan.planner.plan import Plan
 
     loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
     what = "the plan" if isinstance(plan, Plan) else f"plan {Path(plan).name}"
