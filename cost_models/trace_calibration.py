@@ -15,7 +15,9 @@ with ``record_shapes`` carries its input shapes, dtypes and scalar arguments). T
 named like a collective (``_c10d_functional::*``, ``c10d::*``, ``nccl:*``, ``gloo:*``,
 ``record_param_comms``) are communication (their time is the collective's exposed time, waits
 included); ops inside an ``Optimizer.step#`` / ``Optimizer.zero_grad#`` annotation are the
-optimizer's. The rest are the program's ops.
+optimizer's. The rest are the program's ops. On CPU ranks an op's time is its event's; in a GPU
+trace (device events of category ``kernel``/``gpu_memcpy``/``gpu_memset``) it is the time of the
+kernels whose ``External id`` is the op's or that of an op it calls (the host only queues them).
 
 Mapping (:func:`match_plan`). A plan node of op ``aten.addmm.default`` runs as one top-level
 ``aten::addmm``; per step and op name the first ``min(plan nodes, events)`` events are *mapped*,
@@ -103,6 +105,8 @@ MAX_TRACE_BYTES = 2**31
 
 COLLECTIVE_PREFIXES = ("_c10d_functional::", "c10d::", "c10d_functional::", "nccl:", "gloo:", "record_param_comms")
 OPTIMIZER_PREFIXES = ("Optimizer.step#", "Optimizer.zero_grad#")
+KERNEL_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Device events of a GPU trace (their ``External id`` names the op that launched them)."""
 _COLLECTIVE_KINDS = {
     "all_reduce": "all_reduce",
     "all_reduce_": "all_reduce",
@@ -229,12 +233,16 @@ def read_trace(path: str | os.PathLike[str]) -> ProfileTrace:
     by_thread: dict[Any, list[Mapping[str, Any]]] = {}
     for e in complete:
         by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    kernel_s: dict[Any, float] = {}
+    for e in complete:  # a GPU trace: device kernels, linked to the op that launched them
+        if e.get("cat") in KERNEL_CATEGORIES and _external_id(e) is not None:
+            kernel_s[_external_id(e)] = kernel_s.get(_external_id(e), 0.0) + float(e["dur"]) * 1e-6
     steps = []
     for mark in marks:
         thread = by_thread[(mark.get("pid"), mark.get("tid"))]
         start, end = float(mark["ts"]), float(mark["ts"]) + float(mark["dur"])
         inside = [e for e in thread if e is not mark and start <= float(e["ts"]) and float(e["ts"]) + float(e["dur"]) <= end]
-        steps.append(_step(inside, wall_s=float(mark["dur"]) * 1e-6))
+        steps.append(_step(inside, wall_s=float(mark["dur"]) * 1e-6, kernel_s=kernel_s))
     record_shapes = bool(data.get("record_shapes", True)) if isinstance(data, Mapping) else True
     return ProfileTrace(
         path=str(path),
@@ -254,11 +262,15 @@ def _int_or_none(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _step(inside: list[Mapping[str, Any]], *, wall_s: float) -> TraceStep:
-    """Top-level ops, communication and optimizer time of one step's events (one thread)."""
+def _step(
+    inside: list[Mapping[str, Any]], *, wall_s: float, kernel_s: Mapping[Any, float] | None = None
+) -> TraceStep:
+    """Top-level ops, communication and optimizer time of one step's events (one thread). With
+    ``kernel_s`` (device kernel seconds per ``External id``: a GPU trace) an op's time is that of
+    the kernels it and the ops it calls launched, not its time on the host."""
     inside = sorted(inside, key=lambda e: (float(e["ts"]), -float(e["dur"])))
     stack: list[Mapping[str, Any]] = []
-    ops: list[TraceOp] = []
+    tops: list[tuple[Mapping[str, Any], list[Any]]] = []  # top-level op, External ids under it
     comm_s = optimizer_s = 0.0
     collectives: Counter[str] = Counter()
     for e in inside:
@@ -266,23 +278,36 @@ def _step(inside: list[Mapping[str, Any]], *, wall_s: float) -> TraceStep:
             stack.pop()
         name = str(e.get("name", ""))
         in_optimizer = any(str(s.get("name", "")).startswith(OPTIMIZER_PREFIXES) for s in stack)
+        enclosing = [s for s in stack if s.get("cat") == "cpu_op"]
         if name.startswith(OPTIMIZER_PREFIXES) and not in_optimizer:
             optimizer_s += float(e["dur"]) * 1e-6
-        elif e.get("cat") == "cpu_op" and not in_optimizer and not any(s.get("cat") == "cpu_op" for s in stack):
+        elif e.get("cat") == "cpu_op" and not in_optimizer and not enclosing:
             if name.startswith(COLLECTIVE_PREFIXES):
-                comm_s += float(e["dur"]) * 1e-6
+                comm_s += _seconds(e, [_external_id(e)], kernel_s)
                 kind = _COLLECTIVE_KINDS.get(name.split("::")[-1])
                 if kind is not None:
                     collectives[kind] += 1
             else:
-                ops.append(_trace_op(e))
+                tops.append((e, [_external_id(e)]))
+        elif enclosing and tops and tops[-1][0] is enclosing[0]:
+            tops[-1][1].append(_external_id(e))
         stack.append(e)
-    return TraceStep(
-        wall_s=wall_s, ops=tuple(ops), comm_s=comm_s, optimizer_s=optimizer_s, collectives=dict(collectives)
-    )
+    ops = tuple(_trace_op(e, _seconds(e, ids, kernel_s)) for e, ids in tops)
+    return TraceStep(wall_s=wall_s, ops=ops, comm_s=comm_s, optimizer_s=optimizer_s, collectives=dict(collectives))
 
 
-def _trace_op(e: Mapping[str, Any]) -> TraceOp:
+def _external_id(e: Mapping[str, Any]) -> Any:
+    args = e.get("args")
+    return args.get("External id") if isinstance(args, Mapping) else None
+
+
+def _seconds(e: Mapping[str, Any], ids: list[Any], kernel_s: Mapping[Any, float] | None) -> float:
+    if not kernel_s:
+        return float(e["dur"]) * 1e-6
+    return sum(kernel_s.get(i, 0.0) for i in ids if i is not None)
+
+
+def _trace_op(e: Mapping[str, Any], time_s: float) -> TraceOp:
     args = e.get("args") if isinstance(e.get("args"), Mapping) else {}
     assert isinstance(args, Mapping)
 
@@ -296,7 +321,7 @@ def _trace_op(e: Mapping[str, Any]) -> TraceOp:
         types=tuple(str(t) for t in field("Input type")),
         concrete=tuple(str(c) for c in field("Concrete Inputs")),
         strides=field("Input Strides"),
-        time_s=float(e["dur"]) * 1e-6,
+        time_s=time_s,
     )
 
 

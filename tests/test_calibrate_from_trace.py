@@ -165,6 +165,27 @@ def test_read_trace_keeps_top_level_ops_and_splits_communication_and_optimizer(t
     assert step.wall_s == pytest.approx(sum(op.time_s for op in step.ops) + 5000e-6)
 
 
+def test_a_gpu_trace_times_ops_by_the_kernels_they_launch(tmp_path):
+    """Host events of a GPU trace only queue work: an op's time is its kernels' (its own and
+    those of the ops it calls, linked by ``External id``)."""
+    args = {"Input Dims": [[8, 8], [8, 8]], "Input type": ["float", "float"], "Concrete Inputs": ["", ""]}
+    events = [
+        _event("ProfilerStep#1", 0.0, 1000.0, cat="user_annotation"),
+        _event("aten::linear", 10.0, 30.0, args={**args, "External id": 1}),
+        _event("aten::addmm", 15.0, 20.0, args={**args, "External id": 2}),  # called by linear
+        _event("aten::add", 50.0, 5.0, args={**args, "External id": 3}),
+        _event("gemm_kernel", 100.0, 400.0, cat="kernel", tid=9, args={"External id": 2}),
+        _event("bias_kernel", 500.0, 25.0, cat="kernel", tid=9, args={"External id": 1}),
+        _event("add_kernel", 530.0, 60.0, cat="kernel", tid=9, args={"External id": 3}),
+    ]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
+    (step,) = read_trace(tmp_path / "trace.json").steps
+    assert [(op.name, op.time_s) for op in step.ops] == [
+        ("aten::linear", pytest.approx(425e-6)),
+        ("aten::add", pytest.approx(60e-6)),
+    ]
+
+
 def test_match_maps_one_event_per_plan_node_and_leaves_the_glue(tmp_path, true_device):
     ops = write_trace(tmp_path / "trace.json", true_device, extra_ops=("aten::view", "aten::cat"))
     trace = read_trace(tmp_path / "trace.json")
