@@ -24,12 +24,13 @@ and prints a table and the final line
 
     python benchmarks/cost_model_accuracy.py --from-trace [--fit-plan data-parallel]
 
-instead calibrates the compute model from a measured step (issue #42): it runs the ``--fit-plan``
-configuration (planned with the analytic compute model) under ``torch.profiler`` ``--trace-rounds``
-times, fits the device to rank 0's trace of the quietest run (the smallest median profiled step)
-with ``autoplan calibrate --from-profile``, plans every *other* configuration
-with the calibrated cluster (analytic op times, no profile database), runs them and compares. The
-summary line's keys are those above, over the other configurations, followed by
+instead calibrates the compute model from a measured step (issue #42). In each round it runs the
+``--fit-plan`` configuration (planned with the analytic compute model) under ``torch.profiler``,
+fits the device to rank 0's trace with ``autoplan calibrate --from-profile``, plans every *other*
+configuration with that calibrated cluster (analytic op times, no profile database) and runs them
+at once (a round's calibration and measurements see the same load on a shared machine). A
+configuration's error is the median over the rounds of its round's error. The summary line's keys
+are those above (over the other configurations, each plan's quietest round), followed by
 ``from_trace=NAME trace_time_err_median=X% trace_time_err_max=Y% uncalibrated_time_err_median=Z%
 within_5pct=K/N`` (the uncalibrated error: each configuration planned with the uncalibrated
 device, analytic op times, against the same measurement).
@@ -295,11 +296,13 @@ def summary_line(rows: list[dict], time_errs: list[float], mem_errs: list[float]
 
 
 def from_trace(args: argparse.Namespace, cluster_file: Path, names: list[str], tmpdir: Path) -> int:
-    """``--from-trace``: run the ``--fit-plan`` configuration with the profiler on, calibrate the
-    compute model from its trace (``autoplan calibrate --from-profile``), plan every other
-    configuration with the calibrated cluster (analytic op times: no profile database) and compare
-    their predicted step times with their measured ones. The fitted configuration is shown for
-    reference and left out of every error."""
+    """``--from-trace`` (module docstring): in each of ``--rounds`` rounds, run the ``--fit-plan``
+    configuration with the profiler on, calibrate the compute model from rank 0's trace
+    (``autoplan calibrate --from-profile``), plan every other configuration with that calibrated
+    cluster (analytic op times: no profile database) and run them right after, so that a round's
+    predictions and measurements see the same load. A configuration's error is the median over
+    rounds of its round's error; the fitted configuration is shown for reference and left out of
+    every error."""
     from autoplan.cost_models.cluster import Cluster
 
     fit_name = args.fit_plan
@@ -307,55 +310,63 @@ def from_trace(args: argparse.Namespace, cluster_file: Path, names: list[str], t
     if fit_name not in PLANS or not others:
         raise SystemExit(f"--fit-plan {fit_name!r} must be one of {', '.join(PLANS)} and --plans must name others")
     base = Cluster.from_file(cluster_file)
-    fit_plan = make_plan(fit_name, base, None)
-    fit_plan.save(tmpdir / "fit-plan.json")
-    runs = []
-    for i in range(args.trace_rounds):
-        trace = tmpdir / f"trace.{i}.json"
-        runs.append((run_plan(tmpdir / "fit-plan.json", tmpdir / f"fit.{i}.result", args.steps, trace=trace), trace))
-        print(
-            f"  profiled {fit_name} ({TRACE_STEPS} steps) {i + 1}/{args.trace_rounds}: "
-            f"{runs[-1][0]['profiled_step_s'] * 1e3:.1f} ms a step",
-            flush=True,
-        )
-    # as for the measured plans, the quietest run: a busy machine only adds time
-    traced, trace = min(runs, key=lambda run: run[0]["profiled_step_s"])
-    calibrated_file = Path(args.calibrated_out) if args.calibrated_out else tmpdir / "calibrated.yaml"
-    cmd = [sys.executable, "-m", "autoplan.tools.cli", "calibrate", "--from-profile", str(trace)]
-    cmd += ["--plan", str(tmpdir / "fit-plan.json"), "--out", str(calibrated_file)]
-    print("calibrating from the trace:", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    calibrated = Cluster.from_file(calibrated_file)
-    plans, before = {}, {}
+    make_plan(fit_name, base, None).save(tmpdir / "fit-plan.json")
+    uncalibrated = {name: make_plan(name, base, None).estimate for name in others}
+    rounds: list[dict] = []
+    for round_ in range(args.rounds):
+        trace = tmpdir / f"trace.{round_}.json"
+        traced = run_plan(tmpdir / "fit-plan.json", tmpdir / f"fit.{round_}.result", args.steps, trace=trace)
+        calibrated_file = tmpdir / f"calibrated.{round_}.yaml"
+        cmd = [sys.executable, "-m", "autoplan.tools.cli", "calibrate", "--from-profile", str(trace)]
+        cmd += ["--plan", str(tmpdir / "fit-plan.json"), "--out", str(calibrated_file), *(["--quiet"] if round_ else [])]
+        print(f"round {round_ + 1}/{args.rounds}: calibrating from the trace:", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if args.calibrated_out and round_ == 0:
+            Path(args.calibrated_out).write_bytes(calibrated_file.read_bytes())
+        calibrated = Cluster.from_file(calibrated_file)
+        plans = {name: make_plan(name, calibrated, None) for name in [fit_name, *others]}
+        result = {"fit": traced, "pred": {}, "meas": {}, "plans": plans}
+        for name, plan in plans.items():
+            plan.save(tmpdir / f"{name}.json")
+            run = traced if name == fit_name else run_plan(tmpdir / f"{name}.json", tmpdir / f"{name}.{round_}.result", args.steps)
+            result["pred"][name], result["meas"][name] = plan.estimate.step_time_s * 1e3, run
+            print(
+                f"  {name}: predicted {result['pred'][name]:.1f} ms, measured {run['step_s'] * 1e3:.1f} ms"
+                + (f" ({traced['profiled_step_s'] * 1e3:.1f} ms profiled: the trace fitted)" if name == fit_name else ""),
+                flush=True,
+            )
+        rounds.append(result)
+    return _from_trace_report(fit_name, others, rounds, uncalibrated)
+
+
+def _from_trace_report(fit_name: str, others: list[str], rounds: list[dict], uncalibrated: dict) -> int:
+    """The table of the ``--from-trace`` mode and its summary line."""
+    print(f"\nfitted on {fit_name}, predicted with the round's calibration, medians over {len(rounds)} rounds:")
+    header = f"{'plan':<34} {'uncalibrated ms':>15} {'calibrated ms':>13} {'measured ms':>11} {'err':>7} {'uncal err':>9}"
+    print(header)
+    print("-" * len(header))
+    errs, uncal, rows = [], [], []
     for name in [fit_name, *others]:
-        before[name] = make_plan(name, base, None).estimate.step_time_s * 1e3
-        plans[name] = make_plan(name, calibrated, None)
-        plans[name].save(tmpdir / f"{name}.json")
-    measured = run_rounds(plans, tmpdir, rounds=args.rounds, steps=args.steps)
-    rows = [result_row(name, plans[name], measured[name]) for name in plans]
-    print(
-        f"\nfitted on {fit_name}: measured {traced['step_s'] * 1e3:.1f} ms a step unprofiled, "
-        f"{traced['profiled_step_s'] * 1e3:.1f} ms profiled"
-    )
-    print(f"{'plan':<34} {'uncalibrated ms':>15} {'calibrated ms':>13} {'measured ms':>11} {'err':>7} {'uncal err':>9}")
-    errs, uncal = [], []
-    for r in rows:
-        err = (r["pred_ms"] - r["meas_ms"]) / r["meas_ms"]
-        u = (before[r["plan"]] - r["meas_ms"]) / r["meas_ms"]
-        fitted = r["plan"] == fit_name
-        if not fitted:
-            errs.append(abs(err))
-            uncal.append(abs(u))
-        label = r["plan"] + (" (fitted)" if fitted else "")
-        print(f"{label:<34} {before[r['plan']]:>15.1f} {r['pred_ms']:>13.1f} {r['meas_ms']:>11.1f} {err:>+7.1%} {u:>+9.1%}")
-    others_rows = [r for r in rows if r["plan"] != fit_name]
-    time_errs, mem_errs = print_rows(others_rows)
+        pred = statistics.median(r["pred"][name] for r in rounds)
+        meas = statistics.median(r["meas"][name]["step_s"] * 1e3 for r in rounds)
+        err = statistics.median((r["pred"][name] - r["meas"][name]["step_s"] * 1e3) / (r["meas"][name]["step_s"] * 1e3) for r in rounds)
+        if name == fit_name:
+            print(f"{name + ' (fitted)':<34} {'':>15} {pred:>13.1f} {meas:>11.1f} {err:>+7.1%}")
+            continue
+        u_ms = uncalibrated[name].step_time_s * 1e3
+        u = statistics.median((u_ms - r["meas"][name]["step_s"] * 1e3) / (r["meas"][name]["step_s"] * 1e3) for r in rounds)
+        errs.append(abs(err))
+        uncal.append(abs(u))
+        print(f"{name:<34} {u_ms:>15.1f} {pred:>13.1f} {meas:>11.1f} {err:>+7.1%} {u:>+9.1%}")
+        quietest = min(rounds, key=lambda r: r["meas"][name]["step_s"])
+        rows.append(result_row(name, quietest["plans"][name], [quietest["meas"][name]]))
+    time_errs, mem_errs = print_rows(rows)  # the quietest round of each plan, as the default mode
     extra = (
         f" from_trace={fit_name} trace_time_err_median={statistics.median(errs):.1%} "
         f"trace_time_err_max={max(errs):.1%} uncalibrated_time_err_median={statistics.median(uncal):.1%} "
         f"within_5pct={sum(e <= 0.05 for e in errs)}/{len(errs)}"
     )
-    print(summary_line(others_rows, time_errs, mem_errs, extra))
+    print(summary_line(rows, time_errs, mem_errs, extra))
     return 0
 
 
@@ -380,9 +391,7 @@ def main() -> int:
     )
     parser.add_argument("--fit-plan", default="data-parallel", help="with --from-trace: the configuration traced")
     parser.add_argument("--calibrated-out", help="with --from-trace: also keep the calibrated cluster file here")
-    parser.add_argument(
-        "--trace-rounds", type=int, default=3, help="with --from-trace: profiled runs of --fit-plan (the quietest is fitted)"
-    )
+
     parser.add_argument("--worker", nargs=2, metavar=("PLAN", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--trace-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
