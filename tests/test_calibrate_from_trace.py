@@ -291,6 +291,22 @@ def test_a_trace_of_another_plan_is_refused(tmp_path, cluster, true_device, trac
     assert not out.exists()
 
 
+def test_on_gloo_a_plans_all_to_all_is_issued_as_an_all_gather(tmp_path, true_device):
+    ops = write_trace(tmp_path / "trace.json", true_device)
+    data = json.loads((tmp_path / "trace.json").read_text())
+    for e in data["traceEvents"]:
+        if e["name"] == "_c10d_functional::all_reduce":
+            e["name"] = "_c10d_functional::all_gather_into_tensor"
+    (tmp_path / "trace.json").write_text(json.dumps(data))
+    trace = read_trace(tmp_path / "trace.json")
+    match = match_plan(trace, plan_ops=plan_ops(ops), plan_collectives={"all_to_all": 1}, world_size=2)
+    assert match.matched_fraction == 1.0
+    data["distributedInfo"]["backend"] = "nccl"
+    (tmp_path / "trace.json").write_text(json.dumps(data))
+    with pytest.raises(TraceMismatchError, match="all_to_all: 1"):
+        match_plan(read_trace(tmp_path / "trace.json"), plan_ops=plan_ops(ops), plan_collectives={"all_to_all": 1}, world_size=2)
+
+
 def test_another_count_of_matmuls_is_refused(tmp_path, cluster, true_device):
     ops = write_trace(tmp_path / "trace.json", true_device)
     with pytest.raises(TraceMismatchError, match="aten::mm"):
