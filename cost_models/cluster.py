@@ -105,9 +105,11 @@ LOCAL_KINDS: frozenset[str] = frozenset({"shard", "to_partial"})
 """Step kinds of a placement transition that are local (cost nothing on the network)."""
 
 Backend = Literal["gloo", "nccl"]
-CalibrationOrigin = Literal["measured", "default"]
+CalibrationOrigin = Literal["measured", "default", "trace"]
 """Where a cluster's links come from: ``measured`` by ``autoplan calibrate`` on the machine
-described, or the ``default`` measured once on a reference machine of its class."""
+described, the ``default`` measured once on a reference machine of its class, or ``trace``: only
+the device's compute numbers were fitted (``autoplan calibrate --from-profile``, see the record's
+``compute``) and the links are those of the cluster the trace's plan was made for."""
 _LINK_KEYS: tuple[str, ...] = ("bw_GBps", "latency_us", "collectives")
 _FIT_KEYS: tuple[str, ...] = ("bw_GBps", "latency_us", "fit_err")
 _RECALIBRATE = "re-run `autoplan calibrate` on the target machine"
@@ -205,6 +207,11 @@ class CalibrationInfo:
     """``measured``: ``autoplan calibrate`` timed these ranks. ``default``: no calibration of this
     machine was at hand and the links are the default of ``autoplan.cost_models.calibration``, measured on
     the reference machine ``device_model`` on ``date``."""
+    compute: Mapping[str, Any] | None = None
+    """The fit of the device's compute numbers to a profiler trace of a planned step
+    (``autoplan calibrate --from-profile``, ``autoplan.cost_models.trace_calibration``): the plan's
+    fingerprint, the steps and ops fitted, the device fields set and the fit's errors; ``None``
+    when the compute numbers were not fitted."""
 
     def __post_init__(self) -> None:
         for name in ("device", "device_model", "torch_version", "date"):
@@ -225,8 +232,18 @@ class CalibrationInfo:
                 "comm_compute_slowdown",
                 _non_negative_float(self.comm_compute_slowdown, "calibration.comm_compute_slowdown"),
             )
-        if self.origin not in ("measured", "default"):
-            raise ClusterSpecError(f"calibration.origin must be 'measured' or 'default', got {clip(self.origin)}")
+        if self.origin not in ("measured", "default", "trace"):
+            raise ClusterSpecError(
+                f"calibration.origin must be 'measured', 'default' or 'trace', got {clip(self.origin)}"
+            )
+        if self.compute is not None:
+            if not isinstance(self.compute, Mapping) or not all(
+                isinstance(k, str) and (v is None or isinstance(v, (str, int, float))) for k, v in self.compute.items()
+            ):
+                raise ClusterSpecError(
+                    f"calibration.compute must map names to numbers or strings, got {clip(self.compute)}; {_RECALIBRATE}"
+                )
+            object.__setattr__(self, "compute", _ReadOnlyMapping(dict(self.compute)))
 
     def to_dict(self) -> dict[str, Any]:
         """YAML/JSON-serialisable form; ``CalibrationInfo.from_dict`` reads it back. The optional
@@ -236,6 +253,8 @@ class CalibrationInfo:
             out["comm_compute_slowdown"] = self.comm_compute_slowdown
         if self.origin != "measured":
             out["origin"] = self.origin
+        if self.compute is not None:
+            out["compute"] = dict(self.compute)
         return out
 
     @classmethod
@@ -255,7 +274,7 @@ class CalibrationInfo:
         return cls(**kwargs)
 
 
-_OPTIONAL_CALIBRATION: frozenset[str] = frozenset({"comm_compute_slowdown", "origin"})
+_OPTIONAL_CALIBRATION: frozenset[str] = frozenset({"comm_compute_slowdown", "origin", "compute"})
 """Keys of the ``calibration:`` section that older profiles do not have."""
 
 

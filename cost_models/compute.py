@@ -25,6 +25,10 @@ model", CACM 2009) plus a per-op overhead::
     memory_s  = bytes / (mem_bw * MEMORY_EFFICIENCY)
     time_s    = max(compute_s, memory_s) + overhead
 
+The efficiency numbers a device carries (``matmul_peak_fraction``, ``mem_bw_GBps``,
+``op_overhead_us``) can be fitted to a profiler trace of a planned step: ``autoplan calibrate
+--from-profile`` (``autoplan.cost_models.trace_calibration``).
+
 Matmuls run at ``device.peak_flops_for(dtype)`` (tensor cores for 16-bit dtypes; float32 is the
 non-TF32 rate) times the shape-dependent ``matmul_efficiency``: a per-device curve whose asymptote
 is the measured large-GEMM fraction of peak (``DeviceSpec.matmul_peak_fraction``, e.g. 81.5%
@@ -377,6 +381,10 @@ def gemms_efficiency(gemms: Sequence[Gemm], device: DeviceSpec, dtype: torch.dty
 
 
 def op_overhead_s(device: DeviceSpec) -> float:
+    """Fixed time of one op: the device's fitted ``op_overhead_us`` (``autoplan calibrate
+    --from-profile``), else ``CPU_OP_OVERHEAD_US`` / ``GPU_KERNEL_OVERHEAD_US``."""
+    if device.op_overhead_us is not None:
+        return device.op_overhead_us * 1e-6
     return (CPU_OP_OVERHEAD_US if _is_cpu(device) else GPU_KERNEL_OVERHEAD_US) * 1e-6
 
 

@@ -135,6 +135,12 @@ class DeviceSpec:
     """Host DRAM bandwidth one device's offloaded optimizer step gets, GB/s (the node's CPU memory
     bandwidth over its devices). ``None``: ``mem_bw_GBps`` (the device is the host). Left out of
     :meth:`to_dict` when ``None``."""
+    op_overhead_us: float | None = None
+    """Fixed time every op of the step adds beyond its roofline, microseconds (dispatch, kernel
+    launch, the program's own interpreter time between ops): ``compute.op_overhead_s``. ``None``:
+    the compute model's assumption (``compute.CPU_OP_OVERHEAD_US`` / ``GPU_KERNEL_OVERHEAD_US``);
+    ``autoplan calibrate --from-profile`` fits it from a profiler trace. Left out of
+    :meth:`to_dict` when ``None``."""
 
     def __post_init__(self) -> None:
         where = f"device {clip(self.name)}"
@@ -164,6 +170,14 @@ class DeviceSpec:
         for name in ("host_link_GBps", "host_mem_bw_GBps"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _positive_float(getattr(self, name), f"{where}: {name}"))
+        overhead: object = self.op_overhead_us
+        if overhead is not None:
+            if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0.0 <= overhead < 1e6:
+                raise ClusterSpecError(
+                    f"{where}: op_overhead_us must be a non-negative number of microseconds below 1e6 "
+                    f"(fixed time per op) or null, got {clip(overhead)}"
+                )
+            object.__setattr__(self, "op_overhead_us", float(overhead))
         capacity: object = self.mem_capacity_bytes
         if isinstance(capacity, float) and capacity.is_integer():
             capacity = int(capacity)
@@ -317,7 +331,7 @@ class DeviceSpec:
 DEVICE_SPEC_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(DeviceSpec))
 """Names of the ``DeviceSpec`` fields, in declaration order (the keys of a device mapping)."""
 _OPTIONAL_FIELDS: frozenset[str] = frozenset(f.name for f in fields(DeviceSpec) if f.default is not MISSING)
-_HOST_FIELDS = frozenset({"host_link_GBps", "host_mem_bw_GBps"})
+_HOST_FIELDS = frozenset({"host_link_GBps", "host_mem_bw_GBps", "op_overhead_us"})
 """Fields :meth:`DeviceSpec.to_dict` leaves out when ``None`` (device files and plans written
 before they existed stay byte-identical)."""
 

@@ -92,6 +92,7 @@ FUNCTION_LEVEL_IMPORTS: dict[tuple[str, str], str] = {
     ("autoplan.tools.common", "autoplan.tools.loader"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.calibrate", "autoplan.cost_models.calibration"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.calibrate", "autoplan.runtime.collective_bench"): f"{_TORCH_FREE}CLI start-up",
+    ("autoplan.tools.calibrate", "autoplan.cost_models.trace_calibration"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.local_links", "autoplan.cost_models.calibration"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.local_links", "autoplan.runtime.collective_bench"): f"{_TORCH_FREE}CLI start-up",
     ("autoplan.tools.planning", "autoplan.planner.joint"): f"{_TORCH_FREE}CLI start-up",

@@ -2,6 +2,12 @@
 
     autoplan calibrate --cluster 2xCPU --out cpu2.yaml          # starts torchrun on this machine
     autoplan plan my_models.py:build --cluster cpu2.yaml --out plan.json
+    autoplan calibrate --from-profile trace.json --plan plan.json --out cpu2-fitted.yaml
+
+``--from-profile`` reads a ``torch.profiler`` Chrome trace (``record_shapes=True``, ``prof.step()``
+after every step) of a few steps of the plan and fits the compute numbers of the plan cluster's
+device to it (``autoplan.cost_models.trace_calibration``): the matmul rate, the memory bandwidth
+and the per-op overhead; the links stay the plan cluster's. A trace of another plan is refused.
 
 On one machine the command launches ``python -m torch.distributed.run --nproc-per-node WORLD``
 with this same command line; every rank joins a gloo (CPU device) or NCCL (GPU device) group,
@@ -37,10 +43,12 @@ from typing import TYPE_CHECKING, Any
 
 from autoplan.cost_models.cluster import Cluster, current_device_model
 from autoplan.cost_models.files import refuse_overwriting_inputs
+from autoplan.planner.plan import Plan
 from autoplan.tools import common, console, launch
 
 if TYPE_CHECKING:  # autoplan.cost_models.calibration imports torch: loaded when the command runs
     from autoplan.cost_models.calibration import Sample, Sweep
+    from autoplan.cost_models.trace_calibration import TraceCalibration
 
 
 def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no public type
@@ -48,7 +56,16 @@ def add_parser(subparsers: Any) -> None:  # argparse._SubParsersAction has no pu
     p = subparsers.add_parser(
         "calibrate", help="measure collectives on this machine and write a cluster profile (YAML)"
     )
-    p.add_argument("--cluster", required=True, help="preset like 2xCPU or 8xH100, or a cluster YAML/JSON file")
+    p.add_argument(
+        "--cluster",
+        help="preset like 2xCPU or 8xH100, or a cluster YAML/JSON file (required unless --from-profile)",
+    )
+    p.add_argument(
+        "--from-profile",
+        metavar="TRACE",
+        help="fit the device's compute numbers to a torch.profiler Chrome trace of a few steps of --plan instead",
+    )
+    p.add_argument("--plan", help="with --from-profile: the plan file the traced run executed")
     p.add_argument("--mesh", help="logical mesh shape, e.g. 2,2 (default: nodes x devices)")
     p.add_argument("--out", "-o", default="cluster.yaml", help="profile to write (.yaml/.yml/.json)")
     p.add_argument("--min-bytes", type=int, help="smallest message, bytes (default 4096)")
@@ -80,6 +97,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from autoplan.cost_models.calibration import QUICK_SWEEP, CalibrationError, Sample, Sweep
 
+    if args.from_profile is not None or args.plan is not None:
+        return _from_profile(args)
+    if args.cluster is None:
+        raise CalibrationError("calibrate needs --cluster (the cluster to measure) or --from-profile TRACE --plan PLAN")
     # the cluster to calibrate: a file's old links and calibration are dropped (they are redone)
     cluster = common.cluster_from_args(args.cluster, args.mesh, recalibrate=True)
     options = {name: getattr(args, name) for name in _SWEEP_OPTIONS if getattr(args, name) is not None}
@@ -136,6 +157,67 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         quiet=args.quiet,
     )
     return 0
+
+
+# --- From a profiler trace -------------------------------------------------------------------------
+
+
+def _from_profile(args: argparse.Namespace) -> int:
+    """``calibrate --from-profile TRACE --plan PLAN [--out CLUSTER]``: fit the plan cluster's device
+    to the trace (``autoplan.cost_models.trace_calibration``), print the fit and write the profile
+    atomically (nothing is written when the trace is refused)."""
+    from autoplan.cost_models.calibration import CalibrationError
+
+    if args.from_profile is None or args.plan is None:
+        raise CalibrationError(
+            "calibrate --from-profile TRACE needs --plan PLAN.json (the plan the traced run executed), and --plan needs --from-profile"
+        )
+    ignored = [f"--{n.replace('_', '-')}" for n in ("cluster", "mesh", *_SWEEP_OPTIONS) if getattr(args, n) is not None]
+    if ignored or args.quick:
+        raise CalibrationError(
+            f"calibrate --from-profile takes its cluster from --plan; drop {', '.join(ignored or ['--quick'])}"
+        )
+    out = Path(args.out)
+    if out.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise CalibrationError(f"--out '{out}' has extension {out.suffix!r}; use .yaml, .yml or .json")
+    if not out.parent.is_dir():
+        raise CalibrationError(f"--out '{out}': directory '{out.parent}' does not exist")
+    refuse_overwriting_inputs(out, {"trace": args.from_profile, "plan file": args.plan}, error=CalibrationError)
+    result = calibrate_from_profile(args.from_profile, args.plan, out=out)
+    from autoplan.cost_models.trace_calibration import fit_table
+
+    fit = result.fit
+    if not args.quiet:
+        print(fit_table(result), file=console.stdout())
+        print(f"wrote {out}", file=console.stdout())
+    print(
+        f"calibrate: from_profile={Path(args.from_profile).name} steps={fit.num_steps} ops={fit.num_ops} "
+        f"op_err_median={fit.op_err_median:.1%} op_overhead_us={fit.op_overhead_us:g} out={out}",
+        file=console.stdout(),
+    )
+    return 0
+
+
+def calibrate_from_profile(
+    trace: str | os.PathLike[str], plan: str | os.PathLike[str] | Plan, *, out: str | os.PathLike[str] | None = None
+) -> TraceCalibration:
+    """Fit the device of ``plan``'s cluster (a ``Plan`` or a plan file) to the profiler trace
+    ``trace`` of a few of its steps and, with ``out``, write the cluster profile atomically.
+    Raises ``TraceCalibrationError`` (``TraceMismatchError``: a trace of another plan)."""
+    from autoplan.cost_models.trace_calibration import calibrate_from_trace
+
+    loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
+    what = "the plan" if isinstance(plan, Plan) else f"plan {Path(plan).name}"
+    return calibrate_from_trace(
+        trace,
+        cluster=loaded.cluster,
+        plan_ops=[str(node["op"]) for node in loaded.nodes.values()],
+        plan_collectives=loaded.step_collective_counts(),
+        plan_fingerprint=loaded.fingerprint,
+        modelled_comm_s=loaded.estimate.exposed_comm_s,
+        out=out,
+        what=what,
+    )
 
 
 # --- Launcher --------------------------------------------------------------------------------------
