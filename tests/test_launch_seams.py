@@ -162,6 +162,27 @@ def test_unresolvable_rendezvous_host_is_one_line_before_planning(no_launch_env,
     assert result[1] == ""
 
 
+def test_a_node_that_never_joins_is_one_line_naming_the_endpoint_and_the_missing_node(monkeypatch, capfd):
+    """Once: torchrun's 42-line RendezvousTimeoutError traceback after its 600 s join timeout.
+    One node of ``--nnodes 2`` alone at the endpoint waits AUTOPLAN_JOIN_TIMEOUT_S, then one line."""
+    monkeypatch.setenv(launch.JOIN_TIMEOUT_ENV, "10")
+    endpoint = f"127.0.0.1:{free_port()}"
+    result = cli_main(capfd, "run", MLP, "--plan", PLAN[0], "--nnodes", "2", "--nproc-per-node", "1",
+                      "--rdzv-endpoint", endpoint, "--steps", "1", "-q")  # fmt: skip
+    assert_bad_input(result, f"the rendezvous at {endpoint} (--rdzv-id autoplan) timed out after 10 s",
+                     "1 of 2 nodes joined, 1 missing", f"--rdzv-endpoint {endpoint}", launch.JOIN_TIMEOUT_ENV)  # fmt: skip
+    assert "Traceback" not in result[2] and "TCPStore" not in result[2], result[2]
+
+
+def test_the_join_timeout_reaches_torchrun_and_a_malformed_one_is_named(capfd):
+    layout = Nodes(num_nodes=2, node_rank=0, nproc_per_node=None, rdzv_endpoint="h:1", rdzv_id="x")
+    assert layout.torchrun_args(nproc_per_node=1, master_port=None, join_timeout_s=30)[-2:] == [
+        "--rdzv-conf", "join_timeout=30"]  # fmt: skip
+    assert launch.join_timeout_s({}) == 600
+    with pytest.raises(PlanError, match=rf"^{launch.JOIN_TIMEOUT_ENV}='soon' is not a number of seconds > 0"):
+        launch.join_timeout_s({launch.JOIN_TIMEOUT_ENV: "soon"})
+
+
 # --- 5. a port taken before torchrun binds it ---------------------------------------------------------
 
 

@@ -167,6 +167,28 @@ def test_a_parallel_model_checks_the_batch_shape_and_dtype_at_entry() -> None:
             pm.forward_backward(x.double(), targets=(y,))
 
 
+def test_a_pipeline_model_checks_the_global_batch_shape_and_dtype_at_entry() -> None:
+    """Once a batch of 4 ran silently on a pipeline planned for 8 (2 micro-batches of 2 on dp=2:
+    the schedule cut it into 2 micro-batches of 2 global rows and the stage programs read 1 row
+    each); any other shape or integer dtype is now refused before the schedule runs."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    with fake_job(2):
+        pm = autoplan.parallelize(model, cpu_cluster("2xCPU"), example_inputs=(x,), loss_fn=F.mse_loss,
+                                  example_targets=(y,), global_batch_size=8, profile=None,
+                                  config=autoplan.ParallelConfig(dp=2, microbatch_size=2, num_microbatches=2))  # fmt: skip
+        assert isinstance(pm, autoplan.PipelineModel)
+        with pytest.raises(PlanMismatchError, match=r"^input 0 has shape \[4, 16\]; the plan was made for \[8, 16\] "
+                           r"\(the global batch of 2 micro-batches it was planned with\).*or plan for this"):  # fmt: skip
+            pm(x[:4], targets=(y[:4],))
+        with pytest.raises(PlanMismatchError, match=r"^target 0 has shape \[8, 7\]; the plan was made for \[8, 8\]"):
+            pm.forward_backward(x, targets=(y[:, :7],))
+        with pytest.raises(PlanMismatchError, match=r"^target 0 is torch.int64; the plan was made for torch.float32"):
+            pm.forward_backward(x, targets=(y.long(),))
+        with pytest.raises(PlanError, match=r"^expected 1 inputs and 1 targets as planned, got 1 and 0"):
+            pm.forward_backward(x)
+
+
 # --- 3. batch norm in training mode ------------------------------------------------------------------
 
 

@@ -70,7 +70,8 @@ def test_two_nodes_meet_through_c10d_with_half_the_ranks_each_and_no_node_rank(t
     launcher = cmd[: cmd.index("-m", 3)]
     assert launcher[1:3] == ["-m", "torch.distributed.run"]
     assert launcher[3:] == ["--nproc-per-node", "2", "--nnodes", "2", "--rdzv-backend", "c10d",
-                            "--rdzv-endpoint", "node1:29555", "--rdzv-id", "autoplan"]  # fmt: skip
+                            "--rdzv-endpoint", "node1:29555", "--rdzv-id", "autoplan",
+                            "--rdzv-conf", "join_timeout=600"]  # fmt: skip
     assert "--node-rank" not in cmd and "--master-port" not in cmd
     assert spans.torchrun_env() == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh store per round
     assert cmd[cmd.index("--bad-input-file") + 1] == str(tmp_path / "bad")

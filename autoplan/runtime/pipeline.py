@@ -85,7 +85,7 @@ from autoplan.cost_models.comm_schedule import (
     gradients_reduced_in_backward,
 )
 from autoplan.cost_models.config import ScheduleName, check_schedule
-from autoplan.cost_models.errors import PlanError
+from autoplan.cost_models.errors import PlanError, PlanMismatchError
 from autoplan.passes import kv_rows
 from autoplan.passes.layers import Layering
 from autoplan.passes.placement import spec_str
@@ -105,7 +105,7 @@ from autoplan.planner.plan import Plan
 from autoplan.runtime import collectives as runtime
 from autoplan.runtime import precision, training
 from autoplan.runtime.codegen import STEP_FN, generate_program
-from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, check_global_batch_size
+from autoplan.runtime.data import BatchLayout, LocalBatch, ShardedLoader, batch_mismatch, check_global_batch_size
 from autoplan.runtime.lowering import DeferredWaits, LocalProgram, defer_output_waits, local_shard, lower_to_local
 from autoplan.runtime.optimizers import make_optimizer
 from autoplan.runtime.random_ops import StageRandomStream, step_seed
@@ -597,14 +597,34 @@ class PipelineModel(torch.nn.Module):
 
     def step(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         """One training step on the *global* batch (the same on every rank); returns the loss
-        (mean over micro-batches, on every rank)."""
-        batch = inputs[0].shape[0]
-        if batch % self.num_microbatches:
-            raise PlanError(
-                f"global batch {batch} is not divisible by num_microbatches={self.num_microbatches}: "
-                "change the batch or the number of micro-batches"
-            )
+        (mean over micro-batches, on every rank); :class:`PlanMismatchError` for a batch of other
+        shapes or dtypes than planned (the stages' programs are traced for them)."""
+        self._check_batch(tuple(inputs), tuple(targets))
         return self._run_schedule(tuple(inputs), tuple(targets))
+
+    def _check_batch(self, inputs: tuple[torch.Tensor, ...], targets: tuple[torch.Tensor, ...]) -> None:
+        """The global batch's fields as planned: one micro-batch's :attr:`batch_values` with
+        :attr:`num_microbatches` times its rows (the schedule cuts dimension 0), floating fields of
+        any floating dtype (:func:`~autoplan.runtime.precision.cast_batch` casts them), the others of
+        the planned dtype; else :class:`PlanMismatchError` naming both and the fix."""
+        num_targets = len(self.batch_values) - self.num_inputs
+        if (len(inputs), len(targets)) != (self.num_inputs, num_targets):
+            raise PlanError(
+                f"expected {self.num_inputs} inputs and {num_targets} targets as planned, "
+                f"got {len(inputs)} and {len(targets)}"
+            )
+        planned = [
+            ((v.shape[0] * self.num_microbatches, *v.shape[1:]) if v.shape else v.shape, v.dtype)
+            for v in self.batch_values
+        ]
+        fields = precision.cast_batch((*inputs, *targets), [dtype for _, dtype in planned])
+        problem = batch_mismatch(planned, fields, num_inputs=self.num_inputs)
+        if problem is not None:
+            raise PlanMismatchError(
+                f"{problem} (the global batch of {self.num_microbatches} micro-batches it was planned with): the "
+                "stages' programs run only on that batch shape and dtype; pad (or convert) the batch to it, or plan "
+                "for this one (autoplan.parallelize with example_inputs= and global_batch_size= of this batch)"
+            )
 
     def step_local(self, batch: LocalBatch) -> torch.Tensor:
         """One training step on this rank's :class:`~autoplan.runtime.data.LocalBatch` (from

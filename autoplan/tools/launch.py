@@ -12,18 +12,28 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from autoplan.cost_models.errors import PlanError
+from autoplan.tools.nodes import DEFAULT_JOIN_TIMEOUT_S, Rendezvous
 
 COLLECTIVE_TIMEOUT_ENV = "AUTOPLAN_COLLECTIVE_TIMEOUT_S"
 """Seconds a rank waits in one collective (``init_process_group(timeout=...)``) before failing."""
 DEFAULT_COLLECTIVE_TIMEOUT_S = 300.0
 """5 minutes: far above a step of the workloads autoplan runs, far below gloo's 30-minute
 default, so nodes that disagree (a rank stopped waiting for its peers) fail within minutes."""
+JOIN_TIMEOUT_ENV = "AUTOPLAN_JOIN_TIMEOUT_S"
+"""Seconds the nodes of a several-node run wait for each other at the rendezvous (torchrun's
+``--rdzv-conf join_timeout=``) before the run stops with one line naming the missing nodes."""
+RENDEZVOUS_TIMED_OUT = b"RendezvousTimeoutError"
+"""What torchrun's agent raises when the nodes did not all join within the join timeout."""
+JOIN_POLL_S = 2.0
+"""How often a waiting node reads how many nodes have joined (the rendezvous state in its store)."""
 PORT_ATTEMPTS = 3
 """torchrun starts on ports autoplan picked, at most, when each is taken before torchrun binds it."""
 PORT_IN_USE = b"EADDRINUSE"
@@ -33,18 +43,25 @@ PORT_IN_USE = b"EADDRINUSE"
 def collective_timeout_s(env: Mapping[str, str]) -> float:
     """The ranks' collective timeout: ``AUTOPLAN_COLLECTIVE_TIMEOUT_S`` (seconds > 0), else
     :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`; PlanError naming the variable when malformed."""
-    text = env.get(COLLECTIVE_TIMEOUT_ENV)
+    return _seconds(env, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+
+def join_timeout_s(env: Mapping[str, str]) -> float:
+    """The nodes' rendezvous wait: ``AUTOPLAN_JOIN_TIMEOUT_S`` (seconds > 0), else
+    :data:`DEFAULT_JOIN_TIMEOUT_S`; PlanError naming the variable when malformed."""
+    return _seconds(env, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT_S)
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name)
     if text is None or not text.strip():
-        return DEFAULT_COLLECTIVE_TIMEOUT_S
+        return default
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise PlanError(
-            f"{COLLECTIVE_TIMEOUT_ENV}={text[:40]!r} is not a number of seconds > 0: fix it or unset it "
-            f"(default {DEFAULT_COLLECTIVE_TIMEOUT_S:g})"
-        )
+        raise PlanError(f"{name}={text[:40]!r} is not a number of seconds > 0: fix it or unset it (default {default:g})")
     return value
 
 
@@ -95,12 +112,20 @@ def rank_environment(*, verbose: bool) -> dict[str, str]:
 
 
 def call_torchrun(
-    cmd: list[str], *, retry_port: tuple[int, Callable[[int], list[str]]] | None = None, **kwargs: Any
+    cmd: list[str],
+    *,
+    retry_port: tuple[int, Callable[[int], list[str]]] | None = None,
+    rendezvous: Rendezvous | None = None,
+    **kwargs: Any,
 ) -> int:
     """Run torchrun and return its exit code. Interrupted (Ctrl-C, SIGTERM), this process
     asks torchrun to stop its ranks (SIGTERM) and waits for it, rather than leaving them running.
     ``retry_port`` (the port autoplan picked, and the command for another port): a port taken
-    before torchrun bound it is replaced by a fresh one (module docstring)."""
+    before torchrun bound it is replaced by a fresh one (module docstring). ``rendezvous`` (a
+    several-node run): nodes that did not all join within its timeout are a PlanError naming the
+    endpoint and how many nodes joined, instead of the agent's traceback."""
+    if rendezvous is not None:
+        return _torchrun_meeting(cmd, rendezvous, **kwargs)
     if retry_port is None:
         return _wait_torchrun(cmd, **kwargs)
     port, command_for = retry_port
@@ -146,6 +171,102 @@ def _torchrun_watching_port(cmd: list[str], *, last: bool, **kwargs: Any) -> tup
         return rc, taken
 
 
+def _torchrun_meeting(cmd: list[str], rendezvous: Rendezvous, **kwargs: Any) -> int:
+    """torchrun of one node of several, its stderr forwarded as :func:`_torchrun_watching_port`
+    does, while a thread counts the nodes that have joined the rendezvous; PlanError when the
+    agent gave up waiting for the others (its traceback dropped)."""
+    with subprocess.Popen(cmd, stderr=subprocess.PIPE, **kwargs) as proc:
+        assert proc.stderr is not None
+        watch = _StderrWatch(proc.stderr)
+        reader = threading.Thread(target=watch.forward, daemon=True)
+        reader.start()
+        joined = _JoinCount(rendezvous)
+        counter = threading.Thread(target=joined.poll, args=(proc,), daemon=True)
+        counter.start()
+        rc = _wait(proc)
+        reader.join(timeout=10)
+        joined.stop()
+        if rc != 0 and RENDEZVOUS_TIMED_OUT in watch.held:
+            seen = (
+                f"{joined.most} of {rendezvous.num_nodes} nodes joined, {rendezvous.num_nodes - joined.most} missing"
+                if 0 < joined.most < rendezvous.num_nodes
+                else f"the {rendezvous.num_nodes} nodes did not all join"
+            )
+            raise PlanError(
+                f"the rendezvous at {rendezvous.endpoint} (--rdzv-id {rendezvous.run_id}) timed out after "
+                f"{rendezvous.join_timeout_s:g} s: {seen}. Start the same autoplan run (--nnodes "
+                f"{rendezvous.num_nodes}, --rdzv-endpoint {rendezvous.endpoint}, --rdzv-id {rendezvous.run_id}) on every "
+                f"node, or give them longer with {JOIN_TIMEOUT_ENV}"
+            )
+        if watch.held:
+            _write_stderr(watch.held)
+        return rc
+
+
+class _JoinCount:
+    """The most nodes seen in the rendezvous at once, read by a child process
+    (:func:`_print_joined`) with torch's C++ logging off,
+    since a store client whose server goes away logs C++ tracebacks. ``most`` stays 0 when the
+    count cannot be read."""
+
+    def __init__(self, rendezvous: Rendezvous) -> None:
+        self.rendezvous = rendezvous
+        self.most = 0
+        self._child: subprocess.Popen[bytes] | None = None
+
+    def stop(self) -> None:
+        if self._child is not None:
+            self._child.kill()
+
+    def poll(self, proc: subprocess.Popen[bytes]) -> None:
+        host, _, port = self.rendezvous.endpoint.rpartition(":")
+        key = "torch.rendezvous." + self.rendezvous.run_id
+        child_main = f"import sys; from {__name__} import _print_joined; _print_joined(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])"
+        cmd = [sys.executable, "-c", child_main, host.strip("[]"), port, key, str(self.rendezvous.num_nodes)]
+        env = {**rank_environment(verbose=False), "TORCH_CPP_LOG_LEVEL": "FATAL"}
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env) as child:
+            self._child = child
+            assert child.stdout is not None
+            try:
+                for line in child.stdout:
+                    if line.strip().isdigit():
+                        self.most = max(self.most, int(line))
+                    if proc.poll() is not None:
+                        break
+            finally:
+                child.kill()
+
+
+def _print_joined(host: str, port: int, key: str, nodes: str) -> None:
+    """Print the nodes in the rendezvous whenever the count grows, until all ``num_nodes`` are in
+    or the parent is gone. torch's c10d rendezvous keeps its state (``_RendezvousState``:
+    ``participants``, ``wait_list``) pickled and base64-encoded under ``torch.rendezvous.<run
+    id>`` in the endpoint's store (``c10d_rendezvous_backend.py``), as every agent reads it."""
+    import base64
+    import datetime
+    import pickle
+
+    import torch.distributed as dist
+
+    num_nodes, parent, store, most = int(nodes), os.getppid(), None, 0
+    while os.getppid() == parent and most < num_nodes:
+        try:
+            if store is None:
+                with socket.create_connection((host, port), timeout=1.0):
+                    pass  # a client connecting to nothing retries for its whole timeout
+                store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2),
+                                      wait_for_workers=False)  # fmt: skip
+            if store.check([key]):
+                state = pickle.loads(base64.b64decode(store.get(key)))  # noqa: S301  # as torchrun's agents read it
+                count = len(state.participants) + len(state.wait_list)
+                if count > most:
+                    most = count
+                    print(count, flush=True)
+        except Exception:  # noqa: BLE001  # not up yet, or gone: try again (the parent ends this process)
+            store = None
+        time.sleep(JOIN_POLL_S)
+
+
 class _StderrWatch:
     def __init__(self, stream: IO[bytes]) -> None:
         self.stream = stream
@@ -170,3 +291,4 @@ def _write_stderr(data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(2, view) :]
+

@@ -48,6 +48,20 @@ DEFAULT_RDZV_PORT = 29400
 """torchrun's port of a ``--rdzv-endpoint`` given without one (``torch/distributed/run.py`` docs)."""
 DEFAULT_RDZV_ID = "autoplan"
 SCONTROL_TIMEOUT_S = 30.0
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+"""torchrun's own default ``join_timeout`` (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``);
+``AUTOPLAN_JOIN_TIMEOUT_S`` sets another (:func:`autoplan.tools.launch.join_timeout_s`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rendezvous:
+    """Where the torchrun agents of a several-node run meet, and how long they wait for each other."""
+
+    endpoint: str
+    """``HOST:PORT`` of the c10d rendezvous store (served by the agent on that host)."""
+    run_id: str
+    num_nodes: int
+    join_timeout_s: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +121,14 @@ class Nodes:
                 f"resolve ({clip_text(reason, 80)}): give a host name or address every node can reach"
             ) from None
 
+    def rendezvous(self, join_timeout_s: float) -> Rendezvous | None:
+        """Where several nodes meet (``None`` on one node)."""
+        if self.rdzv_endpoint is None:
+            return None
+        return Rendezvous(
+            endpoint=self.rdzv_endpoint, run_id=self.rdzv_id, num_nodes=self.num_nodes, join_timeout_s=join_timeout_s
+        )
+
     def torchrun_env(self) -> dict[str, str]:
         """Environment for torchrun on several nodes: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
         (torch's switch, ``DynamicRendezvousHandler.use_agent_store``) gives each rendezvous round
@@ -121,15 +143,19 @@ class Nodes:
         device."""
         return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if self.num_nodes > 1 else {}
 
-    def torchrun_args(self, *, nproc_per_node: int, master_port: int | None) -> list[str]:
-        """torchrun's options for this node's ranks (before the ``-m MODULE`` to run)."""
+    def torchrun_args(
+        self, *, nproc_per_node: int, master_port: int | None, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S
+    ) -> list[str]:
+        """torchrun's options for this node's ranks (before the ``-m MODULE`` to run); several
+        nodes wait ``join_timeout_s`` for each other (``--rdzv-conf join_timeout=``)."""
         if self.num_nodes == 1:
             assert master_port is not None, "one node meets at 127.0.0.1:master_port"
             return ["--nproc-per-node", str(nproc_per_node), "--nnodes", "1",
                     "--master-addr", "127.0.0.1", "--master-port", str(master_port)]  # fmt: skip
         assert self.rdzv_endpoint is not None, "several nodes meet at an endpoint"
         return ["--nproc-per-node", str(nproc_per_node), "--nnodes", str(self.num_nodes),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id]  # fmt: skip
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id,
+                "--rdzv-conf", f"join_timeout={join_timeout_s:g}"]  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

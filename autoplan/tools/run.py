@@ -125,8 +125,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print(f"{layout}: {nproc_per_node} local ranks", file=console.stdout(), flush=True)
                 _note_other_layout(plan, layout.num_nodes, nproc_per_node)
         bad_input = Path(tmpdir, BAD_INPUT_FILE)
+        join_timeout_s = launch.join_timeout_s(os.environ)
+
         def command(port: int | None) -> list[str]:
-            rendezvous = layout.torchrun_args(nproc_per_node=nproc_per_node, master_port=port)
+            rendezvous = layout.torchrun_args(
+                nproc_per_node=nproc_per_node, master_port=port, join_timeout_s=join_timeout_s
+            )
             return _torchrun_command(args, plan_path, rendezvous, bad_input)
 
         # a port autoplan picked may be taken before torchrun binds it: then another (launch.py)
@@ -134,6 +138,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         rc = launch.call_torchrun(
             command(master_port),
             retry_port=(master_port, command) if picked and master_port is not None else None,
+            rendezvous=layout.rendezvous(join_timeout_s),
             env={**_rank_environment(args), **layout.torchrun_env()},
             stdout=console.subprocess_stdout(),
         )
@@ -150,6 +155,7 @@ def _check_options(args: argparse.Namespace) -> tuple[Nodes, int | None]:
         raise PlanError("autoplan run needs --plan plan.json or --cluster SPEC to plan first")
     layout = nodes.nodes_from_args(args, os.environ)
     launch.collective_timeout_s(os.environ)  # the ranks read it: malformed, it is named here
+    launch.join_timeout_s(os.environ)
     if args.save_final is not None:
         refuse_overwriting_inputs(args.save_final, common.planning_inputs(args), option="--save-final")
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
