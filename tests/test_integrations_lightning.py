@@ -1,6 +1,6 @@
-"""Lightning Fabric's ``ModelParallelStrategy`` with autoplan's ``parallelize_fn``
-(``autoplan.integrations.lightning``, issue #43 item 3): the README's example trains on 2 gloo
-ranks equal to one device, and the mesh-to-cluster rules and errors."""
+"""Lightning's ``ModelParallelStrategy`` with autoplan's ``parallelize_fn``
+(``autoplan.integrations.lightning``, issue #43 item 3): the README's Fabric and Trainer examples
+train on 2 gloo ranks equal to one device, and the mesh-to-cluster rules and errors."""
 
 from __future__ import annotations
 
@@ -55,10 +55,12 @@ def test_parallel_model_unwraps_fabrics_module_only() -> None:
     assert parallel_model(inner) is inner
 
 
-def test_fabric_trains_the_planned_model_like_one_device(tmp_path: Path) -> None:
-    """``torchrun --nproc-per-node 2 examples/lightning_fabric.py --optimizer sgd``: Fabric's
-    mesh (1 x 2), autoplan's plan on its tensor-parallel axis, Fabric's loop; 3 SGD steps of a
-    2-layer Llama: every loss and every parameter equal to the single-device run."""
+@pytest.mark.parametrize("example", ["lightning_fabric.py", "lightning_trainer.py"])
+def test_lightning_trains_the_planned_model_like_one_device(example: str, tmp_path: Path) -> None:
+    """``torchrun --nproc-per-node 2 examples/<example> --optimizer sgd``: the strategy's mesh
+    (1 x 2), autoplan's plan on its tensor-parallel axis (Fabric: ``setup_module`` calls
+    ``parallelize_fn``; Trainer: the module's ``configure_model`` does), Lightning's loop; 3 SGD
+    steps of a 2-layer Llama: every loss and every parameter equal to the single-device run."""
     pytest.importorskip("lightning", reason="the dev extra installs lightning; this environment has none")
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", LOGLEVEL="ERROR",
@@ -67,7 +69,7 @@ def test_fabric_trains_the_planned_model_like_one_device(tmp_path: Path) -> None
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(ROOT / "examples" / "lightning_fabric.py"), "--optimizer", "sgd", "--steps", "3", "--out", str(out),
+        str(ROOT / "examples" / example), "--optimizer", "sgd", "--steps", "3", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -22,6 +22,17 @@ names them) with the example batch and returns the :class:`~autoplan.runtime.par
         fabric.backward(loss)                   # (the gradients are already in .grad)
         opt.step(); opt.zero_grad()
 
+Lightning's ``Trainer`` (``lightning.pytorch``) with ``ModelParallelStrategy()`` calls the
+``LightningModule``'s ``configure_model`` hook with the mesh in ``self.device_mesh``: plan there
+and keep the planned model in the module's place, then ``training_step`` returns its loss, which
+Lightning back-propagates (``examples/lightning_trainer.py``)::
+
+    def configure_model(self):
+        self.model = parallelize_fn(example_inputs=(ids,), loss_fn=lm_loss, example_targets=(ids,))(self.model, self.device_mesh)
+
+    def training_step(self, ids, batch_idx):
+        return self.model(ids, targets=(ids,))
+
 ``fabric.setup_module`` returns Fabric's wrapper, whose ``.module`` is the module *before* planning
 (Fabric keeps the original): its weights never train. Reach the trained model with
 :func:`parallel_model` (``parallel_model(model).full_parameters()``, ``.state_dict()``,
