@@ -147,7 +147,7 @@ def test_a_deferred_model_called_with_another_batch_shape_names_both_and_the_fix
         pm(ids, targets=(labels,))
         pm(ids, targets=(labels,))  # the planned shape runs
         with pytest.raises(PlanMismatchError, match=rf"^input 0 has shape \[4, {ids.shape[1]}\]; the plan was made for "
-                           rf"\[{ids.shape[0]}, {ids.shape[1]}\] \(the batch of the first call.*pad .* or plan for this"):  # fmt: skip
+                           rf"\[{ids.shape[0]}, {ids.shape[1]}\] \(fewer samples: an epoch's last partial batch\? DataLoader\(drop_last=True\) leaves it out\) \(the batch of the first call.*pad .* or plan for this"):  # fmt: skip
             pm(ids[:4], targets=(labels[:4],))
         with pytest.raises(PlanMismatchError, match=r"^target 0 has shape"):
             pm.forward_backward(ids, targets=(labels[:, :-1],))
@@ -161,10 +161,43 @@ def test_a_parallel_model_checks_the_batch_shape_and_dtype_at_entry() -> None:
                                   example_targets=(y,))  # fmt: skip
         pm.forward_backward(x, targets=(y,))
         with pytest.raises(PlanMismatchError, match=r"^input 0 has shape \[4, 16\]; the plan was made for \[8, 16\] "
-                           r"\(the example batch it was traced with\)"):  # fmt: skip
+                           r"\(fewer samples: an epoch's last partial batch\? DataLoader\(drop_last=True\) leaves it out\) \(the example batch it was traced with\)"):  # fmt: skip
             pm(x[:4], targets=(y[:4],))
         with pytest.raises(PlanMismatchError, match=r"^input 0 is torch.float64; the plan was made for torch.float32"):
             pm.forward_backward(x.double(), targets=(y,))
+
+
+def test_an_epochs_last_partial_batch_and_a_longer_sequence_name_shapes_and_the_fix() -> None:
+    """A DataLoader over 10 samples in batches of 8 ends with a batch of 2 (issue #43 item 2): the
+    error names both shapes and drop_last; a stream whose sequences change length names the
+    planned length and the fix (pad or re-plan), without the partial-batch hint."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    data = torch.utils.data.TensorDataset(torch.randn(10, 16), torch.randn(10, 8))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    x, y = next(iter(loader))
+    with fake_job(2):
+        pm = autoplan.parallelize(model, cpu_cluster("2xCPU"), example_inputs=(x,), loss_fn=F.mse_loss,
+                                  example_targets=(y,))  # fmt: skip
+        batches = iter(loader)
+        pm(*next(batches)[:1], targets=(y,))
+        last_x, last_y = next(batches)
+        with pytest.raises(PlanMismatchError, match=r"^input 0 has shape \[2, 16\]; the plan was made for \[8, 16\] "
+                           r"\(fewer samples: an epoch's last partial batch\? DataLoader\(drop_last=True\) leaves it out\)"):  # fmt: skip
+            pm(last_x, targets=(last_y,))
+    ids, labels = zoo.token_batch(seed=1)
+    with fake_job(2):
+        pm = autoplan.parallelize(zoo.gpt2_tiny(), cpu_cluster("2xCPU"), example_inputs=(ids,), loss_fn=zoo.lm_loss,
+                                  example_targets=(labels,))  # fmt: skip
+        for length in (ids.shape[1], ids.shape[1] - 4):  # a stream of sequences of changing length
+            batch, targets = ids[:, :length], labels[:, :length]
+            if length == ids.shape[1]:
+                pm(batch, targets=(targets,))
+                continue
+            with pytest.raises(PlanMismatchError) as info:
+                pm(batch, targets=(targets,))
+            message = str(info.value)
+            assert message.startswith(f"input 0 has shape [8, {length}]; the plan was made for [8, {ids.shape[1]}] (the")
+            assert "pad (or convert) the batch to it" in message and "drop_last" not in message
 
 
 def test_a_pipeline_model_checks_the_global_batch_shape_and_dtype_at_entry() -> None:
@@ -179,7 +212,7 @@ def test_a_pipeline_model_checks_the_global_batch_shape_and_dtype_at_entry() -> 
                                   config=autoplan.ParallelConfig(dp=2, microbatch_size=2, num_microbatches=2))  # fmt: skip
         assert isinstance(pm, autoplan.PipelineModel)
         with pytest.raises(PlanMismatchError, match=r"^input 0 has shape \[4, 16\]; the plan was made for \[8, 16\] "
-                           r"\(the global batch of 2 micro-batches it was planned with\).*or plan for this"):  # fmt: skip
+                           r"\(fewer samples: an epoch's last partial batch\? DataLoader\(drop_last=True\) leaves it out\) \(the global batch of 2 micro-batches it was planned with\).*or plan for this"):  # fmt: skip
             pm(x[:4], targets=(y[:4],))
         with pytest.raises(PlanMismatchError, match=r"^target 0 has shape \[8, 7\]; the plan was made for \[8, 8\]"):
             pm.forward_backward(x, targets=(y[:, :7],))

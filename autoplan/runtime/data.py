@@ -84,11 +84,14 @@ def batch_mismatch(
     planned: Sequence[FieldSpec], given: Sequence[torch.Tensor], *, num_inputs: int, shapes: bool = True
 ) -> str | None:
     """``None`` when every field of ``given`` has its ``planned`` shape (``shapes=False``: any
-    shape) and dtype; else what differs, for the first field that does (no fix: the caller's
-    words). One tuple comparison per field: cheap enough for every step."""
+    shape) and dtype; else what differs, for the first field that does (with what fewer rows
+    usually are; the fix is the caller's words). One tuple comparison per field: cheap enough for
+    every step."""
     for i, (t, (shape, dtype)) in enumerate(zip(given, planned, strict=False)):
         if shapes and tuple(t.shape) != shape:
-            return f"{_field_name(i, num_inputs)} has shape {list(t.shape)}; the plan was made for {list(shape)}"
+            fewer = t.dim() == len(shape) > 0 and t.shape[0] < shape[0] and tuple(t.shape[1:]) == shape[1:]
+            hint = " (fewer samples: an epoch's last partial batch? DataLoader(drop_last=True) leaves it out)" if fewer else ""
+            return f"{_field_name(i, num_inputs)} has shape {list(t.shape)}; the plan was made for {list(shape)}{hint}"
         if t.dtype != dtype:
             return f"{_field_name(i, num_inputs)} is {t.dtype}; the plan was made for {dtype}"
     return None
