@@ -476,6 +476,19 @@ def test_parallelize_without_a_process_group_asks_for_torchrun(mlp_plan):
     one_line(info, "needs a process group", "torchrun")
 
 
+def test_a_plan_given_where_the_cluster_goes_names_plan_and_stays_short(mlp_plan):
+    """Once: ``parallelize(model, plan)`` raised a ClusterSpecError whose message held the
+    plan's whole repr (248,000 characters)."""
+    wl = zoo.cli_mlp()
+    with fake_job(2), pytest.raises(autoplan.ClusterSpecError) as info:
+        autoplan.parallelize(wl.model, mlp_plan, example_inputs=wl.example_inputs, loss_fn=wl.loss_fn)  # type: ignore[arg-type]
+    one_line(info, "got a Plan: pass the plan as plan=", "plan.cluster, plan=plan")
+    assert len(str(info.value)) < 300
+    with pytest.raises(autoplan.ClusterSpecError) as other:
+        autoplan.plan(wl.model, ["x" * 10_000], example_inputs=wl.example_inputs, loss_fn=wl.loss_fn)  # type: ignore[arg-type]
+    assert "got list ['xxxx" in str(other.value) and len(str(other.value)) < 300
+
+
 def test_planning_inside_a_job_of_another_size_names_both_sizes():
     with fake_job(4), pytest.raises(autoplan.PlanMismatchError) as info:
         zoo.plan_workload(zoo.on_meta(zoo.cli_mlp))

@@ -19,10 +19,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from autoplan.cost_models.calibration import local_cluster
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.config import ParallelConfig
+from autoplan.cost_models.echo import clip_text
 from autoplan.cost_models.errors import ClusterSpecError, PlanMismatchError
 from autoplan.passes.fused_norm import NORM_OPS
 from autoplan.passes.liveness import is_view_op
 from autoplan.passes.strategies import NodeStrategies, Strategy, StrategyTable, ValueRef, resolve_value
+from autoplan.planner.plan import Plan
 
 
 def as_cluster(cluster: Cluster | str) -> Cluster:
@@ -32,9 +34,15 @@ def as_cluster(cluster: Cluster | str) -> Cluster:
     if isinstance(cluster, str):
         cluster = Cluster.preset(cluster)
     if not isinstance(cluster, Cluster):
+        what = type(cluster).__name__
+        if isinstance(cluster, Plan):
+            raise ClusterSpecError(
+                "cluster must be an autoplan.Cluster or a preset string like '4xCPU', got a Plan: pass the plan as "
+                "plan= and its cluster as the cluster (autoplan.parallelize(model, plan.cluster, plan=plan))"
+            )
         raise ClusterSpecError(
             f"cluster must be an autoplan.Cluster or a preset string like '4xCPU' or '2x8xH100', "
-            f"got {type(cluster).__name__} {cluster!r}"
+            f"got {what} {clip_text(repr(cluster), 80)}"
         )
     return local_cluster(cluster)
 
