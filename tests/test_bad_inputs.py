@@ -916,10 +916,17 @@ UNSAFE_CALLS = {
 
 def _unsafe_calls(path: Path, *, strict: bool) -> list[str]:
     """``file:line call`` for every unsafe read in ``path``; ``torch.load`` is allowed only with
-    ``weights_only=True``. ``strict``: also pickle/marshal/eval/exec (not for test helpers, which
+    ``weights_only=True``, a ``pickle.Unpickler`` subclass only with its own ``find_class``. ``strict``: also pickle/marshal/eval/exec (not for test helpers, which
     pickle their own results between their own processes)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.ClassDef) and strict and any(
+            isinstance(b, ast.Attribute) and isinstance(b.value, ast.Name) and (b.value.id, b.attr) == ("pickle", "Unpickler")
+            for b in node.bases
+        ):  # an unpickler is allowed only with its globals restricted (the pickle docs' recipe)
+            if not any(isinstance(f, ast.FunctionDef) and f.name == "find_class" for f in node.body):
+                found.append(f"{path}:{node.lineno} pickle.Unpickler subclass without find_class")
+            continue
         if not isinstance(node, ast.Call):
             continue
         func = node.func

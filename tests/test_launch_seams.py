@@ -237,3 +237,22 @@ def test_run_retries_when_the_picked_port_is_taken(monkeypatch, capfd):
         rc, out, err = cli_main(capfd, "run", MLP, "--plan", PLAN[0], "--steps", "1", "-q")
     assert rc == 0 and "Traceback" not in err and "EADDRINUSE" not in err, err
 
+
+
+def test_the_rendezvous_state_reader_builds_only_the_states_classes():
+    """The join count unpickles torch's rendezvous state from the endpoint's store: only the
+    classes that state is made of may be built (a hostile store cannot run code)."""
+    import base64
+    import io
+    import pickle
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    state = _RendezvousState()
+    state.participants[_NodeDesc("host", 1, 0)] = 0
+    state.wait_list.add(_NodeDesc("other", 2, 0))
+    raw = base64.b64encode(pickle.dumps(state))
+    read = launch._RendezvousStateUnpickler(io.BytesIO(base64.b64decode(raw))).load()
+    assert len(read.participants) + len(read.wait_list) == 2
+    with pytest.raises(pickle.UnpicklingError, match="holds posix.system: not read"):
+        launch._RendezvousStateUnpickler(io.BytesIO(b"cposix\nsystem\n(S'true'\ntR.")).load()

@@ -9,6 +9,7 @@ to :data:`PORT_ATTEMPTS` times, and drops the failed attempt's traceback."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -16,11 +17,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from autoplan.cost_models.errors import PlanError
-from autoplan.tools.nodes import DEFAULT_JOIN_TIMEOUT_S, Rendezvous
 
 COLLECTIVE_TIMEOUT_ENV = "AUTOPLAN_COLLECTIVE_TIMEOUT_S"
 """Seconds a rank waits in one collective (``init_process_group(timeout=...)``) before failing."""
@@ -30,6 +31,8 @@ default, so nodes that disagree (a rank stopped waiting for its peers) fail with
 JOIN_TIMEOUT_ENV = "AUTOPLAN_JOIN_TIMEOUT_S"
 """Seconds the nodes of a several-node run wait for each other at the rendezvous (torchrun's
 ``--rdzv-conf join_timeout=``) before the run stops with one line naming the missing nodes."""
+DEFAULT_JOIN_TIMEOUT_S = 600.0
+"""torchrun's own default ``join_timeout`` (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``)."""
 RENDEZVOUS_TIMED_OUT = b"RendezvousTimeoutError"
 """What torchrun's agent raises when the nodes did not all join within the join timeout."""
 JOIN_POLL_S = 2.0
@@ -38,6 +41,17 @@ PORT_ATTEMPTS = 3
 """torchrun starts on ports autoplan picked, at most, when each is taken before torchrun binds it."""
 PORT_IN_USE = b"EADDRINUSE"
 """What torchrun's agent prints when its store cannot bind the port."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rendezvous:
+    """Where the torchrun agents of a several-node run meet, and how long they wait for each other."""
+
+    endpoint: str
+    """``HOST:PORT`` of the c10d rendezvous store (served by the agent on that host)."""
+    run_id: str
+    num_nodes: int
+    join_timeout_s: float
 
 
 def collective_timeout_s(env: Mapping[str, str]) -> float:
@@ -244,7 +258,7 @@ def _print_joined(host: str, port: int, key: str, nodes: str) -> None:
     id>`` in the endpoint's store (``c10d_rendezvous_backend.py``), as every agent reads it."""
     import base64
     import datetime
-    import pickle
+    import io
 
     import torch.distributed as dist
 
@@ -257,7 +271,7 @@ def _print_joined(host: str, port: int, key: str, nodes: str) -> None:
                 store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=2),
                                       wait_for_workers=False)  # fmt: skip
             if store.check([key]):
-                state = pickle.loads(base64.b64decode(store.get(key)))  # noqa: S301  # as torchrun's agents read it
+                state = _RendezvousStateUnpickler(io.BytesIO(base64.b64decode(store.get(key)))).load()
                 count = len(state.participants) + len(state.wait_list)
                 if count > most:
                     most = count
@@ -265,6 +279,24 @@ def _print_joined(host: str, port: int, key: str, nodes: str) -> None:
         except Exception:  # noqa: BLE001  # not up yet, or gone: try again (the parent ends this process)
             store = None
         time.sleep(JOIN_POLL_S)
+
+
+class _RendezvousStateUnpickler(pickle.Unpickler):
+    """Reads torch's pickled rendezvous state and nothing else: only the classes that state is
+    made of may be built (the "restricting globals" recipe of the ``pickle`` docs); any other
+    global is an ``UnpicklingError``, so a hostile store cannot run code here."""
+
+    ALLOWED = frozenset({
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+        ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta"),
+        ("builtins", "set"), ("builtins", "dict"),
+    })  # fmt: skip
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"the rendezvous state holds {module}.{name}: not read")
+        return super().find_class(module, name)
 
 
 class _StderrWatch:

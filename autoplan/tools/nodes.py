@@ -43,25 +43,12 @@ from dataclasses import dataclass
 from autoplan.cost_models.echo import clip_text
 from autoplan.cost_models.errors import PlanError, PlanMismatchError
 from autoplan.tools import common
+from autoplan.tools.launch import DEFAULT_JOIN_TIMEOUT_S, Rendezvous
 
 DEFAULT_RDZV_PORT = 29400
 """torchrun's port of a ``--rdzv-endpoint`` given without one (``torch/distributed/run.py`` docs)."""
 DEFAULT_RDZV_ID = "autoplan"
 SCONTROL_TIMEOUT_S = 30.0
-DEFAULT_JOIN_TIMEOUT_S = 600.0
-"""torchrun's own default ``join_timeout`` (``torch/distributed/elastic/rendezvous/dynamic_rendezvous.py``);
-``AUTOPLAN_JOIN_TIMEOUT_S`` sets another (:func:`autoplan.tools.launch.join_timeout_s`)."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Rendezvous:
-    """Where the torchrun agents of a several-node run meet, and how long they wait for each other."""
-
-    endpoint: str
-    """``HOST:PORT`` of the c10d rendezvous store (served by the agent on that host)."""
-    run_id: str
-    num_nodes: int
-    join_timeout_s: float
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
