@@ -37,10 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autoplan.api import parallelize
 from autoplan.cost_models.cluster import Cluster
 from autoplan.cost_models.errors import ConfigError
-from autoplan.integrations.lightning import mesh_cluster
+from autoplan.integrations import lightning
 from autoplan.passes.trace import LossFn
 from autoplan.planner.ilp import Pins, ProfileChoice
 from autoplan.planner.plan import Plan
@@ -93,20 +92,20 @@ def parallelize_fn(
 ) -> Callable[..., torch.nn.Module]:
     """A ``parallelize_fn`` in torchtitan's form: ``fn(model, parallel_dims, job_config=None)``
     runs :func:`autoplan.parallelize` of ``model`` on the cluster of :func:`world_mesh` of
-    ``parallel_dims`` (:func:`autoplan.integrations.lightning.mesh_cluster`: ``cluster`` names
-    the devices on GPUs) with these arguments and returns the
+    ``parallel_dims`` (:func:`autoplan.integrations.lightning.parallelize_fn` on that mesh:
+    ``cluster`` names the devices on GPUs) with these arguments and returns the
     :class:`~autoplan.runtime.parallel.ParallelModel`. ``job_config`` is accepted for the
     signature and not read: what it configures (FSDP, TP, compile, activation checkpointing) the
     plan decides. ``example_inputs`` / ``example_targets``: one global batch, as the loop will
     pass them."""
 
+    on_mesh = lightning.parallelize_fn(
+        example_inputs=example_inputs, loss_fn=loss_fn, example_targets=example_targets, cluster=cluster, plan=plan,
+        optimizer=optimizer, pins=pins, profile=profile,
+    )  # fmt: skip
+
     def fn(model: torch.nn.Module, parallel_dims: Any, job_config: Any = None) -> torch.nn.Module:  # noqa: ARG001
-        mesh = world_mesh(parallel_dims)
-        on = plan.cluster if plan is not None else mesh_cluster(mesh, cluster)
-        return parallelize(
-            model, on, example_inputs=example_inputs, loss_fn=loss_fn, example_targets=example_targets,
-            plan=plan, optimizer=optimizer, pins=pins, profile=profile,
-        )  # fmt: skip
+        return on_mesh(model, world_mesh(parallel_dims))
 
     return fn
 

@@ -172,49 +172,53 @@ def _torchrun_watching_port(cmd: list[str], *, last: bool, **kwargs: Any) -> tup
     """torchrun with its stderr forwarded to ours; ``(exit code, whether its store found the
     port taken)``. Output that starts with a traceback (the agent's bind failure comes before any
     rank's line) is held until torchrun exits, then dropped if it was the port, unless ``last``."""
-    with subprocess.Popen(cmd, stderr=subprocess.PIPE, **kwargs) as proc:
-        assert proc.stderr is not None
-        watch = _StderrWatch(proc.stderr)
-        reader = threading.Thread(target=watch.forward, daemon=True)
-        reader.start()
-        rc = _wait(proc)
-        reader.join(timeout=10)  # a left-over grandchild may hold the pipe: do not wait on it
-        taken = rc != 0 and PORT_IN_USE in watch.held
-        if watch.held and (last or not taken):
-            _write_stderr(watch.held)
-        return rc, taken
+    rc, held = _torchrun_holding_traceback(cmd, **kwargs)
+    taken = rc != 0 and PORT_IN_USE in held
+    if held and (last or not taken):
+        _write_stderr(held)
+    return rc, taken
 
 
 def _torchrun_meeting(cmd: list[str], rendezvous: Rendezvous, **kwargs: Any) -> int:
     """torchrun of one node of several, its stderr forwarded as :func:`_torchrun_watching_port`
     does, while a thread counts the nodes that have joined the rendezvous; PlanError when the
     agent gave up waiting for the others (its traceback dropped)."""
+    joined = _JoinCount(rendezvous)
+    rc, held = _torchrun_holding_traceback(cmd, beside=joined.poll, **kwargs)
+    joined.stop()
+    if rc != 0 and RENDEZVOUS_TIMED_OUT in held:
+        seen = (
+            f"{joined.most} of {rendezvous.num_nodes} nodes joined, {rendezvous.num_nodes - joined.most} missing"
+            if 0 < joined.most < rendezvous.num_nodes
+            else f"the {rendezvous.num_nodes} nodes did not all join"
+        )
+        raise PlanError(
+            f"the rendezvous at {rendezvous.endpoint} (--rdzv-id {rendezvous.run_id}) timed out after "
+            f"{rendezvous.join_timeout_s:g} s: {seen}. Start the same autoplan run (--nnodes "
+            f"{rendezvous.num_nodes}, --rdzv-endpoint {rendezvous.endpoint}, --rdzv-id {rendezvous.run_id}) on every "
+            f"node, or give them longer with {JOIN_TIMEOUT_ENV}"
+        )
+    if held:
+        _write_stderr(held)
+    return rc
+
+
+def _torchrun_holding_traceback(
+    cmd: list[str], *, beside: Callable[[subprocess.Popen[bytes]], None] | None = None, **kwargs: Any
+) -> tuple[int, bytearray]:
+    """Run torchrun, forwarding its stderr unless it starts with a traceback (then held and
+    returned: the agent's own failures come before any rank's line), with ``beside(proc)`` on a
+    thread while it runs; ``(exit code, held output)``."""
     with subprocess.Popen(cmd, stderr=subprocess.PIPE, **kwargs) as proc:
         assert proc.stderr is not None
         watch = _StderrWatch(proc.stderr)
         reader = threading.Thread(target=watch.forward, daemon=True)
         reader.start()
-        joined = _JoinCount(rendezvous)
-        counter = threading.Thread(target=joined.poll, args=(proc,), daemon=True)
-        counter.start()
+        if beside is not None:
+            threading.Thread(target=beside, args=(proc,), daemon=True).start()
         rc = _wait(proc)
-        reader.join(timeout=10)
-        joined.stop()
-        if rc != 0 and RENDEZVOUS_TIMED_OUT in watch.held:
-            seen = (
-                f"{joined.most} of {rendezvous.num_nodes} nodes joined, {rendezvous.num_nodes - joined.most} missing"
-                if 0 < joined.most < rendezvous.num_nodes
-                else f"the {rendezvous.num_nodes} nodes did not all join"
-            )
-            raise PlanError(
-                f"the rendezvous at {rendezvous.endpoint} (--rdzv-id {rendezvous.run_id}) timed out after "
-                f"{rendezvous.join_timeout_s:g} s: {seen}. Start the same autoplan run (--nnodes "
-                f"{rendezvous.num_nodes}, --rdzv-endpoint {rendezvous.endpoint}, --rdzv-id {rendezvous.run_id}) on every "
-                f"node, or give them longer with {JOIN_TIMEOUT_ENV}"
-            )
-        if watch.held:
-            _write_stderr(watch.held)
-        return rc
+        reader.join(timeout=10)  # a left-over grandchild may hold the pipe: do not wait on it
+        return rc, watch.held
 
 
 class _JoinCount:
