@@ -958,10 +958,17 @@ def rank_memory_parts(
     out["grads"], out["transient"] = max(candidates, key=sum, default=(0.0, 0.0))
     if backwards:
         best = out["activations"] + out["grads"] + out["transient"]
+        # the same sums recur from state to state: each computed once (the same expression, the same value)
+        held: dict[tuple[int, ...], float] = {}
+        summed: dict[tuple[int, tuple[bool, ...]], float] = {}
         for s, alive, first, ran, backs in states:
             term = backwards[s]
-            activations = sum(n * b.per_microbatch for n, b in zip(alive, backwards, strict=True))
-            others = sum(b.summed for t, b in enumerate(backwards) if t != s and ran[t])
+            if alive not in held:
+                held[alive] = sum(n * b.per_microbatch for n, b in zip(alive, backwards, strict=True))
+            activations = held[alive]
+            if (s, ran) not in summed:
+                summed[(s, ran)] = sum(b.summed for t, b in enumerate(backwards) if t != s and ran[t])
+            others = summed[(s, ran)]
             own, own_grads = (term.first, term.first_grads) if first else (term.later, term.later_grads)
             # (under zero-bubble the state is the W: its B's input gradient, sent, counts as not yet)
             kept_sends = sum(

@@ -27,7 +27,9 @@ Output: a :class:`CostProblem`, the plain data the ILP is built from:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +55,14 @@ from autoplan.passes.moe import MOE_OPS, moe_comm_time_s, moe_time_factor
 from autoplan.passes.op_keys import local_shard_shape, op_key, optimizer_key
 from autoplan.passes.placement import Spec, local_numel, replicated, storage_factor
 from autoplan.passes.ring_attention import RingCost, ring_exchange, ring_size
-from autoplan.passes.strategies import Strategy, StrategyTable, ValueRef, resolve_value, tensor_args
+from autoplan.passes.strategies import (
+    Strategy,
+    StrategyTable,
+    ValueRef,
+    input_dependent_nodes,
+    resolve_value,
+    tensor_args,
+)
 from autoplan.passes.trace import TracedProgram, param_node_name, written_tensor_args
 
 OUTPUT_CONSUMER = "<output>"
@@ -200,17 +209,54 @@ def _op_times_s(
 ) -> list[float]:
     """:func:`analytic_time_s` of an op under each of ``strategies``: its operands are read once
     and its roofline computed once per distinct work divisor."""
-    ins = [a.meta["val"] for a in tensor_args(node)]
-    outs = [v for v in _as_list(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-    key = cost_key(node.target, node.args, node.kwargs)  # e.g. causal attention: its own formulas
+    roofline = _op_roofline(node, device)
     by_divisor: dict[int, float] = {}
     times = []
     for s in strategies:
         div = _work_divisor(s.input_specs, s.output_specs, mesh_shape)
         if div not in by_divisor:
-            by_divisor[div] = roofline_time_s(key, ins, outs, device, work_divisor=div)
+            by_divisor[div] = roofline(div)
         times.append(by_divisor[div])
     return times
+
+
+def _op_roofline(node: fx.Node, device: DeviceSpec) -> Callable[[int], float]:
+    """The analytic time of op ``node`` on ``device`` as a function of its work divisor."""
+    ins = [a.meta["val"] for a in tensor_args(node)]
+    outs = [v for v in _as_list(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    key = cost_key(node.target, node.args, node.kwargs)  # e.g. causal attention: its own formulas
+    return lambda div: roofline_time_s(key, ins, outs, device, work_divisor=div)
+
+
+def op_time_lower_bounds_s(
+    traced: TracedProgram, cluster: Cluster, *, profile: ProfileDB | None = None
+) -> dict[str, float] | None:
+    """Per op node of ``traced``: a time :func:`build_cost_problem` prices none of its strategies
+    below on ``cluster``'s mesh, whatever the strategy table (``None`` with a ``profile``: a
+    measured time may be below the analytic one). Without building the table::
+
+        lb[v] = min_{d in D} roofline(v, d)     D = the products of any subset of the mesh axes' sizes
+
+    A strategy's analytic time is ``roofline(v, d)`` at its work divisor ``d`` (:func:`_work_divisor`:
+    the largest ``storage_factor`` of its specs, a product of the sizes of the axes that shard),
+    in ``D``; ring attention adds its exposed shifts to it (:func:`_ring_times`, never negative).
+    A MoE op's time also depends on its routing: it is bounded by 0. Placeholders and ops of
+    constants (:func:`~autoplan.passes.strategies.input_dependent_nodes`) are not op nodes here."""
+    if profile is not None:
+        return None
+    mesh_shape = cluster.mesh_shape
+    divisors = sorted({math.prod(axes) for r in range(len(mesh_shape) + 1) for axes in itertools.combinations(mesh_shape, r)})
+    ops = input_dependent_nodes(traced.graph_module)
+    out: dict[str, float] = {}
+    for node in traced.graph_module.graph.nodes:
+        if node.op != "call_function" or node.name not in ops:
+            continue
+        if node.target in MOE_OPS:
+            out[node.name] = 0.0
+            continue
+        roofline = _op_roofline(node, cluster.device)
+        out[node.name] = min(roofline(d) for d in divisors)
+    return out
 
 
 def _ring_times(

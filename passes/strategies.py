@@ -472,13 +472,27 @@ def _random_op_strategies(
     return (Strategy(outs, (rep,) * len(tensor_args(node))),)
 
 
+def input_dependent_nodes(gm: fx.GraphModule) -> frozenset[str]:
+    """The placeholders, and the ``call_function`` nodes (``getitem`` aside) with a tensor argument
+    computed from one: the ops the table gives strategies (kind ``op`` or ``fallback``); every
+    other ``call_function`` node computes a constant (kind ``constant``: replicated, never priced)."""
+    out: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            out.add(node.name)
+        elif node.op == "call_function" and node.target is not operator.getitem:
+            if any(resolve_value(a).node in out for a in tensor_args(node)):
+                out.add(node.name)
+    return frozenset(out)
+
+
 def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTable:
     mesh_shape = tuple(mesh.shape)
     rep = replicated(len(mesh_shape))
     table = StrategyTable(mesh_shape=mesh_shape)
     segments = segment_counts(traced.graph_module)
     enum = _Enumerator(mesh, frozenset().union(*segments.values(), merged_dim_counts(traced.graph_module)))
-    depends_on_input: set[str] = set()
+    depends_on_input = input_dependent_nodes(traced.graph_module)
 
     def out_candidates(ref: ValueRef) -> list[Spec]:
         ns = table.nodes[ref.node]
@@ -492,7 +506,6 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
     for node in traced.graph_module.graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
-            depends_on_input.add(node.name)
             kind: NodeKind = (
                 "param"
                 if node.name.startswith("p_")
@@ -519,12 +532,11 @@ def _build_strategy_table(traced: TracedProgram, mesh: DeviceMesh) -> StrategyTa
         targs = tensor_args(node)
         refs = tuple(resolve_value(a) for a in targs)
         n_out = len(val) if isinstance(val, (tuple, list)) else 1
-        if not any(r.node in depends_on_input for r in refs):
+        if node.name not in depends_on_input:
             table.nodes[node.name] = NodeStrategies(
                 node=node.name, kind="constant", strategies=(Strategy((rep,) * n_out, (rep,) * len(refs)),), inputs=refs
             )
             continue
-        depends_on_input.add(node.name)
         strategies = None
         if enum.has_strategy(node.target) and not _has_tensor_kwargs(node):
             cands = [out_candidates(r) for r in refs]

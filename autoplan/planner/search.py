@@ -48,7 +48,7 @@ from autoplan.cost_models.config import (
 )
 from autoplan.cost_models.errors import ConfigError, InfeasiblePlanError
 from autoplan.cost_models.step import SegmentCosts, TrainingEstimate, evaluate, uniform_starts
-from autoplan.planner.segment_costs import SegmentCostOracle
+from autoplan.planner.segment_costs import BoundedSegmentCostOracle, SegmentCostOracle
 
 SegmentCostFn = Callable[..., SegmentCosts]
 """``(tp, microbatch_size[, cp]) -> SegmentCosts`` of one micro-batch on a tensor-parallel group
@@ -541,9 +541,9 @@ def search(
     """The fastest feasible configuration, and every evaluated one (best layout each).
 
     ``cost_fn(tp, b)`` gives the segment costs of one micro-batch of ``b`` samples on a
-    tensor-parallel group of ``tp`` (memoised here); a
-    :class:`~autoplan.planner.segment_costs.SegmentCostOracle` is asked to prefetch every key the
-    candidates need first, the ready ones laid out while it solves. ``expand_to_blocks`` prices a model with
+    tensor-parallel group of ``tp`` (memoised here); a :class:`~autoplan.planner.segment_costs.SegmentCostOracle`
+    is asked to prefetch every key the candidates need first (a bounded one: those that can win,
+    :class:`_KeyBounds`), the ready ones laid out while it solves. ``expand_to_blocks`` prices a model with
     that many identical blocks from a trace with fewer (:func:`expand_blocks`). ``experts``: the
     model's routed experts per MoE layer (0: none), for expert-parallel candidates."""
     space = space or SearchSpace()
@@ -557,7 +557,6 @@ def search(
         return cache[key]
 
     splits: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
-
     offloads = offload_choices(space, cluster)
 
     def layout(cand: ParallelConfig, cost_at: SegmentCostFn) -> TrainingEstimate:
@@ -597,17 +596,18 @@ def search(
         or c == dataclasses.replace(space.fixed, offload_optimizer=False, sharded_grad_accumulation=False)
     ]
     early: dict[int, TrainingEstimate] = {}
-    if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once (in parallel)
-        keys = {cost_key(c) for c in todo}
-        # lay out the candidates whose costs are in while the others are being solved
-        cost_fn.prefetch(keys, while_waiting=_EarlyLayouts(todo, cost_fn.ready, costs, layout, early))
+    unsolved: dict[int, float] = {}  # candidates of the keys never solved: their bounds (_KeyBounds)
+    if isinstance(cost_fn, SegmentCostOracle):  # solves many (tp, b) at once, laying out those in meanwhile
+        unsolved = _prefetch(cost_fn, todo, _EarlyLayouts(todo, cost_fn.ready, costs, layout, early),
+                             bounded=expand_to_blocks is None)  # fmt: skip
     # best-first: a candidate whose compute alone exceeds the best step found cannot win
-    bounds = [lower_bound_s(c, costs(*cost_key(c))) for c in todo]
+    bounds = [unsolved[i] if i in unsolved else lower_bound_s(c, costs(*cost_key(c))) for i, c in enumerate(todo)]
     results = []
     best_s = float("inf")
     for bound, i in sorted(zip(bounds, range(len(todo)), strict=True), key=lambda bi: bi[0]):
         if bound > best_s:
             break
+        assert i not in unsolved, "an unsolved key's candidates come after a faster step (_KeyBounds)"
         est = early.pop(i) if i in early else layout(todo[i], costs)
         results.append(est)
         if est.feasible:
@@ -626,6 +626,24 @@ def search(
             "a smaller global batch or a device with more memory"
         )
     return min(feasible, key=lambda r: r.step_time_s), results
+
+
+def _prefetch(
+    cost_fn: SegmentCostOracle, todo: Sequence[ParallelConfig], layouts: _EarlyLayouts, *, bounded: bool
+) -> dict[int, float]:
+    """Have ``cost_fn`` compute the keys of ``todo`` (``layouts`` laying out candidates meanwhile),
+    without the keys :class:`_KeyBounds` finds no candidate of can be evaluated where ``cost_fn``
+    bounds work and ``bounded`` (its costs are the search's own, not expanded); the candidates
+    of the keys left unsolved (by index into ``todo``) with their bounds."""
+    keys = {cost_key(c) for c in todo}
+    if not bounded or not isinstance(cost_fn, BoundedSegmentCostOracle):
+        cost_fn.prefetch(keys, while_waiting=layouts)
+        return {}
+    key_bounds = _KeyBounds(todo, cost_fn.work_lower_bound_s, layouts)
+    cost_fn.prefetch(keys, while_waiting=layouts, skip=key_bounds.skip, priority=key_bounds.priority)
+    pruned = {k for k in keys if not cost_fn.ready(*k)}
+    assert all(key_bounds.skip(k) for k in pruned), "prefetch leaves out only the keys skip names"
+    return {i: key_bounds.candidate_bound(c) for i, c in enumerate(todo) if cost_key(c) in pruned}
 
 
 class _NotReady(Exception):
@@ -658,6 +676,9 @@ class _EarlyLayouts:
             self.waiting.setdefault(cost_key(c), []).append(i)
         self.heap: list[tuple[float, int]] = []
         self.best_s = float("inf")
+        self.proven_s = float("inf")
+        """The fastest feasible step laid out whose candidate's :func:`lower_bound_s` is at most
+        that step (:class:`_KeyBounds` prunes against it)."""
 
     def _cost_if_ready(self, *key: int) -> SegmentCosts:
         if not self.ready(*key):
@@ -681,8 +702,57 @@ class _EarlyLayouts:
             self.early[i] = est
             if est.feasible:
                 self.best_s = min(self.best_s, est.step_time_s)
+                if bound <= est.step_time_s:
+                    self.proven_s = min(self.proven_s, est.step_time_s)
             return True
         return False
+
+
+class _KeyBounds:
+    """The segment-cost keys :func:`search` needs, for a
+    :class:`~autoplan.planner.segment_costs.BoundedSegmentCostOracle`'s ``prefetch`` (``skip``,
+    ``priority``): a key none of whose candidates the best-first loop can reach is never solved.
+
+    With ``W(k)`` the oracle's ``work_lower_bound_s`` of key ``k`` (at most the forward and
+    backward sum of its costs), every candidate ``c`` of ``k`` has the bound
+    ``L0(c) = m W(k) / pp <= lower_bound_s(c)`` without its costs. Key ``k`` is skipped once
+    ``L0(c) > G`` for all of its candidates, where ``G`` is the step of a feasible candidate ``g``
+    laid out early with ``lower_bound_s(g) <= G`` (:attr:`_EarlyLayouts.proven_s`; it only
+    decreases, so a skipped key stays skipped). The loop then sorts the candidates of the keys left
+    unsolved by ``L0`` and evaluates the same candidates, in the same order, as with every key
+    solved: it stops at the first candidate whose bound exceeds the best step so far, ``g``
+    comes before every such ``c`` in either order (its bound is at most ``G < L0(c) <=
+    lower_bound_s(c)``), so the loop stops at ``c`` or before in both, and the candidates
+    before that point are the same ones with the same bounds. ``priority(k)``: the least ``L0``
+    of ``k``'s candidates (solve the promising keys first, so ``G`` is found early)."""
+
+    def __init__(
+        self,
+        todo: Sequence[ParallelConfig],
+        work_bound: Callable[..., float],
+        layouts: _EarlyLayouts,
+    ) -> None:
+        self.work_bound, self.layouts = work_bound, layouts
+        self.of_key: dict[tuple[int, ...], list[ParallelConfig]] = {}
+        for c in todo:
+            self.of_key.setdefault(cost_key(c), []).append(c)
+        self._work: dict[tuple[int, ...], float] = {}
+        self._least: dict[tuple[int, ...], float] = {}
+
+    def candidate_bound(self, cand: ParallelConfig) -> float:
+        """``L0(cand)``: :func:`lower_bound_s` with the work bound for the work."""
+        key = cost_key(cand)
+        if key not in self._work:
+            self._work[key] = self.work_bound(*key)
+        return cand.num_microbatches * self._work[key] / cand.pp
+
+    def priority(self, key: tuple[int, ...]) -> float:
+        if key not in self._least:
+            self._least[key] = min(self.candidate_bound(c) for c in self.of_key[key])
+        return self._least[key]
+
+    def skip(self, key: tuple[int, ...]) -> bool:
+        return self.priority(key) > self.layouts.proven_s
 
 
 def lower_bound_s(cand: ParallelConfig, costs: SegmentCosts) -> float:

@@ -110,6 +110,36 @@ class SegmentCostOracle(Protocol):
         ...
 
 
+@runtime_checkable
+class BoundedSegmentCostOracle(SegmentCostOracle, Protocol):
+    """A :class:`SegmentCostOracle` that also bounds a key's work without computing it, and whose
+    :meth:`prefetch` leaves out the keys the search no longer needs: the search then never
+    computes the costs of a key none of whose candidates can be evaluated
+    (:func:`autoplan.planner.search.search`)."""
+
+    __slots__ = ()
+
+    def work_lower_bound_s(
+        self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool | int = False
+    ) -> float:
+        """A time that ``sum(s.fwd_s + s.bwd_s for s in self(tp, microbatch_size, ...).segments)``
+        is not below (0: nothing known), computed without the costs."""
+        ...
+
+    def prefetch(
+        self,
+        keys: Iterable[tuple[int, ...]],
+        *,
+        while_waiting: Callable[[], bool] | None = None,
+        skip: Callable[[tuple[int, ...]], bool] | None = None,
+        priority: Callable[[tuple[int, ...]], float] | None = None,
+    ) -> None:
+        """:meth:`SegmentCostOracle.prefetch`, without the keys ``skip`` says are no longer needed
+        (asked as results come in; once True for a key it stays True: such a key may be left
+        not ready), the keys of the smallest ``priority`` first."""
+        ...
+
+
 def _chosen_specs(problem: CostProblem, choice: Mapping[str, int], edge: Edge) -> float:
     src = choice[edge.producer.node]
     dst_node = edge.consumer

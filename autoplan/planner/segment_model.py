@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import gc
 import logging
+import math
 import multiprocessing
 import multiprocessing.pool
 import os
@@ -28,7 +29,7 @@ from autoplan.cost_models.errors import ConfigError
 from autoplan.cost_models.profile_db import ProfileDB
 from autoplan.cost_models.step import SegmentCosts, replica_cluster
 from autoplan.passes import pass_order
-from autoplan.passes.costing import CostProblem
+from autoplan.passes.costing import CostProblem, op_time_lower_bounds_s
 from autoplan.passes.expand import block_multiplicity, twins
 from autoplan.passes.layers import Layering
 from autoplan.passes.moe import MOE_OPS, routed_experts
@@ -37,7 +38,7 @@ from autoplan.passes.trace import LossFn, TracedProgram, param_node_name
 from autoplan.planner import progress
 from autoplan.planner.mesh import gradient_values, planning_mesh, restrict_context_parallel, restrict_sequence_parallel
 from autoplan.planner.search import expand_blocks
-from autoplan.planner.segment_costs import SegmentCostOracle, segment_costs
+from autoplan.planner.segment_costs import BoundedSegmentCostOracle, segment_costs
 from autoplan.planner.solver import ShardingILP, SolverOptions
 from autoplan.planner.tracing import trace_repeated
 
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class SegmentCostModel(SegmentCostOracle):
+class SegmentCostModel(BoundedSegmentCostOracle):
     """``(tp, microbatch_size) -> SegmentCosts`` for a model: trace one micro-batch, solve the
     intra-operator ILP on a tensor-parallel group, sum per segment (memoised): the joint search's
     :class:`~autoplan.planner.segment_costs.SegmentCostOracle`."""
@@ -75,6 +76,8 @@ class SegmentCostModel(SegmentCostOracle):
     _costs: dict[tuple[int, int, int, bool], SegmentCosts] = field(default_factory=dict)
     """Solved and scaled costs by ``(tp, microbatch_size, cp, sequence_parallel)``."""
     _linear: dict[tuple[int, int, int, bool], bool] = field(default_factory=dict)
+    _work_bounds: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    """:meth:`_traced_work_bound` by ``(tp, microbatch_size, cp)``."""
 
     def _traced(self, batch: int) -> tuple[TracedProgram, Layering]:
         """The step of one micro-batch of ``batch`` samples, traced with the first
@@ -126,12 +129,58 @@ class SegmentCostModel(SegmentCostOracle):
         traced, _ = self._traced(min(self._traces, default=MIN_BASE_BATCH))
         return max((routed_experts(n) for n in traced.graph_module.graph.nodes if n.target in MOE_OPS), default=0)
 
+    def work_lower_bound_s(
+        self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool | int = False
+    ) -> float:
+        """A time ``sum(s.fwd_s + s.bwd_s for s in self(tp, microbatch_size, cp, sequence_parallel).segments)``
+        is not below, found without an ILP (0 with a :attr:`profile`).
+
+        :meth:`__call__` either solves ``b = microbatch_size`` samples, whose forward and backward
+        sums hold every op's time under its chosen strategy plus conversion times (never negative):
+        at least ``W(b)``, the sum of the ops' lowest times under any strategy
+        (:func:`~autoplan.passes.costing.op_time_lower_bounds_s`, expanded to the model's depth
+        like the solved costs), or scales the solved costs of a base ``b0`` in 2, 4, ... below
+        ``b`` by ``b / b0`` (:meth:`_missing`). So the bound is::
+
+            min(W(b), min_{b0} b / b0 * W(b0))   (times 1 - BOUND_ROUNDING: sums in another order)
+        """
+        if self.profile is not None:
+            return 0.0
+        sizes = [microbatch_size]
+        base = 2
+        while self.extrapolate_batch and base < microbatch_size:
+            sizes.append(base)
+            base *= 2
+        bound = min(microbatch_size / b * self._traced_work_bound(tp, b, cp) for b in sizes)
+        return bound * (1 - BOUND_ROUNDING)
+
+    def _traced_work_bound(self, tp: int, microbatch_size: int, cp: int) -> float:
+        """``W(microbatch_size)`` of :meth:`work_lower_bound_s` on the ``cp x tp`` group."""
+        key = (tp, microbatch_size, cp)
+        if key not in self._work_bounds:
+            traced, layering = self._traced(microbatch_size)
+            bounds = op_time_lower_bounds_s(traced, replica_cluster(self.cluster, tp, cp=cp))
+            assert bounds is not None, "no profile here: op_time_lower_bounds_s has analytic bounds"
+            per_segment = [0.0] * layering.num_segments
+            for name, t in bounds.items():
+                if name in layering.segment_of:
+                    per_segment[layering.segment_of[name]] += t
+            if self.num_blocks > layering.num_blocks:  # the last traced block stands for the others (_solve)
+                per_segment += [per_segment[-2]] * (self.num_blocks - layering.num_blocks)
+            self._work_bounds[key] = sum(per_segment)
+        return self._work_bounds[key]
+
     def ready(self, tp: int, microbatch_size: int, cp: int = 1, sequence_parallel: bool | int = False) -> bool:
         """Whether ``(tp, microbatch_size, cp, sequence_parallel)`` is answered without solving another ILP."""
         return not self._missing(tp, microbatch_size, cp, bool(sequence_parallel))
 
     def prefetch(
-        self, keys: Iterable[tuple[int, ...]], *, while_waiting: Callable[[], bool] | None = None
+        self,
+        keys: Iterable[tuple[int, ...]],
+        *,
+        while_waiting: Callable[[], bool] | None = None,
+        skip: Callable[[tuple[int, ...]], bool] | None = None,
+        priority: Callable[[tuple[int, ...]], float] | None = None,
     ) -> None:
         """Solve the costs of every ``(tp, microbatch_size[, cp[, sequence_parallel]])`` in ``keys`` now, in forked worker
         processes, so the search's later calls are cache hits.
@@ -149,10 +198,20 @@ class SegmentCostModel(SegmentCostOracle):
         The objects alive at a fork are frozen out of the garbage collector (``gc.freeze``, as
         the ``gc`` docs advise before ``fork``): a worker's collections then neither rescan the
         model and traces nor copy their pages.
+
+        ``skip(key)``: a key the caller no longer needs (asked again as results come in; once
+        True it must stay True). Its ILPs are solved only where a key still needed asks for them,
+        so it may be left not :meth:`ready`. ``priority(key)``: the ILPs of the keys with the
+        smallest value are handed out first (ties: the smallest micro-batch first), and the first
+        worker gets only :data:`FIRST_POOL_ILPS` of the ILPs of 2 samples; with both, the serial
+        path calls ``while_waiting()`` after each key until it returns False, so ``skip`` can
+        learn from the candidates laid out.
         Runs in this process
         when there is one worker, no ``fork`` start method (Windows), or a process group (inside
         a job)."""
-        todo = sorted({k3 for k in keys if (k3 := _full_key(k)) not in self._costs})
+        given = {_full_key(k): k for k in keys}
+        todo = sorted(k3 for k3 in given if k3 not in self._costs)
+
         workers = self.workers or default_workers()
         # a forked copy of a process in a job would share its process group: solve here
         if (
@@ -161,18 +220,42 @@ class SegmentCostModel(SegmentCostOracle):
             or "fork" not in multiprocessing.get_all_start_methods()
             or torch.distributed.is_initialized()
         ):
-            for key in todo:
-                self(*key)
+            self._prefetch_here([given[k] for k in todo], while_waiting=while_waiting, skip=skip, priority=priority)
             return
+        self._prefetch_forked(todo, given, workers, while_waiting=while_waiting, skip=skip, priority=priority)
+
+    def _prefetch_forked(
+        self,
+        todo: list[tuple[int, int, int, bool]],
+        given: dict[tuple[int, int, int, bool], tuple[int, ...]],
+        workers: int,
+        *,
+        while_waiting: Callable[[], bool] | None,
+        skip: Callable[[tuple[int, ...]], bool] | None,
+        priority: Callable[[tuple[int, ...]], float] | None,
+    ) -> None:
+        """:meth:`prefetch` in ``workers`` forked processes: ``todo`` (full keys; ``given``: as the
+        caller wrote them), see there."""
+
+        def live() -> list[tuple[int, int, int, bool]]:
+            return [k for k in todo if skip is None or not skip(given[k])]
+
         sizes = {key[1] for key in todo}
         if self.extrapolate_batch and max(sizes) > MIN_BASE_BATCH:
             sizes |= {1, MIN_BASE_BATCH}  # the first linearity check (SegmentCostModel._missing)
         done: queue.SimpleQueue[object] = queue.SimpleQueue()
         running: set[tuple[int, int, int, bool]] = set()
         early: set[tuple[int, int, int, bool]] = set()  # running in the first, one-process pool
+        first_of: dict[tuple[int, int, int, bool], float] = {}  # ILP -> priority of the first key it serves
 
         def needed() -> set[tuple[int, int, int, bool]]:
-            return {(tp, size, cp, sp) for tp, b, cp, sp in todo for size in self._missing(tp, b, cp, sp)} - running
+            first_of.clear()
+            for tp, b, cp, sp in live():
+                rank = priority(given[(tp, b, cp, sp)]) if priority is not None else 0.0
+                for size in self._missing(tp, b, cp, sp):
+                    ilp = (tp, size, cp, sp)
+                    first_of[ilp] = min(first_of.get(ilp, rank), rank)
+            return set(first_of) - running
 
         def start(pool: multiprocessing.pool.Pool, key: tuple[int, int, int, bool]) -> None:
             pool.apply_async(_solve_pair, (key,), callback=done.put, error_callback=done.put)
@@ -187,16 +270,25 @@ class SegmentCostModel(SegmentCostOracle):
                 if later:  # the ILPs of 2 samples run in one worker while this process traces the bases
                     gc.freeze()
                     first = pools.enter_context(context.Pool(1, initializer=_start_worker, initargs=(self,)))
-                    for key in sorted(k for k in needed() if k[1] in self._traces):
+                    first_keys = {(tp, size, cp, sp) for tp, b, cp, sp in todo for size in self._missing(tp, b, cp, sp)}
+                    first_keys = {k for k in first_keys if k[1] in self._traces}
+                    if priority is not None:  # the most promising two (priced on the traced size alone)
+                        ranked = sorted(first_keys, key=lambda k: priority(given[k]) if k in given else math.inf)
+                        first_keys = set(ranked[:FIRST_POOL_ILPS])
+                    for key in sorted(first_keys):
                         start(first, key)
                         early.add(key)
                     for b in later:
                         self._traced(b)
+                if priority is not None:  # before the fork: the workers inherit what it traced and priced
+                    for key in todo:
+                        priority(given[key])
                 gc.freeze()
                 pool = pools.enter_context(context.Pool(workers, initializer=_start_worker, initargs=(self,)))
                 while True:
-                    # smallest micro-batch first: its candidates can be laid out while the rest solve
-                    for key in sorted(needed(), key=lambda k: (k[1], -k[0]))[: workers - len(running - early)]:
+                    # by priority, then smallest micro-batch first: its candidates can be laid out while the rest solve
+                    order = sorted(needed(), key=lambda k: (first_of[k], k[1], -k[0]))
+                    for key in order[: workers - len(running - early)]:
                         start(pool, key)
                     if not running:
                         break
@@ -214,8 +306,25 @@ class SegmentCostModel(SegmentCostOracle):
                     self._costs[solved[0]] = solved[1]
         finally:
             gc.unfreeze()
-        for key in todo:  # every ILP is solved: the scaled sizes and linearity decisions
+        for key in live():  # every ILP is solved: the scaled sizes and linearity decisions
             self(*key)
+
+    def _prefetch_here(
+        self,
+        keys: list[tuple[int, ...]],
+        *,
+        while_waiting: Callable[[], bool] | None,
+        skip: Callable[[tuple[int, ...]], bool] | None,
+        priority: Callable[[tuple[int, ...]], float] | None,
+    ) -> None:
+        """:meth:`prefetch` in this process: ``keys`` by ``priority``, each unless ``skip`` says
+        so, the ready candidates laid out after each (``while_waiting``, when skipping)."""
+        for key in sorted(keys, key=priority) if priority is not None else keys:
+            if skip is not None and skip(key):
+                continue
+            self(*key)
+            while skip is not None and while_waiting is not None and while_waiting():
+                pass
 
     def _missing(self, tp: int, microbatch_size: int, cp: int = 1, sp: bool = False) -> set[int]:
         """The micro-batch sizes whose ILPs :meth:`__call__` still needs to answer
@@ -388,6 +497,15 @@ def _solve_pair(key: tuple[int, int, int, bool]) -> tuple[tuple[int, int, int, b
     with progress.reporting(enabled=False):
         return key, model._solve(*key)  # noqa: SLF001 - the worker's copy of the cost model
 
+
+FIRST_POOL_ILPS = 2
+"""ILPs :meth:`SegmentCostModel.prefetch` gives its first worker, while it traces the other bases,
+when told what to skip: the rest wait for the main pool, where what the search has laid out by
+then may leave them out."""
+
+BOUND_ROUNDING = 1e-9
+"""Relative slack of :meth:`SegmentCostModel.work_lower_bound_s`: the bound and the costs it
+bounds sum the same times in other orders (floating-point rounding, ~1e-16 per addition)."""
 
 LINEAR_TOLERANCE = 0.02
 """Largest relative difference between the solved costs of 2 samples and twice those of 1
