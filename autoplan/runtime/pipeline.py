@@ -606,18 +606,22 @@ class PipelineModel(torch.nn.Module):
         """The global batch's fields as planned: one micro-batch's :attr:`batch_values` with
         :attr:`num_microbatches` times its rows (the schedule cuts dimension 0), floating fields of
         any floating dtype (:func:`~autoplan.runtime.precision.cast_batch` casts them), the others of
-        the planned dtype; else :class:`PlanMismatchError` naming both and the fix."""
+        the planned dtype; else :class:`PlanMismatchError` naming both and the fix. Nothing is cast
+        or copied here: the schedule casts once."""
         num_targets = len(self.batch_values) - self.num_inputs
         if (len(inputs), len(targets)) != (self.num_inputs, num_targets):
             raise PlanError(
                 f"expected {self.num_inputs} inputs and {num_targets} targets as planned, "
                 f"got {len(inputs)} and {len(targets)}"
             )
+        fields = (*inputs, *targets)
         planned = [
-            ((v.shape[0] * self.num_microbatches, *v.shape[1:]) if v.shape else v.shape, v.dtype)
-            for v in self.batch_values
+            (
+                (v.shape[0] * self.num_microbatches, *v.shape[1:]) if v.shape else v.shape,
+                t.dtype if t.is_floating_point() and v.dtype.is_floating_point else v.dtype,  # cast_batch casts it
+            )
+            for v, t in zip(self.batch_values, fields, strict=True)
         ]
-        fields = precision.cast_batch((*inputs, *targets), [dtype for _, dtype in planned])
         problem = batch_mismatch(planned, fields, num_inputs=self.num_inputs)
         if problem is not None:
             raise PlanMismatchError(

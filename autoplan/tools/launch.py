@@ -327,4 +327,3 @@ def _write_stderr(data: bytes | bytearray) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(2, view) :]
-
