@@ -62,6 +62,14 @@ def test_lightning_trains_the_planned_model_like_one_device(example: str, tmp_pa
     ``parallelize_fn``; Trainer: the module's ``configure_model`` does), Lightning's loop; 3 SGD
     steps of a 2-layer Llama: every loss and every parameter equal to the single-device run."""
     pytest.importorskip("lightning", reason="the dev extra installs lightning; this environment has none")
+    stdout = example_trains_like_one_device(example, tmp_path, "--optimizer", "sgd")
+    assert "single-device" in stdout
+
+
+def example_trains_like_one_device(example: str, tmp_path: Path, *args: str) -> str:
+    """Run ``torchrun --nproc-per-node 2 examples/<example> ARGS --steps 3 --out F`` and check what
+    the example wrote: 3 losses equal to the single-device run's, every parameter within 1e-6.
+    Returns its stdout."""
     out = tmp_path / "result.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", LOGLEVEL="ERROR",
                TRANSFORMERS_VERBOSITY="error")  # fmt: skip
@@ -69,7 +77,7 @@ def test_lightning_trains_the_planned_model_like_one_device(example: str, tmp_pa
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(ROOT / "examples" / example), "--optimizer", "sgd", "--steps", "3", "--out", str(out),
+        str(ROOT / "examples" / example), *args, "--steps", "3", "--out", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,4 +85,4 @@ def test_lightning_trains_the_planned_model_like_one_device(example: str, tmp_pa
     assert len(result["losses"]) == 3
     assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5, abs=1e-6)
     assert result["max_param_diff"] <= 1e-6
-    assert "single-device" in proc.stdout
+    return proc.stdout

@@ -4,10 +4,6 @@ world mesh of ``ParallelDims`` trains on 2 gloo ranks equal to one device; the m
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.cost_models.errors import ConfigError
 from autoplan.integrations.torchtitan import world_mesh
-from tests.harness import free_port
+from tests.test_integrations_lightning import example_trains_like_one_device
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,18 +52,5 @@ def test_pipeline_dims_and_other_objects_are_refused_naming_the_fix() -> None:
 def test_a_torchtitan_shaped_llama_trains_like_one_device_on_the_tensor_parallel_mesh(tmp_path: Path) -> None:
     """``torchrun --nproc-per-node 2 examples/torchtitan_llama.py --tp 2``: ParallelDims(tp=2)'s
     world mesh, the plan on it, the user's loop; 3 SGD steps: every loss and parameter as on one device."""
-    out = tmp_path / "result.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_CPP_LOG_LEVEL="ERROR", LOGLEVEL="ERROR")
-    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(ROOT / "examples" / "torchtitan_llama.py"), "--tp", "2", "--steps", "3", "--out", str(out),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert len(result["losses"]) == 3
-    assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5, abs=1e-6)
-    assert result["max_param_diff"] <= 1e-6
-    assert "mesh {'tp': 2}" in proc.stdout
+    stdout = example_trains_like_one_device("torchtitan_llama.py", tmp_path, "--tp", "2")
+    assert "mesh {'tp': 2}" in stdout
